@@ -1,0 +1,129 @@
+"""The one source of truth for configuration.
+
+`EngineArgs` configures the engine (offline `LLM` and the scheduler worker); `ServerArgs` adds
+what the HTTP service needs. The CLI (`python -m minisgl`), the Kubernetes operator and the Helm
+chart all render from these dataclasses: each field's `metadata["help"]` is its flag's help,
+and its name, with dashes, is its flag (`max_seq_len_override` -> `--max-seq-len-override`).
+Torch-free on purpose: the operator imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
+    meta = {"help": help}
+    if choices:
+        meta["choices"] = choices  # type: ignore[assignment]
+    return field(default=default, metadata=meta, **kw)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str = field(metadata={"help": "Hugging Face hub id or local directory of a Qwen3 model"})
+    dtype: str = _f("auto", "weight and activation dtype; auto takes the config's", DTYPES)
+    device: str = _f("auto", "cpu, cuda or auto (cuda when available)", DEVICES)
+    num_pages: int | None = _f(None, "KV cache pages; default derived from free memory")
+    page_size: int = _f(16, "tokens per KV cache page")
+    max_seq_len_override: int | None = _f(
+        None, "context length (prompt + output); default: the model's max_position_embeddings"
+    )
+    max_running_requests: int = _f(256, "most requests in one batch")
+    max_prefill_tokens: int = _f(4096, "token budget of one step's prefill (chunked prefill)")
+    tp_size: int = _f(1, "tensor-parallel ranks")
+    disable_prefix_cache: bool = _f(False, "turn the radix prefix cache off")
+    attention_backend: str = _f("auto", "attention implementation", ATTENTION_BACKENDS)
+    memory_fraction: float = _f(0.85, "fraction of free memory the KV cache may take by default")
+    dist_init_addr: str = _f(
+        "127.0.0.1:0", "host:port for the tensor-parallel rendezvous (port 0: pick a free one)"
+    )
+    seed: int = _f(0, "seed of the unseeded random sampling stream")
+
+    @property
+    def max_seq_len(self) -> int | None:
+        return self.max_seq_len_override
+
+
+@dataclass(frozen=True)
+class ServerArgs(EngineArgs):
+    served_model_name: str | None = _f(None, "model name in the API; default: --model")
+    host: str = _f("127.0.0.1", "address to listen on")
+    port: int = _f(8000, "port to listen on")
+    api_key: str | None = _f(None, "require this bearer token on /v1 endpoints")
+    max_queued_requests: int = _f(1024, "waiting requests beyond which the server answers 503")
+    shutdown_timeout: float = _f(30.0, "seconds in-flight requests may take to finish on SIGTERM")
+    log_level: str = _f("info", "log level", LOG_LEVELS)
+    max_request_body_bytes: int = _f(8 * 1024 * 1024, "largest request body accepted")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def engine_args(self) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(EngineArgs)}
+        return EngineArgs(**{k: v for k, v in dataclasses.asdict(self).items() if k in names})
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _flag_type(f: dataclasses.Field) -> type:
+    text = str(f.type)
+    if "bool" in text:
+        return bool
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+def build_parser(cls: type = ServerArgs, prog: str = "python -m minisgl") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="minisgl OpenAI-compatible server")
+    for f in dataclasses.fields(cls):
+        kind = _flag_type(f)
+        help_text = f.metadata.get("help", "")
+        if kind is bool:
+            parser.add_argument(flag_name(f.name), action="store_true", help=help_text)
+            continue
+        required = f.default is dataclasses.MISSING
+        kwargs: dict[str, Any] = {"type": kind, "help": help_text, "required": required}
+        if not required:
+            kwargs["default"] = f.default
+            kwargs["help"] = f"{help_text} (default: {f.default})"
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        parser.add_argument(flag_name(f.name), **kwargs)
+    return parser
+
+
+def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
+    ns = build_parser().parse_args(argv)
+    return ServerArgs(**vars(ns))
+
+
+def to_cli_args(args: EngineArgs, include_defaults: bool = False) -> list[str]:
+    """Render args back into flags (the operator uses this for the pod command line)."""
+    out: list[str] = []
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if not include_defaults and f.default is not dataclasses.MISSING and value == f.default:
+            continue
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            if value:
+                out.append(flag_name(f.name))
+            continue
+        out += [flag_name(f.name), str(value)]
+    return out
