@@ -1,0 +1,102 @@
+"""What a ModelServer pod runs: the `python -m minisgl` command line and the timings around it.
+
+Flags are rendered through `minisgl.config` (ServerArgs + to_cli_args), so minisgl's own
+defaults are never repeated here, and the full command line is parsed back with minisgl's
+parser: a bad `extraArgs` becomes a Degraded condition instead of a crash-looping pod.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl.config import ServerArgs, build_parser, flag_name, to_cli_args
+from minisgl_operator.spec import ModelServerSpec, SpecError
+
+LAUNCHER = ["python", "-m", "minisgl"]
+LISTEN_HOST = "0.0.0.0"  # the pod's IP, not loopback: the Service must reach it
+# Seconds the pod keeps serving after it is marked terminating, so that endpoint removal reaches
+# every proxy before the server stops accepting (otherwise some requests hit a closed port).
+PRESTOP_SLEEP_S = 5
+# Slack on top of preStop + drain before the kubelet's SIGKILL.
+GRACE_MARGIN_S = 10
+STARTUP_PROBE_PERIOD_S = 10
+
+# Flags the operator owns: set from typed spec fields, never through extraArgs.
+MANAGED_FIELDS = (
+    "model",
+    "served_model_name",
+    "host",
+    "port",
+    "device",
+    "dtype",
+    "tp_size",
+    "num_pages",
+    "max_seq_len_override",
+    "max_running_requests",
+    "shutdown_timeout",
+)
+
+
+@dataclass(frozen=True)
+class Launch:
+    args: list[str]  # everything after `python -m minisgl`
+    server: ServerArgs  # what the server will run with, defaults included
+    termination_grace_s: int
+    startup_failure_threshold: int
+
+    @property
+    def command(self) -> list[str]:
+        return [*LAUNCHER, *self.args]
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+
+def server_args(spec: ModelServerSpec) -> ServerArgs:
+    """Typed spec fields -> ServerArgs; fields the spec leaves out keep minisgl's defaults."""
+    e = spec.engine
+    given: dict[str, Any] = {
+        "served_model_name": spec.served_model_name,
+        "dtype": e.dtype,
+        "num_pages": e.num_pages,
+        "max_seq_len_override": e.max_seq_len,
+        "max_running_requests": e.max_running_requests,
+        "shutdown_timeout": float(e.shutdown_timeout_s) if e.shutdown_timeout_s else None,
+    }
+    return ServerArgs(
+        model=spec.model,
+        host=LISTEN_HOST,
+        device="cuda" if spec.resources.gpus > 0 else "cpu",
+        tp_size=e.tensor_parallel_size,
+        **{k: v for k, v in given.items() if v is not None},
+    )
+
+
+def _parse(argv: list[str]) -> ServerArgs:
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            ns = build_parser().parse_args(argv)
+    except SystemExit:
+        last = err.getvalue().strip().splitlines()
+        raise SpecError(f"engine flags rejected: {last[-1] if last else 'invalid'}") from None
+    return ServerArgs(**vars(ns))
+
+
+def launch(spec: ModelServerSpec) -> Launch:
+    managed = {flag_name(f) for f in MANAGED_FIELDS}
+    for arg in spec.engine.extra_args:
+        if arg.split("=", 1)[0] in managed:
+            raise SpecError(
+                f"engine.extraArgs may not set {arg.split('=', 1)[0]}: use the spec field"
+            )
+    args = to_cli_args(server_args(spec)) + list(spec.engine.extra_args)
+    server = _parse(args)
+    grace = PRESTOP_SLEEP_S + math.ceil(server.shutdown_timeout) + GRACE_MARGIN_S
+    failures = max(1, math.ceil(spec.startup_timeout_s / STARTUP_PROBE_PERIOD_S))
+    return Launch(args, server, grace, failures)

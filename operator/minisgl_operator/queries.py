@@ -1,0 +1,46 @@
+"""PromQL over minisgl's metrics (names fixed in ARCHITECTURE.md), shared by the autoscalers
+and the status timer so that what scales a ModelServer is exactly what its status shows.
+"""
+
+from __future__ import annotations
+
+TTFT_HISTOGRAM = "minisgl_time_to_first_token_seconds"
+TPOT_HISTOGRAM = "minisgl_time_per_output_token_seconds"
+WAITING_GAUGE = "minisgl_num_requests_waiting"
+WINDOW = "2m"
+
+# Per-pod metrics that prometheus-adapter serves for the HPA fallback; the rules that make
+# them are charts/minisgl/files/prometheus-adapter-values.yaml (a test keeps the two in step).
+ADAPTER_TTFT_P95 = "minisgl_ttft_p95_seconds"
+ADAPTER_TPOT_P95 = "minisgl_tpot_p95_seconds"
+ADAPTER_WAITING = WAITING_GAUGE
+
+
+def _quote(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def selector(namespace: str, model_name: str) -> str:
+    return "{" + f"namespace={_quote(namespace)},model_name={_quote(model_name)}" + "}"
+
+
+def p95(histogram: str, namespace: str, model_name: str) -> str:
+    sel = selector(namespace, model_name)
+    return f"histogram_quantile(0.95, sum by (le) (rate({histogram}_bucket{sel}[{WINDOW}])))"
+
+
+def ttft_p95(namespace: str, model_name: str) -> str:
+    return p95(TTFT_HISTOGRAM, namespace, model_name)
+
+
+def tpot_p95(namespace: str, model_name: str) -> str:
+    return p95(TPOT_HISTOGRAM, namespace, model_name)
+
+
+def waiting_total(namespace: str, model_name: str) -> str:
+    return f"sum({WAITING_GAUGE}{selector(namespace, model_name)})"
+
+
+def or_zero(query: str) -> str:
+    """No traffic makes histogram_quantile NaN; an autoscaler should read that as 0, not fail."""
+    return f"({query} > 0) or vector(0)"

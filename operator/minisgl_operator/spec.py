@@ -1,0 +1,294 @@
+"""ModelServer spec -> a typed, validated `ModelServerSpec` (or a `SpecError` to report).
+
+The API server applies the CRD's defaults and checks its schema and CEL rules, but the operator
+checks again: a cluster may run without CEL, and unit tests pass raw dicts. The defaults below
+match the CRD's (a test compares them).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from minisgl.config import DTYPES
+
+DEFAULT_IMAGE = "ghcr.io/minisgl/minisgl-server:0.1.0"
+DEFAULT_REPLICAS = 1
+DEFAULT_STARTUP_TIMEOUT_S = 1800
+DEFAULT_TP_SIZE = 1
+DEFAULT_CACHE_SIZE = "100Gi"
+DEFAULT_MIN_REPLICAS = 1
+DEFAULT_TARGETS = {"waitingRequestsPerReplica": 8}
+DEFAULT_SCALE_UP_STABILIZATION_S = 60
+# Long on purpose: a new pod may need many minutes to download and load weights, so giving
+# one back on a short lull costs far more than keeping it a few more minutes.
+DEFAULT_SCALE_DOWN_STABILIZATION_S = 600
+MAX_NAME_LEN = 57  # the longest child name adds "-cache"; names must stay <= 63
+
+_TOLERATION_OPERATORS = ("Exists", "Equal")
+_TOLERATION_EFFECTS = (None, "", "NoSchedule", "PreferNoSchedule", "NoExecute")
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+class SpecError(ValueError):
+    """The spec cannot be served as written; the message is shown in the Degraded condition."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    dtype: str | None = None
+    tensor_parallel_size: int = DEFAULT_TP_SIZE
+    num_pages: int | None = None
+    max_seq_len: int | None = None
+    max_running_requests: int | None = None
+    shutdown_timeout_s: int | None = None
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ResourcesSpec:
+    gpus: int = DEFAULT_TP_SIZE
+    cpu: str | None = None
+    memory: str | None = None
+    shared_memory: str | None = None
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    size: str = DEFAULT_CACHE_SIZE
+    storage_class_name: str | None = None
+    existing_claim: str | None = None
+
+
+@dataclass(frozen=True)
+class Targets:
+    ttft_p95_s: float | None = None
+    tpot_p95_s: float | None = None
+    waiting_per_replica: float | None = None
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    min_replicas: int
+    max_replicas: int
+    targets: Targets
+    scale_up_stabilization_s: int = DEFAULT_SCALE_UP_STABILIZATION_S
+    scale_down_stabilization_s: int = DEFAULT_SCALE_DOWN_STABILIZATION_S
+    prometheus_url: str | None = None
+
+
+@dataclass(frozen=True)
+class IngressSpec:
+    host: str
+    class_name: str | None = None
+    tls: bool = False
+    annotations: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelServerSpec:
+    name: str
+    namespace: str
+    model: str
+    served_model_name: str | None = None
+    image: str = DEFAULT_IMAGE
+    replicas: int = DEFAULT_REPLICAS
+    startup_timeout_s: int = DEFAULT_STARTUP_TIMEOUT_S
+    engine: EngineSpec = EngineSpec()
+    resources: ResourcesSpec = ResourcesSpec()
+    model_cache: CacheSpec | None = None
+    hf_token_secret: str | None = None
+    autoscaling: AutoscalingSpec | None = None
+    ingress: IngressSpec | None = None
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[dict[str, Any], ...] = ()
+    pod_annotations: dict[str, str] = field(default_factory=dict)
+    env: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def model_name(self) -> str:
+        """The name clients send and metrics carry (`model_name` label)."""
+        return self.served_model_name or self.model
+
+
+def _int(d: Mapping[str, Any], key: str, default: Any, minimum: int, where: str) -> Any:
+    value = d.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{where}{key} must be an integer, got {value!r}")
+    if value < minimum:
+        raise SpecError(f"{where}{key} must be >= {minimum}, got {value}")
+    return value
+
+
+def _positive(d: Mapping[str, Any], key: str, where: str) -> float | None:
+    value = d.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise SpecError(f"{where}{key} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def _str(d: Mapping[str, Any], key: str, default: str | None, where: str) -> str | None:
+    value = d.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # quantities may be written as plain numbers
+    if not isinstance(value, str) or not value:
+        raise SpecError(f"{where}{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _obj(d: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any] | None:
+    value = d.get(key)
+    if value is not None and not isinstance(value, Mapping):
+        raise SpecError(f"{where}{key} must be an object")
+    return value
+
+
+def _str_map(d: Mapping[str, Any], key: str) -> dict[str, str]:
+    value = _obj(d, key, "") or {}
+    return {str(k): str(v) for k, v in value.items()}
+
+
+def _list_of_objects(d: Mapping[str, Any], key: str) -> tuple[dict[str, Any], ...]:
+    value = d.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(x, Mapping) for x in value):
+        raise SpecError(f"{key} must be a list of objects")
+    return tuple(dict(x) for x in value)
+
+
+def _engine(raw: Mapping[str, Any]) -> EngineSpec:
+    w = "engine."
+    dtype = _str(raw, "dtype", None, w)
+    if dtype is not None and dtype not in DTYPES:
+        raise SpecError(f"engine.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    extra = raw.get("extraArgs") or []
+    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+        raise SpecError("engine.extraArgs must be a list of strings")
+    return EngineSpec(
+        dtype=dtype,
+        tensor_parallel_size=_int(raw, "tensorParallelSize", DEFAULT_TP_SIZE, 1, w),
+        num_pages=_int(raw, "numPages", None, 1, w),
+        max_seq_len=_int(raw, "maxSeqLen", None, 1, w),
+        max_running_requests=_int(raw, "maxRunningRequests", None, 1, w),
+        shutdown_timeout_s=_int(raw, "shutdownTimeoutSeconds", None, 1, w),
+        extra_args=tuple(extra),
+    )
+
+
+def _autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
+    w = "autoscaling."
+    if raw.get("maxReplicas") is None:
+        raise SpecError("autoscaling.maxReplicas is required")
+    lo = _int(raw, "minReplicas", DEFAULT_MIN_REPLICAS, 1, w)
+    hi = _int(raw, "maxReplicas", None, 1, w)
+    if lo > hi:
+        raise SpecError(f"autoscaling.minReplicas ({lo}) must not exceed maxReplicas ({hi})")
+    t = _obj(raw, "targets", w)
+    t = DEFAULT_TARGETS if t is None else t
+    targets = Targets(
+        ttft_p95_s=_positive(t, "ttftP95Seconds", "autoscaling.targets."),
+        tpot_p95_s=_positive(t, "tpotP95Seconds", "autoscaling.targets."),
+        waiting_per_replica=_positive(t, "waitingRequestsPerReplica", "autoscaling.targets."),
+    )
+    if targets == Targets():
+        raise SpecError("autoscaling.targets needs at least one target")
+    url = _str(raw, "prometheusUrl", None, w)
+    if url is not None and not re.match(r"^https?://", url):
+        raise SpecError(f"autoscaling.prometheusUrl must start with http:// or https://: {url!r}")
+    return AutoscalingSpec(
+        min_replicas=lo,
+        max_replicas=hi,
+        targets=targets,
+        scale_up_stabilization_s=_int(
+            raw, "scaleUpStabilizationSeconds", DEFAULT_SCALE_UP_STABILIZATION_S, 0, w
+        ),
+        scale_down_stabilization_s=_int(
+            raw, "scaleDownStabilizationSeconds", DEFAULT_SCALE_DOWN_STABILIZATION_S, 0, w
+        ),
+        prometheus_url=url,
+    )
+
+
+def parse_spec(name: str, namespace: str, spec: Mapping[str, Any] | None) -> ModelServerSpec:
+    """Validate a ModelServer's spec; raise `SpecError` with a user-facing message if invalid."""
+    if len(name) > MAX_NAME_LEN or not _DNS1035.match(name):
+        raise SpecError(
+            f"name {name!r} must be a DNS-1035 label (lowercase letters, digits, '-', "
+            f"starting with a letter) of at most {MAX_NAME_LEN} characters"
+        )
+    if not isinstance(spec, Mapping):
+        raise SpecError("spec is missing")
+    model = _str(spec, "model", None, "")
+    if model is None:
+        raise SpecError("spec.model is required")
+    engine = _engine(_obj(spec, "engine", "") or {})
+    res_raw = _obj(spec, "resources", "") or {}
+    gpus = _int(res_raw, "gpus", engine.tensor_parallel_size, 0, "resources.")
+    if 0 < gpus < engine.tensor_parallel_size:
+        raise SpecError(
+            f"resources.gpus ({gpus}) must be 0 (CPU) or at least "
+            f"engine.tensorParallelSize ({engine.tensor_parallel_size})"
+        )
+    resources = ResourcesSpec(
+        gpus=gpus,
+        cpu=_str(res_raw, "cpu", None, "resources."),
+        memory=_str(res_raw, "memory", None, "resources."),
+        shared_memory=_str(res_raw, "sharedMemory", None, "resources."),
+    )
+    cache_raw = _obj(spec, "modelCache", "")
+    cache = None
+    if cache_raw is not None:
+        cache = CacheSpec(
+            size=_str(cache_raw, "size", DEFAULT_CACHE_SIZE, "modelCache.") or DEFAULT_CACHE_SIZE,
+            storage_class_name=cache_raw.get("storageClassName") or None,
+            existing_claim=_str(cache_raw, "existingClaim", None, "modelCache."),
+        )
+    auto_raw = _obj(spec, "autoscaling", "")
+    ing_raw = _obj(spec, "ingress", "")
+    ingress = None
+    if ing_raw is not None:
+        host = _str(ing_raw, "host", None, "ingress.")
+        if host is None:
+            raise SpecError("ingress.host is required")
+        ingress = IngressSpec(
+            host=host,
+            class_name=ing_raw.get("className") or None,
+            tls=bool(ing_raw.get("tls", False)),
+            annotations=_str_map(ing_raw, "annotations"),
+        )
+    for tol in _list_of_objects(spec, "tolerations"):
+        if tol.get("operator", "Equal") not in _TOLERATION_OPERATORS:
+            raise SpecError(
+                f"tolerations: operator must be Exists or Equal, got {tol['operator']!r}"
+            )
+        if tol.get("effect") not in _TOLERATION_EFFECTS:
+            raise SpecError(f"tolerations: unknown effect {tol['effect']!r}")
+    for item in _list_of_objects(spec, "env"):
+        if not item.get("name"):
+            raise SpecError("every env entry needs a name")
+    return ModelServerSpec(
+        name=name,
+        namespace=namespace,
+        model=model,
+        served_model_name=_str(spec, "servedModelName", None, ""),
+        image=_str(spec, "image", DEFAULT_IMAGE, "") or DEFAULT_IMAGE,
+        replicas=_int(spec, "replicas", DEFAULT_REPLICAS, 0, ""),
+        startup_timeout_s=_int(spec, "startupTimeoutSeconds", DEFAULT_STARTUP_TIMEOUT_S, 60, ""),
+        engine=engine,
+        resources=resources,
+        model_cache=cache,
+        hf_token_secret=_str(spec, "hfTokenSecret", None, ""),
+        autoscaling=_autoscaling(auto_raw) if auto_raw is not None else None,
+        ingress=ingress,
+        node_selector=_str_map(spec, "nodeSelector"),
+        tolerations=_list_of_objects(spec, "tolerations"),
+        pod_annotations=_str_map(spec, "podAnnotations"),
+        env=_list_of_objects(spec, "env"),
+    )

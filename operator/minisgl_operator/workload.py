@@ -1,0 +1,181 @@
+"""The Deployment that runs a ModelServer's pods."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from minisgl_operator.launch import PRESTOP_SLEEP_S, STARTUP_PROBE_PERIOD_S, Launch
+from minisgl_operator.meta import cache_claim_name, child_metadata, labels, selector_labels
+from minisgl_operator.spec import ModelServerSpec
+
+CACHE_MOUNT = "/cache"
+HF_HOME = f"{CACHE_MOUNT}/huggingface"
+HF_TOKEN_KEY = "token"
+RUN_AS_USER = 1000  # the server image's user
+HEALTH_PATH = "/health"
+METRICS_PATH = "/metrics"
+# How long a rollout may sit without progress before the Deployment reports it failed: a
+# startup may legitimately take startupTimeoutSeconds, so the deadline sits past it.
+PROGRESS_DEADLINE_SLACK_S = 600
+
+
+def scrape_annotations(port: int) -> dict[str, str]:
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port),
+        "prometheus.io/path": METRICS_PATH,
+    }
+
+
+def desired_replicas(spec: ModelServerSpec, current: Mapping[str, Any] | None) -> tuple[int, bool]:
+    """Pods to ask for, and whether a scale-down is being held back.
+
+    With autoscaling, spec.replicas (written by the autoscaler through /scale) is clamped to
+    the bounds, and a scale-down waits while pods are still starting: the ReplicaSet removes
+    unready pods first, so scaling down mid-load would throw away the model loads in flight.
+    """
+    wanted = spec.replicas
+    auto = spec.autoscaling
+    if auto is None:
+        return wanted, False
+    wanted = min(max(wanted, auto.min_replicas), auto.max_replicas)
+    if current is None:
+        return wanted, False
+    have = int((current.get("spec") or {}).get("replicas") or 0)
+    st = current.get("status") or {}
+    loading = int(st.get("replicas") or 0) - int(st.get("availableReplicas") or 0) > 0
+    if wanted < have and loading and not deployment_failed(current):
+        return have, True
+    return wanted, False
+
+
+def deployment_failed(deployment: Mapping[str, Any]) -> bool:
+    for c in (deployment.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded":
+            return True
+        if c.get("type") == "ReplicaFailure" and c.get("status") == "True":
+            return True
+    return False
+
+
+def _resources(spec: ModelServerSpec) -> dict[str, Any]:
+    r = spec.resources
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    if r.gpus > 0:
+        limits["nvidia.com/gpu"] = r.gpus
+    if r.cpu is not None:
+        requests["cpu"] = r.cpu
+    if r.memory is not None:
+        requests["memory"] = limits["memory"] = r.memory
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _env(spec: ModelServerSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "HF_HOME", "value": HF_HOME},
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    if spec.hf_token_secret:
+        ref = {"name": spec.hf_token_secret, "key": HF_TOKEN_KEY}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    # A user entry with the same name replaces ours (e.g. HF_HOME on another volume).
+    theirs = {u["name"] for u in spec.env}
+    return [e for e in env if e["name"] not in theirs] + [dict(u) for u in spec.env]
+
+
+def _volumes(spec: ModelServerSpec) -> list[dict[str, Any]]:
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if spec.resources.shared_memory:
+        shm["sizeLimit"] = spec.resources.shared_memory
+    cache: dict[str, Any]
+    if spec.model_cache is None:
+        cache = {"emptyDir": {}}
+    else:
+        claim = spec.model_cache.existing_claim or cache_claim_name(spec.name)
+        cache = {"persistentVolumeClaim": {"claimName": claim}}
+    return [{"name": "dshm", "emptyDir": shm}, {"name": "cache", **cache}]
+
+
+def _probe(port: int, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": HEALTH_PATH, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def deployment(
+    owner: Mapping[str, Any], spec: ModelServerSpec, launch: Launch, replicas: int
+) -> dict[str, Any]:
+    port = launch.port
+    container = {
+        "name": "server",
+        "image": spec.image,
+        "command": launch.command,
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "env": _env(spec),
+        "resources": _resources(spec),
+        "volumeMounts": [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "cache", "mountPath": CACHE_MOUNT},
+        ],
+        # Not ready until the model is loaded; the startup probe gives loading its own,
+        # long budget so liveness never kills a pod that is still downloading weights.
+        "startupProbe": _probe(port, STARTUP_PROBE_PERIOD_S, launch.startup_failure_threshold),
+        "readinessProbe": _probe(port, 5, 3),
+        "livenessProbe": _probe(port, 15, 4),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+        },
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": _volumes(spec),
+        "terminationGracePeriodSeconds": launch.termination_grace_s,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "enableServiceLinks": False,
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": child_metadata(owner),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(spec.name)},
+            "progressDeadlineSeconds": spec.startup_timeout_s + PROGRESS_DEADLINE_SLACK_S,
+            # Never drop below the serving capacity during a rollout: a new pod must be
+            # loaded and ready before an old one goes.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+            },
+            "template": {
+                "metadata": {
+                    "labels": labels(spec.name),
+                    "annotations": {**scrape_annotations(port), **spec.pod_annotations},
+                },
+                "spec": pod_spec,
+            },
+        },
+    }

@@ -1,0 +1,74 @@
+"""Helpers for the Kubernetes tests: the CRD, structural defaulting, schema validation."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "minisgl"
+CRD_PATH = CHART / "crds" / "modelservers.minisgl.io.yaml"
+# The Kubernetes release the manifests are checked against (a recent one kubernetes-validate
+# ships; the chart's kubeVersion floor is 1.30).
+K8S_VERSION = "1.35"
+
+
+def load_crd() -> dict[str, Any]:
+    return yaml.safe_load(CRD_PATH.read_text())
+
+
+def crd_schema() -> dict[str, Any]:
+    return load_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def apply_defaults(schema: dict[str, Any], obj: Any) -> Any:
+    """Structural defaulting as the API server does it: fill absent properties that have a
+    default, then recurse (so `engine: {}` gets engine.tensorParallelSize)."""
+    if isinstance(obj, dict) and schema.get("type") == "object":
+        out = dict(obj)
+        for key, sub in (schema.get("properties") or {}).items():
+            if key not in out and "default" in sub:
+                out[key] = copy.deepcopy(sub["default"])
+            if key in out:
+                out[key] = apply_defaults(sub, out[key])
+        return out
+    if isinstance(obj, list) and "items" in schema:
+        return [apply_defaults(schema["items"], x) for x in obj]
+    return obj
+
+
+def _strip_k8s_extensions(schema: Any) -> Any:
+    # int-or-string fields are written with anyOf; the x- keys mean nothing to jsonschema.
+    if isinstance(schema, dict):
+        return {k: _strip_k8s_extensions(v) for k, v in schema.items() if not k.startswith("x-")}
+    if isinstance(schema, list):
+        return [_strip_k8s_extensions(x) for x in schema]
+    return schema
+
+
+def validate_modelserver(obj: dict[str, Any]) -> dict[str, Any]:
+    """Default and validate a ModelServer against the CRD's own schema (OpenAPI 3.0 is
+    draft-4 style: boolean exclusiveMinimum). Returns the defaulted object."""
+    schema = crd_schema()
+    defaulted = apply_defaults(schema, obj)
+    jsonschema.Draft4Validator(_strip_k8s_extensions(schema)).validate(defaulted)
+    return defaulted
+
+
+# Kinds from CRDs that kubernetes-validate has no schema for, and what checks them instead.
+CUSTOM_KINDS = {"ModelServer", "ScaledObject", "PodMonitor", "ServiceMonitor", "PrometheusRule"}
+
+
+def validate_k8s(obj: dict[str, Any]) -> None:
+    if obj["kind"] == "ModelServer":
+        validate_modelserver(obj)
+        return
+    if obj["kind"] in CUSTOM_KINDS:
+        assert obj["apiVersion"] and obj["metadata"]["name"] and isinstance(obj["spec"], dict)
+        return
+    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)

@@ -1,0 +1,194 @@
+"""The Helm chart, rendered by real Helm (helm-python-sdk = Helm v4 as a library)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import helm_python as helm
+import pytest
+import yaml
+from k8s_support import CHART, validate_k8s
+from minisgl_operator import queries
+
+FULL = {
+    "operator": {"prometheusUrl": "http://prometheus.monitoring:9090", "verbose": True},
+    "modelServer": {
+        "enabled": True,
+        "name": "qwen",
+        "spec": {
+            "model": "Qwen/Qwen3-0.6B",
+            "autoscaling": {"maxReplicas": 3, "targets": {"ttftP95Seconds": 0.5}},
+            "ingress": {"host": "qwen.example.com", "tls": True},
+        },
+    },
+    "monitoring": {
+        "podMonitor": {"enabled": True, "labels": {"release": "kps"}},
+        "serviceMonitor": {"enabled": True},
+        "prometheusRule": {"enabled": True},
+    },
+    "prometheusAdapter": {"rulesConfigMap": {"enabled": True}},
+    "imagePullSecrets": [{"name": "regcred"}],
+}
+COMBINATIONS = {
+    "default": {},
+    "full": FULL,
+    "namespaced": {"operator": {"watchNamespace": "team-a"}},
+    "no-rbac-no-dashboards": {
+        "rbac": {"create": False},
+        "serviceAccount": {"create": False, "name": "existing"},
+        "dashboards": {"enabled": False},
+    },
+    "external-test-endpoint": {"tests": {"endpoint": "http://qwen.llm.svc:8000"}},
+}
+
+
+def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+@pytest.mark.parametrize("values", COMBINATIONS.values(), ids=COMBINATIONS.keys())
+def test_lint_strict_is_clean(values: dict[str, Any]) -> None:
+    report = helm.lint(str(CHART), values, strict=True)
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert report["errors"] == [] and problems == [], report
+
+
+@pytest.mark.parametrize("values", COMBINATIONS.values(), ids=COMBINATIONS.keys())
+def test_every_rendered_object_is_valid(render, values: dict[str, Any]) -> None:
+    objs = render(values)
+    assert objs
+    for obj in objs:
+        validate_k8s(obj)
+        assert obj["metadata"].get("namespace", "llm") in ("llm", "team-a")
+
+
+def test_default_install_is_operator_crd_rbac_and_dashboards(render) -> None:
+    objs = render()
+    kinds = sorted(o["kind"] for o in objs)
+    assert "Deployment" in kinds and "ServiceAccount" in kinds
+    assert "ClusterRole" in kinds and "ClusterRoleBinding" in kinds
+    # Off by default: nothing that needs Prometheus Operator or a ModelServer.
+    for absent in ("PodMonitor", "ServiceMonitor", "PrometheusRule", "ModelServer", "Pod"):
+        assert absent not in kinds
+    with helm.Chart.load(str(CHART)) as chart:
+        assert [c["name"] for c in chart.crds] == ["crds/modelservers.minisgl.io.yaml"]
+
+
+def test_operator_deployment_is_locked_down(render) -> None:
+    (dep,) = by_kind(render(FULL), "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "--prometheus-url=http://prometheus.monitoring:9090" in c["args"]
+    assert "--verbose" in c["args"]
+    assert not any(a.startswith("--namespace") for a in c["args"])
+    assert c["image"] == "ghcr.io/minisgl/minisgl-operator:0.1.0"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_namespaced_operator_gets_a_role_in_that_namespace_only(render) -> None:
+    objs = render(COMBINATIONS["namespaced"])
+    assert not by_kind(objs, "ClusterRole") and not by_kind(objs, "ClusterRoleBinding")
+    (role,) = by_kind(objs, "Role")
+    (binding,) = by_kind(objs, "RoleBinding")
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "team-a"
+    assert binding["subjects"][0]["namespace"] == "llm"  # the operator runs in the release ns
+    (dep,) = by_kind(objs, "Deployment")
+    assert "--namespace=team-a" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_rbac_is_least_privilege(render) -> None:
+    (role,) = by_kind(render(), "ClusterRole")
+    verbs = {
+        (g, r): set(rule["verbs"])
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+    }
+    assert all("*" not in v for v in verbs.values())
+    assert all("*" not in k[1] for k in verbs)
+    assert verbs[("minisgl.io", "modelservers")] == {"get", "list", "watch", "patch"}
+    assert verbs[("minisgl.io", "modelservers/status")] == {"get", "patch"}
+    assert verbs[("apps", "deployments")] == {"get", "list", "watch", "create", "patch", "delete"}
+    assert verbs[("keda.sh", "scaledobjects")] == {"get", "create", "patch", "delete"}
+    # Never secrets, pods, or anything the operator does not touch.
+    assert not any(r in ("secrets", "pods", "configmaps") for _, r in verbs)
+
+
+def test_dashboards_become_labelled_configmaps(render) -> None:
+    files = sorted(p.name for p in (CHART / "dashboards").glob("*.json"))
+    cms = [c for c in by_kind(render(), "ConfigMap") if "dashboard" in c["metadata"]["name"]]
+    assert sorted(k for c in cms for k in c["data"]) == files
+    for cm in cms:
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert not [
+        c
+        for c in by_kind(render({"dashboards": {"enabled": False}}), "ConfigMap")
+        if "dashboard" in c["metadata"]["name"]
+    ]
+
+
+def test_monitoring_objects_and_rules(render) -> None:
+    objs = render(FULL)
+    (pm,) = by_kind(objs, "PodMonitor")
+    assert pm["metadata"]["labels"]["release"] == "kps"
+    assert pm["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == "minisgl-server"
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+    (sm,) = by_kind(objs, "ServiceMonitor")
+    assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    (rule,) = by_kind(objs, "PrometheusRule")
+    source = yaml.safe_load((CHART / "files" / "prometheus-rules.yaml").read_text())
+    assert rule["spec"]["groups"] == source["groups"]
+
+
+def test_prometheus_adapter_rules_serve_what_the_hpa_asks_for(render) -> None:
+    values = yaml.safe_load((CHART / "files" / "prometheus-adapter-values.yaml").read_text())
+    served = {r["name"]["as"] for r in values["rules"]["custom"]}
+    assert {queries.ADAPTER_TTFT_P95, queries.ADAPTER_TPOT_P95, queries.ADAPTER_WAITING} <= served
+    (cm,) = [c for c in by_kind(render(FULL), "ConfigMap") if "adapter" in c["metadata"]["name"]]
+    config = yaml.safe_load(cm["data"]["config.yaml"])
+    assert config["rules"] == values["rules"]["custom"]
+
+
+def test_modelserver_from_values_and_helm_test(render) -> None:
+    objs = render(FULL)
+    (ms,) = by_kind(objs, "ModelServer")
+    assert ms["metadata"]["name"] == "qwen"
+    assert ms["spec"]["autoscaling"]["maxReplicas"] == 3
+    (pod,) = by_kind(objs, "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["containers"][0]["args"][-1] == "http://qwen.llm.svc:8000/v1/models"
+    (ext,) = by_kind(render(COMBINATIONS["external-test-endpoint"]), "Pod")
+    assert ext["spec"]["containers"][0]["args"][-1] == "http://qwen.llm.svc:8000/v1/models"
+
+
+def test_notes_tell_how_to_reach_the_endpoint() -> None:
+    with helm.Chart.load(str(CHART)) as chart:
+        notes = chart.render(FULL, name="demo", namespace="llm")["minisgl/templates/NOTES.txt"]
+        assert "port-forward svc/qwen 8000:8000" in notes
+        assert "https://qwen.example.com" in notes
+        bare = chart.render({}, name="demo", namespace="llm")["minisgl/templates/NOTES.txt"]
+        assert "kubectl apply -f examples/modelserver.yaml" in bare
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"operator": {"image": {"pullPolicy": "Sometimes"}}},
+        {"operator": {"prometheusUrl": "prometheus:9090"}},
+        {"monitoring": {"podMonitor": {"interval": "often"}}},
+        {"modelServer": {"name": "Not_A_Name"}},
+        {"unknownKey": 1},
+    ],
+)
+def test_values_schema_rejects_bad_values(bad: dict[str, Any]) -> None:
+    with helm.Chart.load(str(CHART)) as chart, pytest.raises(helm.HelmValuesError):
+        chart.validate_schema(bad)
+
+
+def test_invalid_modelserver_values_fail_to_render() -> None:
+    with helm.Chart.load(str(CHART)) as chart, pytest.raises(helm.HelmError):
+        chart.render({"modelServer": {"enabled": True, "spec": {"model": ""}}}, name="demo")

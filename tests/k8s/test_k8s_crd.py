@@ -1,0 +1,214 @@
+"""The ModelServer CRD: shape, its schema on example resources, and its CEL rules."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import celpy
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from k8s_support import (
+    K8S_VERSION,
+    ROOT,
+    apply_defaults,
+    crd_schema,
+    load_crd,
+    validate_modelserver,
+)
+from minisgl_operator import API_VERSION, KIND, PLURAL, spec
+
+from minisgl.config import DTYPES, ServerArgs
+
+EXAMPLES = sorted((ROOT / "examples").glob("modelserver*.yaml"))
+GOOD = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "m"}}
+
+
+def ms(spec_: dict[str, Any], name: str = "m") -> dict[str, Any]:
+    return {**copy.deepcopy(GOOD), "metadata": {"name": name}, "spec": spec_}
+
+
+def test_crd_is_a_valid_kubernetes_object() -> None:
+    crd = load_crd()
+    kubernetes_validate.validate(crd, K8S_VERSION, strict=True)
+    assert crd["metadata"]["name"] == f"{PLURAL}.minisgl.io"
+    assert crd["spec"]["scope"] == "Namespaced"
+    (version,) = crd["spec"]["versions"]
+    assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
+    scale = version["subresources"]["scale"]
+    assert scale["specReplicasPath"] == ".spec.replicas"
+    assert scale["labelSelectorPath"] == ".status.selector"
+    assert "status" in version["subresources"]
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns == ["Model", "Ready", "Replicas", "TTFT-P95", "Endpoint", "Age"]
+
+
+def test_schema_is_structural() -> None:
+    # Every node has a type (or is int-or-string / preserve-unknown): what the API server needs
+    # to prune and default.
+    def walk(node: dict[str, Any], where: str) -> None:
+        ok = "type" in node or node.get("x-kubernetes-int-or-string")
+        assert ok, f"{where} has no type"
+        for key, sub in (node.get("properties") or {}).items():
+            walk(sub, f"{where}.{key}")
+        if "items" in node:
+            walk(node["items"], f"{where}[]")
+
+    walk(crd_schema(), "")
+
+
+def test_crd_defaults_match_the_operator() -> None:
+    s = crd_schema()["properties"]["spec"]["properties"]
+    assert s["image"]["default"] == spec.DEFAULT_IMAGE
+    assert s["replicas"]["default"] == spec.DEFAULT_REPLICAS
+    assert s["startupTimeoutSeconds"]["default"] == spec.DEFAULT_STARTUP_TIMEOUT_S
+    engine = s["engine"]["properties"]
+    assert engine["tensorParallelSize"]["default"] == spec.DEFAULT_TP_SIZE == ServerArgs.tp_size
+    assert tuple(engine["dtype"]["enum"]) == DTYPES
+    assert "default" not in engine["dtype"]  # minisgl's own default applies
+    assert s["modelCache"]["properties"]["size"]["default"] == spec.DEFAULT_CACHE_SIZE
+    auto = s["autoscaling"]["properties"]
+    assert auto["minReplicas"]["default"] == spec.DEFAULT_MIN_REPLICAS
+    assert auto["targets"]["default"] == spec.DEFAULT_TARGETS
+    assert auto["scaleUpStabilizationSeconds"]["default"] == spec.DEFAULT_SCALE_UP_STABILIZATION_S
+    assert (
+        auto["scaleDownStabilizationSeconds"]["default"] == spec.DEFAULT_SCALE_DOWN_STABILIZATION_S
+    )
+
+
+def test_defaulted_and_raw_specs_parse_the_same() -> None:
+    for path in EXAMPLES:
+        obj = yaml.safe_load(path.read_text())
+        defaulted = apply_defaults(crd_schema(), obj)
+        raw = spec.parse_spec(obj["metadata"]["name"], "ns", obj["spec"])
+        assert spec.parse_spec(obj["metadata"]["name"], "ns", defaulted["spec"]) == raw
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_examples_pass_the_crd_schema_and_the_operator(path: Path) -> None:
+    obj = yaml.safe_load(path.read_text())
+    validate_modelserver(obj)
+    assert not cel_failures(obj)
+    spec.parse_spec(obj["metadata"]["name"], "default", obj["spec"])
+
+
+BAD_SCHEMA = {
+    "no model": {"replicas": 1},
+    "empty model": {"model": ""},
+    "negative replicas": {"model": "m", "replicas": -1},
+    "tp zero": {"model": "m", "engine": {"tensorParallelSize": 0}},
+    "unknown dtype": {"model": "m", "engine": {"dtype": "int4"}},
+    "string pages": {"model": "m", "engine": {"numPages": "many"}},
+    "extra args not strings": {"model": "m", "engine": {"extraArgs": [1, 2]}},
+    "gpus negative": {"model": "m", "resources": {"gpus": -1}},
+    "no max replicas": {"model": "m", "autoscaling": {"minReplicas": 1}},
+    "zero target": {
+        "model": "m",
+        "autoscaling": {"maxReplicas": 2, "targets": {"ttftP95Seconds": 0}},
+    },
+    "startup too short": {"model": "m", "startupTimeoutSeconds": 5},
+    "ingress without host": {"model": "m", "ingress": {"tls": True}},
+    "bad toleration": {"model": "m", "tolerations": [{"operator": "Maybe"}]},
+    "env without name": {"model": "m", "env": [{"value": "x"}]},
+    "prometheus url": {"model": "m", "autoscaling": {"maxReplicas": 2, "prometheusUrl": "p:9090"}},
+}
+
+
+@pytest.mark.parametrize("bad", BAD_SCHEMA.values(), ids=BAD_SCHEMA.keys())
+def test_bad_specs_fail_the_schema_and_the_operator(bad: dict[str, Any]) -> None:
+    with pytest.raises(jsonschema.ValidationError):
+        validate_modelserver(ms(bad))
+    with pytest.raises(spec.SpecError):
+        spec.parse_spec("m", "ns", bad)
+
+
+def test_bad_example_files_fail() -> None:
+    files = sorted((Path(__file__).parent / "bad").glob("*.yaml"))
+    assert files
+    for path in files:
+        obj = yaml.safe_load(path.read_text())
+        schema_ok = True
+        try:
+            validate_modelserver(obj)
+        except jsonschema.ValidationError:
+            schema_ok = False
+        assert not schema_ok or cel_failures(obj), path.name
+        with pytest.raises(spec.SpecError):
+            spec.parse_spec(obj["metadata"]["name"], "ns", obj["spec"])
+
+
+# --- CEL (x-kubernetes-validations), evaluated with cel-python the way the API server does:
+# each rule sees `self` = the node it sits on, after defaulting.
+
+
+def _rules(schema: dict[str, Any], path: tuple[str, ...] = ()):
+    for rule in schema.get("x-kubernetes-validations") or []:
+        yield path, rule
+    for key, sub in (schema.get("properties") or {}).items():
+        yield from _rules(sub, (*path, key))
+
+
+def cel_failures(obj: dict[str, Any]) -> list[str]:
+    schema = crd_schema()
+    defaulted = apply_defaults(schema, obj)
+    env = celpy.Environment()
+    failed = []
+    for path, rule in _rules(schema):
+        node: Any = defaulted
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is None:
+            continue  # rules on absent objects do not run
+        program = env.program(env.compile(rule["rule"]))
+        if not bool(program.evaluate({"self": celpy.json_to_cel(node)})):
+            failed.append(rule["message"])
+    return failed
+
+
+CEL_CASES = {
+    "min above max": (
+        {"model": "m", "autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
+        "minReplicas must not exceed",
+    ),
+    "fewer gpus than tp": (
+        {"model": "m", "engine": {"tensorParallelSize": 4}, "resources": {"gpus": 2}},
+        "at least engine.tensorParallelSize",
+    ),
+    "empty targets": (
+        {"model": "m", "autoscaling": {"maxReplicas": 2, "targets": {}}},
+        "at least one target",
+    ),
+}
+
+
+@pytest.mark.parametrize("bad,message", CEL_CASES.values(), ids=CEL_CASES.keys())
+def test_cel_rules_reject_and_the_operator_agrees(bad: dict[str, Any], message: str) -> None:
+    obj = ms(bad)
+    validate_modelserver(obj)  # schema-valid: only the cross-field rule catches it
+    failures = cel_failures(obj)
+    assert any(message in f for f in failures), failures
+    with pytest.raises(spec.SpecError):
+        spec.parse_spec("m", "ns", bad)
+
+
+def test_cel_rules_accept_edge_cases() -> None:
+    for good in (
+        {"model": "m", "autoscaling": {"minReplicas": 2, "maxReplicas": 2}},
+        {"model": "m", "engine": {"tensorParallelSize": 4}, "resources": {"gpus": 0}},
+        {"model": "m", "engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}},
+        {"model": "m", "engine": {"tensorParallelSize": 2}},
+        {"model": "m", "autoscaling": {"maxReplicas": 3}},  # default target
+    ):
+        assert cel_failures(ms(good)) == []
+        spec.parse_spec("m", "ns", good)
+
+
+def test_long_names_are_rejected_by_cel_and_the_operator() -> None:
+    name = "a" * (spec.MAX_NAME_LEN + 1)
+    assert cel_failures(ms({"model": "m"}, name=name))
+    with pytest.raises(spec.SpecError):
+        spec.parse_spec(name, "ns", {"model": "m"})
+    assert not cel_failures(ms({"model": "m"}, name="a" * spec.MAX_NAME_LEN))
