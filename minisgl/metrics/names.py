@@ -1,0 +1,31 @@
+"""The stable metric names of ARCHITECTURE.md ("Metrics"); dashboards and rules use these."""
+
+PREFIX = "minisgl_"
+
+# Histograms.
+TTFT = "minisgl_time_to_first_token_seconds"
+TPOT = "minisgl_time_per_output_token_seconds"
+ITL = "minisgl_inter_token_latency_seconds"
+E2E = "minisgl_e2e_request_latency_seconds"
+QUEUE_TIME = "minisgl_request_queue_time_seconds"
+BATCH_SIZE = "minisgl_batch_size"
+
+# Gauges.
+NUM_RUNNING = "minisgl_num_requests_running"
+NUM_WAITING = "minisgl_num_requests_waiting"
+KV_USAGE = "minisgl_kv_cache_usage_ratio"
+KV_PAGES = "minisgl_kv_cache_pages"
+
+# Counters (as exposed, with the _total suffix).
+PROMPT_TOKENS = "minisgl_prompt_tokens_total"
+GENERATION_TOKENS = "minisgl_generation_tokens_total"
+PREFIX_CACHE_HIT_TOKENS = "minisgl_prefix_cache_hit_tokens_total"
+PREEMPTIONS = "minisgl_preemptions_total"
+REQUESTS = "minisgl_requests_total"
+
+HISTOGRAMS = (TTFT, TPOT, ITL, E2E, QUEUE_TIME, BATCH_SIZE)
+GAUGES = (NUM_RUNNING, NUM_WAITING, KV_USAGE, KV_PAGES)
+COUNTERS = (PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_CACHE_HIT_TOKENS, PREEMPTIONS, REQUESTS)
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+KV_PAGE_STATES = ("free", "used", "cached")
