@@ -1,0 +1,180 @@
+"""Scheduler worker process: owns the Engine and runs its step loop.
+
+Between steps it drains its inbox (new requests, aborts, pings) without waiting, so an abort
+frees pages within one step; when idle it blocks on the inbox with a short timeout. Scheduler
+stats go out every STATS_INTERVAL seconds, busy or idle, so the API server's gauges stay fresh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import zmq
+
+from minisgl.config import EngineArgs
+from minisgl.message import scheduler_to_detokenizer, tokenizer_to_scheduler
+from minisgl.message.api_to_tokenizer import AbortRequest, Ping
+from minisgl.message.endpoints import Endpoints
+from minisgl.message.queue import PullQueue, PushQueue
+from minisgl.message.scheduler_to_detokenizer import (
+    RequestEnded,
+    RequestRegistered,
+    SchedulerStatsUpdate,
+    TokenBatch,
+    TokenOutput,
+)
+from minisgl.message.tokenizer_to_scheduler import TokenizedRequest
+from minisgl.server.process import (
+    WorkerLife,
+    elapsed,
+    exit_now,
+    report_failure,
+    report_ready,
+    setup_logging,
+)
+
+STATS_INTERVAL = 0.25  # seconds; the API server's gauges are never older than this plus a step
+
+
+class SchedulerLoop:
+    def __init__(self, engine: Any, inbox: PullQueue, to_detok: PushQueue, log: logging.Logger):
+        self.engine = engine
+        self.inbox = inbox
+        self.to_detok = to_detok
+        self.log = log
+        self.batch_sizes: list[int] = []
+        self.last_stats = 0.0
+
+    def run(self, life: WorkerLife) -> None:
+        while life.alive():
+            busy = self.engine.has_unfinished()
+            for msg in self.inbox.get_all(timeout=0 if busy else STATS_INTERVAL / 2):
+                self.handle(msg)
+            if self.engine.has_unfinished():
+                self.step()
+            if time.monotonic() - self.last_stats >= STATS_INTERVAL:
+                self.send_stats()
+
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, TokenizedRequest):
+            self.add(msg)
+        elif isinstance(msg, AbortRequest):
+            if self.engine.abort_request(msg.rid):
+                self.log.info("rid=%s aborted", msg.rid)
+                self.to_detok.put(RequestEnded(msg.rid, "abort"))
+        elif isinstance(msg, Ping):
+            msg.hops.append("scheduler")
+            self.to_detok.put(msg)
+
+    def add(self, req: TokenizedRequest) -> None:
+        engine = self.engine
+        params = req.params
+        if req.max_tokens is None:
+            # No max_tokens: generate up to the end of the context.
+            params.max_tokens = max(1, engine.max_seq_len - len(req.prompt_ids))
+        else:
+            params.max_tokens = req.max_tokens
+        try:
+            engine.add_request(req.rid, req.prompt_ids, params, arrival_time=req.arrival_time)
+        except ValueError as exc:
+            self.log.info("rid=%s rejected: %s", req.rid, exc)
+            self.to_detok.put(RequestEnded(req.rid, "error", str(exc), 400, None))
+            return
+        hidden = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            hidden += list(engine.eos_token_ids)
+        self.log.info(
+            "rid=%s queued: %d prompt tokens, max_tokens=%d",
+            req.rid,
+            len(req.prompt_ids),
+            params.max_tokens,
+        )
+        # Same socket as the outputs, sent before any of them: the detokenizer knows the
+        # request's stop strings before its first token arrives.
+        self.to_detok.put(
+            RequestRegistered(
+                req.rid, list(params.stop), hidden, req.skip_special_tokens, len(req.prompt_ids)
+            )
+        )
+
+    def step(self) -> None:
+        outputs = self.engine.step()
+        if not outputs:
+            return
+        self.batch_sizes.append(self.engine.stats().last_batch_size)
+        batch = [
+            TokenOutput(
+                o.rid,
+                list(o.new_token_ids),
+                o.finished,
+                o.finish_reason,
+                o.prompt_tokens,
+                o.cached_tokens,
+                o.completion_tokens,
+                o.queue_time,
+            )
+            for o in outputs
+        ]
+        for o in outputs:
+            if o.finished:
+                self.log.info(
+                    "rid=%s finished (%s): %d tokens", o.rid, o.finish_reason, o.completion_tokens
+                )
+        self.to_detok.put(TokenBatch(batch))
+
+    def send_stats(self) -> None:
+        stats = dataclasses.asdict(self.engine.stats())
+        self.to_detok.put(SchedulerStatsUpdate(stats, self.batch_sizes, time.time()))
+        self.batch_sizes = []
+        self.last_stats = time.monotonic()
+
+
+def run_scheduler_worker(
+    args: EngineArgs, endpoints: Endpoints, ready: Connection, log_level: str, tp_rank: int = 0
+) -> None:
+    log = setup_logging(log_level, "scheduler")
+    life = WorkerLife()
+    start = time.perf_counter()
+    try:
+        from tqdm import tqdm
+
+        from minisgl.engine.engine import Engine  # torch: only in this process
+
+        # The weight loader's progress bar would create a multiprocessing lock, which the
+        # resource tracker then reports as leaked when this worker leaves via os._exit.
+        tqdm.set_lock(threading.RLock())
+        engine = Engine(args, tp_rank=tp_rank)
+        ctx = zmq.Context()
+        inbox: PullQueue[Any] = PullQueue(ctx, endpoints.scheduler, tokenizer_to_scheduler.KINDS)
+        to_detok: PushQueue[Any] = PushQueue(
+            ctx, endpoints.detokenizer, scheduler_to_detokenizer.KINDS
+        )
+    except BaseException as exc:
+        report_failure(ready, exc)
+        raise
+    life.serving()
+    log.info(
+        "model loaded in %s (pid %d): %s, context %d, %d KV pages",
+        elapsed(start),
+        os.getpid(),
+        engine.model_path,
+        engine.max_seq_len,
+        engine.stats().num_pages_total,
+    )
+    report_ready(
+        ready,
+        pid=os.getpid(),
+        max_seq_len=engine.max_seq_len,
+        vocab_size=engine.vocab_size,
+        model_path=str(engine.model_path),
+    )
+    SchedulerLoop(engine, inbox, to_detok, log).run(life)
+    inbox.close()
+    to_detok.close()
+    exit_now()

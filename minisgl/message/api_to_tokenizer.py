@@ -1,0 +1,45 @@
+"""API server -> tokenizer worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from minisgl.message.codec import register
+from minisgl.sampling_params import SamplingParams
+
+
+@register("tokenize")
+@dataclass
+class TokenizeRequest:
+    """One generation request. Exactly one of messages / prompt_text / prompt_ids is set."""
+
+    rid: str
+    arrival_time: float  # time.time() at the API server; queue time is measured from it
+    params: SamplingParams
+    max_tokens: int | None  # None: whatever context is left after the prompt
+    messages: list[dict[str, Any]] | None = None  # chat: rendered with the chat template
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    prompt_text: str | None = None
+    prompt_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+
+@register("abort")
+@dataclass
+class AbortRequest:
+    """Drop a request (client gone, stop string hit, drain timeout). Unknown rids are ignored."""
+
+    rid: str
+
+
+@register("ping")
+@dataclass
+class Ping:
+    """Goes round every worker and back to the API server; each stage appends its name."""
+
+    ping_id: int
+    hops: list[str] = field(default_factory=list)
+
+
+KINDS: tuple[type, ...] = (TokenizeRequest, AbortRequest, Ping)

@@ -1,0 +1,44 @@
+"""Detokenizer worker -> API server (the tokenizer also sends ErrorReply here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minisgl.message.api_to_tokenizer import Ping
+from minisgl.message.codec import register
+from minisgl.message.scheduler_to_detokenizer import SchedulerStatsUpdate
+
+
+@register("text_out")
+@dataclass
+class TextOutput:
+    """New complete text of one request. The one with finished=True is its final reply."""
+
+    rid: str
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    queue_time: float | None = None
+
+
+@register("text_batch")
+@dataclass
+class TextBatch:
+    outputs: list[TextOutput]
+
+
+@register("error_reply")
+@dataclass
+class ErrorReply:
+    """Final reply for a request that could not be served (bad input the API could not see)."""
+
+    rid: str
+    message: str
+    status: int = 400
+    param: str | None = None
+
+
+KINDS: tuple[type, ...] = (TextBatch, ErrorReply, SchedulerStatsUpdate, Ping)

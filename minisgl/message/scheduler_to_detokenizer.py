@@ -1,0 +1,65 @@
+"""Scheduler worker -> detokenizer worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from minisgl.message.api_to_tokenizer import Ping
+from minisgl.message.codec import register
+
+
+@register("registered")
+@dataclass
+class RequestRegistered:
+    """Sent once the engine accepted a request, before any of its tokens (same socket: ordered)."""
+
+    rid: str
+    stop: list[str]
+    hidden_token_ids: list[int]  # EOS / stop_token_ids: counted as tokens, never shown as text
+    skip_special_tokens: bool
+    prompt_tokens: int
+
+
+@register("token_out")
+@dataclass
+class TokenOutput:
+    rid: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    queue_time: float | None = None
+
+
+@register("token_batch")
+@dataclass
+class TokenBatch:
+    """All outputs of one engine step: one message per step, not per request."""
+
+    outputs: list[TokenOutput]
+
+
+@register("ended")
+@dataclass
+class RequestEnded:
+    """The scheduler dropped a request: "abort" (asked to) or "error" (rejected; see message)."""
+
+    rid: str
+    reason: str
+    message: str = ""
+    status: int = 400
+    param: str | None = None
+
+
+@register("sched_stats")
+@dataclass
+class SchedulerStatsUpdate:
+    stats: dict[str, Any]  # SchedulerStats fields
+    batch_sizes: list[int] = field(default_factory=list)  # one per step since the last update
+    time: float = 0.0
+
+
+KINDS: tuple[type, ...] = (RequestRegistered, TokenBatch, RequestEnded, SchedulerStatsUpdate, Ping)

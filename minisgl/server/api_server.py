@@ -1,0 +1,168 @@
+"""The FastAPI app: OpenAI routes, health, metrics, and the background tasks of the process."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from minisgl.server.context import ServerContext
+from minisgl.server.errors import APIError, error_response, install_handlers
+from minisgl.server.handlers import parse_body, serve_request
+from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+
+log = logging.getLogger("minisgl.api")
+
+READY_PING_TIMEOUT = 120.0  # the first ping waits behind nothing, but CI machines are slow
+MONITOR_INTERVAL = 0.2
+
+
+class Hooks:
+    """What the app needs from the launcher: which worker died, and how to stop the server."""
+
+    def dead_worker(self) -> str | None:
+        return None
+
+    def listening(self) -> bool:
+        return True
+
+    def on_ready(self) -> None:
+        pass
+
+    def exit(self, code: int) -> None:
+        pass
+
+
+def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        ctx.manager.start()
+        tasks = [
+            asyncio.create_task(_become_ready(ctx, hooks)),
+            asyncio.create_task(_monitor(ctx, hooks)),
+        ]
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            ctx.manager.close()
+
+    app = FastAPI(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_handlers(app)
+
+    @app.middleware("http")
+    async def auth(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        key = ctx.args.api_key
+        path = request.url.path
+        if key and (path.startswith("/v1") or path.startswith("/internal")):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return error_response(401, "invalid or missing API key (Authorization: Bearer)")
+        return await call_next(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        arrival = time.time()
+        req = await parse_body(request, ChatCompletionRequest, ctx.args.max_request_body_bytes)
+        fields = {
+            "messages": [m.template_dict() for m in req.messages],
+            "chat_template_kwargs": dict(req.chat_template_kwargs),
+        }
+        return await serve_request(ctx, request, req, fields, "chat", arrival)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.time()
+        req = await parse_body(request, CompletionRequest, ctx.args.max_request_body_bytes)
+        try:
+            prompt = req.single_prompt()
+        except ValueError as exc:
+            raise APIError(400, str(exc), "prompt") from None
+        fields: dict[str, Any] = (
+            {"prompt_text": prompt} if isinstance(prompt, str) else {"prompt_ids": prompt}
+        )
+        return await serve_request(ctx, request, req, fields, "completion", arrival)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(
+            id=ctx.model_name,
+            created=ctx.created,
+            root=ctx.args.model,
+            max_model_len=ctx.max_seq_len,
+        )
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if ctx.dead_worker:
+            return error_response(503, ctx.dead_worker)
+        if ctx.draining:
+            return error_response(503, "draining")
+        if not ctx.ready:
+            return error_response(503, "starting")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = ctx.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/internal/stats")
+    async def internal_stats() -> JSONResponse:
+        m = ctx.manager
+        return JSONResponse(
+            {
+                "scheduler": m.stats,
+                "stats_age_s": time.time() - m.stats_time if m.stats_time else None,
+                "max_batch_size": m.max_batch_size,
+                "recent_batch_sizes": list(m.recent_batch_sizes)[-256:],
+                "batch_steps": m.batch_steps,
+                "in_flight": len(m.requests),
+                "waiting_at_api": m.num_waiting,
+                "workers": ctx.worker_pids,
+                "ipc_dir": ctx.ipc_dir,
+                "ready": ctx.ready,
+                "draining": ctx.draining,
+            }
+        )
+
+    return app
+
+
+async def _become_ready(ctx: ServerContext, hooks: Hooks) -> None:
+    start = time.perf_counter()
+    try:
+        hops = await ctx.manager.ping(READY_PING_TIMEOUT)
+    except asyncio.TimeoutError:
+        log.error("no ping round trip through the workers in %.0f s", READY_PING_TIMEOUT)
+        hooks.exit(1)
+        return
+    log.info("ping round trip through %s in %.3f s", " -> ".join(hops), time.perf_counter() - start)
+    while not hooks.listening():  # uvicorn binds its socket after the lifespan startup
+        await asyncio.sleep(0.02)
+    ctx.ready = True
+    hooks.on_ready()
+
+
+async def _monitor(ctx: ServerContext, hooks: Hooks) -> None:
+    """A worker that dies takes the server down, so an orchestrator restarts it whole."""
+    while True:
+        await asyncio.sleep(MONITOR_INTERVAL)
+        dead = hooks.dead_worker()
+        if dead is not None and ctx.dead_worker is None:
+            ctx.dead_worker = dead
+            log.error("%s; failing in-flight requests and exiting", dead)
+            ctx.manager.fail_all(f"{dead}", 503)
+            hooks.exit(1)
+            return

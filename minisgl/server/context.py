@@ -1,0 +1,32 @@
+"""Everything the HTTP handlers share within one API server process."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from minisgl.config import ServerArgs
+from minisgl.server.manager import RequestManager
+
+log = logging.getLogger("minisgl.api")
+
+
+@dataclass
+class ServerContext:
+    args: ServerArgs
+    manager: RequestManager
+    metrics: Any  # minisgl.metrics.ServerMetrics
+    max_seq_len: int | None = None
+    vocab_size: int | None = None
+    worker_pids: dict[str, int] = field(default_factory=dict)
+    ipc_dir: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    ready: bool = False  # model loaded and a ping went round every worker
+    draining: bool = False
+    dead_worker: str | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.args.model_name

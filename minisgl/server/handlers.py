@@ -1,0 +1,377 @@
+"""Drives one completion request through the pipeline and formats the reply (stream or not)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from minisgl.message.api_to_tokenizer import TokenizeRequest
+from minisgl.message.detokenizer_to_api import ErrorReply, TextOutput
+from minisgl.sampling_params import SamplingParams
+from minisgl.server.context import ServerContext
+from minisgl.server.errors import APIError, error_response, from_validation
+from minisgl.server.manager import RequestState
+from minisgl.server.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    PromptTokensDetails,
+    ResponseMessage,
+    SamplingFields,
+    Usage,
+)
+
+log = logging.getLogger("minisgl.api")
+
+
+async def parse_body(request: Request, cls: type[SamplingFields], max_bytes: int) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_bytes:
+        raise APIError(400, f"request body larger than {max_bytes} bytes")
+    body = await request.body()
+    if len(body) > max_bytes:
+        raise APIError(400, f"request body larger than {max_bytes} bytes")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+
+
+def sampling_params(ctx: ServerContext, req: SamplingFields, limit: int | None) -> SamplingParams:
+    bad = req.unsupported()
+    if bad is not None:
+        raise APIError(400, bad[1], bad[0])
+    vocab = ctx.vocab_size
+    if vocab is not None and any(t >= vocab for t in req.stop_token_ids or []):
+        raise APIError(
+            400, f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids"
+        )
+    try:
+        return SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+            max_tokens=limit or 1,  # the scheduler fills the context when limit is None
+            ignore_eos=req.ignore_eos,
+            stop=req.stop or [],  # type: ignore[arg-type]
+            stop_token_ids=req.stop_token_ids or [],
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+
+
+def admit(ctx: ServerContext) -> None:
+    if ctx.draining or ctx.dead_worker:
+        raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+    if not ctx.ready:
+        raise APIError(503, "the server is starting", headers={"Retry-After": "1"})
+    if ctx.manager.num_waiting >= ctx.args.max_queued_requests:
+        raise APIError(
+            503,
+            f"too many waiting requests (limit {ctx.args.max_queued_requests}); retry later",
+            headers={"Retry-After": "1"},
+        )
+
+
+@dataclass
+class Tracker:
+    """Timing points and text of one request at the API server (for metrics and usage)."""
+
+    rid: str
+    arrival: float
+    stream: bool
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    queue_time: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    done: bool = False
+
+    def on_output(self, out: TextOutput) -> None:
+        if out.queue_time is not None:
+            self.queue_time = out.queue_time
+        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        self.cached_tokens = out.cached_tokens or self.cached_tokens
+        self.completion_tokens = out.completion_tokens
+        if out.text:
+            now = time.time()
+            if self.first_token_time is None:
+                self.first_token_time = now
+            self.token_times.append(now)
+
+    def usage(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+    def finish(self, ctx: ServerContext, reason: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        now = time.time()
+        ttft = (self.first_token_time - self.arrival) if self.first_token_time else None
+        log.info(
+            "rid=%s %s: reason=%s prompt=%d completion=%d cached=%d ttft=%s e2e=%.3fs",
+            self.rid,
+            "aborted" if reason == "abort" else "finished",
+            reason,
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.cached_tokens,
+            f"{ttft:.3f}s" if ttft is not None else "-",
+            now - self.arrival,
+        )
+        try:
+            ctx.metrics.request_finished(
+                finish_reason=reason,
+                prompt_tokens=self.prompt_tokens,
+                generation_tokens=self.completion_tokens,
+                cached_tokens=self.cached_tokens,
+                arrival_time=self.arrival,
+                first_token_time=self.first_token_time,
+                finish_time=now,
+                queue_time=self.queue_time,
+                token_times=self.token_times,
+            )
+        except Exception:
+            log.exception("rid=%s metrics failed", self.rid)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def next_reply(state: RequestState, watcher: asyncio.Task[None]) -> Any:
+    """The request's next reply, or None when the client disconnected first."""
+    getter = asyncio.ensure_future(state.queue.get())
+    await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if getter.done():
+        return getter.result()
+    getter.cancel()
+    return None
+
+
+Formatter = Callable[[str, str | None], dict[str, Any]]
+
+
+async def serve_request(
+    ctx: ServerContext,
+    request: Request,
+    req: ChatCompletionRequest | CompletionRequest,
+    tok_req_fields: dict[str, Any],
+    kind: str,
+    arrival: float,
+) -> Response:
+    params = sampling_params(ctx, req, req.limit())
+    admit(ctx)
+    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+    tracker = Tracker(rid, arrival, req.stream)
+    tok_req = TokenizeRequest(
+        rid=rid,
+        arrival_time=arrival,
+        params=params,
+        max_tokens=req.limit(),
+        skip_special_tokens=req.skip_special_tokens,
+        **tok_req_fields,
+    )
+    log.info("rid=%s received: %s stream=%s", rid, kind, req.stream)
+    state = ctx.manager.submit(tok_req)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        first = await next_reply(state, watcher)
+    except BaseException:
+        watcher.cancel()
+        ctx.manager.abort(rid)
+        tracker.finish(ctx, "abort")
+        raise
+    if first is None:
+        log.info("rid=%s client disconnected while waiting", rid)
+        ctx.manager.abort(rid)
+        tracker.finish(ctx, "abort")
+        return Response(status_code=499)
+    if isinstance(first, ErrorReply):
+        watcher.cancel()
+        ctx.manager.release(rid)
+        tracker.finish(ctx, "error")
+        return error_response(first.status, first.message, first.param)
+    if req.stream:
+        watcher.cancel()  # from here Starlette cancels the stream when the client goes
+        return StreamingResponse(
+            _stream(ctx, state, tracker, first, kind, req.include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    try:
+        return await _collect(ctx, state, tracker, first, kind, watcher)
+    finally:
+        watcher.cancel()
+
+
+async def _collect(
+    ctx: ServerContext,
+    state: RequestState,
+    tracker: Tracker,
+    reply: Any,
+    kind: str,
+    watcher: asyncio.Task[None],
+) -> Response:
+    parts: list[str] = []
+    try:
+        while True:
+            if reply is None:
+                log.info("rid=%s client disconnected", tracker.rid)
+                ctx.manager.abort(tracker.rid)
+                tracker.finish(ctx, "abort")
+                return Response(status_code=499)
+            if isinstance(reply, ErrorReply):
+                ctx.manager.release(tracker.rid)
+                tracker.finish(ctx, "error")
+                return error_response(reply.status, reply.message, reply.param)
+            tracker.on_output(reply)
+            parts.append(reply.text)
+            if reply.finished:
+                break
+            reply = await next_reply(state, watcher)
+    except BaseException:
+        ctx.manager.abort(tracker.rid)
+        tracker.finish(ctx, "abort")
+        raise
+    ctx.manager.release(tracker.rid)
+    reason = reply.finish_reason or "stop"
+    tracker.finish(ctx, reason)
+    text = "".join(parts)
+    usage = Usage(
+        prompt_tokens=tracker.prompt_tokens,
+        completion_tokens=tracker.completion_tokens,
+        total_tokens=tracker.prompt_tokens + tracker.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=tracker.cached_tokens),
+    )
+    created = int(tracker.arrival)
+    body: ChatCompletionResponse | CompletionResponse
+    if kind == "chat":
+        body = ChatCompletionResponse(
+            id=tracker.rid,
+            created=created,
+            model=ctx.model_name,
+            choices=[ChatChoice(message=ResponseMessage(content=text), finish_reason=reason)],
+            usage=usage,
+        )
+    else:
+        body = CompletionResponse(
+            id=tracker.rid,
+            created=created,
+            model=ctx.model_name,
+            choices=[CompletionChoice(text=text, finish_reason=reason)],
+            usage=usage,
+        )
+    return JSONResponse(body.model_dump())
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _stream(
+    ctx: ServerContext,
+    state: RequestState,
+    tracker: Tracker,
+    reply: Any,
+    kind: str,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """OpenAI SSE: role first (chat), then content deltas, finish_reason last, then [DONE]."""
+    created = int(tracker.arrival)
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def chunk(delta: dict[str, Any] | str, reason: str | None) -> dict[str, Any]:
+        if kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": delta, "finish_reason": reason}
+        choice["logprobs"] = None
+        out: dict[str, Any] = {
+            "id": tracker.rid,
+            "object": obj,
+            "created": created,
+            "model": ctx.model_name,
+            "choices": [choice],
+        }
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    try:
+        if kind == "chat":
+            yield _sse(chunk({"role": "assistant", "content": ""}, None))
+        while True:
+            if isinstance(reply, ErrorReply):
+                # A worker failed mid-stream: the status is sent already, so say it in-band.
+                ctx.manager.release(tracker.rid)
+                tracker.finish(ctx, "error")
+                yield _sse(
+                    {
+                        "error": {
+                            "message": reply.message,
+                            "type": "server_error",
+                            "param": None,
+                            "code": reply.status,
+                        }
+                    }
+                )
+                return
+            tracker.on_output(reply)
+            if reply.text:
+                yield _sse(chunk({"content": reply.text} if kind == "chat" else reply.text, None))
+            if reply.finished:
+                break
+            reply = await state.queue.get()
+        ctx.manager.release(tracker.rid)
+        reason = reply.finish_reason or "stop"
+        tracker.finish(ctx, reason)
+        yield _sse(chunk({} if kind == "chat" else "", reason))
+        if include_usage:
+            yield _sse(
+                {
+                    "id": tracker.rid,
+                    "object": obj,
+                    "created": created,
+                    "model": ctx.model_name,
+                    "choices": [],
+                    "usage": tracker.usage(),
+                }
+            )
+        yield "data: [DONE]\n\n"
+    finally:
+        if not tracker.done:  # cancelled: the client went away mid-stream
+            log.info("rid=%s client disconnected mid-stream", tracker.rid)
+            ctx.manager.abort(tracker.rid)
+            tracker.finish(ctx, "abort")

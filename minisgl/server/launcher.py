@@ -1,0 +1,249 @@
+"""`python -m minisgl`: start the workers, serve HTTP in this process, shut down cleanly.
+
+Processes: this one (API server: FastAPI + uvicorn) plus the tokenizer, detokenizer and
+scheduler workers, started with multiprocessing's spawn (no forked torch/ZMQ state). They talk
+over ipc sockets in a private temporary directory that is removed at exit.
+
+Exit codes: 0 after a signal-initiated drain, 1 when a worker fails to start or dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from types import FrameType
+from typing import Any, cast
+
+import uvicorn
+
+from minisgl.config import ServerArgs, parse_server_args
+from minisgl.engine.worker import run_scheduler_worker
+from minisgl.message.endpoints import Endpoints
+from minisgl.metrics import ServerMetrics
+from minisgl.server.api_server import Hooks, build_app
+from minisgl.server.context import ServerContext
+from minisgl.server.manager import RequestManager
+from minisgl.server.process import setup_logging
+from minisgl.tokenizer.detokenizer_worker import run_detokenizer_worker
+from minisgl.tokenizer.tokenizer_worker import run_tokenizer_worker
+
+log = logging.getLogger("minisgl.launcher")
+
+STARTUP_TIMEOUT = 1800.0  # a large model's first download and load can take this long
+WORKER_STOP_TIMEOUT = 5.0
+
+
+class WorkerStartError(RuntimeError):
+    pass
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with our signal handling: a signal starts a drain instead of closing at once."""
+
+    def __init__(self, config: uvicorn.Config, launcher: Launcher) -> None:
+        super().__init__(config)
+        self.launcher = launcher
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.launcher.on_signal(sig)
+
+
+class Launcher(Hooks):
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.endpoints = Endpoints.create()
+        self.procs: dict[str, BaseProcess] = {}
+        self.exit_code = 0
+        self.stopping = False  # set once we shut workers down on purpose
+        self.server: _Server | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.ctx: ServerContext | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    # ---- workers ----------------------------------------------------------------------------
+    def start_workers(self) -> dict[str, Any]:
+        spawn = mp.get_context("spawn")
+        a = self.args
+        targets: dict[str, tuple[Any, tuple[Any, ...]]] = {
+            "tokenizer": (run_tokenizer_worker, (a.model, self.endpoints)),
+            "detokenizer": (run_detokenizer_worker, (a.model, self.endpoints)),
+            "scheduler": (run_scheduler_worker, (a.engine_args(), self.endpoints)),
+        }
+        pipes: dict[Connection, str] = {}
+        for name, (target, head) in targets.items():
+            reader, writer = spawn.Pipe(duplex=False)
+            proc = spawn.Process(
+                target=target, args=(*head, writer, a.log_level), name=f"minisgl-{name}"
+            )
+            proc.start()
+            writer.close()
+            self.procs[name] = proc
+            pipes[reader] = name
+            log.info("started %s worker (pid %d)", name, proc.pid)
+        start = time.monotonic()
+        infos: dict[str, Any] = {}
+        sentinels = {p.sentinel: n for n, p in self.procs.items()}
+        while pipes:
+            left = STARTUP_TIMEOUT - (time.monotonic() - start)
+            if left <= 0:
+                raise WorkerStartError(
+                    f"workers not ready in {STARTUP_TIMEOUT:.0f} s: {list(pipes.values())}"
+                )
+            for ready in wait([*pipes, *sentinels], timeout=min(left, 1.0)):
+                if isinstance(ready, int):  # a process sentinel: some worker exited
+                    name = sentinels[ready]
+                    pending = [c for c, n in pipes.items() if n == name]
+                    if pending and not pending[0].poll():  # ...before saying why
+                        code = self.procs[name].exitcode
+                        raise WorkerStartError(
+                            f"{name} worker exited during start-up (code {code})"
+                        )
+                    continue
+                conn = cast(Connection, ready)
+                name = pipes.pop(conn)
+                try:
+                    info: dict[str, Any] = conn.recv()
+                except EOFError:
+                    raise WorkerStartError(f"{name} worker exited during start-up") from None
+                if not info.get("ok"):
+                    raise WorkerStartError(f"{name} worker failed to start: {info.get('error')}")
+                infos[name] = info
+                log.info("%s worker ready (%.1f s)", name, time.monotonic() - start)
+        return infos
+
+    def dead_worker(self) -> str | None:
+        if self.stopping:
+            return None
+        for name, proc in self.procs.items():
+            if not proc.is_alive():
+                return f"{name} worker (pid {proc.pid}) died with exit code {proc.exitcode}"
+        return None
+
+    def stop_workers(self) -> None:
+        self.stopping = True
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()  # SIGTERM: the worker loop exits at its next poll
+        deadline = time.monotonic() + WORKER_STOP_TIMEOUT
+        for name, proc in self.procs.items():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                log.warning("%s worker did not stop in time; killing it", name)
+                proc.kill()
+                proc.join(2.0)
+
+    # ---- hooks for the app ------------------------------------------------------------------
+    def listening(self) -> bool:
+        return bool(self.server and self.server.started)
+
+    def on_ready(self) -> None:
+        a = self.args
+        log.info("ready: serving %s at http://%s:%d", a.model_name, a.host, a.port)
+
+    def exit(self, code: int) -> None:
+        self.exit_code = code
+        if self.server is not None:
+            # No force_exit: in-flight requests were already failed, so the graceful path is
+            # quick (bounded by timeout_graceful_shutdown) and the lifespan closes cleanly.
+            self.server.should_exit = True
+
+    # ---- signals and drain ------------------------------------------------------------------
+    def on_signal(self, sig: int) -> None:
+        # Runs in the main thread between bytecodes: hand over to the event loop.
+        if self.loop is None or self.server is None:
+            return
+        if self._drain_task is not None:
+            log.warning("second %s: exiting without waiting", signal.Signals(sig).name)
+            self.server.should_exit = True
+            self.server.force_exit = True
+            return
+        log.info("%s received: draining", signal.Signals(sig).name)
+        self.loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        assert self.ctx is not None and self.server is not None
+        ctx = self.ctx
+        ctx.draining = True
+        manager = ctx.manager
+        timeout = self.args.shutdown_timeout
+        log.info("draining %d in-flight requests (up to %.0f s)", len(manager.requests), timeout)
+        deadline = time.monotonic() + timeout
+        while manager.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if manager.requests:
+            log.warning("drain timeout: aborting %d requests", len(manager.requests))
+            manager.fail_all("the server shut down before the request finished", 503)
+            await asyncio.sleep(0.1)  # let handlers send their replies
+            for rid in list(manager.requests):
+                manager.abort(rid)
+        log.info("drained; stopping")
+        self.server.should_exit = True
+
+    # ---- run --------------------------------------------------------------------------------
+    def run(self) -> int:
+        a = self.args
+        log.info("starting: model %s, ipc dir %s", a.model, self.endpoints.root)
+        try:
+            infos = self.start_workers()
+            sched = infos["scheduler"]
+            manager = RequestManager(self.endpoints, ServerMetrics(a.model_name))
+            self.ctx = ServerContext(
+                args=a,
+                manager=manager,
+                metrics=manager.metrics,
+                max_seq_len=sched.get("max_seq_len"),
+                vocab_size=sched.get("vocab_size"),
+                worker_pids={n: p.pid or 0 for n, p in self.procs.items()},
+                ipc_dir=self.endpoints.root,
+            )
+            app = build_app(self.ctx, self)
+            config = uvicorn.Config(
+                app,
+                host=a.host,
+                port=a.port,
+                log_config=None,
+                access_log=False,
+                timeout_graceful_shutdown=5,
+                timeout_keep_alive=5,
+            )
+            self.server = _Server(config, self)
+            asyncio.run(self._serve())
+            if not self.server.started and self.exit_code == 0:
+                self.exit_code = 1  # e.g. the port was taken
+        except WorkerStartError as exc:
+            log.error("%s", exc)
+            self.exit_code = 1
+        except SystemExit as exc:  # uvicorn exits this way when it cannot bind
+            self.exit_code = exc.code if isinstance(exc.code, int) and exc.code else 1
+        finally:
+            t0 = time.monotonic()
+            self.stop_workers()
+            self.endpoints.remove()
+            log.info(
+                "workers stopped in %.1f s; removed %s", time.monotonic() - t0, self.endpoints.root
+            )
+        log.info("exited with code %d", self.exit_code)
+        return self.exit_code
+
+    async def _serve(self) -> None:
+        assert self.server is not None
+        self.loop = asyncio.get_running_loop()
+        await self.server.serve()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_server_args(argv)
+    setup_logging(args.log_level, "launcher")
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    sys.exit(Launcher(args).run())

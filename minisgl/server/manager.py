@@ -1,0 +1,151 @@
+"""The API server's side of the pipeline: sends requests to the tokenizer, routes replies back.
+
+One reader task owns the PULL socket from the detokenizer (and the tokenizer's error replies)
+and hands each message to the asyncio.Queue of its request. Sending is a plain (synchronous)
+PUSH: it only copies into ZMQ's queue, so it never blocks the event loop and can be called
+from a `finally` during cancellation, which is where client-disconnect aborts come from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from minisgl.message import api_to_tokenizer, detokenizer_to_api
+from minisgl.message.api_to_tokenizer import AbortRequest, Ping, TokenizeRequest
+from minisgl.message.detokenizer_to_api import ErrorReply, TextBatch, TextOutput
+from minisgl.message.endpoints import Endpoints
+from minisgl.message.queue import AsyncPullQueue, PushQueue
+from minisgl.message.scheduler_to_detokenizer import SchedulerStatsUpdate
+
+log = logging.getLogger("minisgl.api")
+
+Reply = TextOutput | ErrorReply
+
+
+@dataclass
+class RequestState:
+    rid: str
+    arrival_time: float
+    queue: asyncio.Queue[Reply] = field(default_factory=asyncio.Queue)
+    got_output: bool = False  # until then the request counts as waiting (admission control)
+
+
+class RequestManager:
+    def __init__(self, endpoints: Endpoints, metrics: Any) -> None:
+        self.endpoints = endpoints
+        self.metrics = metrics
+        self.requests: dict[str, RequestState] = {}
+        self.stats: dict[str, Any] = {}
+        self.stats_time = 0.0  # time.time() the last scheduler stats arrived
+        self.recent_batch_sizes: collections.deque[int] = collections.deque(maxlen=4096)
+        self.max_batch_size = 0
+        self.batch_steps = 0  # steps reported so far (recent_batch_sizes keeps only the tail)
+        self._pings: dict[int, asyncio.Future[list[str]]] = {}
+        self._ping_ids = itertools.count(1)
+        self._reader: asyncio.Task[None] | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._sync_ctx = zmq.Context()
+        self._async_ctx = zmq.asyncio.Context()
+        self.inbox: AsyncPullQueue[Any] = AsyncPullQueue(
+            self._async_ctx, self.endpoints.api, detokenizer_to_api.KINDS
+        )
+        self.to_tokenizer: PushQueue[Any] = PushQueue(
+            self._sync_ctx, self.endpoints.tokenizer, api_to_tokenizer.KINDS
+        )
+        self._reader = asyncio.create_task(self._read_loop())
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self.inbox.close()
+        self.to_tokenizer.close()
+
+    # ---- requests ---------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted here that have not produced any output yet."""
+        return sum(1 for s in self.requests.values() if not s.got_output)
+
+    def submit(self, req: TokenizeRequest) -> RequestState:
+        state = RequestState(req.rid, req.arrival_time)
+        self.requests[req.rid] = state
+        self.to_tokenizer.put(req)
+        return state
+
+    def release(self, rid: str) -> None:
+        self.requests.pop(rid, None)
+
+    def abort(self, rid: str) -> None:
+        """Drop a request still in flight; the scheduler frees its pages."""
+        if self.requests.pop(rid, None) is not None:
+            self.to_tokenizer.put(AbortRequest(rid))
+
+    def fail_all(self, message: str, status: int = 503) -> None:
+        for state in list(self.requests.values()):
+            state.queue.put_nowait(ErrorReply(state.rid, message, status))
+
+    async def ping(self, timeout: float) -> list[str]:
+        """Round trip through every worker; returns the stages it went through."""
+        ping_id = next(self._ping_ids)
+        fut: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
+        self._pings[ping_id] = fut
+        self.to_tokenizer.put(Ping(ping_id))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._pings.pop(ping_id, None)
+
+    # ---- replies ----------------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        while True:
+            try:
+                msg = await self.inbox.get()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("undecodable message from a worker")
+                continue
+            self._dispatch(msg)
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, TextBatch):
+            for out in msg.outputs:
+                self._deliver(out.rid, out)
+        elif isinstance(msg, ErrorReply):
+            self._deliver(msg.rid, msg)
+        elif isinstance(msg, SchedulerStatsUpdate):
+            self._on_stats(msg)
+        elif isinstance(msg, Ping):
+            fut = self._pings.get(msg.ping_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.hops)
+
+    def _deliver(self, rid: str, reply: Reply) -> None:
+        state = self.requests.get(rid)
+        if state is None:
+            return  # the client is gone (aborted): nothing to deliver to
+        state.got_output = True
+        state.queue.put_nowait(reply)
+
+    def _on_stats(self, msg: SchedulerStatsUpdate) -> None:
+        self.stats = dict(msg.stats)
+        self.stats_time = time.time()
+        self.recent_batch_sizes.extend(msg.batch_sizes)
+        self.batch_steps += len(msg.batch_sizes)
+        if msg.batch_sizes:
+            self.max_batch_size = max(self.max_batch_size, *msg.batch_sizes)
+        try:
+            self.metrics.update_scheduler({**msg.stats, "batch_sizes": list(msg.batch_sizes)})
+        except Exception:
+            log.exception("metrics update failed")

@@ -1,0 +1,76 @@
+"""What every worker process shares: logging, signals, readiness report, parent watchdog."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging(level: str, name: str) -> logging.Logger:
+    logging.basicConfig(
+        level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True, datefmt="%H:%M:%S"
+    )
+    return logging.getLogger(f"minisgl.{name}")
+
+
+class WorkerLife:
+    """Stop flag for a worker loop.
+
+    SIGTERM (the launcher's shutdown) sets the flag; SIGINT is ignored because a terminal's
+    Ctrl-C reaches the whole process group and the API server orchestrates the drain. The
+    worker also stops when its parent is gone, so a kill -9 of the server leaves no orphans.
+    """
+
+    def __init__(self) -> None:
+        self.parent_pid = os.getppid()
+        self.stopping = False
+        self.loaded = False
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, self._on_term)
+
+    def _on_term(self, signum: int, frame: Any) -> None:
+        if not self.loaded:
+            raise SystemExit(0)  # still loading: nothing to finish, leave now
+        self.stopping = True
+
+    def serving(self) -> None:
+        """Loading is over: from now on SIGTERM lets the loop finish its iteration."""
+        self.loaded = True
+
+    def alive(self) -> bool:
+        return not self.stopping and os.getppid() == self.parent_pid
+
+
+def report_ready(conn: Connection, **info: Any) -> None:
+    conn.send({"ok": True, **info})
+    conn.close()
+
+
+def report_failure(conn: Connection, exc: BaseException) -> None:
+    try:
+        conn.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        conn.close()
+    except OSError:
+        pass
+
+
+def exit_now() -> None:
+    """Leave a worker right away once its sockets are closed.
+
+    A normal interpreter exit tears down torch and transformers for seconds; there is nothing
+    left to flush but the log stream.
+    """
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def elapsed(start: float) -> str:
+    return f"{time.perf_counter() - start:.1f} s"

@@ -1,0 +1,211 @@
+"""OpenAI wire format (the subset minisgl serves), as pydantic models.
+
+Requests are validated here; every violation becomes a 400 with an OpenAI error body. Unknown
+fields are ignored (as vLLM and SGLang do), except features we cannot honour, which are
+rejected explicitly rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SEED_MAX = 2**63 - 1
+MAX_STOP = 64
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it (text parts joined, developer -> system)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class SamplingFields(_Request):
+    """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    model: str | None = None  # a single-model server answers whatever model is named
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
+    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    user: str | None = None
+
+    @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v and any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) for a feature this server does not implement."""
+        if self.n != 1:
+            return "n", "only n=1 is supported"
+        if self.logprobs or self.top_logprobs:
+            return "logprobs", "logprobs are not supported"
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty", "presence and frequency penalties are not supported"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed when stream is true"
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request; ValueError for batches (not supported)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if not p:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return list(p)  # type: ignore[arg-type]
+        if len(p) == 1:
+            return p[0]  # type: ignore[return-value]
+        raise ValueError("batched prompts are not supported: send one prompt per request")
+
+    def limit(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "best_of is not supported"
+        return super().unsupported()
+
+
+# ---- responses (non-streaming; stream chunks are built as plain dicts on the hot path) ----
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ResponseMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "minisgl"
+    root: str
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

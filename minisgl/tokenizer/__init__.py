@@ -1,0 +1,1 @@
+"""Tokenizer and detokenizer workers, and incremental detokenization."""

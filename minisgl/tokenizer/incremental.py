@@ -1,0 +1,91 @@
+"""Incremental detokenization with stop strings.
+
+Byte-level BPE splits multi-byte characters (CJK, emoji) across tokens, so decoding token by
+token would show half characters as U+FFFD. We decode a small window (the last complete
+boundary onwards) and only advance once the window decodes without a trailing U+FFFD. Stop
+strings are searched in the complete text; any tail that could still grow into a stop string is
+held back, so a stream never shows text that the final answer cuts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDecoder:
+    def __init__(
+        self,
+        tokenizer: Decoder | Any,
+        *,
+        stop: list[str] | None = None,
+        hidden_token_ids: list[int] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in (stop or []) if s]
+        self.max_stop = max((len(s) for s in self.stop), default=0)
+        self.hidden = set(hidden_token_ids or [])
+        self.skip_special = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # window start: decoding from here is context-stable
+        self.read_offset = 0  # ids before this are already in self.text
+        self.text = ""  # complete text so far (cut at the stop string once one hits)
+        self.sent = 0  # chars of self.text already handed out
+        self.num_tokens = 0  # every generated token, hidden ones included
+        self.stopped = False  # a stop string hit
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def _advance(self, final: bool) -> None:
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        window = self._decode(self.ids[self.prefix_offset :])
+        if len(window) > len(prefix) and (final or not window.endswith(_REPLACEMENT)):
+            self.text += window[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+
+    def _held_back(self) -> int:
+        """Chars at the end of text that are a proper prefix of some stop string."""
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        return hold
+
+    def feed(self, token_ids: list[int], *, finished: bool, finish_reason: str | None) -> str:
+        """Add new tokens; return the text that may be shown now ("" when none).
+
+        After a stop string hit, `stopped` is True and the text is final.
+        """
+        if self.stopped:
+            return ""
+        self.num_tokens += len(token_ids)
+        ids = list(token_ids)
+        if finished and finish_reason == "stop" and ids and ids[-1] in self.hidden:
+            ids.pop()  # EOS / stop token: it ends the text, it is not part of it
+        checked = len(self.text)
+        self.ids.extend(ids)
+        self._advance(final=finished)
+        end = len(self.text)
+        if self.stop:
+            start = max(0, checked - self.max_stop + 1)
+            hits = [p for p in (self.text.find(s, start) for s in self.stop) if p >= 0]
+            if hits:
+                self.stopped = True
+                self.text = self.text[: max(min(hits), self.sent)]
+                end = len(self.text)
+            elif not finished:
+                end -= self._held_back()
+        delta = self.text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return delta

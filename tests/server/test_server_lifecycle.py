@@ -1,0 +1,132 @@
+"""Auth, admission control, SIGTERM drain and worker death, each on a server of its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from conftest import COMMON_FLAGS
+from harness import ServerProcess, pid_alive
+from sse import completion_text
+
+KEY = "sk-test-secret"
+
+
+@pytest.fixture(scope="module")
+def guarded(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """--api-key, one running request at a time, one waiting at most, a 60 s drain."""
+    log = tmp_path_factory.mktemp("guarded") / "server.log"
+    flags = ("--api-key", KEY, "--max-running-requests", "1", "--max-queued-requests", "1",
+             "--shutdown-timeout", "60", "--served-model-name", "tiny-qwen")  # fmt: skip
+    srv = ServerProcess(tiny_model_dir, log, *COMMON_FLAGS, *flags).wait_ready()
+    yield srv
+    srv.stop()
+
+
+def test_api_key_is_required_on_v1(guarded: ServerProcess) -> None:
+    url = f"{guarded.url}/v1/models"
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.get(url, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    bad = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    good = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in good.models.list().data] == ["tiny-qwen"]
+    assert httpx.get(f"{guarded.url}/internal/stats").status_code == 401
+    assert httpx.get(f"{guarded.url}/health").status_code == 200  # probes carry no key
+
+
+def test_two_servers_use_private_socket_dirs(guarded: ServerProcess, server: ServerProcess) -> None:
+    a, b = guarded.stats()["ipc_dir"], server.stats()["ipc_dir"]
+    assert a != b and os.path.isdir(a) and os.path.isdir(b)
+    assert oct(os.stat(a).st_mode & 0o777) == "0o700"
+
+
+def test_full_waiting_queue_answers_503(guarded: ServerProcess) -> None:
+    url = f"{guarded.url}/v1/completions"
+    long = {"prompt": "x", "max_tokens": 3000, "ignore_eos": True}
+    results: list[int] = []
+
+    def hold() -> None:  # occupies the single running slot until the client times out
+        try:
+            httpx.post(url, json=long, headers=guarded.headers, timeout=4.0)
+        except httpx.ReadTimeout:
+            results.append(0)
+
+    threads = [threading.Thread(target=hold) for _ in range(2)]
+    threads[0].start()
+    time.sleep(1.0)
+    threads[1].start()  # waits in the queue: the queue is now full
+    time.sleep(1.0)
+    r = httpx.post(url, json={**long, "max_tokens": 4}, headers=guarded.headers, timeout=10)
+    assert r.status_code == 503, r.text
+    assert r.headers["retry-after"] and r.json()["error"]["type"] == "service_unavailable_error"
+    for t in threads:
+        t.join()
+    guarded.wait_idle(within=1.0)
+    ok = httpx.post(url, json={**long, "max_tokens": 4}, headers=guarded.headers, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_sigterm_drains_in_flight_stream_then_exits_zero(guarded: ServerProcess) -> None:
+    stats = guarded.stats()
+    workers, ipc_dir = stats["workers"], stats["ipc_dir"]
+    assert set(workers) == {"tokenizer", "detokenizer", "scheduler"}
+    url = f"{guarded.url}/v1/completions"
+    body = {"prompt": "drain me", "max_tokens": 150, "ignore_eos": True, "temperature": 0,
+            "stream": True}  # fmt: skip
+    lines: list[str] = []
+    seen: dict[str, Any] = {}
+    with httpx.stream("POST", url, json=body, headers=guarded.headers, timeout=60) as r:
+        for line in r.iter_lines():
+            lines.append(line)
+            if len(lines) == 3:
+                guarded.signal(signal.SIGTERM)
+                time.sleep(0.3)
+                seen["health"] = httpx.get(f"{guarded.url}/health").status_code
+                seen["new"] = httpx.post(
+                    url, json={**body, "stream": False}, headers=guarded.headers
+                ).status_code
+    events = [ln for ln in lines if ln]
+    assert events[-1] == "data: [DONE]"  # the in-flight stream finished
+    import json
+
+    payloads = [json.loads(e[6:]) for e in events[:-1]]
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+    assert completion_text(payloads)
+    assert seen == {"health": 503, "new": 503}
+    assert guarded.proc.wait(30) == 0
+    assert not any(pid_alive(p) for p in workers.values())
+    assert not os.path.exists(ipc_dir)
+    assert "draining" in guarded.logs()
+
+
+def test_scheduler_killed_makes_the_server_exit_non_zero(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    log = tmp_path_factory.mktemp("doomed") / "server.log"
+    srv = ServerProcess(tiny_model_dir, log, *COMMON_FLAGS).wait_ready()
+    try:
+        stats = srv.stats()
+        workers, ipc_dir = stats["workers"], stats["ipc_dir"]
+        os.kill(workers["scheduler"], signal.SIGKILL)
+        start = time.monotonic()
+        code = srv.proc.wait(15)
+        assert code != 0
+        assert time.monotonic() - start < 10
+        assert not any(pid_alive(p) for p in workers.values())
+        assert not os.path.exists(ipc_dir)
+        assert "scheduler worker" in srv.logs() and "died" in srv.logs()
+    finally:
+        srv.stop()
