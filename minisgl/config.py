@@ -59,6 +59,7 @@ class ServerArgs(EngineArgs):
     host: str = _f("127.0.0.1", "address to listen on")
     port: int = _f(8000, "port to listen on")
     api_key: str | None = _f(None, "require this bearer token on /v1 endpoints")
+    metrics_require_api_key: bool = _f(False, "require the --api-key bearer token on /metrics too")
     max_queued_requests: int = _f(1024, "waiting requests beyond which the server answers 503")
     shutdown_timeout: float = _f(30.0, "seconds in-flight requests may take to finish on SIGTERM")
     log_level: str = _f("info", "log level", LOG_LEVELS)
@@ -88,7 +89,9 @@ def _flag_type(f: dataclasses.Field) -> type:
     return str
 
 
-def build_parser(cls: type = ServerArgs, prog: str = "python -m minisgl") -> argparse.ArgumentParser:
+def build_parser(
+    cls: type = ServerArgs, prog: str = "python -m minisgl"
+) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="minisgl OpenAI-compatible server")
     for f in dataclasses.fields(cls):
         kind = _flag_type(f)

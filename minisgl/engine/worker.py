@@ -129,7 +129,15 @@ class SchedulerLoop:
         self.to_detok.put(TokenBatch(batch))
 
     def send_stats(self) -> None:
-        stats = dataclasses.asdict(self.engine.stats())
+        stats: dict[str, Any] = dataclasses.asdict(self.engine.stats())
+        live = getattr(self.engine, "num_live_requests", None)
+        if live is not None:  # every per-request map of the engine: 0 when idle, else a leak
+            stats["engine_live_requests"] = live()
+        rank_stats = getattr(self.engine, "rank_stats", None)
+        if rank_stats is not None and not self.engine.has_unfinished():
+            # Tensor parallel: every rank's own books, so leaks on any rank show (idle only:
+            # the followers answer between steps).
+            stats["ranks"] = [dataclasses.asdict(s) for s in rank_stats()]
         self.to_detok.put(SchedulerStatsUpdate(stats, self.batch_sizes, time.time()))
         self.batch_sizes = []
         self.last_stats = time.monotonic()
@@ -144,12 +152,12 @@ def run_scheduler_worker(
     try:
         from tqdm import tqdm
 
-        from minisgl.engine.engine import Engine  # torch: only in this process
+        from minisgl.engine.factory import create_engine, shutdown_engine  # torch: here only
 
         # The weight loader's progress bar would create a multiprocessing lock, which the
         # resource tracker then reports as leaked when this worker leaves via os._exit.
         tqdm.set_lock(threading.RLock())
-        engine = Engine(args, tp_rank=tp_rank)
+        engine = create_engine(args)  # with tp_size > 1, rank 0 of the group
         ctx = zmq.Context()
         inbox: PullQueue[Any] = PullQueue(ctx, endpoints.scheduler, tokenizer_to_scheduler.KINDS)
         to_detok: PushQueue[Any] = PushQueue(
@@ -174,7 +182,10 @@ def run_scheduler_worker(
         vocab_size=engine.vocab_size,
         model_path=str(engine.model_path),
     )
-    SchedulerLoop(engine, inbox, to_detok, log).run(life)
+    try:
+        SchedulerLoop(engine, inbox, to_detok, log).run(life)
+    finally:
+        shutdown_engine(engine)  # tensor-parallel followers leave with rank 0
     inbox.close()
     to_detok.close()
     exit_now()

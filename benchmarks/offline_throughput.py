@@ -1,0 +1,159 @@
+"""Offline throughput: minisgl's LLM.generate against transformers' generate, same run, same model.
+
+Workloads (issue 2): 64 requests of 128-512 random prompt tokens and 128 output tokens
+(ignore_eos) through LLM.generate versus transformers' generate with a padded static batch (the
+best of --hf-batch-sizes), and single-stream decode tokens/s for both. Uses the random
+Qwen3-0.6B-shaped fixture model (or --model PATH), on CPU by default.
+
+    python benchmarks/offline_throughput.py                  # fp32 and bf16, full size
+    python benchmarks/offline_throughput.py --quick          # a small smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def make_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 151643) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run_minisgl(model: str, dtype: str, device: str, prompts, out_len: int) -> tuple[float, float]:
+    from minisgl import LLM, SamplingParams
+
+    llm = LLM(model, dtype=dtype, device=device, max_seq_len=2048)
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    llm.generate([prompts[0][:16]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    batch_s = time.perf_counter() - t0
+    assert all(len(o.token_ids) == out_len for o in outs)
+    single = _single_stream(
+        lambda n: llm.generate(
+            [prompts[0][:32]], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        )
+    )
+    return len(prompts) * out_len / batch_s, single
+
+
+def run_transformers(
+    model: str, dtype: str, device: str, prompts, out_len: int, batch_sizes: list[int]
+) -> tuple[float, float, int]:
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(device).eval()
+
+    def generate(batch: list[list[int]], n: int) -> None:
+        width = max(len(p) for p in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, p in enumerate(batch):  # left padding, as generation needs
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        with torch.inference_mode():
+            out = hf.generate(
+                ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        assert out.shape[1] == width + n
+
+    generate([prompts[0][:16]], 4)  # warm-up
+    best, best_bs = 0.0, batch_sizes[0]
+    for bs in batch_sizes:
+        t0 = time.perf_counter()
+        for i in range(0, len(prompts), bs):
+            generate(prompts[i : i + bs], out_len)
+            log(f"  transformers bs={bs}: {min(i + bs, len(prompts))}/{len(prompts)} requests")
+        tps = len(prompts) * out_len / (time.perf_counter() - t0)
+        log(f"  transformers bs={bs}: {tps:.1f} tok/s")
+        if tps > best:
+            best, best_bs = tps, bs
+    single = _single_stream(lambda n: generate([prompts[0][:32]], n))
+    return best, single, best_bs
+
+
+def _single_stream(run, short: int = 8, long: int = 72) -> float:
+    """Decode tokens/s with prefill cancelled out: (long - short) tokens over the time difference."""
+    t0 = time.perf_counter()
+    run(short)
+    t1 = time.perf_counter()
+    run(long)
+    t2 = time.perf_counter()
+    return (long - short) / max((t2 - t1) - (t1 - t0), 1e-9)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", help="model dir or hub id (default: write the random 0.6B fixture)")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--min-input", type=int, default=128)
+    ap.add_argument("--max-input", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--hf-batch-sizes", default="16,64")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="8 requests x 16 tokens, tiny model")
+    args = ap.parse_args(argv)
+    preset = "0.6b"
+    if args.quick:
+        args.num_requests, args.output_len, args.max_input, preset = 8, 16, 160, "tiny"
+        args.hf_batch_sizes = "8"
+
+    from minisgl.testing.fixture import write_fixture_model
+
+    model = args.model
+    tmp = tempfile.TemporaryDirectory(prefix="minisgl-bench-")
+    prompts = make_prompts(args.num_requests, args.min_input, args.max_input, args.seed)
+    rows = []
+    for dtype in args.dtypes.split(","):
+        if args.model is None:
+            log(f"writing a random Qwen3-{preset} checkpoint ({dtype}) ...")
+            model = str(write_fixture_model(Path(tmp.name) / dtype, preset=preset, dtype=dtype))
+        log(f"[{dtype}] minisgl: {len(prompts)} requests x {args.output_len} tokens")
+        ours, ours_single = run_minisgl(model, dtype, args.device, prompts, args.output_len)
+        log(f"[{dtype}] minisgl: {ours:.1f} tok/s batch, {ours_single:.1f} tok/s single-stream")
+        log(f"[{dtype}] transformers: same workload")
+        sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
+        hf, hf_single, bs = run_transformers(
+            model, dtype, args.device, prompts, args.output_len, sizes
+        )
+        gc.collect()  # free one model before the next loads
+        rows.append((dtype, ours, hf, bs, ours_single, hf_single))
+
+    log("")
+    log(
+        f"{'dtype':<9} {'minisgl tok/s':>14} {'transformers':>13} {'ratio':>6} | "
+        f"{'1-stream minisgl':>16} {'transformers':>13} {'ratio':>6}"
+    )
+    for dtype, ours, hf, bs, s_ours, s_hf in rows:
+        log(
+            f"{dtype:<9} {ours:>14.1f} {hf:>10.1f}@{bs:<2} {ours / hf:>6.2f} | "
+            f"{s_ours:>16.1f} {s_hf:>13.1f} {s_ours / s_hf:>6.2f}"
+        )
+    tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Tensor-parallel process state and the two collectives the model needs.
+
+With a world of one (the default) every function here is a no-op and torch.distributed is never
+touched, so single-process runs need no rendezvous. Layers receive their rank and size
+explicitly (weights are sharded per rank at load time); only the collectives come from here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TPState:
+    rank: int = 0
+    size: int = 1
+
+
+_STATE = TPState()
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    init_method: str = "tcp://127.0.0.1:29500",
+    device: str = "auto",
+    backend: str | None = None,
+    timeout_s: float = 600.0,
+) -> None:
+    """Join the tensor-parallel group: gloo on CPU, NCCL on CUDA (unless `backend` says)."""
+    _STATE.rank, _STATE.size = rank, world_size
+    if world_size == 1:
+        return
+    if backend is None:
+        on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        backend = "nccl" if on_cuda else "gloo"
+    from datetime import timedelta
+
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    logger.info("tensor parallel: rank %d of %d (%s, %s)", rank, world_size, backend, init_method)
+
+
+def destroy_distributed() -> None:
+    if _STATE.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE.rank, _STATE.size = 0, 1
+
+
+def get_tp_rank() -> int:
+    return _STATE.rank
+
+
+def get_tp_size() -> int:
+    return _STATE.size
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum `x` over the ranks, in place; the identity with one rank."""
+    if _STATE.size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`, rank order; the identity with one rank."""
+    if _STATE.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_STATE.size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)

@@ -1,0 +1,1 @@
+"""Runs batches through the model on a device; `Engine` is the token-level core of minisgl."""

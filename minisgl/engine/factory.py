@@ -1,0 +1,23 @@
+"""One entry point for whoever needs an engine: a local one, or rank 0 of a TP group."""
+
+from __future__ import annotations
+
+from minisgl.config import EngineArgs
+from minisgl.engine.engine import Engine
+
+
+def create_engine(args: EngineArgs) -> Engine:
+    if args.tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {args.tp_size}")
+    if args.tp_size == 1:
+        return Engine(args)
+    from minisgl.engine.tp_engine import TPEngine
+
+    return TPEngine(args)  # type: ignore[return-value]  # same interface, by duck typing
+
+
+def shutdown_engine(engine: Engine) -> None:
+    """Stop follower ranks, if any (a local engine holds nothing that needs stopping)."""
+    stop = getattr(engine, "shutdown", None)
+    if stop is not None:
+        stop()

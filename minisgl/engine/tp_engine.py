@@ -1,0 +1,289 @@
+"""Tensor parallelism: one model across N ranks, rank 0 driving the others over ZMQ PUB/SUB.
+
+Only rank 0 receives requests. Every `step()` it publishes exactly one message holding the
+request operations (adds, aborts) that arrived since the previous step; every rank applies the
+same operations in the same order and then steps, so every rank's scheduler builds the identical
+batch and the all-reduces inside the model line up. Only rank 0's outputs are used.
+
+Before the first real message, rank 0 repeats a hello on the PUB socket until every follower has
+confirmed (over a PUSH socket back to rank 0) that it received one: a SUB socket that connects
+late silently misses what was published before (the slow-joiner problem).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+import msgpack
+import zmq
+
+from minisgl.config import EngineArgs
+from minisgl.engine.engine import Engine, StepOutput
+from minisgl.sampling_params import SamplingParams
+from minisgl.scheduler.scheduler import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+_HELLO, _STEP, _STATS, _EXIT = "hello", "step", "stats", "exit"
+_HANDSHAKE_TIMEOUT_S = 300.0  # followers load weights before they subscribe
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port or 0)
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _zmq_addr(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendezvous:
+    host: str
+    dist_port: int  # torch.distributed
+    pub_port: int  # rank 0's PUB socket
+    ack_port: int  # followers' PUSH back to rank 0 (handshake)
+
+
+def _init_distributed(args: EngineArgs, rank: int, rdv: Rendezvous) -> None:
+    import torch
+
+    from minisgl.distributed import init_distributed
+
+    if args.device in ("auto", "cuda") and torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    init_distributed(
+        rank=rank,
+        world_size=args.tp_size,
+        init_method=f"tcp://{rdv.host}:{rdv.dist_port}",
+        device=args.device,
+    )
+
+
+class TPEngine:
+    """The `Engine` interface for tp_size > 1; runs rank 0 in this process."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        host, port = split_host_port(args.dist_init_addr)
+        self.rdv = Rendezvous(
+            host=host,
+            dist_port=port or free_port(host),
+            pub_port=free_port(host),
+            ack_port=free_port(host),
+        )
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 1000)
+        self._pub.bind(_zmq_addr(host, self.rdv.pub_port))
+        self._ack = self._ctx.socket(zmq.PULL)
+        self._ack.setsockopt(zmq.LINGER, 0)
+        self._ack.bind(_zmq_addr(host, self.rdv.ack_port))
+        spawn = mp.get_context("spawn")
+        self._procs = [
+            spawn.Process(
+                target=follower_main,
+                args=(dataclasses.asdict(args), rank, dataclasses.asdict(self.rdv), os.getpid()),
+                name=f"minisgl-tp{rank}",
+                daemon=True,
+            )
+            for rank in range(1, args.tp_size)
+        ]
+        for p in self._procs:
+            p.start()
+        try:
+            _init_distributed(args, 0, self.rdv)
+            self.engine = Engine(args, tp_rank=0)
+            self._handshake(args.tp_size - 1)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._ops: list[list[Any]] = []
+        self._closed = False
+
+    # the Engine interface -----------------------------------------------------------------
+    @property
+    def model_path(self):  # noqa: ANN201 - same as Engine.model_path
+        return self.engine.model_path
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine.max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.engine.eos_token_ids
+
+    @property
+    def num_pages(self) -> int:
+        return self.engine.num_pages
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.engine.validate(prompt_ids, params)
+
+    def add_request(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.engine.validate(prompt_ids, params)
+        arrival = time.time() if arrival_time is None else arrival_time
+        seed = params.seed if params.seed is not None else self.engine.draw_seed()
+        params = dataclasses.replace(params, seed=seed)  # every rank samples alike
+        self._ops.append(["add", rid, list(prompt_ids), dataclasses.asdict(params), arrival])
+
+    def abort_request(self, rid: str) -> bool:
+        pending = any(op[0] == "add" and op[1] == rid for op in self._ops)
+        known = pending or self.engine.scheduler.get_request(rid) is not None
+        if known:
+            self._ops.append(["abort", rid])
+        return known
+
+    def has_unfinished(self) -> bool:
+        return bool(self._ops) or self.engine.has_unfinished()
+
+    def stats(self) -> SchedulerStats:
+        return self.engine.stats()
+
+    def rank_stats(self, timeout_s: float = 10.0) -> list[SchedulerStats]:
+        """Every rank's own scheduler stats (rank 0 first): they must agree, leaks included."""
+        self._pub.send(msgpack.packb([_STATS, []]))
+        replies: dict[int, SchedulerStats] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(replies) < len(self._procs):
+            if time.monotonic() > deadline:
+                raise TimeoutError("tensor-parallel ranks did not report their stats")
+            if self._ack.poll(100):
+                msg = msgpack.unpackb(self._ack.recv())
+                if isinstance(msg, list):  # [rank, stats]; late handshake acks are ints
+                    replies[msg[0]] = SchedulerStats(**msg[1])
+        return [self.engine.stats()] + [replies[r] for r in sorted(replies)]
+
+    def step(self) -> list[StepOutput]:
+        self._check_followers()
+        ops, self._ops = self._ops, []
+        self._pub.send(msgpack.packb([_STEP, ops]))
+        apply_ops(self.engine, ops)
+        return self.engine.step()
+
+    def shutdown(self) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        with contextlib.suppress(zmq.ZMQError):
+            self._pub.send(msgpack.packb([_EXIT, []]))
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._pub.close()
+        self._ack.close()
+        self._ctx.term()
+        _destroy_distributed()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.shutdown()
+
+    # internals ----------------------------------------------------------------------------
+    def _handshake(self, num_followers: int) -> None:
+        confirmed: set[int] = set()
+        deadline = time.monotonic() + _HANDSHAKE_TIMEOUT_S
+        while len(confirmed) < num_followers:
+            self._check_followers()
+            if time.monotonic() > deadline:
+                raise TimeoutError("tensor-parallel followers did not subscribe in time")
+            self._pub.send(msgpack.packb([_HELLO, []]))
+            if self._ack.poll(50):
+                confirmed.add(int(msgpack.unpackb(self._ack.recv())))
+        logger.info("tensor parallel: %d follower rank(s) subscribed", num_followers)
+
+    def _check_followers(self) -> None:
+        dead = [p.name for p in self._procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel rank process(es) died: {', '.join(dead)}")
+
+
+def apply_ops(engine: Engine, ops: list[list[Any]]) -> None:
+    for op in ops:
+        if op[0] == "add":
+            _, rid, prompt_ids, params, arrival = op
+            engine.add_request(rid, prompt_ids, SamplingParams(**params), arrival_time=arrival)
+        elif op[0] == "abort":
+            engine.abort_request(op[1])
+
+
+def _destroy_distributed() -> None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def follower_main(args_dict: dict, rank: int, rdv_dict: dict, parent_pid: int) -> None:
+    """Ranks 1..N-1: load the shard, subscribe, then mirror rank 0 step by step."""
+    # A terminal's Ctrl-C reaches the whole process group; rank 0 decides when followers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(message)s"
+    )
+    args, rdv = EngineArgs(**args_dict), Rendezvous(**rdv_dict)
+    # Test hook: a follower that subscribes late must still see every message (slow joiner).
+    time.sleep(float(os.environ.get("MINISGL_TP_SUBSCRIBE_DELAY_S", "0")))
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.connect(_zmq_addr(rdv.host, rdv.pub_port))
+    ack = ctx.socket(zmq.PUSH)
+    ack.setsockopt(zmq.LINGER, 1000)
+    ack.connect(_zmq_addr(rdv.host, rdv.ack_port))
+    _init_distributed(args, rank, rdv)
+    engine = Engine(args, tp_rank=rank)
+    acked = False
+    try:
+        while True:
+            if not sub.poll(1000):
+                if os.getppid() != parent_pid:  # rank 0 is gone: do not linger
+                    return
+                continue
+            kind, ops = msgpack.unpackb(sub.recv())
+            if kind == _HELLO:
+                if not acked:
+                    ack.send(msgpack.packb(rank))
+                    acked = True
+            elif kind == _STEP:
+                apply_ops(engine, ops)
+                engine.step()
+            elif kind == _STATS:
+                ack.send(msgpack.packb([rank, dataclasses.asdict(engine.stats())]))
+            elif kind == _EXIT:
+                return
+    finally:
+        sub.close(0)
+        ack.close()
+        ctx.term()
+        _destroy_distributed()

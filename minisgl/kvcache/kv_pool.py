@@ -1,0 +1,46 @@
+"""The KV cache tensors: per layer, one K and one V buffer of num_pages * page_size token slots.
+
+Slot arithmetic (shared by every attention backend): the token at position p of a request whose
+page table is pt lives in slot pt[p // page_size] * page_size + p % page_size. Which pages a
+request owns is the allocator's business (page_allocator.py); this class only holds memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads  # this rank's share
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_pages * page_size, num_kv_heads, head_dim)
+        # Zeroed, not empty: a padded gather may read a never-written slot (it is masked out,
+        # but NaN garbage times a zero weight would still poison the sum).
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @staticmethod
+    def bytes_per_page(
+        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * element

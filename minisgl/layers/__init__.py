@@ -1,0 +1,1 @@
+"""Model building blocks: tensor-parallel linear and embedding, norm, rotary, attention, sampling."""

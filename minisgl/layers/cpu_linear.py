@@ -1,0 +1,80 @@
+"""Faster CPU matmuls for decode-shaped inputs (a handful of rows against a large weight).
+
+`F.linear` on CPU streams weights at a fraction of memory bandwidth for small batches (MKL's
+small-M path, and torch's bf16 path without AVX-512). Two remedies, in order of preference:
+- our AVX2 kernel (cpu_kernels.py) for up to MAX_ROWS rows, F.linear beyond (prefill is
+  compute-bound, where MKL/oneDNN are good);
+- else oneDNN with the weight reordered once into its blocked layout, for every row count
+  (needs CPU support for the dtype: bf16 wants AVX-512 or AVX-NE-CONVERT).
+Where neither applies `create` returns None and the layer keeps F.linear.
+
+The switch: MINISGL_CPU_PREPACK=0 turns all of this off (plain F.linear everywhere);
+MINISGL_CPU_KERNELS=0 turns off just the AVX2 kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from minisgl.layers import cpu_kernels
+
+
+def prepack_enabled() -> bool:
+    return os.environ.get("MINISGL_CPU_PREPACK", "1") not in ("0", "false", "no")
+
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+        # Probe once: some builds reorder fine but refuse the matmul for this dtype.
+        probe = torch.zeros(1, weight.shape[1], dtype=weight.dtype)
+        torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return None
+    return packed
+
+
+class CpuLinearKernel:
+    """y = x @ weight.T (in `out_dtype`, default x's dtype) by the fastest available path."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        use_gemv: bool,
+        packed: torch.Tensor | None,
+        out_dtype: torch.dtype | None,
+    ) -> None:
+        self.weight = weight
+        self.use_gemv = use_gemv
+        self.packed = packed
+        self.out_dtype = out_dtype
+
+    @staticmethod
+    def create(
+        weight: torch.Tensor, out_dtype: torch.dtype | None = None
+    ) -> CpuLinearKernel | None:
+        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        if not prepack_enabled():
+            return None
+        weight = weight.detach()
+        if cpu_kernels.supports(weight):
+            return CpuLinearKernel(weight, True, None, out_dtype)
+        packed = _onednn_pack(weight)
+        if packed is None:
+            return None
+        return CpuLinearKernel(weight, False, packed, out_dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_gemv and x.shape[0] <= cpu_kernels.MAX_ROWS:
+            return cpu_kernels.gemv(x, self.weight, self.out_dtype)
+        if self.packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        else:
+            y = F.linear(x, self.weight)
+        return y if self.out_dtype is None else y.to(self.out_dtype)

@@ -1,0 +1,125 @@
+"""Tensor-parallel linear layers (Megatron style) with fused projections.
+
+Column-parallel layers split the output features across ranks and need no communication;
+row-parallel layers split the input features and sum the partial products with an all-reduce.
+A column-parallel layer feeding a row-parallel one (qkv -> o, gate_up -> down) costs one
+all-reduce per pair. Each layer knows how to cut its own rank's shard out of a full Hugging Face
+tensor (`load`), so loading never materialises another rank's weights on the device.
+
+With tp_size == 1 no collective is ever called.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl import distributed
+from minisgl.layers.cpu_linear import CpuLinearKernel
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({d})")
+    return n // d
+
+
+class LinearBase(nn.Module):
+    """y = x @ W.T over this rank's weight shard [out_local, in_local] (no bias: Qwen3 has none)."""
+
+    def __init__(self, in_local: int, out_local: int, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+        # Set by `prepack` on CPU: a faster layout of `weight` (see cpu_linear.py).
+        self.kernel: CpuLinearKernel | None = None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
+        return F.linear(x, self.weight)
+
+    def prepack(self) -> None:
+        self.kernel = CpuLinearKernel.create(self.weight)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Several logical projections of the same input fused into one matmul (e.g. gate and up);
+    each is split across ranks on its own, so rank r holds [gate_r; up_r]."""
+
+    def __init__(
+        self, in_features: int, out_features: list[int], tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        self.out_local = [_divide(o, tp_size, "output features") for o in out_features]
+        super().__init__(in_features, sum(self.out_local), tp_rank, tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)
+
+    def load(self, full: torch.Tensor, shard: int = 0) -> None:
+        """Copy this rank's rows of logical projection `shard` from the full HF tensor."""
+        n = self.out_local[shard]
+        offset = sum(self.out_local[:shard])
+        src = full.narrow(0, self.tp_rank * n, n)
+        self.weight.data.narrow(0, offset, n).copy_(src)
+
+
+class QKVParallelLinear(LinearBase):
+    """q, k and v projections in one matmul. Query heads are split across ranks; KV heads too
+    when there are at least as many as ranks, otherwise each KV head is replicated on the ranks
+    whose query heads use it."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp_size, "num_attention_heads")
+        if num_kv_heads >= tp_size:
+            self.num_kv_heads = _divide(num_kv_heads, tp_size, "num_key_value_heads")
+            self.kv_head_start = tp_rank * self.num_kv_heads
+        else:
+            _divide(tp_size, num_kv_heads, "tensor-parallel size over num_key_value_heads")
+            self.num_kv_heads = 1
+            self.kv_head_start = tp_rank // (tp_size // num_kv_heads)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, tp_rank, tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)
+
+    def load(self, full: torch.Tensor, shard: str) -> None:
+        if shard == "q":
+            src = full.narrow(0, self.tp_rank * self.q_size, self.q_size)
+            offset = 0
+        else:
+            src = full.narrow(0, self.kv_head_start * self.head_dim, self.kv_size)
+            offset = self.q_size + (self.kv_size if shard == "v" else 0)
+        self.weight.data.narrow(0, offset, src.shape[0]).copy_(src)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; the partial outputs are summed over ranks."""
+
+    def __init__(
+        self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        self.in_local = _divide(in_features, tp_size, "input features")
+        super().__init__(self.in_local, out_features, tp_rank, tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x)
+        if self.tp_size > 1:
+            distributed.all_reduce(y)
+        return y
+
+    def load(self, full: torch.Tensor) -> None:
+        src = full.narrow(1, self.tp_rank * self.in_local, self.in_local)
+        self.weight.data.copy_(src)

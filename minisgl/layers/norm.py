@@ -1,0 +1,51 @@
+"""RMSNorm with an optional fused residual add (the pre-norm decoder's two-for-one).
+
+On CPU a small C kernel (cpu_kernels.py) does add + norm in one pass where available: the eager
+version is ~8 ops of ~5 us each, per norm, 85 norms per step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minisgl.layers import cpu_kernels
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        if x.dim() == 2 and cpu_kernels.rms_norm_supported(x):
+            out, summed = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
+            assert summed is not None
+            return out, summed
+        x = x + residual
+        return self.forward(x), x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and cpu_kernels.rms_norm_supported(x):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)[0]
+        return self.weight * rms_normalize(x, self.eps)
+
+
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head RMSNorm of x [T, H, D] with a per-head weight [H, D]."""
+    if cpu_kernels.rms_norm_supported(x):
+        return cpu_kernels.rms_norm(x, weight, eps)[0]
+    return rms_normalize(x, eps) * weight
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, computed in float32 and returned in x's dtype.
+
+    Bit-identical to transformers' `x.float() * rsqrt(mean(x**2) + eps)` followed by the cast
+    (so bf16 results agree with it too), in one fused kernel instead of six.
+    """
+    return torch.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)

@@ -1,0 +1,169 @@
+"""Offline API: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl.config import EngineArgs
+from minisgl.engine.engine import Engine
+from minisgl.engine.factory import create_engine, shutdown_engine
+from minisgl.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens only
+    text: str
+    finish_reason: str  # "stop" | "length"
+
+
+class LLM:
+    """Run a Qwen3 model in this process, with the same engine the server uses."""
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "auto",
+        device: str = "auto",
+        num_pages: int | None = None,
+        page_size: int | None = None,
+        max_seq_len: int | None = None,
+        tp_size: int = 1,
+        **engine_kwargs: Any,
+    ) -> None:
+        given = dict(
+            model=model,
+            dtype=dtype,
+            device=device,
+            num_pages=num_pages,
+            page_size=page_size,
+            max_seq_len_override=max_seq_len,
+            tp_size=tp_size,
+            **engine_kwargs,
+        )
+        names = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = set(given) - names
+        if unknown:
+            raise TypeError(f"unknown LLM argument(s): {', '.join(sorted(unknown))}")
+        self.args = EngineArgs(**{k: v for k, v in given.items() if v is not None})
+        self.engine: Engine = create_engine(self.args)
+        self._tokenizer: Any = None
+        self._next_id = 0
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel follower processes (also done at exit)."""
+        shutdown_engine(self.engine)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.engine.model_path))
+        return self._tokenizer
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt together (continuous batching); outputs in input order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params_list = _per_prompt(sampling_params, len(prompts))
+        texts: list[str | None] = []
+        prompt_ids: list[list[int]] = []
+        for p in prompts:
+            if isinstance(p, str):
+                texts.append(p)
+                prompt_ids.append(list(self.tokenizer.encode(p)))
+            else:
+                texts.append(None)
+                prompt_ids.append([int(t) for t in p])
+        rids = []
+        for ids, params in zip(prompt_ids, params_list):
+            self.engine.validate(ids, params)
+        for ids, params in zip(prompt_ids, params_list):
+            rid = f"offline-{self._next_id}"
+            self._next_id += 1
+            self.engine.add_request(rid, ids, params)
+            rids.append(rid)
+        return self._run(rids, texts, prompt_ids, params_list, use_tqdm)
+
+    def _run(
+        self,
+        rids: list[str],
+        texts: list[str | None],
+        prompt_ids: list[list[int]],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        index = {rid: i for i, rid in enumerate(rids)}
+        tokens: list[list[int]] = [[] for _ in rids]
+        results: list[RequestOutput | None] = [None] * len(rids)
+        bar = _progress(len(rids), use_tqdm)
+        while any(r is None for r in results):
+            outs = self.engine.step()
+            if not outs and not self.engine.has_unfinished():
+                raise RuntimeError("the engine stopped with requests unanswered")
+            for out in outs:
+                i = index[out.rid]
+                tokens[i] += out.new_token_ids
+                reason = out.finish_reason if out.finished else None
+                text = None
+                if params_list[i].stop:
+                    text = self._stop_text(tokens[i], params_list[i].stop)
+                    if text is not None and not out.finished:
+                        self.engine.abort_request(out.rid)
+                    if text is not None:
+                        reason = "stop"
+                if reason is None:
+                    continue
+                if text is None:
+                    text = self.tokenizer.decode(tokens[i], skip_special_tokens=True)
+                results[i] = RequestOutput(texts[i], prompt_ids[i], tokens[i], text, reason)
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [r for r in results if r is not None]
+
+    def _stop_text(self, token_ids: list[int], stops: list[str]) -> str | None:
+        """The text cut before the first stop string, or None when none has appeared."""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        cuts = [text.find(s) for s in stops]
+        hits = [c for c in cuts if c >= 0]
+        return text[: min(hits)] if hits else None
+
+
+def _per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

@@ -1,0 +1,140 @@
+"""Find a model (local directory or Hugging Face hub id), pick dtype and device, load weights."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from minisgl.models.config import ModelConfig
+from minisgl.models.qwen3 import Qwen3ForCausalLM
+
+logger = logging.getLogger(__name__)
+
+HUB_PATTERNS = [
+    "*.json",
+    "*.safetensors",
+    "*.jinja",
+    "*.txt",
+    "*.model",
+    "*.tiktoken",
+    "tokenizer*",
+]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local directory as is; otherwise a hub id fetched (or found in the HF_HOME cache when
+    HF_HUB_OFFLINE=1) with huggingface_hub."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise FileNotFoundError(f"model directory {model!r} does not exist")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id=model, allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # the hub raises many types: offline, 404, auth, network
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        hint = " (HF_HUB_OFFLINE is set and it is not in the cache)" if offline else ""
+        raise FileNotFoundError(
+            f"model {model!r} is not a local directory and could not be fetched from the "
+            f"Hugging Face hub{hint}: {type(e).__name__}: {e}"
+        ) from e
+
+
+def resolve_dtype(
+    name: str, config: ModelConfig, device: torch.device | None = None
+) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype (float32 when it names none). On CPU a float16
+    checkpoint runs in bfloat16: CPU float16 matmuls are slow and bf16 has the range fp16
+    checkpoints were trained to avoid overflowing anyway."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; choose from auto, {', '.join(DTYPES)}")
+        return DTYPES[name]
+    dtype = DTYPES.get(config.torch_dtype.replace("torch.", ""), torch.float32)
+    if dtype == torch.float16 and device is not None and device.type == "cpu":
+        return torch.bfloat16
+    return dtype
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    return device
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the index's shards, or the lone file(s)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        for shard in shards:
+            if not (path / shard).is_file():
+                raise FileNotFoundError(
+                    f"checkpoint shard {path / shard} is listed in {index.name} but missing"
+                )
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path} (expected model.safetensors)")
+    return files
+
+
+def iter_tensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    total = sum(len(list(h.keys())) for h in handles)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for h in handles:
+            for name in h.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, h.get_tensor(name)
+                bar.update(1)
+
+
+def load_model(
+    path: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    progress: bool | None = None,
+    prepack: bool = True,
+) -> Qwen3ForCausalLM:
+    """Build the model for this rank on `device` and fill it from the checkpoint at `path`.
+
+    `prepack` (CPU only) reorders matmul weights for oneDNN where the CPU supports it; set
+    MINISGL_CPU_PREPACK=0 (or pass False) to keep plain F.linear.
+    """
+    files = checkpoint_files(Path(path))
+    # Parameters are created on the meta device (no memory, no random init) and then
+    # materialised uninitialised on the target: every one is overwritten from the checkpoint.
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config, tp_rank, tp_size)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.tie(model.model.embed_tokens)  # to_empty re-creates the tensors
+    if progress is None:
+        progress = tp_rank == 0
+    with torch.no_grad():
+        loaded = model.load_weights(iter_tensors(files, progress))
+    missing = sorted(model.expected_weights() - loaded)
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise FileNotFoundError(f"checkpoint {path} has no tensor {missing[0]!r}{more}")
+    model.eval()
+    if prepack and device.type == "cpu":
+        model.prepack()
+    return model

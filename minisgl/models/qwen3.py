@@ -1,0 +1,261 @@
+"""Qwen3 (dense) in plain PyTorch over a paged KV cache, tensor-parallel aware.
+
+The batch arrives flattened: T tokens of all requests in request order, each with its position;
+the attention backend knows which tokens belong to which request. Only the rows named by
+`sample_indices` (usually each request's last token) go through the final norm and LM head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.layers.attention.base import AttentionBackend, AttentionMetadata
+from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from minisgl.layers.norm import RMSNorm, head_rms_norm
+from minisgl.layers.rotary import RotaryEmbedding, apply_rotary
+from minisgl.models.config import ModelConfig
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        d = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            d,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            tp_rank,
+            tp_size,
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = d
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * d, config.hidden_size, tp_rank, tp_size
+        )
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.eps = config.rms_norm_eps
+        self._qk_weight: torch.Tensor | None = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x)
+        # q and k heads side by side: one norm and one rotation for both (per-head weights).
+        qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
+        qk = apply_rotary(head_rms_norm(qk, self.qk_weight(), self.eps), cos, sin)
+        v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+        o = attn.forward(qk[:, :hq], qk[:, hq:], v, self.layer_id, meta)
+        return self.o_proj(o)
+
+    def qk_weight(self) -> torch.Tensor:
+        """[Hq + Hkv, D]: q_norm's weight on the query heads, k_norm's on the key heads."""
+        w = self._qk_weight
+        if w is None or w.device != self.q_norm.weight.device:
+            w = torch.cat(
+                (
+                    self.q_norm.weight.expand(self.num_heads, -1),
+                    self.k_norm.weight.expand(self.num_kv_heads, -1),
+                )
+            )
+            self._qk_weight = w
+        return w
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, [inter, inter], tp_rank, tp_size
+        )
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp_rank, tp_size)
+        self.inter_local = self.gate_up_proj.out_local[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter_local, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(config, layer_id, tp_rank, tp_size)
+        self.mlp = Qwen3MLP(config, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp output, residual stream before it); the next layer's norm adds the two."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, attn, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp_rank, tp_size
+        )
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(config, i, tp_rank, tp_size) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.config = config
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.model = Qwen3Model(config, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        if config.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            config.rope_theta,
+            config.rope_scaling,
+            config.max_position_embeddings,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        meta: AttentionMetadata,
+        sample_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits [len(sample_indices), vocab] (float32) of the rows `sample_indices`."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        residual: torch.Tensor | None = None
+        for layer in self.model.layers:
+            x, residual = layer(x, residual, cos, sin, attn, meta)
+        assert residual is not None
+        h = x[sample_indices] + residual[sample_indices]
+        return self.lm_head(self.model.norm(h))
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def expected_weights(self) -> set[str]:
+        """The checkpoint tensor names this model needs (HF naming)."""
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not self.config.tie_word_embeddings:
+            names.add("lm_head.weight")
+        for i in range(self.config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            names |= {
+                p + s
+                for s in (
+                    "input_layernorm.weight",
+                    "post_attention_layernorm.weight",
+                    "self_attn.q_proj.weight",
+                    "self_attn.k_proj.weight",
+                    "self_attn.v_proj.weight",
+                    "self_attn.o_proj.weight",
+                    "self_attn.q_norm.weight",
+                    "self_attn.k_norm.weight",
+                    "mlp.gate_proj.weight",
+                    "mlp.up_proj.weight",
+                    "mlp.down_proj.weight",
+                )
+            }
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into this rank's (fused, sharded) parameters; returns the names
+        used. Unknown names are ignored (e.g. rotary caches some exporters save)."""
+        loaded: set[str] = set()
+        layers = self.model.layers
+        for name, tensor in weights:
+            if name == "model.embed_tokens.weight":
+                self.model.embed_tokens.load(tensor)
+            elif name == "lm_head.weight":
+                if self.config.tie_word_embeddings:
+                    continue  # the embedding is the head
+                self.lm_head.load(tensor)
+            elif name == "model.norm.weight":
+                self.model.norm.weight.data.copy_(tensor)
+            elif name.startswith("model.layers."):
+                idx_str, _, rest = name[len("model.layers.") :].partition(".")
+                if int(idx_str) >= len(layers) or not self._load_layer(
+                    layers[int(idx_str)], rest, tensor
+                ):
+                    continue
+            else:
+                continue
+            loaded.add(name)
+        for m in self.modules():
+            if isinstance(m, Qwen3Attention):
+                m._qk_weight = None  # derived from the norms just loaded
+        return loaded
+
+    @staticmethod
+    def _load_layer(layer: nn.Module, rest: str, t: torch.Tensor) -> bool:
+        assert isinstance(layer, Qwen3DecoderLayer)
+        attn, mlp = layer.self_attn, layer.mlp
+        if rest in (
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+        ):
+            attn.qkv_proj.load(t, rest.split(".")[1][0])
+        elif rest == "self_attn.o_proj.weight":
+            attn.o_proj.load(t)
+        elif rest == "mlp.gate_proj.weight":
+            mlp.gate_up_proj.load(t, 0)
+        elif rest == "mlp.up_proj.weight":
+            mlp.gate_up_proj.load(t, 1)
+        elif rest == "mlp.down_proj.weight":
+            mlp.down_proj.load(t)
+        else:
+            norms = {
+                "input_layernorm.weight": layer.input_layernorm,
+                "post_attention_layernorm.weight": layer.post_attention_layernorm,
+                "self_attn.q_norm.weight": attn.q_norm,
+                "self_attn.k_norm.weight": attn.k_norm,
+            }
+            if rest not in norms:
+                return False
+            norms[rest].weight.data.copy_(t)
+        return True
+
+    def prepack(self) -> None:
+        """Switch CPU matmuls to prepacked weights where it is supported (see cpu_linear.py)."""
+        for m in self.modules():
+            if isinstance(m, (LinearBase, ParallelLMHead)):
+                m.prepack()

@@ -1,0 +1,65 @@
+"""Tensor parallelism on CPU (gloo): TP=2 must be token-identical to TP=1 and to transformers."""
+
+from __future__ import annotations
+
+import random
+
+import psutil
+import pytest
+
+from minisgl import LLM, SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 151643) for _ in range(rng.randint(1, 120))] for _ in range(n)]
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def test_tp2_matches_tp1_and_transformers(tiny_model_dir, monkeypatch):
+    from test_generate_vs_hf import hf_greedy
+
+    # The followers subscribe late on purpose: the handshake must still deliver the first step.
+    monkeypatch.setenv("MINISGL_TP_SUBSCRIBE_DELAY_S", "1.5")
+    prompts = _prompts(6, seed=11)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    one = LLM(str(tiny_model_dir), dtype="float32", num_pages=128).generate(prompts, params)
+    with LLM(str(tiny_model_dir), dtype="float32", num_pages=128, tp_size=2) as tp2:
+        followers = [p.pid for p in tp2.engine._procs]
+        assert len(followers) == 1 and set(followers) <= _children()
+        two = tp2.generate(prompts, params)  # the very first message after start-up
+        assert [o.token_ids for o in two] == [o.token_ids for o in one]
+        for prompt, out in zip(prompts[:3], two):
+            assert out.token_ids == hf_greedy(str(tiny_model_dir), prompt, 8)[0]
+        # Seeded sampling agrees across ranks too (each rank samples from gathered logits).
+        sampled = SamplingParams(temperature=0.9, seed=7, max_tokens=8)
+        assert tp2.generate(prompts[:2], sampled)[0].token_ids == (
+            LLM(str(tiny_model_dir), dtype="float32", num_pages=64)
+            .generate(prompts[:2], sampled)[0]
+            .token_ids
+        )
+    assert not any(psutil.pid_exists(pid) for pid in followers), "a follower rank still runs"
+
+
+def test_tp2_abort_frees_pages_on_every_rank(tiny_model_dir):
+    with LLM(str(tiny_model_dir), dtype="float32", num_pages=64, tp_size=2) as tp2:
+        engine = tp2.engine
+        long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        for i, prompt in enumerate(_prompts(3, seed=12)):
+            engine.add_request(f"r{i}", prompt, long)
+        for _ in range(3):
+            engine.step()
+        engine.abort_request("r1")
+        while engine.has_unfinished():
+            engine.step()
+        stats = engine.rank_stats()
+        assert len(stats) == 2
+        for s in stats:
+            assert s.num_running == 0 and s.num_waiting == 0 and s.num_pages_used == 0
+            assert s.num_pages_free + s.num_pages_cached == s.num_pages_total
+        assert stats[0] == stats[1]

@@ -1,0 +1,134 @@
+"""The paged torch attention backend against a naive per-request reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from minisgl.kvcache.kv_pool import KVPool
+from minisgl.layers.attention import create_attention_backend, resolve_backend_name
+from minisgl.layers.attention.base import BatchLayout
+
+D = 8
+PAGE = 4
+NUM_PAGES = 96
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -> torch.Tensor:
+    """q [n, Hq, D] of positions prefix.., k/v [prefix + n, Hkv, D] -> [n, Hq * D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * D**-0.5
+    q_pos = torch.arange(q.shape[0])[:, None] + prefix
+    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos, float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double())
+    return out.reshape(q.shape[0], -1).float()
+
+
+def run_case(
+    prefix: list[int],
+    extend: list[int],
+    hq: int,
+    hkv: int,
+    seed: int,
+    cpu_kernel: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """cpu_kernel=False forces the pure-PyTorch path for single-query groups."""
+    g = torch.Generator().manual_seed(seed)
+    pool = KVPool(2, NUM_PAGES, PAGE, hkv, D, dtype, "cpu")
+    attn = create_attention_backend("torch", pool, hq, hkv, D, D**-0.5)
+    if not cpu_kernel:
+        attn.cpu_decode = False  # type: ignore[attr-defined]
+    free = list(range(NUM_PAGES))
+    random.Random(seed).shuffle(free)
+    tables, past_k, past_v = [], [], []
+    for p, e in zip(prefix, extend, strict=True):
+        tables.append([free.pop() for _ in range(-(-(p + e) // PAGE))])
+        # The cached prefix, written where the slot formula says it lives.
+        pk = torch.randn(p, hkv, D, generator=g).to(dtype)
+        pv = torch.randn(p, hkv, D, generator=g).to(dtype)
+        slots = torch.tensor([tables[-1][i // PAGE] * PAGE + i % PAGE for i in range(p)])
+        for layer in range(2):
+            pool.k_buffers[layer][slots.long()] = pk * (layer + 1)
+            pool.v_buffers[layer][slots.long()] = pv * (layer + 1)
+        past_k.append(pk)
+        past_v.append(pv)
+    t = sum(extend)
+    q, k, v = (torch.randn(t, h, D, generator=g).to(dtype) for h in (hq, hkv, hkv))
+    meta = attn.prepare(BatchLayout(PAGE, prefix, extend, tables))
+    for layer in range(2):  # the metadata serves every layer
+        out = attn.forward(q, k, v, layer, meta)
+        assert out.shape == (t, hq * D)
+        start = 0
+        for i, (p, e) in enumerate(zip(prefix, extend, strict=True)):
+            rows = slice(start, start + e)
+            full_k = torch.cat([past_k[i] * (layer + 1), k[rows]])
+            full_v = torch.cat([past_v[i] * (layer + 1), v[rows]])
+            want = reference(q[rows].float(), full_k.float(), full_v.float(), p)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out[rows].float(), want, atol=tol, rtol=tol)
+            start += e
+    # The new tokens' K/V are in the pool at their slots.
+    start = 0
+    for i, (p, e) in enumerate(zip(prefix, extend, strict=True)):
+        new_slots = [tables[i][j // PAGE] * PAGE + j % PAGE for j in range(p, p + e)]
+        torch.testing.assert_close(pool.v_buffers[1][new_slots], v[start : start + e])
+        start += e
+
+
+CASES = {
+    "decode-same-length": ([5, 5, 5], [1, 1, 1]),
+    "decode-mixed-lengths": ([0, 3, 17, 40], [1, 1, 1, 1]),
+    "single-prefill": ([0], [13]),
+    "single-extend-on-prefix": ([6], [9]),
+    "prefills-mixed": ([0, 0, 0], [2, 11, 5]),
+    "one-long-many-short (packed)": ([0, 0, 2, 0, 0], [60, 2, 3, 2, 2]),
+    "mixed-prefill-and-decode": ([0, 7, 12, 0, 30], [9, 1, 4, 1, 1]),
+    "chunks-crossing-pages": ([3, 4, 5], [6, 9, 2]),
+}
+
+
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu-kernel", "pure-torch"])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 1)], ids=["gqa", "mha", "mqa"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_matches_reference(case: str, heads: tuple[int, int], cpu_kernel: bool) -> None:
+    prefix, extend = CASES[case]
+    run_case(prefix, extend, *heads, seed=len(case), cpu_kernel=cpu_kernel)
+
+
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu-kernel", "pure-torch"])
+def test_bfloat16_pool(cpu_kernel: bool) -> None:
+    run_case([0, 9, 3, 0], [1, 1, 7, 12], 4, 2, seed=9, cpu_kernel=cpu_kernel, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_batches_match_reference(seed: int) -> None:
+    r = random.Random(seed)
+    n = r.randint(1, 7)
+    prefix = [r.choice([0, r.randint(1, 30)]) for _ in range(n)]
+    extend = [r.choice([1, r.randint(1, 25)]) for _ in range(n)]
+    run_case(prefix, extend, 4, 2, seed, cpu_kernel=seed % 2 == 0)
+
+
+def test_too_few_pages_is_an_error() -> None:
+    pool = KVPool(1, 8, PAGE, 2, D, torch.float32, "cpu")
+    attn = create_attention_backend("torch", pool, 4, 2, D, D**-0.5)
+    with pytest.raises(ValueError, match="cannot hold"):
+        attn.prepare(BatchLayout(PAGE, [3], [2], [[1]]))
+
+
+def test_backend_names() -> None:
+    assert resolve_backend_name("auto", "cpu") == "torch"
+    pool = KVPool(1, 2, PAGE, 1, D, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        create_attention_backend("nope", pool, 1, 1, D, 1.0)
+
+
+def test_pool_size_accounting() -> None:
+    per_page = KVPool.bytes_per_page(28, 16, 8, 128, torch.bfloat16)
+    assert per_page == 2 * 28 * 16 * 8 * 128 * 2
+    pool = KVPool(2, 3, PAGE, 2, D, torch.bfloat16, "cpu")
+    assert pool.k_buffers[1].shape == (3 * PAGE, 2, D) and pool.num_slots == 12
