@@ -137,6 +137,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
+    def num_live(self) -> int:
+        """Requests added and not yet finished or aborted (waiting + running, by id)."""
+        return len(self._live)
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 
