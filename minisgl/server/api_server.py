@@ -13,9 +13,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from minisgl.server.body_limit import BodySizeLimit
 from minisgl.server.context import ServerContext
 from minisgl.server.errors import APIError, error_response, install_handlers
-from minisgl.server.handlers import parse_body, serve_request
+from minisgl.server.handlers import serve_request
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 
 log = logging.getLogger("minisgl.api")
@@ -57,6 +58,7 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
 
     app = FastAPI(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=ctx.args.max_request_body_bytes)
 
     @app.middleware("http")
     async def auth(
@@ -64,16 +66,20 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
     ) -> Response:
         key = ctx.args.api_key
         path = request.url.path
-        if key and (path.startswith("/v1") or path.startswith("/internal")):
+        guarded = path.startswith(("/v1", "/internal")) or (
+            path == "/metrics" and ctx.args.metrics_require_api_key
+        )
+        if key and guarded:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 return error_response(401, "invalid or missing API key (Authorization: Bearer)")
         return await call_next(request)
 
+    # The bodies are declared as the pydantic models, so /openapi.json describes them; a
+    # validation failure is a 400 (errors.install_handlers), an oversized body a 413.
     @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        arrival = time.time()
-        req = await parse_body(request, ChatCompletionRequest, ctx.args.max_request_body_bytes)
+    async def chat(req: ChatCompletionRequest, request: Request) -> Response:
+        arrival = getattr(request.state, "arrival", None) or time.time()
         fields = {
             "messages": [m.template_dict() for m in req.messages],
             "chat_template_kwargs": dict(req.chat_template_kwargs),
@@ -81,13 +87,20 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
         return await serve_request(ctx, request, req, fields, "chat", arrival)
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        arrival = time.time()
-        req = await parse_body(request, CompletionRequest, ctx.args.max_request_body_bytes)
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        arrival = getattr(request.state, "arrival", None) or time.time()
         try:
             prompt = req.single_prompt()
         except ValueError as exc:
             raise APIError(400, str(exc), "prompt") from None
+        vocab = ctx.vocab_size
+        if isinstance(prompt, list) and vocab is not None:
+            # Here, not only in the engine: an id beyond 64 bits could not even be sent there.
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(
+                    400, f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
+                )
         fields: dict[str, Any] = (
             {"prompt_text": prompt} if isinstance(prompt, str) else {"prompt_ids": prompt}
         )
@@ -129,6 +142,7 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
                 "recent_batch_sizes": list(m.recent_batch_sizes)[-256:],
                 "batch_steps": m.batch_steps,
                 "in_flight": len(m.requests),
+                "pending_pings": len(m.pending_pings),
                 "waiting_at_api": m.num_waiting,
                 "workers": ctx.worker_pids,
                 "ipc_dir": ctx.ipc_dir,

@@ -13,13 +13,12 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from minisgl.message.api_to_tokenizer import TokenizeRequest
 from minisgl.message.detokenizer_to_api import ErrorReply, TextOutput
 from minisgl.sampling_params import SamplingParams
 from minisgl.server.context import ServerContext
-from minisgl.server.errors import APIError, error_response, from_validation
+from minisgl.server.errors import APIError, error_response
 from minisgl.server.manager import RequestState
 from minisgl.server.protocol import (
     ChatChoice,
@@ -35,25 +34,6 @@ from minisgl.server.protocol import (
 )
 
 log = logging.getLogger("minisgl.api")
-
-
-async def parse_body(request: Request, cls: type[SamplingFields], max_bytes: int) -> Any:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > max_bytes:
-        raise APIError(400, f"request body larger than {max_bytes} bytes")
-    body = await request.body()
-    if len(body) > max_bytes:
-        raise APIError(400, f"request body larger than {max_bytes} bytes")
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object")
-    try:
-        return cls.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation(exc) from None
 
 
 def sampling_params(ctx: ServerContext, req: SamplingFields, limit: int | None) -> SamplingParams:
@@ -204,7 +184,11 @@ async def serve_request(
         **tok_req_fields,
     )
     log.info("rid=%s received: %s stream=%s", rid, kind, req.stream)
-    state = ctx.manager.submit(tok_req)
+    try:
+        state = ctx.manager.submit(tok_req)
+    except (TypeError, ValueError, OverflowError) as exc:  # e.g. a 2**70 in chat_template_kwargs
+        log.info("rid=%s rejected: cannot encode: %s", rid, exc)
+        raise APIError(400, "the request holds values that cannot be processed") from None
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
         first = await next_reply(state, watcher)

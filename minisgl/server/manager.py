@@ -78,9 +78,11 @@ class RequestManager:
         return sum(1 for s in self.requests.values() if not s.got_output)
 
     def submit(self, req: TokenizeRequest) -> RequestState:
-        state = RequestState(req.rid, req.arrival_time)
-        self.requests[req.rid] = state
+        # Encode first: a request that cannot be sent must not stay registered (it would
+        # count as waiting forever and, with enough of them, close admission for good).
         self.to_tokenizer.put(req)
+        state = RequestState(req.rid, req.arrival_time)
+        self.requests[req.rid] = state  # no await since put(): no reply can come before this
         return state
 
     def release(self, rid: str) -> None:
@@ -90,6 +92,10 @@ class RequestManager:
         """Drop a request still in flight; the scheduler frees its pages."""
         if self.requests.pop(rid, None) is not None:
             self.to_tokenizer.put(AbortRequest(rid))
+
+    @property
+    def pending_pings(self) -> dict[int, asyncio.Future[list[str]]]:
+        return self._pings
 
     def fail_all(self, message: str, status: int = 503) -> None:
         for state in list(self.requests.values()):

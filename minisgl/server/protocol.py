@@ -13,6 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 SEED_MAX = 2**63 - 1
+# Integers travel to the workers as msgpack (64-bit at most); far below that, no context or
+# vocabulary is this large, so anything beyond is a 400 here rather than an encoding error.
+INT_MAX = 2**31 - 1
 MAX_STOP = 64
 
 
@@ -51,10 +54,10 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, le=INT_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT_MAX)
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -109,7 +112,7 @@ class SamplingFields(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT_MAX)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     def limit(self) -> int | None:

@@ -71,6 +71,8 @@ class Detokenizer:
             msg.hops.append("detokenizer")
             return [msg], []
         if isinstance(msg, SchedulerStatsUpdate):
+            # Requests this stage still tracks: 0 when idle, or a request's state leaked here.
+            msg.stats["detokenizer_live_requests"] = len(self.decoders)
             return [msg], []
         return [], []
 
