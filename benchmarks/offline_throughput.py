@@ -55,7 +55,8 @@ def run_transformers(
     from transformers import AutoModelForCausalLM
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(device).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+    hf = loaded.to(device).eval()  # type: ignore[arg-type]  # transformers' .to stub
 
     def generate(batch: list[list[int]], n: int) -> None:
         width = max(len(p) for p in batch)
@@ -114,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-batch-sizes", default="16,64")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="8 requests x 16 tokens, tiny model")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads for both (0: default)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     preset = "0.6b"
     if args.quick:
         args.num_requests, args.output_len, args.max_input, preset = 8, 16, 160, "tiny"

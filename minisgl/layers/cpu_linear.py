@@ -2,8 +2,9 @@
 
 `F.linear` on CPU streams weights at a fraction of memory bandwidth for small batches (MKL's
 small-M path, and torch's bf16 path without AVX-512). Two remedies, in order of preference:
-- our AVX2 kernel (cpu_kernels.py) for up to MAX_ROWS rows, F.linear beyond (prefill is
-  compute-bound, where MKL/oneDNN are good);
+- our AVX2 kernels (cpu_kernels.py): a GEMV for up to MAX_ROWS rows (memory-bound decode)
+  and a blocked GEMM beyond (batched decode, prefill). Both compute in fp32 from bf16 weights:
+  without native bf16 (AVX2), torch's bf16 matmul runs ~10x below its fp32 one;
 - else oneDNN with the weight reordered once into its blocked layout, for every row count
   (needs CPU support for the dtype: bf16 wants AVX-512 or AVX-NE-CONVERT).
 Where neither applies `create` returns None and the layer keeps F.linear.
@@ -71,8 +72,10 @@ class CpuLinearKernel:
         return CpuLinearKernel(weight, False, packed, out_dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_gemv and x.shape[0] <= cpu_kernels.MAX_ROWS:
-            return cpu_kernels.gemv(x, self.weight, self.out_dtype)
+        if self.use_gemv:
+            if x.shape[0] <= cpu_kernels.MAX_ROWS:
+                return cpu_kernels.gemv(x, self.weight, self.out_dtype)
+            return cpu_kernels.gemm(x, self.weight, self.out_dtype)
         if self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         else:

@@ -55,7 +55,7 @@ class TorchAttentionBackend(AttentionBackend):
         # On CPU, single-query groups go to a small C kernel when it is available (torch's CPU
         # SDPA costs ~0.5 ms per call for one query); the PyTorch path below is the fallback.
         self.cpu_decode = kv_pool.num_layers > 0 and cpu_kernels.supports_decode_attention(
-            kv_pool.k_buffers[0]
+            kv_pool.k_buffers[0], num_heads
         )
 
     def prepare(self, layout: BatchLayout) -> TorchMetadata:

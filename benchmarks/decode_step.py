@@ -1,0 +1,142 @@
+"""One engine step at a time, without the scheduler: where a forward pass spends its time.
+
+Times ModelRunner.forward on the random Qwen3-0.6B-shaped fixture for decode batches (B requests,
+one new token each, at a given context) and for a prefill chunk (requests of --prefill-len new
+tokens up to --prefill-tokens in one step). Repeats interleave the cases, so noise from other
+work on the machine spreads over all of them; the best and median of the repeats are printed.
+
+    python benchmarks/decode_step.py --dtype bfloat16 --batches 1,8,32 --context 320
+    python benchmarks/decode_step.py --profile 1     # torch profiler table for B=1 decode
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from minisgl.config import EngineArgs
+from minisgl.engine.model_runner import ForwardInput, ModelRunner
+from minisgl.models.config import ModelConfig
+from minisgl.sampling_params import SamplingParams
+
+PAGE = 16
+
+
+def fixture(dtype: str, root: Path) -> Path:
+    from minisgl.testing.fixture import write_fixture_model
+
+    out = root / f"qwen3-0.6b-{dtype}"
+    if not (out / "config.json").is_file():
+        write_fixture_model(out, preset="0.6b", dtype=dtype)
+    return out
+
+
+def decode_input(batch: int, context: int) -> ForwardInput:
+    """`batch` requests that each have `context` tokens cached and decode one more."""
+    pages_per = -(-(context + 1) // PAGE)
+    tables = [list(range(i * pages_per, (i + 1) * pages_per)) for i in range(batch)]
+    return ForwardInput(
+        token_ids=[(17 * i + 5) % 150000 for i in range(batch)],
+        prefix_lens=[context] * batch,
+        extend_lens=[1] * batch,
+        page_tables=tables,
+        sample_rows=list(range(batch)),
+        sample_params=[SamplingParams(temperature=0)] * batch,
+        sample_steps=[0] * batch,
+        sample_seeds=[0] * batch,
+    )
+
+
+def prefill_input(total: int, length: int) -> ForwardInput:
+    """Prompts of `length` tokens (no cached prefix) filling a `total`-token chunk."""
+    n = max(1, total // length)
+    pages_per = -(-length // PAGE)
+    tables = [list(range(i * pages_per, (i + 1) * pages_per)) for i in range(n)]
+    return ForwardInput(
+        token_ids=[(31 * i + 7) % 150000 for i in range(n * length)],
+        prefix_lens=[0] * n,
+        extend_lens=[length] * n,
+        page_tables=tables,
+        sample_rows=list(range(n)),
+        sample_params=[SamplingParams(temperature=0)] * n,
+        sample_steps=[0] * n,
+        sample_seeds=[0] * n,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", help="model dir (default: the random 0.6B fixture)")
+    ap.add_argument("--fixture-dir", default="/tmp/minisgl-bench-models")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--context", type=int, default=320)
+    ap.add_argument("--prefill-tokens", type=int, default=4096, help="0: skip prefill")
+    ap.add_argument("--prefill-len", type=int, default=320)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--profile", type=int, default=0, help="profile decode at this batch size")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model = Path(args.model) if args.model else fixture(args.dtype, Path(args.fixture_dir))
+    config = ModelConfig.from_dir(model)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    pages_needed = max(
+        [b * -(-(args.context + 1) // PAGE) for b in batches]
+        + [args.prefill_tokens // PAGE + 64, 64]
+    )
+    eargs = EngineArgs(
+        model=str(model), dtype=args.dtype, device="cpu", num_pages=pages_needed, page_size=PAGE
+    )
+    runner = ModelRunner(eargs, model, config, max_seq_len=4096)
+    cases: dict[str, tuple[ForwardInput, int]] = {}
+    for b in batches:
+        cases[f"decode B={b} ctx={args.context}"] = (decode_input(b, args.context), b)
+    if args.prefill_tokens:
+        inp = prefill_input(args.prefill_tokens, args.prefill_len)
+        cases[f"prefill {len(inp.token_ids)} tok ({args.prefill_len}/req)"] = (
+            inp,
+            len(inp.token_ids),
+        )
+
+    if args.profile:
+        inp = decode_input(args.profile, args.context)
+        for _ in range(3):
+            runner.forward(inp)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                runner.forward(inp)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        return 0
+
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for inp, _ in cases.values():
+        runner.forward(inp)  # warm-up: kernels built, tables cached
+    for _ in range(args.repeats):
+        for name, (inp, _) in cases.items():
+            t0 = time.perf_counter()
+            runner.forward(inp)
+            times[name].append(time.perf_counter() - t0)
+    print(f"{args.dtype}, {torch.get_num_threads()} threads")
+    for name, (_, tokens) in cases.items():
+        best, med = min(times[name]), statistics.median(times[name])
+        print(
+            f"{name:<34} best {best * 1e3:8.1f} ms  median {med * 1e3:8.1f} ms  "
+            f"{tokens / best:8.1f} tok/s (best)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The AVX2 CPU kernels against float64 references: matmuls at every row count the engine
+routes to them (GEMV and GEMM, tails included) and paged decode attention with GQA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl.layers import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2 kernels here")
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 15, 16, 17, 40, 200])
+def test_matmul_matches_reference(wdtype: torch.dtype, rows: int) -> None:
+    torch.manual_seed(rows)
+    n, k = 37, 96  # N not a multiple of the 16-row panel or the 4-row block
+    w = torch.randn(n, k).to(wdtype)
+    x = torch.randn(rows, k)
+    ref = F.linear(x.double(), w.double())
+    fn = cpu_kernels.gemv if rows <= cpu_kernels.MAX_ROWS else cpu_kernels.gemm
+    for f in {fn, cpu_kernels.gemm}:
+        y = f(x, w)
+        assert y.dtype == torch.float32 and y.shape == (rows, n)
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+        # bf16 output: fp32 result rounded to nearest even, as torch's cast does
+        yb = f(x.bfloat16(), w, torch.bfloat16)
+        assert yb.dtype == torch.bfloat16
+        assert torch.equal(yb, f(x.bfloat16(), w).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 32), (6, 2, 40), (4, 4, 16)])  # odd group, tails
+def test_decode_attention_matches_sdpa(dtype: torch.dtype, hq: int, hkv: int, d: int) -> None:
+    torch.manual_seed(0)
+    slots = 64
+    k_pool = torch.randn(slots, hkv, d).to(dtype)
+    v_pool = torch.randn(slots, hkv, d).to(dtype)
+    lens = torch.tensor([1, 7, 30], dtype=torch.int64)
+    table = torch.stack([torch.randperm(slots)[:30] for _ in range(3)])  # scattered slots
+    q = torch.randn(3, hq, d).to(dtype)
+    out = cpu_kernels.decode_attention(q, k_pool, v_pool, table, lens, d**-0.5)
+    assert out.shape == (3, hq * d) and out.dtype == dtype
+    for b in range(3):
+        sl = table[b, : lens[b]]
+        kk = k_pool[sl].double().transpose(0, 1)  # [Hkv, n, D]
+        vv = v_pool[sl].double().transpose(0, 1)
+        ref = F.scaled_dot_product_attention(
+            q[b].double()[:, None], kk, vv, scale=d**-0.5, enable_gqa=True
+        )  # [Hq, 1, D]
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out[b].double(), ref.reshape(-1), rtol=tol, atol=tol)
