@@ -564,17 +564,24 @@ def supports(weight: torch.Tensor) -> bool:
     )
 
 
+def _matmul_operands(
+    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None
+) -> tuple[Any, torch.Tensor, torch.Tensor, torch.dtype]:
+    """The loaded library, x as contiguous fp32, and the output buffer [M, N]."""
+    lib = load()
+    assert lib is not None
+    out_dtype = out_dtype or x.dtype
+    xf = x.contiguous().float()
+    return lib, xf, torch.empty(xf.shape[0], weight.shape[0], dtype=out_dtype), out_dtype
+
+
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) @ weight.T -> [M, N] in `out_dtype` (default x's dtype)."""
-    lib = load()
-    assert lib is not None
-    xf = x.contiguous().float()
+    lib, xf, y, out_dtype = _matmul_operands(x, weight, out_dtype)
     m, k = xf.shape
     n = weight.shape[0]
-    out_dtype = out_dtype or x.dtype
-    y = torch.empty(m, n, dtype=out_dtype)
     fn = lib.bf16 if weight.dtype == torch.bfloat16 else lib.f32
     fn(xf.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, int(out_dtype == torch.bfloat16))
     return y
@@ -585,13 +592,9 @@ def gemm(
 ) -> torch.Tensor:
     """x [M, K] @ weight.T -> [M, N] in `out_dtype` (default x's dtype), any M; weight as for
     `supports` (K % 16 for bf16, K % 8 for fp32). Computed in fp32 from bf16 or fp32 weights."""
-    lib = load()
-    assert lib is not None
-    xf = x.contiguous().float()
+    lib, xf, y, out_dtype = _matmul_operands(x, weight, out_dtype)
     m, k = xf.shape
     n = weight.shape[0]
-    out_dtype = out_dtype or x.dtype
-    y = torch.empty(m, n, dtype=out_dtype)
     lib.gemm(
         xf.data_ptr(),
         weight.data_ptr(),
