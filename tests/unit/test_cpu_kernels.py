@@ -52,3 +52,45 @@ def test_decode_attention_matches_sdpa(dtype: torch.dtype, hq: int, hkv: int, d:
         )  # [Hq, 1, D]
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
         torch.testing.assert_close(out[b].double(), ref.reshape(-1), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_gemm_goes_to_onednn_only_with_native_bf16(monkeypatch, native: bool) -> None:
+    """Decode-sized inputs always take our GEMV; beyond MAX_ROWS bf16 goes to the oneDNN copy
+    where the CPU has bf16 dot products (twice our fp32-compute GEMM's FLOPs there). The oneDNN
+    call is replaced by F.linear on this machine's behalf when it lacks native bf16."""
+    from minisgl.layers import cpu_linear
+
+    calls: list[int] = []
+    if not cpu_linear.native_bf16():
+        monkeypatch.setattr(cpu_linear, "native_bf16", lambda: native)
+        monkeypatch.setattr(cpu_linear, "_onednn_pack", lambda w: w.clone())
+
+        def fake_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+            calls.append(x.shape[0])
+            return F.linear(x, packed)
+
+        monkeypatch.setattr(cpu_linear, "_onednn_linear", fake_linear)
+    elif not native:
+        monkeypatch.setenv("MINISGL_CPU_ONEDNN_GEMM", "0")
+    torch.manual_seed(0)
+    w = torch.randn(48, 64).bfloat16()
+    kernel = cpu_linear.CpuLinearKernel.create(w)
+    assert kernel is not None and kernel.use_gemv
+    assert (kernel.packed is not None) == native
+    for rows in (1, cpu_kernels.MAX_ROWS, cpu_kernels.MAX_ROWS + 1, 100):
+        x = torch.randn(rows, 64).bfloat16()
+        ref = F.linear(x.double(), w.double())
+        torch.testing.assert_close(kernel(x).double(), ref, rtol=2e-2, atol=0.1)
+    if calls or not cpu_linear.native_bf16():
+        assert calls == ([cpu_kernels.MAX_ROWS + 1, 100] if native else [])
+
+
+def test_onednn_copy_can_be_turned_off(monkeypatch) -> None:
+    from minisgl.layers import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: True)
+    monkeypatch.setattr(cpu_linear, "_onednn_pack", lambda w: w.clone())
+    monkeypatch.setenv("MINISGL_CPU_ONEDNN_GEMM", "0")
+    kernel = cpu_linear.CpuLinearKernel.create(torch.randn(32, 64).bfloat16())
+    assert kernel is not None and kernel.packed is None
