@@ -35,15 +35,19 @@ def test_matmul_matches_reference(wdtype: torch.dtype, rows: int) -> None:
 @pytest.mark.parametrize("hq,hkv,d", [(8, 2, 32), (6, 2, 40), (4, 4, 16)])  # odd group, tails
 def test_decode_attention_matches_sdpa(dtype: torch.dtype, hq: int, hkv: int, d: int) -> None:
     torch.manual_seed(0)
-    slots = 64
+    slots = 700
     k_pool = torch.randn(slots, hkv, d).to(dtype)
     v_pool = torch.randn(slots, hkv, d).to(dtype)
-    lens = torch.tensor([1, 7, 30], dtype=torch.int64)
-    table = torch.stack([torch.randperm(slots)[:30] for _ in range(3)])  # scattered slots
-    q = torch.randn(3, hq, d).to(dtype)
+    # Requests split into several key chunks (up to 128 each) and merged, or kept whole.
+    lens = torch.tensor([1, 7, 30, 129, 600], dtype=torch.int64)
+    table = torch.stack([torch.randperm(slots)[:600] for _ in range(5)])  # scattered slots
+    q = torch.randn(5, hq, d).to(dtype)
     out = cpu_kernels.decode_attention(q, k_pool, v_pool, table, lens, d**-0.5)
-    assert out.shape == (3, hq * d) and out.dtype == dtype
-    for b in range(3):
+    assert out.shape == (5, hq * d) and out.dtype == dtype
+    # Alone, a request is split differently (chunks follow the batch's total): same answer.
+    alone = cpu_kernels.decode_attention(q[3:4], k_pool, v_pool, table[3:4], lens[3:4], d**-0.5)
+    torch.testing.assert_close(alone, out[3:4], rtol=1e-2, atol=1e-2)
+    for b in range(5):
         sl = table[b, : lens[b]]
         kk = k_pool[sl].double().transpose(0, 1)  # [Hkv, n, D]
         vv = v_pool[sl].double().transpose(0, 1)
