@@ -83,7 +83,7 @@ def _label_kernels() -> None:
 
         return run
 
-    for name in ("gemv", "gemm", "decode_attention", "rms_norm"):
+    for name in ("gemv", "gemm", "decode_attention", "rms_norm", "silu_mul"):
         setattr(cpu_kernels, name, labelled(name, getattr(cpu_kernels, name)))
 
 

@@ -27,6 +27,7 @@ import zmq
 
 from minisgl.config import EngineArgs
 from minisgl.engine.engine import Engine, StepOutput
+from minisgl.engine.factory import freeze_startup_objects
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.scheduler import SchedulerStats
 
@@ -263,6 +264,7 @@ def follower_main(args_dict: dict, rank: int, rdv_dict: dict, parent_pid: int) -
     ack.connect(_zmq_addr(rdv.host, rdv.ack_port))
     _init_distributed(args, rank, rdv)
     engine = Engine(args, tp_rank=rank)
+    freeze_startup_objects()
     acked = False
     try:
         while True:

@@ -152,7 +152,11 @@ def run_scheduler_worker(
     try:
         from tqdm import tqdm
 
-        from minisgl.engine.factory import create_engine, shutdown_engine  # torch: here only
+        from minisgl.engine.factory import (  # torch: here only
+            create_engine,
+            freeze_startup_objects,
+            shutdown_engine,
+        )
 
         # The weight loader's progress bar would create a multiprocessing lock, which the
         # resource tracker then reports as leaked when this worker leaves via os._exit.
@@ -163,6 +167,7 @@ def run_scheduler_worker(
         to_detok: PushQueue[Any] = PushQueue(
             ctx, endpoints.detokenizer, scheduler_to_detokenizer.KINDS
         )
+        freeze_startup_objects()
     except BaseException as exc:
         report_failure(ready, exc)
         raise

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.attention.base import AttentionBackend, AttentionMetadata
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import (
@@ -21,8 +21,8 @@ from minisgl.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from minisgl.layers.norm import RMSNorm, head_rms_norm
-from minisgl.layers.rotary import RotaryEmbedding, apply_rotary
+from minisgl.layers.norm import RMSNorm, head_rms_norm_rotary
+from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
 
 
@@ -62,7 +62,7 @@ class Qwen3Attention(nn.Module):
         qkv = self.qkv_proj(x)
         # q and k heads side by side: one norm and one rotation for both (per-head weights).
         qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
-        qk = apply_rotary(head_rms_norm(qk, self.qk_weight(), self.eps), cos, sin)
+        qk = head_rms_norm_rotary(qk, self.qk_weight(), self.eps, cos, sin)
         v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
         o = attn.forward(qk[:, :hq], qk[:, hq:], v, self.layer_id, meta)
         return self.o_proj(o)
@@ -89,11 +89,9 @@ class Qwen3MLP(nn.Module):
             config.hidden_size, [inter, inter], tp_rank, tp_size
         )
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp_rank, tp_size)
-        self.inter_local = self.gate_up_proj.out_local[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter_local, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class Qwen3DecoderLayer(nn.Module):

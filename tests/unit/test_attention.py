@@ -88,6 +88,8 @@ CASES = {
     "one-long-many-short (packed)": ([0, 0, 2, 0, 0], [60, 2, 3, 2, 2]),
     "mixed-prefill-and-decode": ([0, 7, 12, 0, 30], [9, 1, 4, 1, 1]),
     "chunks-crossing-pages": ([3, 4, 5], [6, 9, 2]),
+    "long-prefills (per request)": ([0, 0, 20, 0], [40, 35, 30, 38]),
+    "long-prefills-and-decodes (per request)": ([0, 5, 20, 0, 9], [40, 1, 30, 38, 1]),
 }
 
 
@@ -111,6 +113,21 @@ def test_random_batches_match_reference(seed: int) -> None:
     prefix = [r.choice([0, r.randint(1, 30)]) for _ in range(n)]
     extend = [r.choice([1, r.randint(1, 25)]) for _ in range(n)]
     run_case(prefix, extend, 4, 2, seed, cpu_kernel=seed % 2 == 0)
+
+
+def test_long_prefills_are_attended_per_request() -> None:
+    """The layout the cases above rely on: a chunk of long prompts is not padded to a
+    rectangle."""
+    pool = KVPool(1, NUM_PAGES, PAGE, 2, D, torch.float32, "cpu")
+    attn = create_attention_backend("torch", pool, 4, 2, D, D**-0.5)
+    prefix, extend = CASES["long-prefills (per request)"]
+    tables, free = [], iter(range(NUM_PAGES))
+    for p, e in zip(prefix, extend, strict=True):
+        tables.append([next(free) for _ in range(-(-(p + e) // PAGE))])
+    meta = attn.prepare(BatchLayout(PAGE, prefix, extend, tables))
+    (group,) = meta.groups  # type: ignore[attr-defined]
+    assert group.pieces is not None and [p.length for p in group.pieces] == extend
+    assert [p.mask is None for p in group.pieces] == [True, True, False, True]
 
 
 def test_too_few_pages_is_an_error() -> None:

@@ -98,3 +98,38 @@ def test_onednn_copy_can_be_turned_off(monkeypatch) -> None:
     monkeypatch.setenv("MINISGL_CPU_ONEDNN_GEMM", "0")
     kernel = cpu_linear.CpuLinearKernel.create(torch.randn(32, 64).bfloat16())
     assert kernel is not None and kernel.packed is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_mul_matches_eager(dtype: torch.dtype) -> None:
+    from minisgl.layers.activation import silu_and_mul
+
+    torch.manual_seed(0)
+    x = (torch.randn(37, 2 * 44) * 4).to(dtype)  # I = 44: vector body and scalar tail
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturated exp, both signs
+    gate, up = x.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = silu_and_mul(x)
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:  # same roundings; the exp may differ in its last fp32 bit, rarely moving a bf16 ulp
+        assert (got != want).float().mean() < 0.01
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_head_norm_with_rotary_matches_two_steps(dtype: torch.dtype) -> None:
+    from minisgl.layers.norm import head_rms_norm, head_rms_norm_rotary
+    from minisgl.layers.rotary import RotaryEmbedding, apply_rotary
+
+    torch.manual_seed(0)
+    t, h, d = 9, 6, 64
+    qkv = torch.randn(t, (h + 2) * d).to(dtype)
+    x = qkv[:, : h * d].view(t, h, d)  # strided rows, as in the model
+    w = torch.randn(h, d).to(dtype)
+    cos, sin = RotaryEmbedding(d, 10000.0, None, 128).cos_sin(torch.arange(3, 3 + t), dtype)
+    got = head_rms_norm_rotary(x, w, 1e-6, cos, sin)
+    want = apply_rotary(head_rms_norm(x, w, 1e-6), cos, sin)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

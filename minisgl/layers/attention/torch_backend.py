@@ -1,13 +1,17 @@
 """Paged attention in plain PyTorch (CPU and CUDA): gather, then scaled_dot_product_attention.
 
-A step's requests are split into two groups that are each padded to a rectangle:
+A step's requests are split into two groups:
 - decode: one new token per request; queries [B, 1], keys padded to the longest context;
 - extend: several new tokens per request. Padded per request this costs B * maxQ * maxK; packed
-  as one varlen sequence with a block-diagonal causal mask it costs sumQ * sumK. `prepare` picks
-  the cheaper, so one long prefill next to short ones does not pad every request to its length.
+  as one varlen sequence with a block-diagonal causal mask it costs sumQ * sumK; one causal call
+  per request costs about sum(Q * K) / 2 (SDPA skips the masked-out half) plus a fixed cost per
+  call. `prepare` picks the cheapest: a prefill chunk of a dozen 300-token prompts is mostly
+  padding and masked-out cells as a rectangle, so per-request calls win there; many short
+  extends stay one batched call.
 Keeping decodes apart means a long prefill never inflates the decodes' query padding.
 All index and mask tensors are built once per step in `prepare` (numpy, O(requests) Python);
-`forward` is a fixed handful of tensor ops per group.
+`forward` is a fixed handful of tensor ops per group (or one call per request of the extend
+group when that layout was picked).
 """
 
 from __future__ import annotations
@@ -24,6 +28,16 @@ from minisgl.layers.attention.base import AttentionBackend, AttentionMetadata, B
 
 
 @dataclass
+class _Piece:
+    """One request of an extend group attended on its own."""
+
+    start: int  # its first row among the step's tokens
+    length: int  # its new tokens
+    k_slots: torch.Tensor  # [K] pool slots of its keys (prefix + new)
+    mask: torch.Tensor | None  # [1, 1, Q, K] (after a cached prefix); None: plain causal
+
+
+@dataclass
 class _Group:
     q_rows: torch.Tensor | None  # [G, Q] rows of the step's tokens (padding: row 0); None:
     # the step's rows 0..T-1 in order, unpadded (q is then a view, no gather)
@@ -34,6 +48,7 @@ class _Group:
     out_rows: torch.Tensor | None  # step rows of the valid queries; None: all of 0..T-1 in order
     valid: torch.Tensor | None  # flat [G * Q] indices of the valid queries; None: all valid
     lens: torch.Tensor  # [G] keys per request (prefix + extend)
+    pieces: list[_Piece] | None = None  # set: one SDPA call per request instead
 
 
 @dataclass
@@ -41,6 +56,10 @@ class TorchMetadata(AttentionMetadata):
     num_tokens: int
     out_loc: torch.Tensor  # [T] pool slot of each new token
     groups: list[_Group]
+
+
+# The fixed cost of one more SDPA call, in query x key cells (gather, launch, concatenation).
+_CALL_CELLS = 1024
 
 
 def _slots(pages: np.ndarray, req: np.ndarray, pos: np.ndarray, page_size: int) -> np.ndarray:
@@ -100,9 +119,12 @@ class TorchAttentionBackend(AttentionBackend):
         pre, ext, st = prefix[members], extend[members], starts[members]
         tot = pre + ext
         g = len(members)
-        packed = (
-            ext.max() > 1 and g > 1 and int(ext.sum()) * int(tot.sum()) < g * ext.max() * tot.max()
-        )
+        packed_cells = int(ext.sum()) * int(tot.sum())
+        padded_cells = g * int(ext.max()) * int(tot.max())
+        each_cells = int((ext * tot).sum()) // 2 + _CALL_CELLS * g
+        if ext.max() > 1 and g > 1 and each_cells < min(packed_cells, padded_cells):
+            return self._group_each(members, pre, ext, st, pages, ps, num_requests)
+        packed = ext.max() > 1 and g > 1 and packed_cells < padded_cells
         if packed:
             # One varlen row: queries and keys of all members concatenated; a key is visible to
             # a query of the same request at an earlier or equal position.
@@ -150,6 +172,39 @@ class TorchAttentionBackend(AttentionBackend):
             lens=self._dev(tot),
         )
 
+    def _group_each(
+        self,
+        members: np.ndarray,
+        pre: np.ndarray,
+        ext: np.ndarray,
+        st: np.ndarray,
+        pages: np.ndarray,
+        ps: int,
+        num_requests: int,
+    ) -> _Group:
+        pieces = []
+        for i, req in enumerate(members):
+            k_pos = np.arange(int(pre[i] + ext[i]))
+            mask = None
+            if pre[i] > 0:  # causal, shifted by the cached prefix
+                q_pos = pre[i] + np.arange(int(ext[i]))
+                mask = self._dev((k_pos[None, :] <= q_pos[:, None])[None, None])
+            slots = self._dev(_slots(pages, np.full_like(k_pos, req), k_pos, ps))
+            pieces.append(_Piece(int(st[i]), int(ext[i]), slots, mask))
+        rows = np.concatenate([np.arange(s, s + e) for s, e in zip(st, ext)])
+        identity = len(members) == num_requests and np.array_equal(rows, np.arange(len(rows)))
+        return _Group(
+            q_rows=None,
+            k_slots=self._dev(np.zeros(0, dtype=np.int64)),
+            shape=(1, len(rows)),
+            mask=None,
+            is_causal=False,
+            out_rows=None if identity else self._dev(rows),
+            valid=None,
+            lens=self._dev(pre + ext),
+            pieces=pieces,
+        )
+
     def forward(
         self,
         q: torch.Tensor,
@@ -180,6 +235,8 @@ class TorchAttentionBackend(AttentionBackend):
     def _attend(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, grp: _Group
     ) -> torch.Tensor:
+        if grp.pieces is not None:
+            return torch.cat([self._attend_one(q, k_buf, v_buf, p) for p in grp.pieces])
         g, qn = grp.shape
         if qn == 1 and self.cpu_decode:
             qd = q if grp.q_rows is None else q[grp.q_rows[:, 0]]
@@ -202,3 +259,20 @@ class TorchAttentionBackend(AttentionBackend):
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return o.transpose(1, 2).reshape(g * qn, self.num_heads * self.head_dim)
+
+    def _attend_one(
+        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, p: _Piece
+    ) -> torch.Tensor:
+        qg = q[p.start : p.start + p.length].transpose(0, 1)[None]  # [1, Hq, Q, D]
+        kg = k_buf.index_select(0, p.k_slots).transpose(0, 1)[None]  # [1, Hkv, K, D]
+        vg = v_buf.index_select(0, p.k_slots).transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(
+            qg,
+            kg,
+            vg,
+            attn_mask=p.mask,
+            is_causal=p.mask is None,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return o[0].transpose(0, 1).reshape(p.length, self.num_heads * self.head_dim)
