@@ -46,6 +46,9 @@ def run_minisgl(model: str, dtype: str, device: str, prompts, out_len: int) -> t
             [prompts[0][:32]], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         )
     )
+    llm.shutdown()
+    llm = outs = None  # type: ignore[assignment]
+    gc.collect()  # the KV pool goes before the peer loads (both must fit in RAM)
     return len(prompts) * out_len / batch_s, single
 
 
