@@ -389,6 +389,18 @@ static inline void prefetch_row(const void* row, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)row + o, _MM_HINT_T0);
 }
 
+/* In a chunk function: the pool rows of keys i..i+3 (past n: key i's, which the caller weighs
+   0) and of the keys PF_KEYS later (0 past n); then head hk's piece of the latter prefetched,
+   one head at a time (a burst of whole rows would stall on full miss queues). */
+#define FOUR_ROWS(POOL, ROWS, AHEAD)                                                          \
+    for (int j = 0; j < 4; j++) {                                                           \
+        ROWS[j] = POOL + sl[i + j < n ? i + j : i] * row;                                   \
+        AHEAD[j] = i + PF_KEYS + j < n ? POOL + sl[i + PF_KEYS + j] * row : 0;              \
+    }
+#define PREFETCH_HEAD(AHEAD, hk)                                                              \
+    for (int j = 0; j < 4; j++)                                                             \
+        if (AHEAD[j]) prefetch_row(AHEAD[j] + (hk) * D, D * (int64_t)sizeof(*AHEAD[j]))
+
 #define ATTN(NAME, KT, LOAD)                                                                  \
 static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int64_t* sl,     \
                          int64_t n, int64_t Hq, int64_t Hkv, int64_t D, float scale,        \
@@ -398,14 +410,10 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
     float* pl = pm + Hq;                                                                    \
     __m128 s4 = _mm_set1_ps(scale);                                                         \
     for (int64_t i = 0; i < n; i += 4) {                                                    \
-        const KT* kr[4];                                                                    \
-        for (int j = 0; j < 4; j++) kr[j] = kp + sl[i + j < n ? i + j : i] * row;           \
-        const KT* ahead[4];                                                                 \
-        for (int j = 0; j < 4; j++)                                                         \
-            ahead[j] = i + PF_KEYS + j < n ? kp + sl[i + PF_KEYS + j] * row : 0;         \
+        const KT *kr[4], *ahead[4];                                                         \
+        FOUR_ROWS(kp, kr, ahead);                                                          \
         for (int64_t hk = 0; hk < Hkv; hk++) {                                              \
-            for (int j = 0; j < 4; j++) /* spread out: a burst would stall on full queues */ \
-                if (ahead[j]) prefetch_row(ahead[j] + hk * D, D * (int64_t)sizeof(KT));     \
+            PREFETCH_HEAD(ahead, hk);                                                       \
             for (int64_t g0 = 0; g0 < group; g0 += 2) {                                     \
                 int64_t ha = hk * group + g0, hb = g0 + 1 < group ? ha + 1 : ha;            \
                 const float* qa = qb + ha * D;                                              \
@@ -430,14 +438,10 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
     for (int64_t h = 0; h < Hq; h++) pl[h] = softmax_partial(sc + h * n4, n, n4, pm + h);   \
     for (int64_t e = 0; e < Hq * D; e += 8) _mm256_storeu_ps(po + e, _mm256_setzero_ps());  \
     for (int64_t i = 0; i < n; i += 4) {                                                    \
-        const KT* vr[4];                                                                    \
-        for (int j = 0; j < 4; j++) vr[j] = vp + sl[i + j < n ? i + j : i] * row;           \
-        const KT* ahead[4];                                                                 \
-        for (int j = 0; j < 4; j++)                                                         \
-            ahead[j] = i + PF_KEYS + j < n ? vp + sl[i + PF_KEYS + j] * row : 0;         \
+        const KT *vr[4], *ahead[4];                                                         \
+        FOUR_ROWS(vp, vr, ahead);                                                          \
         for (int64_t hk = 0; hk < Hkv; hk++) {                                              \
-            for (int j = 0; j < 4; j++) /* spread out: a burst would stall on full queues */ \
-                if (ahead[j]) prefetch_row(ahead[j] + hk * D, D * (int64_t)sizeof(KT));     \
+            PREFETCH_HEAD(ahead, hk);                                                       \
             for (int64_t g0 = 0; g0 < group; g0 += 2) {                                     \
                 int64_t ha = hk * group + g0;                                               \
                 int two = g0 + 1 < group;                                                   \
