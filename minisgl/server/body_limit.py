@@ -1,6 +1,8 @@
 """ASGI middleware: refuse request bodies over --max-request-body-bytes before anything reads
-them whole (a declared Content-Length is checked up front; a chunked body is counted as it
-arrives and never buffered past the limit)."""
+them whole. A declared Content-Length over the limit is refused up front; every body, whatever
+its framing, is also counted as it arrives and never buffered past the limit (the declared
+length alone is not trusted: with both Content-Length and Transfer-Encoding the HTTP server
+frames the body by the chunks, so the bytes that arrive may far exceed the declared length)."""
 
 from __future__ import annotations
 
@@ -29,12 +31,8 @@ class BodySizeLimit:
         # Arrival as early as possible, so metrics count the parsing time too.
         scope.setdefault("state", {})["arrival"] = time.time()
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None:
-            # The HTTP server itself holds the body to its declared length.
-            if length.isdigit() and int(length) <= self.max_bytes:
-                await self.app(scope, receive, send)
-            else:
-                await self._refuse(scope, receive, send)
+        if length is not None and not (length.isdigit() and int(length) <= self.max_bytes):
+            await self._refuse(scope, receive, send)  # before a byte of the body is read
             return
         buffered: list[Message] = []
         size = 0

@@ -141,7 +141,30 @@ def test_request_body_size_limit(srv: ServerProcess) -> None:
         )
         head = sock.recv(4096).decode(errors="replace")
     assert head.startswith("HTTP/1.1 413"), head
+    # A small Content-Length next to Transfer-Encoding: chunked: the server frames the body by
+    # the chunks, so a body far over the limit must still be refused.
+    head = _send_chunked(srv, {"Content-Length": "10"}, b"x" * (4 * BODY_LIMIT))
+    assert head.startswith("HTTP/1.1 413"), head
     wait_clean(srv)
+
+
+def _send_chunked(srv: ServerProcess, headers: dict[str, str], body: bytes) -> str:
+    """Send `body` chunked over a raw socket; the status line and headers of the reply."""
+    lines = [
+        "POST /v1/chat/completions HTTP/1.1", "Host: x", f"Authorization: Bearer {KEY}",
+        "Content-Type: application/json", "Transfer-Encoding: chunked",
+        *(f"{k}: {v}" for k, v in headers.items()),
+    ]  # fmt: skip
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        try:
+            for i in range(0, len(body), 8192):
+                part = body[i : i + 8192]
+                sock.sendall(b"%x\r\n%s\r\n" % (len(part), part))
+            sock.sendall(b"0\r\n\r\n")
+        except OSError:
+            pass  # the server answered and closed before the whole body went out
+        return sock.recv(4096).decode(errors="replace")
 
 
 @pytest.mark.parametrize(
