@@ -11,6 +11,7 @@ from minisgl.config import EngineArgs
 from minisgl.engine.engine import Engine
 from minisgl.engine.factory import create_engine, shutdown_engine
 from minisgl.sampling_params import SamplingParams
+from minisgl.tokenizer.incremental import IncrementalDecoder
 
 
 @dataclass
@@ -53,7 +54,7 @@ class LLM:
         self.args = EngineArgs(**{k: v for k, v in given.items() if v is not None})
         self.engine: Engine = create_engine(self.args)
         self._tokenizer: Any = None
-        self._next_id = 0
+        self._next_call = 0
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel follower processes (also done at exit)."""
@@ -92,15 +93,32 @@ class LLM:
             else:
                 texts.append(None)
                 prompt_ids.append([int(t) for t in p])
-        rids = []
         for ids, params in zip(prompt_ids, params_list):
             self.engine.validate(ids, params)
-        for ids, params in zip(prompt_ids, params_list):
-            rid = f"offline-{self._next_id}"
-            self._next_id += 1
-            self.engine.add_request(rid, ids, params)
-            rids.append(rid)
-        return self._run(rids, texts, prompt_ids, params_list, use_tqdm)
+        call = self._next_call
+        self._next_call += 1
+        rids = [f"offline-{call}-{i}" for i in range(len(prompt_ids))]
+        try:
+            for rid, ids, params in zip(rids, prompt_ids, params_list):
+                self.engine.add_request(rid, ids, params)
+            return self._run(rids, texts, prompt_ids, params_list, use_tqdm)
+        finally:
+            # Interrupted (Ctrl-C, an exception): leave nothing of this call in the engine,
+            # or a later call would get its outputs. Finished requests are unknown: a no-op.
+            for rid in rids:
+                self.engine.abort_request(rid)
+
+    def _decoder(self, params: SamplingParams) -> IncrementalDecoder:
+        """The server's detokenizer rules: the same stop strings, hidden tokens and cuts."""
+        hidden = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            hidden += list(self.engine.eos_token_ids)
+        return IncrementalDecoder(
+            self.tokenizer,
+            stop=params.stop,
+            hidden_token_ids=hidden,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
 
     def _run(
         self,
@@ -112,6 +130,7 @@ class LLM:
     ) -> list[RequestOutput]:
         index = {rid: i for i, rid in enumerate(rids)}
         tokens: list[list[int]] = [[] for _ in rids]
+        decoders = [self._decoder(p) for p in params_list]
         results: list[RequestOutput | None] = [None] * len(rids)
         bar = _progress(len(rids), use_tqdm)
         while any(r is None for r in results):
@@ -120,32 +139,25 @@ class LLM:
                 raise RuntimeError("the engine stopped with requests unanswered")
             for out in outs:
                 i = index[out.rid]
+                if out.error is not None:
+                    raise RuntimeError(f"prompt {i}: {out.error}")
                 tokens[i] += out.new_token_ids
-                reason = out.finish_reason if out.finished else None
-                text = None
-                if params_list[i].stop:
-                    text = self._stop_text(tokens[i], params_list[i].stop)
-                    if text is not None and not out.finished:
-                        self.engine.abort_request(out.rid)
-                    if text is not None:
-                        reason = "stop"
-                if reason is None:
+                dec = decoders[i]
+                if not out.finished and not dec.stop:
+                    continue  # without stop strings, the text is decoded once, at the end
+                new = tokens[i][dec.num_tokens :]
+                dec.feed(new, finished=out.finished, finish_reason=out.finish_reason)
+                if dec.stopped and not out.finished:
+                    self.engine.abort_request(out.rid)  # the engine would keep generating
+                if not (out.finished or dec.stopped):
                     continue
-                if text is None:
-                    text = self.tokenizer.decode(tokens[i], skip_special_tokens=True)
-                results[i] = RequestOutput(texts[i], prompt_ids[i], tokens[i], text, reason)
+                reason = "stop" if dec.stopped else str(out.finish_reason)
+                results[i] = RequestOutput(texts[i], prompt_ids[i], tokens[i], dec.text, reason)
                 if bar is not None:
                     bar.update(1)
         if bar is not None:
             bar.close()
         return [r for r in results if r is not None]
-
-    def _stop_text(self, token_ids: list[int], stops: list[str]) -> str | None:
-        """The text cut before the first stop string, or None when none has appeared."""
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        cuts = [text.find(s) for s in stops]
-        hits = [c for c in cuts if c >= 0]
-        return text[: min(hits)] if hits else None
 
 
 def _per_prompt(

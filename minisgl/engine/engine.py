@@ -14,6 +14,7 @@ from pathlib import Path
 
 from minisgl.config import EngineArgs
 from minisgl.engine.model_runner import ForwardInput, ModelRunner
+from minisgl.layers.sampling import INVALID_TOKEN
 from minisgl.models.config import ModelConfig
 from minisgl.models.loader import resolve_model_path
 from minisgl.sampling_params import SamplingParams
@@ -21,6 +22,11 @@ from minisgl.scheduler.request import Request
 from minisgl.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 
 logger = logging.getLogger(__name__)
+
+SAMPLING_FAILED = (
+    "sampling failed: the model produced NaN or infinite logits for this request "
+    "(a numerical overflow, e.g. in float16); try another dtype"
+)
 
 
 @dataclass
@@ -33,6 +39,7 @@ class StepOutput:
     cached_tokens: int
     completion_tokens: int
     queue_time: float | None = None  # arrival -> first scheduled; set on the first output only
+    error: str | None = None  # why the request failed, when finish_reason is "error"
 
 
 class Engine:
@@ -101,8 +108,8 @@ class Engine:
         arrival = time.time() if arrival_time is None else arrival_time
         req = Request(rid, list(prompt_ids), params, arrival_time=arrival)
         req.seed = params.seed if params.seed is not None else self.draw_seed()
+        self.scheduler.add_request(req)  # may refuse it (e.g. a duplicate id): record after
         self._arrival[rid] = arrival
-        self.scheduler.add_request(req)
 
     def draw_seed(self) -> int:
         """A seed for an unseeded request: from the engine's own stream (EngineArgs.seed)."""
@@ -135,9 +142,16 @@ class Engine:
                 self._queue_time[seq.req.rid] = now - arrival
         next_ids = self.runner.forward(self._forward_input(batch))
         sampled = [s.req for s in batch.seqs if s.sample]
+        failed = {r.rid for r, t in zip(sampled, next_ids) if t == INVALID_TOKEN}
+        for rid in failed:
+            # Its pages go back now; process_batch_output skips a request no longer running.
+            self.scheduler.abort_request(rid)
         finished = {r.rid for r in self.scheduler.process_batch_output(batch, next_ids)}
         outputs = []
         for req, token in zip(sampled, next_ids):
+            if req.rid in failed:
+                outputs.append(self._failed_output(req))
+                continue
             done = req.rid in finished
             outputs.append(
                 StepOutput(
@@ -152,6 +166,20 @@ class Engine:
                 )
             )
         return outputs
+
+    def _failed_output(self, req: Request) -> StepOutput:
+        logger.error("rid=%s: the logits hold NaN or inf; ending the request", req.rid)
+        return StepOutput(
+            rid=req.rid,
+            new_token_ids=[],
+            finished=True,
+            finish_reason="error",
+            prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.num_cached_tokens,
+            completion_tokens=len(req.output_ids),
+            queue_time=self._queue_time.pop(req.rid, None),
+            error=SAMPLING_FAILED,
+        )
 
     def _forward_input(self, batch: ScheduledBatch) -> ForwardInput:
         prefix_lens, extend_lens, page_tables = batch.layout_lists()

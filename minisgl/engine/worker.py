@@ -99,7 +99,12 @@ class SchedulerLoop:
         # request's stop strings before its first token arrives.
         self.to_detok.put(
             RequestRegistered(
-                req.rid, list(params.stop), hidden, req.skip_special_tokens, len(req.prompt_ids)
+                req.rid,
+                list(params.stop),
+                hidden,
+                req.skip_special_tokens,
+                len(req.prompt_ids),
+                params.include_stop_str_in_output,
             )
         )
 
@@ -120,13 +125,17 @@ class SchedulerLoop:
                 o.queue_time,
             )
             for o in outputs
+            if o.error is None
         ]
         for o in outputs:
             if o.finished:
                 self.log.info(
                     "rid=%s finished (%s): %d tokens", o.rid, o.finish_reason, o.completion_tokens
                 )
-        self.to_detok.put(TokenBatch(batch))
+            if o.error is not None:  # the engine dropped it: its final reply is this error
+                self.to_detok.put(RequestEnded(o.rid, "error", o.error, 500, None))
+        if batch:
+            self.to_detok.put(TokenBatch(batch))
 
     def send_stats(self) -> None:
         stats: dict[str, Any] = dataclasses.asdict(self.engine.stats())

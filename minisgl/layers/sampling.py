@@ -19,6 +19,9 @@ _M32 = 0xFFFFFFFF
 # Rows asking for top-p first look for their nucleus among this many top candidates (a partial
 # sort); only when it is not inside do they pay for a full sort of the vocabulary.
 NUCLEUS_CANDIDATES = 1024
+# Returned for a row whose logits hold NaN or +inf (or nothing finite): it has no distribution
+# to draw from, so its request must end with an error, never with an arbitrary token id.
+INVALID_TOKEN = -1
 
 
 @dataclass
@@ -127,9 +130,11 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """One token per row of `logits` [B, V] (float32) -> [B] long."""
+    """One token per row of `logits` [B, V] (float32) -> [B] long (INVALID_TOKEN: no draw)."""
+    top, best = logits.max(dim=-1)  # NaN propagates into `top`
+    valid = torch.isfinite(top)
     if batch.all_greedy:
-        return logits.argmax(dim=-1)
+        return torch.where(valid, best, INVALID_TOKEN)
     probs = filtered_probs(logits, batch)
     # Inverse-CDF draw over the vocabulary in token-id order: one random number per row, and
     # a zero-probability token (a flat step of the CDF) can never be hit. float32 is plenty:
@@ -138,5 +143,6 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     target = (uniform(batch.keys) * cdf[:, -1]).to(cdf.dtype)
     drawn = torch.searchsorted(cdf, target[:, None]).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
     if batch.any_greedy:
-        drawn = torch.where(batch.greedy, logits.argmax(dim=-1), drawn)
-    return drawn
+        drawn = torch.where(batch.greedy, best, drawn)
+    valid &= batch.greedy | (cdf[:, -1] > 0)  # a NaN total fails the comparison too
+    return torch.where(valid, drawn, INVALID_TOKEN)

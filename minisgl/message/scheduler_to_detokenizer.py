@@ -19,6 +19,7 @@ class RequestRegistered:
     hidden_token_ids: list[int]  # EOS / stop_token_ids: counted as tokens, never shown as text
     skip_special_tokens: bool
     prompt_tokens: int
+    include_stop_str_in_output: bool = False
 
 
 @register("token_out")

@@ -56,6 +56,7 @@ def sampling_params(ctx: ServerContext, req: SamplingFields, limit: int | None) 
             ignore_eos=req.ignore_eos,
             stop=req.stop or [],  # type: ignore[arg-type]
             stop_token_ids=req.stop_token_ids or [],
+            include_stop_str_in_output=req.include_stop_str_in_output,
         )
     except ValueError as exc:
         raise APIError(400, str(exc)) from None

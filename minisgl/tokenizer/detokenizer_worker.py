@@ -57,6 +57,7 @@ class Detokenizer:
                 stop=msg.stop,
                 hidden_token_ids=msg.hidden_token_ids,
                 skip_special_tokens=msg.skip_special_tokens,
+                include_stop_str_in_output=msg.include_stop_str_in_output,
             )
             return [], []
         if isinstance(msg, RequestEnded):

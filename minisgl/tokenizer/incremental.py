@@ -27,8 +27,12 @@ class IncrementalDecoder:
         stop: list[str] | None = None,
         hidden_token_ids: list[int] | None = None,
         skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        # vLLM's rule: the stop string, or the text of the stop/EOS token that ended the
+        # request, is cut from the output unless this is set.
+        self.include_stop = include_stop_str_in_output
         self.stop = [s for s in (stop or []) if s]
         self.max_stop = max((len(s) for s in self.stop), default=0)
         self.hidden = set(hidden_token_ids or [])
@@ -71,7 +75,8 @@ class IncrementalDecoder:
             return ""
         self.num_tokens += len(token_ids)
         ids = list(token_ids)
-        if finished and finish_reason == "stop" and ids and ids[-1] in self.hidden:
+        ends = finished and finish_reason == "stop" and ids and ids[-1] in self.hidden
+        if ends and not self.include_stop:
             ids.pop()  # EOS / stop token: it ends the text, it is not part of it
         checked = len(self.text)
         self.ids.extend(ids)
@@ -79,10 +84,11 @@ class IncrementalDecoder:
         end = len(self.text)
         if self.stop:
             start = max(0, checked - self.max_stop + 1)
-            hits = [p for p in (self.text.find(s, start) for s in self.stop) if p >= 0]
+            hits = [(p, p + len(s)) for s in self.stop if (p := self.text.find(s, start)) >= 0]
             if hits:
                 self.stopped = True
-                self.text = self.text[: max(min(hits), self.sent)]
+                first, last = min(hits)
+                self.text = self.text[: max(last if self.include_stop else first, self.sent)]
                 end = len(self.text)
             elif not finished:
                 end -= self._held_back()

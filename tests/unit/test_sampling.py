@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from minisgl.layers.sampling import SamplingBatch, filtered_probs, sample
+from minisgl.layers.sampling import INVALID_TOKEN, SamplingBatch, filtered_probs, sample
 from minisgl.sampling_params import SamplingParams
 
 # A fixed distribution over 8 tokens: probabilities 0.30 0.20 0.15 0.12 0.10 0.07 0.04 0.02.
@@ -140,3 +140,37 @@ def test_build_on_large_vocab_is_fast_enough() -> None:
     out = sample(logits, batch)
     assert time.perf_counter() - start < 1.0
     assert out.shape == (4,) and out.dtype == torch.long
+
+
+def test_tiny_temperatures_are_greedy() -> None:
+    # 1e-40 is 0 or subnormal in float32: dividing the logits by it overflowed to NaN and the
+    # sampler returned the last id of the vocabulary.
+    torch.manual_seed(1)
+    logits = torch.randn(3, 50) * 10
+    for t in (1e-40, 1e-6):
+        params = SamplingParams(temperature=t, top_p=0.9)
+        assert params.greedy
+        out = sample(logits, SamplingBatch.build([params] * 3, [0] * 3, [1, 2, 3], "cpu"))
+        assert torch.equal(out, logits.argmax(-1)), t
+    assert not SamplingParams(temperature=1e-4).greedy
+
+
+def test_rows_without_a_distribution_are_invalid_never_a_token() -> None:
+    torch.manual_seed(2)
+    logits = torch.randn(4, 50)
+    logits[0, 3] = float("nan")
+    logits[1, 7] = float("inf")
+    logits[2] = float("-inf")
+    logits[3, :10] = float("-inf")  # masked tokens are fine: a distribution remains
+    for params in (
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=5),
+        SamplingParams(temperature=1.0, min_p=0.1),
+    ):
+        out = sample(logits, SamplingBatch.build([params] * 4, [0] * 4, [1, 2, 3, 4], "cpu"))
+        assert out[:3].tolist() == [INVALID_TOKEN] * 3, params
+        assert 10 <= int(out[3]) < 50, params
+    mixed = [SamplingParams(temperature=0), SamplingParams(temperature=1.0)] * 2
+    out = sample(logits, SamplingBatch.build(mixed, [0] * 4, [1, 2, 3, 4], "cpu"))
+    assert out[:3].tolist() == [INVALID_TOKEN] * 3 and 10 <= int(out[3]) < 50
