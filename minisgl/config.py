@@ -90,18 +90,26 @@ def _flag_type(f: dataclasses.Field) -> type:
 
 
 def build_parser(
-    cls: type = ServerArgs, prog: str = "python -m minisgl"
+    cls: type = ServerArgs, prog: str = "python -m minisgl", *, explicit_only: bool = False
 ) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="minisgl OpenAI-compatible server")
+    """The CLI of `cls`. No abbreviations: a typo (or `--tp` meant to slip past a check on
+    `--tp-size`) is an error, never silently another flag. With `explicit_only`, nothing is
+    required and nothing defaulted, so a parse holds exactly the fields the flags set."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description="minisgl OpenAI-compatible server", allow_abbrev=False
+    )
     for f in dataclasses.fields(cls):
         kind = _flag_type(f)
         help_text = f.metadata.get("help", "")
         if kind is bool:
-            parser.add_argument(flag_name(f.name), action="store_true", help=help_text)
+            extra = {"default": argparse.SUPPRESS} if explicit_only else {}
+            parser.add_argument(flag_name(f.name), action="store_true", help=help_text, **extra)
             continue
-        required = f.default is dataclasses.MISSING
+        required = f.default is dataclasses.MISSING and not explicit_only
         kwargs: dict[str, Any] = {"type": kind, "help": help_text, "required": required}
-        if not required:
+        if explicit_only:
+            kwargs["default"] = argparse.SUPPRESS
+        elif not required:
             kwargs["default"] = f.default
             kwargs["help"] = f"{help_text} (default: {f.default})"
         if "choices" in f.metadata:

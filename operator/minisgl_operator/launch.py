@@ -77,26 +77,26 @@ def server_args(spec: ModelServerSpec) -> ServerArgs:
     )
 
 
-def _parse(argv: list[str]) -> ServerArgs:
+def _parse(argv: list[str], *, explicit_only: bool = False) -> dict[str, Any]:
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            ns = build_parser().parse_args(argv)
+            ns = build_parser(explicit_only=explicit_only).parse_args(argv)
     except SystemExit:
         last = err.getvalue().strip().splitlines()
         raise SpecError(f"engine flags rejected: {last[-1] if last else 'invalid'}") from None
-    return ServerArgs(**vars(ns))
+    return vars(ns)
 
 
 def launch(spec: ModelServerSpec) -> Launch:
-    managed = {flag_name(f) for f in MANAGED_FIELDS}
-    for arg in spec.engine.extra_args:
-        if arg.split("=", 1)[0] in managed:
-            raise SpecError(
-                f"engine.extraArgs may not set {arg.split('=', 1)[0]}: use the spec field"
-            )
-    args = to_cli_args(server_args(spec)) + list(spec.engine.extra_args)
-    server = _parse(args)
+    extra = list(spec.engine.extra_args)
+    # What the parser resolves the extra flags to, not how they are spelled (`--tp-size=4`).
+    owned = [f for f in MANAGED_FIELDS if f in _parse(extra, explicit_only=True)]
+    if owned:
+        names = ", ".join(flag_name(f) for f in owned)
+        raise SpecError(f"engine.extraArgs may not set {names}: use the spec field")
+    args = to_cli_args(server_args(spec)) + extra
+    server = ServerArgs(**_parse(args))
     grace = PRESTOP_SLEEP_S + math.ceil(server.shutdown_timeout) + GRACE_MARGIN_S
     failures = max(1, math.ceil(spec.startup_timeout_s / STARTUP_PROBE_PERIOD_S))
     return Launch(args, server, grace, failures)

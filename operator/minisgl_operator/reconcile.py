@@ -52,6 +52,10 @@ async def reconcile(owner: Mapping[str, Any], kube: Kube, config: Config) -> dic
         deployment = await kube.get(DEPLOYMENT, ns, name)
         claim = await kube.get(CLAIM, ns, cache_claim_name(name))
         keda = await kube.has_api(SCALED_OBJECT.api_version, SCALED_OBJECT.plural)
+        # An object of ours by name only is someone else's: it must never count as ours (no
+        # Ready, replicas or endpoint from it). Applying it is refused below: NameConflict.
+        deployment = deployment if deployment and owned_by(deployment, uid) else None
+        claim = claim if claim and owned_by(claim, uid) else None
     except KubeError as e:
         problems.append(Problem("ApiError", f"reading children: {e}"))
         status = compute_status(owner, None, None, problems, now_iso())

@@ -130,6 +130,8 @@ def compute_status(
         "replicaSummary": f"{ready}/{want}",
         "selector": selector_string(name),
     }
-    if spec is not None:
+    if deployment is None:
+        status["endpoint"] = None  # nothing of ours serves (null: a merge patch removes it)
+    elif spec is not None:
         status["endpoint"] = endpoint(spec)
     return status

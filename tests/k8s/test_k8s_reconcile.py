@@ -151,6 +151,39 @@ def test_objects_we_do_not_own_are_left_alone() -> None:
     assert ("Ingress", "llm", "qwen") in kube.objects  # not pruned: not ours
 
 
+def test_a_conflicting_deployment_never_counts_as_ours() -> None:
+    kube = FakeKube()
+    theirs = {
+        "kind": "Deployment",
+        "metadata": {"name": "qwen", "namespace": "llm", "generation": 1},
+        "spec": {"replicas": 3},
+        "status": {"replicas": 3, "readyReplicas": 3, "availableReplicas": 3},
+    }
+    kube.objects[("Deployment", "llm", "qwen")] = theirs
+    status = run(reconcile(ms({"model": "m"}), kube, Config()))
+    degraded = cond(status, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "NameConflict")
+    ready = cond(status, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "NameConflict")
+    assert cond(status, "Progressing")["status"] == "False"
+    assert (status["replicas"], status["readyReplicas"], status["replicaSummary"]) == (0, 0, "0/0")
+    assert status["endpoint"] is None
+    assert kube.objects[("Deployment", "llm", "qwen")] is theirs
+
+
+def test_abbreviated_extra_args_are_degraded_not_applied() -> None:
+    kube = FakeKube()
+    for extra, why in (
+        (["--tp", "4"], "unrecognized arguments: --tp 4"),
+        (["--hos", "127.0.0.1"], "unrecognized arguments: --hos"),
+        (["--tp-size=4"], "may not set --tp-size"),
+    ):
+        status = run(reconcile(ms({"model": "m", "engine": {"extraArgs": extra}}), kube, Config()))
+        d = cond(status, "Degraded")
+        assert (d["status"], d["reason"]) == ("True", "InvalidSpec") and why in d["message"]
+        assert kube.objects == {}
+
+
 def test_keda_switch_and_missing_prometheus() -> None:
     kube = FakeKube(keda=True)
     spec = {"model": "m", "autoscaling": {"maxReplicas": 3}}

@@ -82,7 +82,7 @@ def test_invalid_spec_is_degraded_with_the_message() -> None:
         "spec.model is required",
     )
     assert cond(s, "Ready")["status"] == "False"
-    assert "endpoint" not in s
+    assert s["endpoint"] is None
     # A bad edit keeps the last good Deployment serving, and says so.
     kept = compute_status(owner(), None, dep(1, 1), [Problem("InvalidSpec", "x")], NOW)
     assert cond(kept, "Ready")["status"] == "True"
