@@ -27,12 +27,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Client libraries that log every HTTP request at INFO (httpx: a line per Kubernetes API call,
+# several per child per reconcile): at that level they drown the operator's own events.
+LIBRARY_LOGGERS = ("httpx", "httpcore", "kubernetes", "urllib3")
+
+
+def configure_logging(verbose: bool) -> None:
+    level = logging.DEBUG if verbose else logging.INFO
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.verbose)
     handlers.CONFIG = Config(prometheus_url=args.prometheus_url)
     kopf.run(
         clusterwide=args.namespace is None,

@@ -7,6 +7,7 @@ match the CRD's (a test compares them).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -128,9 +129,18 @@ def _positive(d: Mapping[str, Any], key: str, where: str) -> float | None:
     value = d.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise SpecError(f"{where}{key} must be a number > 0, got {value!r}")
+    # `not value > 0` (not `value <= 0`): NaN compares false either way and must fail too.
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not value > 0 or not math.isfinite(value):
+        raise SpecError(f"{where}{key} must be a finite number > 0, got {value!r}")
     return float(value)
+
+
+def _bool(d: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
+    value = d.get(key, default)
+    if not isinstance(value, bool):  # "false" is a non-empty string: truthy
+        raise SpecError(f"{where}{key} must be true or false, got {value!r}")
+    return value
 
 
 def _str(d: Mapping[str, Any], key: str, default: str | None, where: str) -> str | None:
@@ -260,7 +270,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any] | None) -> Mod
         ingress = IngressSpec(
             host=host,
             class_name=ing_raw.get("className") or None,
-            tls=bool(ing_raw.get("tls", False)),
+            tls=_bool(ing_raw, "tls", False, "ingress."),
             annotations=_str_map(ing_raw, "annotations"),
         )
     for tol in _list_of_objects(spec, "tolerations"):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import httpx
 import pytest
 from minisgl_operator import __main__ as cli
 from minisgl_operator import handlers, spec
 from minisgl_operator.spec import SpecError, parse_spec
+
+NAN, INF = float("nan"), float("inf")
 
 
 def test_defaults() -> None:
@@ -62,6 +66,16 @@ def test_defaults() -> None:
             "scaleDown",
         ),
         ({"model": "m", "ingress": {}}, "ingress.host is required"),
+        ({"model": "m", "ingress": {"host": "h", "tls": "false"}}, "ingress.tls must be true or"),
+        ({"model": "m", "ingress": {"host": "h", "tls": 1}}, "ingress.tls must be true or false"),
+        (
+            {"model": "m", "autoscaling": {"maxReplicas": 2, "targets": {"ttftP95Seconds": NAN}}},
+            "ttftP95Seconds must be a finite number > 0",
+        ),
+        (
+            {"model": "m", "autoscaling": {"maxReplicas": 2, "targets": {"tpotP95Seconds": INF}}},
+            "tpotP95Seconds must be a finite number > 0",
+        ),
         ({"model": "m", "tolerations": [{"effect": "Sometimes"}]}, "unknown effect"),
         ({"model": "m", "tolerations": ["x"]}, "tolerations must be a list of objects"),
         ({"model": "m", "env": [{"value": "v"}]}, "env entry needs a name"),
@@ -89,6 +103,29 @@ def test_main_runs_kopf_cluster_wide_or_in_one_namespace(monkeypatch: pytest.Mon
     cli.main(["--namespace", "team-a", "--prometheus-url", "http://prom:9090"])
     assert calls[-1]["clusterwide"] is False and calls[-1]["namespaces"] == ["team-a"]
     assert handlers.CONFIG.prometheus_url == "http://prom:9090"
+
+
+def test_library_request_logs_stay_quiet_unless_verbose(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cli.kopf, "run", lambda **kw: None)
+    monkeypatch.setattr(handlers, "CONFIG", handlers.CONFIG)
+    levels = {n: logging.getLogger(n).level for n in ("httpx", "httpcore")}
+    client = httpx.Client(transport=httpx.MockTransport(lambda r: httpx.Response(200)))
+    caplog.set_level(logging.DEBUG)
+    try:
+        cli.main([])
+        client.get("https://k8s.local/api/v1/namespaces/llm/services/q")
+        assert "HTTP Request" not in caplog.text  # httpx logs each request at INFO
+        logging.getLogger("minisgl_operator").info("reconciled qwen")
+        assert "reconciled qwen" in caplog.text  # the operator's own events still show
+        cli.main(["--verbose"])
+        client.get("https://k8s.local/api/v1/namespaces/llm/services/q")
+        assert "HTTP Request: GET https://k8s.local/api/v1/namespaces/llm/services/q" in caplog.text
+    finally:
+        client.close()
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def test_operator_does_not_import_torch() -> None:
