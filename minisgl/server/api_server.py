@@ -66,9 +66,9 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
     ) -> Response:
         key = ctx.args.api_key
         path = request.url.path
-        guarded = path.startswith(("/v1", "/internal")) or (
-            path == "/metrics" and ctx.args.metrics_require_api_key
-        )
+        # /openapi.json too: with a key set, even the API's shape is for key holders only.
+        guarded = path.startswith(("/v1", "/internal")) or path == "/openapi.json"
+        guarded = guarded or (path == "/metrics" and ctx.args.metrics_require_api_key)
         if key and guarded:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):

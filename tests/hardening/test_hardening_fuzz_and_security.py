@@ -54,7 +54,7 @@ def _openai_error(r: httpx.Response, status: int) -> dict[str, Any]:
 
 
 def test_openapi_describes_the_real_request_models(srv: ServerProcess) -> None:
-    doc = httpx.get(f"{srv.url}/openapi.json").json()
+    doc = httpx.get(f"{srv.url}/openapi.json", headers=srv.headers).json()
     for path, model in (("/v1/chat/completions", "ChatCompletionRequest"),
                         ("/v1/completions", "CompletionRequest")):  # fmt: skip
         body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]
@@ -67,7 +67,8 @@ def test_openapi_describes_the_real_request_models(srv: ServerProcess) -> None:
 
 
 def test_schemathesis_finds_no_5xx_and_no_crash(srv: ServerProcess) -> None:
-    schema = schemathesis.openapi.from_dict(httpx.get(f"{srv.url}/openapi.json").json())
+    doc = httpx.get(f"{srv.url}/openapi.json", headers=srv.headers).json()
+    schema = schemathesis.openapi.from_dict(doc)
     statuses: collections.Counter[int] = collections.Counter()
     session = httpx.Client(timeout=60)
 
@@ -98,11 +99,11 @@ def test_schemathesis_finds_no_5xx_and_no_crash(srv: ServerProcess) -> None:
 
 
 def test_api_key_on_every_v1_endpoint_and_metrics(srv: ServerProcess) -> None:
-    doc = httpx.get(f"{srv.url}/openapi.json").json()
+    doc = httpx.get(f"{srv.url}/openapi.json", headers=srv.headers).json()
     routes = [(m.upper(), p) for p, ops in doc["paths"].items() for m in ops]
     guarded = [(m, p) for m, p in routes if p.startswith(("/v1", "/internal"))]
     assert {p for _, p in guarded} >= {"/v1/chat/completions", "/v1/completions", "/v1/models"}
-    guarded.append(("GET", "/metrics"))
+    guarded += [("GET", "/metrics"), ("GET", "/openapi.json")]
     body = {"messages": MSG, "prompt": "hi", "max_tokens": 1}
     for method, path in guarded:
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY},

@@ -155,6 +155,7 @@ def test_sampling_controls(server: ServerProcess) -> None:
     greedy = text(temperature=0)
     assert text(temperature=1.0, top_k=1) == greedy
     assert text(temperature=1.0, min_p=1.0) == greedy
+    assert text(temperature=1e-40) == greedy  # no overflow to NaN: greedy, as in vLLM
     seeded = text(temperature=1.0, seed=42)
     assert text(temperature=1.0, seed=42) == seeded
     assert len({text(temperature=1.0, seed=s) for s in range(4)}) > 1
