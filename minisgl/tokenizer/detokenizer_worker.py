@@ -37,6 +37,7 @@ from minisgl.server.process import (
 )
 from minisgl.tokenizer.incremental import IncrementalDecoder
 from minisgl.tokenizer.tokenizer_worker import load_tokenizer
+from minisgl.tokenizer.without_torch import keep_torch_out
 
 
 class Detokenizer:
@@ -111,6 +112,7 @@ class Detokenizer:
 def run_detokenizer_worker(
     model: str, endpoints: Endpoints, ready: Connection, log_level: str
 ) -> None:
+    keep_torch_out()
     log = setup_logging(log_level, "detokenizer")
     life = WorkerLife()
     start = time.perf_counter()

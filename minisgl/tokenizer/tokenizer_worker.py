@@ -29,6 +29,7 @@ from minisgl.server.process import (
     report_ready,
     setup_logging,
 )
+from minisgl.tokenizer.without_torch import keep_torch_out
 
 
 def load_tokenizer(model: str) -> Any:
@@ -55,6 +56,7 @@ def tokenize(tokenizer: Any, req: TokenizeRequest) -> list[int]:
 def run_tokenizer_worker(
     model: str, endpoints: Endpoints, ready: Connection, log_level: str
 ) -> None:
+    keep_torch_out()
     log = setup_logging(log_level, "tokenizer")
     life = WorkerLife()
     start = time.perf_counter()
