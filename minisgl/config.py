@@ -102,8 +102,10 @@ def build_parser(
         kind = _flag_type(f)
         help_text = f.metadata.get("help", "")
         if kind is bool:
-            extra = {"default": argparse.SUPPRESS} if explicit_only else {}
-            parser.add_argument(flag_name(f.name), action="store_true", help=help_text, **extra)
+            default: Any = argparse.SUPPRESS if explicit_only else False
+            parser.add_argument(
+                flag_name(f.name), action="store_true", help=help_text, default=default
+            )
             continue
         required = f.default is dataclasses.MISSING and not explicit_only
         kwargs: dict[str, Any] = {"type": kind, "help": help_text, "required": required}
