@@ -1,8 +1,8 @@
 """ModelServer spec -> a typed, validated `ModelServerSpec` (or a `SpecError` to report).
 
 The API server applies the CRD's defaults and checks its schema and CEL rules, but the operator
-checks again: a cluster may run without CEL, and unit tests pass raw dicts. The defaults below
-match the CRD's (a test compares them).
+checks again: a cluster may run without CEL, and unit tests pass raw dicts. Defaults, bounds
+and enums come from `schema`, the same declaration the CRD is rendered from.
 """
 
 from __future__ import annotations
@@ -13,24 +13,30 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.config import DTYPES
+from minisgl_operator.schema import (
+    MAX_NAME_LEN,
+    SPEC,
+    TOLERATION_EFFECTS,
+    TOLERATION_OPERATORS,
+)
 
-DEFAULT_IMAGE = "ghcr.io/minisgl/minisgl-server:0.1.0"
-DEFAULT_REPLICAS = 1
-DEFAULT_STARTUP_TIMEOUT_S = 1800
-DEFAULT_TP_SIZE = 1
-DEFAULT_CACHE_SIZE = "100Gi"
-DEFAULT_MIN_REPLICAS = 1
-DEFAULT_TARGETS = {"waitingRequestsPerReplica": 8}
-DEFAULT_SCALE_UP_STABILIZATION_S = 60
-# Long on purpose: a new pod may need many minutes to download and load weights, so giving
-# one back on a short lull costs far more than keeping it a few more minutes.
-DEFAULT_SCALE_DOWN_STABILIZATION_S = 600
-MAX_NAME_LEN = 57  # the longest child name adds "-cache"; names must stay <= 63
+DEFAULT_IMAGE: str = SPEC.at("image").default
+DEFAULT_REPLICAS: int = SPEC.at("replicas").default
+DEFAULT_STARTUP_TIMEOUT_S: int = SPEC.at("startupTimeoutSeconds").default
+DEFAULT_TP_SIZE: int = SPEC.at("engine.tensorParallelSize").default
+DEFAULT_CACHE_SIZE: str = SPEC.at("modelCache.size").default
+DEFAULT_MIN_REPLICAS: int = SPEC.at("autoscaling.minReplicas").default
+DEFAULT_TARGETS: dict[str, float] = SPEC.at("autoscaling.targets").default
+DEFAULT_SCALE_UP_STABILIZATION_S: int = SPEC.at("autoscaling.scaleUpStabilizationSeconds").default
+DEFAULT_SCALE_DOWN_STABILIZATION_S: int = SPEC.at(
+    "autoscaling.scaleDownStabilizationSeconds"
+).default
+DTYPES = SPEC.at("engine.dtype").enum
 
-_TOLERATION_OPERATORS = ("Exists", "Equal")
-_TOLERATION_EFFECTS = (None, "", "NoSchedule", "PreferNoSchedule", "NoExecute")
+_TOLERATION_EFFECTS = (None, "", *TOLERATION_EFFECTS)
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_FROM_SCHEMA: Any = object()
+__all__ = ["MAX_NAME_LEN", "ModelServerSpec", "SpecError", "parse_spec"]
 
 
 class SpecError(ValueError):
@@ -114,43 +120,56 @@ class ModelServerSpec:
         return self.served_model_name or self.model
 
 
-def _int(d: Mapping[str, Any], key: str, default: Any, minimum: int, where: str) -> Any:
-    value = d.get(key, default)
+def _split(path: str) -> tuple[str, str]:
+    """("engine.", "numPages") for "engine.numPages": the prefix for messages, and the key."""
+    where, _, key = path.rpartition(".")
+    return (where + "." if where else ""), key
+
+
+def _int(d: Mapping[str, Any], path: str, default: Any = _FROM_SCHEMA) -> Any:
+    node = SPEC.at(path)
+    _, key = _split(path)
+    value = d.get(key, node.default if default is _FROM_SCHEMA else default)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"{where}{key} must be an integer, got {value!r}")
-    if value < minimum:
-        raise SpecError(f"{where}{key} must be >= {minimum}, got {value}")
+        raise SpecError(f"{path} must be an integer, got {value!r}")
+    if node.minimum is not None and value < node.minimum:
+        raise SpecError(f"{path} must be >= {node.minimum}, got {value}")
+    if node.maximum is not None and value > node.maximum:
+        raise SpecError(f"{path} must be <= {node.maximum}, got {value}")
     return value
 
 
-def _positive(d: Mapping[str, Any], key: str, where: str) -> float | None:
+def _positive(d: Mapping[str, Any], path: str) -> float | None:
+    _, key = _split(path)
     value = d.get(key)
     if value is None:
         return None
     # `not value > 0` (not `value <= 0`): NaN compares false either way and must fail too.
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not ok or not value > 0 or not math.isfinite(value):
-        raise SpecError(f"{where}{key} must be a finite number > 0, got {value!r}")
+        raise SpecError(f"{path} must be a finite number > 0, got {value!r}")
     return float(value)
 
 
-def _bool(d: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
-    value = d.get(key, default)
+def _bool(d: Mapping[str, Any], path: str) -> bool:
+    _, key = _split(path)
+    value = d.get(key, SPEC.at(path).default)
     if not isinstance(value, bool):  # "false" is a non-empty string: truthy
-        raise SpecError(f"{where}{key} must be true or false, got {value!r}")
+        raise SpecError(f"{path} must be true or false, got {value!r}")
     return value
 
 
-def _str(d: Mapping[str, Any], key: str, default: str | None, where: str) -> str | None:
-    value = d.get(key, default)
+def _str(d: Mapping[str, Any], path: str) -> str | None:
+    _, key = _split(path)
+    value = d.get(key, SPEC.at(path).default)
     if value is None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)  # quantities may be written as plain numbers
     if not isinstance(value, str) or not value:
-        raise SpecError(f"{where}{key} must be a non-empty string, got {value!r}")
+        raise SpecError(f"{path} must be a non-empty string, got {value!r}")
     return value
 
 
@@ -174,8 +193,7 @@ def _list_of_objects(d: Mapping[str, Any], key: str) -> tuple[dict[str, Any], ..
 
 
 def _engine(raw: Mapping[str, Any]) -> EngineSpec:
-    w = "engine."
-    dtype = _str(raw, "dtype", None, w)
+    dtype = _str(raw, "engine.dtype")
     if dtype is not None and dtype not in DTYPES:
         raise SpecError(f"engine.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     extra = raw.get("extraArgs") or []
@@ -183,45 +201,40 @@ def _engine(raw: Mapping[str, Any]) -> EngineSpec:
         raise SpecError("engine.extraArgs must be a list of strings")
     return EngineSpec(
         dtype=dtype,
-        tensor_parallel_size=_int(raw, "tensorParallelSize", DEFAULT_TP_SIZE, 1, w),
-        num_pages=_int(raw, "numPages", None, 1, w),
-        max_seq_len=_int(raw, "maxSeqLen", None, 1, w),
-        max_running_requests=_int(raw, "maxRunningRequests", None, 1, w),
-        shutdown_timeout_s=_int(raw, "shutdownTimeoutSeconds", None, 1, w),
+        tensor_parallel_size=_int(raw, "engine.tensorParallelSize"),
+        num_pages=_int(raw, "engine.numPages"),
+        max_seq_len=_int(raw, "engine.maxSeqLen"),
+        max_running_requests=_int(raw, "engine.maxRunningRequests"),
+        shutdown_timeout_s=_int(raw, "engine.shutdownTimeoutSeconds"),
         extra_args=tuple(extra),
     )
 
 
 def _autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
-    w = "autoscaling."
     if raw.get("maxReplicas") is None:
         raise SpecError("autoscaling.maxReplicas is required")
-    lo = _int(raw, "minReplicas", DEFAULT_MIN_REPLICAS, 1, w)
-    hi = _int(raw, "maxReplicas", None, 1, w)
+    lo = _int(raw, "autoscaling.minReplicas")
+    hi = _int(raw, "autoscaling.maxReplicas")
     if lo > hi:
         raise SpecError(f"autoscaling.minReplicas ({lo}) must not exceed maxReplicas ({hi})")
-    t = _obj(raw, "targets", w)
+    t = _obj(raw, "targets", "autoscaling.")
     t = DEFAULT_TARGETS if t is None else t
     targets = Targets(
-        ttft_p95_s=_positive(t, "ttftP95Seconds", "autoscaling.targets."),
-        tpot_p95_s=_positive(t, "tpotP95Seconds", "autoscaling.targets."),
-        waiting_per_replica=_positive(t, "waitingRequestsPerReplica", "autoscaling.targets."),
+        ttft_p95_s=_positive(t, "autoscaling.targets.ttftP95Seconds"),
+        tpot_p95_s=_positive(t, "autoscaling.targets.tpotP95Seconds"),
+        waiting_per_replica=_positive(t, "autoscaling.targets.waitingRequestsPerReplica"),
     )
     if targets == Targets():
         raise SpecError("autoscaling.targets needs at least one target")
-    url = _str(raw, "prometheusUrl", None, w)
+    url = _str(raw, "autoscaling.prometheusUrl")
     if url is not None and not re.match(r"^https?://", url):
         raise SpecError(f"autoscaling.prometheusUrl must start with http:// or https://: {url!r}")
     return AutoscalingSpec(
         min_replicas=lo,
         max_replicas=hi,
         targets=targets,
-        scale_up_stabilization_s=_int(
-            raw, "scaleUpStabilizationSeconds", DEFAULT_SCALE_UP_STABILIZATION_S, 0, w
-        ),
-        scale_down_stabilization_s=_int(
-            raw, "scaleDownStabilizationSeconds", DEFAULT_SCALE_DOWN_STABILIZATION_S, 0, w
-        ),
+        scale_up_stabilization_s=_int(raw, "autoscaling.scaleUpStabilizationSeconds"),
+        scale_down_stabilization_s=_int(raw, "autoscaling.scaleDownStabilizationSeconds"),
         prometheus_url=url,
     )
 
@@ -235,12 +248,12 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any] | None) -> Mod
         )
     if not isinstance(spec, Mapping):
         raise SpecError("spec is missing")
-    model = _str(spec, "model", None, "")
+    model = _str(spec, "model")
     if model is None:
         raise SpecError("spec.model is required")
     engine = _engine(_obj(spec, "engine", "") or {})
     res_raw = _obj(spec, "resources", "") or {}
-    gpus = _int(res_raw, "gpus", engine.tensor_parallel_size, 0, "resources.")
+    gpus = _int(res_raw, "resources.gpus", engine.tensor_parallel_size)
     if 0 < gpus < engine.tensor_parallel_size:
         raise SpecError(
             f"resources.gpus ({gpus}) must be 0 (CPU) or at least "
@@ -248,33 +261,33 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any] | None) -> Mod
         )
     resources = ResourcesSpec(
         gpus=gpus,
-        cpu=_str(res_raw, "cpu", None, "resources."),
-        memory=_str(res_raw, "memory", None, "resources."),
-        shared_memory=_str(res_raw, "sharedMemory", None, "resources."),
+        cpu=_str(res_raw, "resources.cpu"),
+        memory=_str(res_raw, "resources.memory"),
+        shared_memory=_str(res_raw, "resources.sharedMemory"),
     )
     cache_raw = _obj(spec, "modelCache", "")
     cache = None
     if cache_raw is not None:
         cache = CacheSpec(
-            size=_str(cache_raw, "size", DEFAULT_CACHE_SIZE, "modelCache.") or DEFAULT_CACHE_SIZE,
+            size=_str(cache_raw, "modelCache.size") or DEFAULT_CACHE_SIZE,
             storage_class_name=cache_raw.get("storageClassName") or None,
-            existing_claim=_str(cache_raw, "existingClaim", None, "modelCache."),
+            existing_claim=_str(cache_raw, "modelCache.existingClaim"),
         )
     auto_raw = _obj(spec, "autoscaling", "")
     ing_raw = _obj(spec, "ingress", "")
     ingress = None
     if ing_raw is not None:
-        host = _str(ing_raw, "host", None, "ingress.")
+        host = _str(ing_raw, "ingress.host")
         if host is None:
             raise SpecError("ingress.host is required")
         ingress = IngressSpec(
             host=host,
             class_name=ing_raw.get("className") or None,
-            tls=_bool(ing_raw, "tls", False, "ingress."),
+            tls=_bool(ing_raw, "ingress.tls"),
             annotations=_str_map(ing_raw, "annotations"),
         )
     for tol in _list_of_objects(spec, "tolerations"):
-        if tol.get("operator", "Equal") not in _TOLERATION_OPERATORS:
+        if tol.get("operator", "Equal") not in TOLERATION_OPERATORS:
             raise SpecError(
                 f"tolerations: operator must be Exists or Equal, got {tol['operator']!r}"
             )
@@ -287,14 +300,14 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any] | None) -> Mod
         name=name,
         namespace=namespace,
         model=model,
-        served_model_name=_str(spec, "servedModelName", None, ""),
-        image=_str(spec, "image", DEFAULT_IMAGE, "") or DEFAULT_IMAGE,
-        replicas=_int(spec, "replicas", DEFAULT_REPLICAS, 0, ""),
-        startup_timeout_s=_int(spec, "startupTimeoutSeconds", DEFAULT_STARTUP_TIMEOUT_S, 60, ""),
+        served_model_name=_str(spec, "servedModelName"),
+        image=_str(spec, "image") or DEFAULT_IMAGE,
+        replicas=_int(spec, "replicas"),
+        startup_timeout_s=_int(spec, "startupTimeoutSeconds"),
         engine=engine,
         resources=resources,
         model_cache=cache,
-        hf_token_secret=_str(spec, "hfTokenSecret", None, ""),
+        hf_token_secret=_str(spec, "hfTokenSecret"),
         autoscaling=_autoscaling(auto_raw) if auto_raw is not None else None,
         ingress=ingress,
         node_selector=_str_map(spec, "nodeSelector"),

@@ -1,0 +1,434 @@
+"""The ModelServer's fields, once: type, bounds, default and description of every spec and
+status field.
+
+Two things are generated from this one declaration, so they cannot drift apart: the CRD's
+OpenAPI schema (`python -m minisgl_operator.crd --write` renders the chart's CRD file, which is
+what `kubectl explain modelserver.spec` prints) and the operator's parsing (`spec.parse_spec`
+takes its defaults, bounds and enums from here). Engine fields describe themselves with the
+help text of the `python -m minisgl` flag they become (from `minisgl.config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from minisgl.config import DTYPES, ServerArgs, flag_name
+
+MAX_NAME_LEN = 57  # the longest child name adds "-cache"; names must stay <= 63
+
+
+@dataclass(frozen=True)
+class Node:
+    """One field of the schema (an object's properties and an array's items are Nodes too)."""
+
+    description: str
+    keywords: Mapping[str, Any] = field(default_factory=dict)  # type, minimum, default, ...
+    properties: Mapping[str, Node] = field(default_factory=dict)
+    items: Node | None = None
+    required: tuple[str, ...] = ()
+    rules: tuple[tuple[str, str], ...] = ()  # CEL (rule, message): x-kubernetes-validations
+
+    @property
+    def default(self) -> Any:
+        return self.keywords.get("default")
+
+    @property
+    def minimum(self) -> Any:
+        return self.keywords.get("minimum")
+
+    @property
+    def maximum(self) -> Any:
+        return self.keywords.get("maximum")
+
+    @property
+    def enum(self) -> tuple[Any, ...]:
+        return tuple(self.keywords.get("enum") or ())
+
+    def at(self, path: str) -> Node:
+        """The field at a dotted path below this one ("autoscaling.targets.ttftP95Seconds");
+        "[]" steps into an array's items ("tolerations[].effect")."""
+        node = self
+        for part in path.split("."):
+            node = node.properties[part.removesuffix("[]")]
+            if part.endswith("[]"):
+                assert node.items is not None, path
+                node = node.items
+        return node
+
+    def openapi(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if "type" in self.keywords:
+            out["type"] = self.keywords["type"]
+        out["description"] = self.description
+        if self.default not in (None, {}):  # the default is stated once: here
+            out["description"] += f" Default: {json.dumps(self.default)}."
+        out.update({k: v for k, v in self.keywords.items() if k != "type"})
+        if self.required:
+            out["required"] = list(self.required)
+        if self.rules:
+            out["x-kubernetes-validations"] = [{"rule": r, "message": m} for r, m in self.rules]
+        if self.properties:
+            out["properties"] = {k: v.openapi() for k, v in self.properties.items()}
+        if self.items is not None:
+            out["items"] = self.items.openapi()
+        return out
+
+
+# -- constructors: one per kind of field ----------------------------------------------------
+
+
+def integer(description: str, fmt: str = "int32", **kw: Any) -> Node:
+    return Node(description, {"type": "integer", "format": fmt, **kw})
+
+
+def number(description: str, **kw: Any) -> Node:
+    return Node(description, {"type": "number", **kw})
+
+
+def positive(description: str) -> Node:
+    return number(description, exclusiveMinimum=True, minimum=0)
+
+
+def string(description: str, **kw: Any) -> Node:
+    return Node(description, {"type": "string", **kw})
+
+
+def boolean(description: str, **kw: Any) -> Node:
+    return Node(description, {"type": "boolean", **kw})
+
+
+def quantity(description: str, **kw: Any) -> Node:
+    """A Kubernetes quantity: "8Gi", "500m" or a plain number."""
+    return Node(
+        description,
+        {
+            "x-kubernetes-int-or-string": True,
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            **kw,
+        },
+    )
+
+
+def obj(description: str, properties: Mapping[str, Node], **kw: Any) -> Node:
+    required = tuple(kw.pop("required", ()))
+    rules = tuple(kw.pop("rules", ()))
+    return Node(description, {"type": "object", **kw}, properties, None, required, rules)
+
+
+def string_map(description: str) -> Node:
+    return Node(description, {"type": "object", "additionalProperties": {"type": "string"}})
+
+
+def array(description: str, items: Node, **kw: Any) -> Node:
+    return Node(description, {"type": "array", **kw}, items=items)
+
+
+def engine_flag(server_field: str, node: Node, note: str = "") -> Node:
+    """A spec field that becomes a `python -m minisgl` flag: described by that flag's help."""
+    f = next(f for f in dataclasses.fields(ServerArgs) if f.name == server_field)
+    text = f.metadata["help"]
+    text = text[0].upper() + text[1:]
+    # The CRD's own default, when it has one, is stated by openapi(); else minisgl's applies.
+    default = "" if f.default is None or node.default is not None else f" Default: {f.default}."
+    note = f" {note}" if note else ""
+    desc = f"{text}.{note} Becomes `{flag_name(server_field)}`.{default}"
+    return dataclasses.replace(node, description=desc)
+
+
+# -- the spec --------------------------------------------------------------------------------
+
+TOLERATION_OPERATORS = ("Exists", "Equal")
+TOLERATION_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+ENGINE = obj(
+    "How the server runs the model: each field becomes a `python -m minisgl` flag; fields "
+    "left out keep minisgl's own defaults.",
+    {
+        "dtype": engine_flag("dtype", string("", enum=list(DTYPES))),
+        "tensorParallelSize": engine_flag(
+            "tp_size",
+            integer("", minimum=1, default=ServerArgs.tp_size),
+            "GPUs one model spans; resources.gpus defaults to it.",
+        ),
+        "numPages": engine_flag("num_pages", integer("", minimum=1)),
+        "maxSeqLen": engine_flag("max_seq_len_override", integer("", minimum=1), "In tokens."),
+        "maxRunningRequests": engine_flag("max_running_requests", integer("", minimum=1)),
+        "shutdownTimeoutSeconds": engine_flag(
+            "shutdown_timeout",
+            integer("", minimum=1, maximum=3600),
+            "The pod's termination grace period is set to cover it.",
+        ),
+        "extraArgs": array(
+            "More `python -m minisgl` flags, appended to the command line, e.g. "
+            '["--max-prefill-tokens", "8192"]. Full flag names only (no abbreviations); flags '
+            "that have a field here (model, served name, host, port, device, dtype, TP size, "
+            "pages, context, running requests, shutdown timeout) must be set through it. A "
+            "flag the server rejects makes the ModelServer Degraded (InvalidSpec).",
+            string("One command-line word: a flag or its value."),
+            maxItems=64,
+        ),
+    },
+    default={},
+)
+
+RESOURCES = obj(
+    "What each pod asks the scheduler for.",
+    {
+        "gpus": integer(
+            "nvidia.com/gpu per pod (a limit); 0 runs on CPU (`--device cpu`), more runs on "
+            "CUDA. Default: engine.tensorParallelSize. Must be 0 or at least it.",
+            minimum=0,
+        ),
+        "cpu": quantity("CPU request of the server container, e.g. 4 or 500m. Default: none."),
+        "memory": quantity(
+            "Memory request and limit of the server container, e.g. 32Gi. Default: none."
+        ),
+        "sharedMemory": quantity(
+            "Size limit of the memory-backed /dev/shm volume (used by the tensor-parallel "
+            "ranks). Default: no limit beyond the pod's memory."
+        ),
+    },
+)
+
+MODEL_CACHE = obj(
+    "A persistent volume for downloaded weights, mounted at /cache (HF_HOME=/cache/huggingface)"
+    ", so a restarted pod does not download the model again. Without it, weights go to an "
+    "emptyDir that lives as long as the pod.",
+    {
+        "size": quantity("Size of the PersistentVolumeClaim <name>-cache.", default="100Gi"),
+        "storageClassName": string(
+            "StorageClass of that claim. Default: the cluster's default class."
+        ),
+        "existingClaim": string(
+            "Use this existing PersistentVolumeClaim instead of creating <name>-cache.",
+            minLength=1,
+        ),
+    },
+)
+
+TARGETS = obj(
+    "SLO targets the autoscaler keeps (from the pods' Prometheus metrics): it adds pods when "
+    "any target is exceeded. At least one must be set.",
+    {
+        "ttftP95Seconds": positive(
+            "95th percentile time to first token, in seconds, over the last minutes "
+            "(minisgl_time_to_first_token_seconds)."
+        ),
+        "tpotP95Seconds": positive(
+            "95th percentile time per output token, in seconds "
+            "(minisgl_time_per_output_token_seconds)."
+        ),
+        "waitingRequestsPerReplica": positive(
+            "Requests waiting for a batch slot, per pod (minisgl_num_requests_waiting)."
+        ),
+    },
+    default={"waitingRequestsPerReplica": 8},
+    rules=[
+        (
+            "has(self.ttftP95Seconds) || has(self.tpotP95Seconds) || "
+            "has(self.waitingRequestsPerReplica)",
+            "autoscaling.targets needs at least one target",
+        )
+    ],
+)
+
+AUTOSCALING = obj(
+    "Scale the pods between minReplicas and maxReplicas on SLO targets: a KEDA ScaledObject "
+    "when KEDA is installed, else an autoscaling/v2 HorizontalPodAutoscaler on "
+    "prometheus-adapter metrics. The autoscaler writes spec.replicas through /scale.",
+    {
+        "minReplicas": integer("Fewest pods.", minimum=1, default=1),
+        "maxReplicas": integer("Most pods.", minimum=1),
+        "targets": TARGETS,
+        "scaleUpStabilizationSeconds": integer(
+            "Seconds the autoscaler looks back before adding pods "
+            "(behavior.scaleUp.stabilizationWindowSeconds).",
+            minimum=0,
+            maximum=3600,
+            default=60,
+        ),
+        "scaleDownStabilizationSeconds": integer(
+            "Seconds of lower load before a pod is removed "
+            "(behavior.scaleDown.stabilizationWindowSeconds); long, since a new pod may take "
+            "minutes to load the model.",
+            minimum=0,
+            maximum=3600,
+            default=600,
+        ),
+        "prometheusUrl": string(
+            "Prometheus that KEDA queries, e.g. http://prometheus.monitoring:9090. Default: "
+            "the operator's --prometheus-url.",
+            pattern="^https?://",
+        ),
+    },
+    required=["maxReplicas"],
+    rules=[
+        (
+            "self.minReplicas <= self.maxReplicas",
+            "autoscaling.minReplicas must not exceed autoscaling.maxReplicas",
+        )
+    ],
+)
+
+INGRESS = obj(
+    "An Ingress <name> routing http(s)://host/ to the Service; status.endpoint then names it.",
+    {
+        "host": string("Host name clients use, e.g. qwen.example.com.", minLength=1),
+        "className": string("IngressClass (ingressClassName). Default: the cluster's default."),
+        "tls": boolean(
+            "Serve TLS from the Secret <name>-tls (e.g. made by cert-manager).", default=False
+        ),
+        "annotations": string_map("Annotations of the Ingress (e.g. for cert-manager)."),
+    },
+    required=["host"],
+)
+
+TOLERATION = obj(
+    "A pod toleration, as in a Pod's spec.tolerations.",
+    {
+        "key": string("Taint key to tolerate; empty with operator Exists: every taint."),
+        "operator": string(
+            "Exists (any value) or Equal (the value below). Default: Equal.",
+            enum=list(TOLERATION_OPERATORS),
+        ),
+        "value": string("Taint value to match with operator Equal."),
+        "effect": string(
+            "Taint effect to tolerate; empty: every effect.", enum=list(TOLERATION_EFFECTS)
+        ),
+        "tolerationSeconds": integer(
+            "With NoExecute: seconds the pod stays bound after the taint appears.", fmt="int64"
+        ),
+    },
+)
+
+ENV_VAR = obj(
+    "An environment variable of the server container, as in a container's env. An entry "
+    "named like one the operator sets (HF_HOME, HOME, HF_TOKEN) replaces it.",
+    {
+        "name": string("Variable name.", minLength=1),
+        "value": string("Its value."),
+        "valueFrom": Node(
+            "Its value from a Secret, ConfigMap or field (a Kubernetes EnvVarSource).",
+            {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+        ),
+    },
+    required=["name"],
+)
+
+SPEC = obj(
+    "The model to serve and how: the operator turns it into a Deployment running "
+    "`python -m minisgl`, a Service <name> on port 8000, and optionally an autoscaler, an "
+    "Ingress and a PersistentVolumeClaim for weights.",
+    {
+        "model": string(
+            "Hugging Face hub id (e.g. Qwen/Qwen3-0.6B) or a path on the model cache volume. "
+            "Becomes `--model`.",
+            minLength=1,
+        ),
+        "servedModelName": string(
+            "Model name in the OpenAI API and in metrics (label model_name). Becomes "
+            "`--served-model-name`. Default: the model.",
+            minLength=1,
+        ),
+        "image": string(
+            "Server image (the container runs `python -m minisgl`).",
+            minLength=1,
+            default="ghcr.io/minisgl/minisgl-server:0.1.0",
+        ),
+        "replicas": integer(
+            "Pods (the Deployment's replicas); written by the autoscaler when autoscaling is "
+            "set, and then kept between its bounds.",
+            minimum=0,
+            default=1,
+        ),
+        "startupTimeoutSeconds": integer(
+            "How long a pod may take to download and load the model before it is restarted "
+            "(the startup probe's budget).",
+            minimum=60,
+            default=1800,
+        ),
+        "engine": ENGINE,
+        "resources": RESOURCES,
+        "modelCache": MODEL_CACHE,
+        "hfTokenSecret": string(
+            "Secret holding the Hugging Face token under the key `token`; becomes the HF_TOKEN "
+            "environment variable (gated or private models).",
+            minLength=1,
+        ),
+        "autoscaling": AUTOSCALING,
+        "ingress": INGRESS,
+        "nodeSelector": string_map("Node labels the pods must run on (the pod's nodeSelector)."),
+        "tolerations": array("Taints the pods tolerate (the pod's tolerations).", TOLERATION),
+        "podAnnotations": string_map(
+            "Annotations added to the pods (next to the Prometheus scrape annotations)."
+        ),
+        "env": array("More environment variables of the server container.", ENV_VAR),
+    },
+    required=["model"],
+    rules=[
+        (
+            "!has(self.resources) || !has(self.resources.gpus) || self.resources.gpus == 0 || "
+            "self.resources.gpus >= self.engine.tensorParallelSize",
+            "resources.gpus must be 0 (CPU) or at least engine.tensorParallelSize",
+        )
+    ],
+)
+
+# -- the status (written by the operator: status.compute_status) -----------------------------
+
+CONDITION = obj(
+    "One condition: Ready (some pod serves), Progressing (a rollout or scale change is under "
+    "way) or Degraded (something needs attention; reason and message say what).",
+    {
+        "type": string("Ready, Progressing or Degraded."),
+        "status": string("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+        "reason": string(
+            "Why, in one CamelCase word (e.g. Serving, Loading, InvalidSpec, NameConflict)."
+        ),
+        "message": string("Why, for people."),
+        "lastTransitionTime": string("When status last changed.", format="date-time"),
+        "observedGeneration": integer(
+            "metadata.generation this condition was computed for.", fmt="int64"
+        ),
+    },
+    required=["type", "status"],
+)
+
+STATUS = obj(
+    "What the operator observed, written after every reconcile.",
+    {
+        "observedGeneration": integer(
+            "metadata.generation of the spec the operator last acted on.", fmt="int64"
+        ),
+        "replicas": integer("Pods of the Deployment (any state).", fmt="int32"),
+        "readyReplicas": integer("Pods that pass /health (model loaded).", fmt="int32"),
+        "replicaSummary": string("readyReplicas/wanted, e.g. 2/3 (a printer column)."),
+        "selector": string("Label selector of the pods (for the /scale subresource)."),
+        "endpoint": string(
+            "Where clients reach the OpenAI API: https://<ingress host> with an Ingress, else "
+            "http://<name>.<namespace>.svc:8000. Absent while nothing of ours serves."
+        ),
+        "observed": obj(
+            "The SLOs as Prometheus last reported them (needs the operator's --prometheus-url).",
+            {
+                "ttftP95Seconds": number("95th percentile time to first token, seconds."),
+                "tpotP95Seconds": number("95th percentile time per output token, seconds."),
+                "waitingRequests": number("Requests waiting for a batch slot, all pods."),
+                "time": string("When these were read (RFC 3339)."),
+            },
+        ),
+        "conditions": Node(
+            "Ready, Progressing and Degraded.",
+            {
+                "type": "array",
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["type"],
+            },
+            items=CONDITION,
+        ),
+    },
+)
