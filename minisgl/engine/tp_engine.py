@@ -27,7 +27,7 @@ import zmq
 
 from minisgl.config import EngineArgs
 from minisgl.engine.engine import Engine, StepOutput
-from minisgl.engine.factory import freeze_startup_objects
+from minisgl.process import freeze_startup_objects
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.scheduler import SchedulerStats
 

@@ -30,10 +30,11 @@ from minisgl.message.scheduler_to_detokenizer import (
     TokenOutput,
 )
 from minisgl.message.tokenizer_to_scheduler import TokenizedRequest
-from minisgl.server.process import (
+from minisgl.process import (
     WorkerLife,
     elapsed,
     exit_now,
+    freeze_startup_objects,
     report_failure,
     report_ready,
     setup_logging,
@@ -161,11 +162,7 @@ def run_scheduler_worker(
     try:
         from tqdm import tqdm
 
-        from minisgl.engine.factory import (  # torch: here only
-            create_engine,
-            freeze_startup_objects,
-            shutdown_engine,
-        )
+        from minisgl.engine.factory import create_engine, shutdown_engine  # torch: here only
 
         # The weight loader's progress bar would create a multiprocessing lock, which the
         # resource tracker then reports as leaked when this worker leaves via os._exit.

@@ -1,4 +1,5 @@
 """OpenAI-compatible HTTP service: launcher, API server, process management.
 
-Kept import-light: workers import minisgl.server.process without pulling in FastAPI.
+Nothing below server/ imports from here: the workers' life-cycle helpers live in
+minisgl.process.
 """

@@ -26,10 +26,10 @@ from minisgl.config import ServerArgs, parse_server_args
 from minisgl.engine.worker import run_scheduler_worker
 from minisgl.message.endpoints import Endpoints
 from minisgl.metrics import ServerMetrics
+from minisgl.process import setup_logging
 from minisgl.server.api_server import Hooks, build_app
 from minisgl.server.context import ServerContext
 from minisgl.server.manager import RequestManager
-from minisgl.server.process import setup_logging
 from minisgl.tokenizer.detokenizer_worker import run_detokenizer_worker
 from minisgl.tokenizer.tokenizer_worker import run_tokenizer_worker
 

@@ -27,7 +27,7 @@ from minisgl.message.scheduler_to_detokenizer import (
     TokenBatch,
     TokenOutput,
 )
-from minisgl.server.process import (
+from minisgl.process import (
     WorkerLife,
     elapsed,
     exit_now,

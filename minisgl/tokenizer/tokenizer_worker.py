@@ -21,7 +21,7 @@ from minisgl.message.detokenizer_to_api import ErrorReply
 from minisgl.message.endpoints import Endpoints
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.tokenizer_to_scheduler import TokenizedRequest
-from minisgl.server.process import (
+from minisgl.process import (
     WorkerLife,
     elapsed,
     exit_now,

@@ -1,7 +1,9 @@
-"""What every worker process shares: logging, signals, readiness report, parent watchdog."""
+"""What every worker process shares: logging, signals, readiness report, parent watchdog, and
+freezing what start-up built. Below every worker (tokenizer, engine) and the server alike."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -74,3 +76,13 @@ def exit_now() -> None:
 
 def elapsed(start: float) -> str:
     return f"{time.perf_counter() - start:.1f} s"
+
+
+def freeze_startup_objects() -> None:
+    """In a process that holds one engine until it exits: everything built so far (modules,
+    weights, imported libraries) lives as long as the process, so keep the garbage collector
+    from re-walking it during steps (measured: ~5% of a CPU decode step went to
+    gc_collect_main). Not for LLM: a frozen object is never collected, and a user may create
+    and drop several."""
+    gc.collect()
+    gc.freeze()
