@@ -58,7 +58,7 @@ class ServerArgs(EngineArgs):
     served_model_name: str | None = _f(None, "model name in the API; default: --model")
     host: str = _f("127.0.0.1", "address to listen on")
     port: int = _f(8000, "port to listen on")
-    api_key: str | None = _f(None, "require this bearer token on /v1 endpoints")
+    api_key: str | None = _f(None, "require this bearer token on /v1 endpoints and /openapi.json")
     metrics_require_api_key: bool = _f(False, "require the --api-key bearer token on /metrics too")
     max_queued_requests: int = _f(1024, "waiting requests beyond which the server answers 503")
     shutdown_timeout: float = _f(30.0, "seconds in-flight requests may take to finish on SIGTERM")
