@@ -1,13 +1,115 @@
 #!/usr/bin/env bash
-# Installs minisgl and its test tools into ./.venv. torch is pinned first: an unpinned torch
-# would pull a multi-GB CUDA build where a CPU one is wanted.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-python3 -m venv .venv
-.venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e '.[dev]'
-# Debian's Prometheus (promtool and a real server for the metrics tests), when apt is usable.
-if ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
-    || echo "warning: could not install prometheus; metrics tests that need it will skip" >&2
+# Installs minisgl and its test tools into ./.venv, saying what it installs and why.
+#
+#   bash scripts/install.sh                  # picks the torch build for this machine
+#   MINISGL_TORCH=cpu bash scripts/install.sh    # force the CPU build (or: cuda)
+#   MINISGL_NO_APT=1 bash scripts/install.sh     # never touch system packages
+#
+# torch is installed first and pinned: an unpinned torch from the public index is the CUDA
+# build on Linux (several GB of nvidia-* wheels), useless on a machine without an NVIDIA GPU.
+# Sourcing this file (`source scripts/install.sh`) only defines the functions below.
+
+TORCH_VERSION=2.13.0
+TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+# Debian packages the test suite uses, and why (printed before anything is installed).
+APT_PACKAGES=(
+  "prometheus:promtool and a real Prometheus server for the metrics tests"
+  "chromium:a headless browser for the playground tests (Playwright drives it)"
+)
+
+# Prints "cpu" or "cuda" on stdout and the reason on stderr.
+torch_choice() {
+  local forced="${MINISGL_TORCH:-auto}"
+  case "$forced" in
+    cpu | cuda)
+      echo "torch: $forced build, as MINISGL_TORCH=$forced asks" >&2
+      echo "$forced"
+      return
+      ;;
+    auto | "") ;;
+    *)
+      echo "MINISGL_TORCH must be cpu, cuda or auto (got '$forced')" >&2
+      return 2
+      ;;
+  esac
+  local proc_dir="${MINISGL_NVIDIA_PROC_DIR:-/proc/driver/nvidia}"
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep '^GPU' >/dev/null; then
+    echo "torch: CUDA build, because nvidia-smi lists a GPU ($(nvidia-smi -L | head -n 1))" >&2
+    echo cuda
+  elif [ -d "$proc_dir/gpus" ] && [ -n "$(ls -A "$proc_dir/gpus" 2>/dev/null)" ]; then
+    echo "torch: CUDA build, because the NVIDIA driver reports a GPU in $proc_dir/gpus" >&2
+    echo cuda
+  else
+    echo "torch: CPU build, because no NVIDIA driver is present (no working nvidia-smi, no $proc_dir/gpus); set MINISGL_TORCH=cuda to override" >&2
+    echo cpu
+  fi
+}
+
+# The pip arguments that install torch for a choice ("cpu" or "cuda"), one per line.
+torch_pip_args() {
+  echo "torch==$TORCH_VERSION"
+  if [ "$1" = cpu ]; then
+    # An extra index, not a replacement: torch's own dependencies still come from the default
+    # index, and pip prefers 2.13.0+cpu there over the public index's CUDA 2.13.0 (a local
+    # version sorts after its public one).
+    echo "--extra-index-url"
+    echo "$TORCH_CPU_INDEX"
+  fi
+}
+
+apt_usable() {
+  command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]
+}
+
+# The Debian packages of APT_PACKAGES whose command is missing, one per line.
+missing_apt_packages() {
+  local entry name
+  for entry in "${APT_PACKAGES[@]}"; do
+    name="${entry%%:*}"
+    command -v "$name" >/dev/null 2>&1 || echo "$name"
+  done
+}
+
+install_apt_packages() {
+  local missing
+  missing="$(missing_apt_packages)"
+  [ -n "$missing" ] || return 0
+  if [ -n "${MINISGL_NO_APT:-}" ]; then
+    echo "MINISGL_NO_APT is set: not installing $(echo "$missing" | tr '\n' ' ')(tests that need them skip)"
+    return 0
+  fi
+  if ! apt_usable; then
+    echo "apt-get is not usable here (not Debian/Ubuntu, or not root): not installing $(echo "$missing" | tr '\n' ' ')(tests that need them skip)"
+    return 0
+  fi
+  echo "Installing Debian packages with apt-get (set MINISGL_NO_APT=1 to skip):"
+  local entry name
+  for entry in "${APT_PACKAGES[@]}"; do
+    name="${entry%%:*}"
+    if echo "$missing" | grep -qx "$name"; then
+      echo "  - $name: ${entry#*:}"
+    fi
+  done
+  # shellcheck disable=SC2086
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null) ||
+    echo "warning: apt-get failed; tests that need these packages will skip" >&2
+}
+
+main() {
+  cd "$(dirname "${BASH_SOURCE[0]}")/.."
+  local choice
+  choice="$(torch_choice)"
+  mapfile -t torch_args < <(torch_pip_args "$choice")
+  python3 -m venv .venv
+  echo "pip install ${torch_args[*]}"
+  .venv/bin/pip install -q "${torch_args[@]}"
+  .venv/bin/python -c 'import torch; print(f"installed torch {torch.__version__} (CUDA: {torch.version.cuda or "none"})")'
+  echo "pip install -e .[dev]  (minisgl and its test tools)"
+  .venv/bin/pip install -q -e '.[dev]'
+  install_apt_packages
+}
+
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  set -euo pipefail
+  main "$@"
 fi

@@ -17,6 +17,7 @@ from minisgl.server.body_limit import BodySizeLimit
 from minisgl.server.context import ServerContext
 from minisgl.server.errors import APIError, error_response, install_handlers
 from minisgl.server.handlers import serve_request
+from minisgl.server.playground import install_playground
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 
 log = logging.getLogger("minisgl.api")
@@ -151,6 +152,8 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
             }
         )
 
+    if not ctx.args.disable_playground:
+        install_playground(app)
     return app
 
 

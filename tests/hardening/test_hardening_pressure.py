@@ -79,8 +79,8 @@ def test_kv_need_beyond_the_pool_completes_by_preemption(servers: dict[str, Serv
     preempted, metric = _preemptions(small)
     assert preempted > 0 and metric > 0, (preempted, metric)
     print(f"memory pressure: {need_pages} pages needed of {SMALL_PAGES}, {preempted} preemptions")
-    wait_clean(small, within=3.0)
-    wait_clean(roomy, within=3.0)
+    wait_clean(small)
+    wait_clean(roomy)
 
 
 def test_abort_storm_leaves_no_state_and_normal_requests_are_exact(
@@ -126,7 +126,7 @@ def test_abort_storm_leaves_no_state_and_normal_requests_are_exact(
     for i, (g, q) in enumerate(zip(got, quiet)):
         assert g["text"] == q["text"] and g["finish_reason"] == q["finish_reason"], i
     print(f"abort storm: 100 victims ({stats}), 20 normal requests exact")
-    final = wait_clean(srv, within=3.0)
+    final = wait_clean(srv)
     assert (
         final["scheduler"]["num_pages_free"] + final["scheduler"]["num_pages_cached"]
         == (final["scheduler"]["num_pages_total"])

@@ -67,7 +67,7 @@ class ServerProcess:
         r.raise_for_status()
         return r.json()
 
-    def wait_idle(self, within: float = 1.0) -> dict[str, Any]:
+    def wait_idle(self, within: float = 60.0) -> dict[str, Any]:
         """Scheduler stats once 0 requests run and 0 KV pages are used; fails after `within` s."""
         deadline = time.monotonic() + within
         while True:

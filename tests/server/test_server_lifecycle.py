@@ -53,6 +53,13 @@ def test_two_servers_use_private_socket_dirs(guarded: ServerProcess, server: Ser
     assert oct(os.stat(a).st_mode & 0o777) == "0o700"
 
 
+def _wait_for(condition: Any, srv: ServerProcess, within: float = 60.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, srv.stats()
+        time.sleep(0.05)
+
+
 def test_full_waiting_queue_answers_503(guarded: ServerProcess) -> None:
     url = f"{guarded.url}/v1/completions"
     long = {"prompt": "x", "max_tokens": 3000, "ignore_eos": True}
@@ -66,15 +73,15 @@ def test_full_waiting_queue_answers_503(guarded: ServerProcess) -> None:
 
     threads = [threading.Thread(target=hold) for _ in range(2)]
     threads[0].start()
-    time.sleep(1.0)
+    _wait_for(lambda: guarded.stats()["scheduler"]["num_running"] == 1, guarded)
     threads[1].start()  # waits in the queue: the queue is now full
-    time.sleep(1.0)
+    _wait_for(lambda: guarded.stats()["waiting_at_api"] >= 1, guarded)
     r = httpx.post(url, json={**long, "max_tokens": 4}, headers=guarded.headers, timeout=10)
     assert r.status_code == 503, r.text
     assert r.headers["retry-after"] and r.json()["error"]["type"] == "service_unavailable_error"
     for t in threads:
         t.join()
-    guarded.wait_idle(within=1.0)
+    guarded.wait_idle()
     ok = httpx.post(url, json={**long, "max_tokens": 4}, headers=guarded.headers, timeout=30)
     assert ok.status_code == 200
 

@@ -46,7 +46,7 @@ def test_tp2_server_first_request_abort_and_shutdown(tiny_model_dir, tmp_path, m
             for i, _ in enumerate(s.iter_lines()):
                 if i >= 10:
                     break  # disconnect mid-stream: the abort must reach every rank
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60
         while True:
             stats = server.stats()["scheduler"]
             ranks_stats = stats.get("ranks") or []
@@ -61,5 +61,7 @@ def test_tp2_server_first_request_abort_and_shutdown(tiny_model_dir, tmp_path, m
         server.signal(signal.SIGTERM)
         code = server.proc.wait(60)
     assert code == 0, server.logs()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while [pid for pid in ranks if pid_alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not [pid for pid in ranks if pid_alive(pid)], "a worker or rank outlived the server"
