@@ -332,4 +332,6 @@ function init() {
   loadModels();
 }
 
-init();
+// Inserted from the page's head, this may run before the body is parsed.
+if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", init);
+else init();
