@@ -8,6 +8,11 @@ batch and the all-reduces inside the model line up. Only rank 0's outputs are us
 Before the first real message, rank 0 repeats a hello on the PUB socket until every follower has
 confirmed (over a PUSH socket back to rank 0) that it received one: a SUB socket that connects
 late silently misses what was published before (the slow-joiner problem).
+
+Start-up never waits on a rank that is gone: each follower checks in (over the same PUSH
+socket) before it joins torch.distributed, whose rendezvous would otherwise wait for a dead
+rank for its whole timeout; a follower that fails reports its error there, and one that dies
+before running (spawn could not start it) is noticed by its exit.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import zmq
 
 from minisgl.config import EngineArgs
 from minisgl.engine.engine import Engine, StepOutput
+from minisgl.engine.startup import spawn_main_problem
 from minisgl.process import freeze_startup_objects
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.scheduler import SchedulerStats
@@ -34,6 +40,7 @@ from minisgl.scheduler.scheduler import SchedulerStats
 logger = logging.getLogger(__name__)
 
 _HELLO, _STEP, _STATS, _EXIT = "hello", "step", "stats", "exit"
+_UP, _FAILED = "up", "failed"  # follower -> rank 0 during start-up: [kind, rank, detail]
 _HANDSHAKE_TIMEOUT_S = 300.0  # followers load weights before they subscribe
 
 
@@ -75,10 +82,16 @@ def _init_distributed(args: EngineArgs, rank: int, rdv: Rendezvous) -> None:
     )
 
 
+class TPRankError(RuntimeError):
+    """A tensor-parallel rank failed or died: raised in rank 0, with that rank's error."""
+
+
 class TPEngine:
     """The `Engine` interface for tp_size > 1; runs rank 0 in this process."""
 
     def __init__(self, args: EngineArgs) -> None:
+        self._failures: dict[int, str] = {}  # rank -> error it reported
+        self._closed_sockets = False
         host, port = split_host_port(args.dist_init_addr)
         self.rdv = Rendezvous(
             host=host,
@@ -106,11 +119,19 @@ class TPEngine:
         for p in self._procs:
             p.start()
         try:
+            self._wait_checked_in()
             _init_distributed(args, 0, self.rdv)
             self.engine = Engine(args, tp_rank=0)
             self._handshake(args.tp_size - 1)
-        except BaseException:
+        except BaseException as exc:
+            failure = None
+            if not isinstance(exc, TPRankError):  # e.g. a collective broken by a dead rank
+                for p in self._procs:
+                    p.join(timeout=2)  # such a rank is on its way out: let its report arrive
+                failure = self._follower_failure()
             self.shutdown()
+            if failure is not None:
+                raise TPRankError(failure) from exc
             raise
         self._ops: list[list[Any]] = []
         self._closed = False
@@ -199,6 +220,7 @@ class TPEngine:
                 p.join(timeout=5)
         self._pub.close()
         self._ack.close()
+        self._closed_sockets = True
         self._ctx.term()
         _destroy_distributed()
 
@@ -207,6 +229,18 @@ class TPEngine:
             self.shutdown()
 
     # internals ----------------------------------------------------------------------------
+    def _wait_checked_in(self) -> None:
+        """Every follower is running our code, right before it joins torch.distributed."""
+        up: set[int] = set()
+        deadline = time.monotonic() + _HANDSHAKE_TIMEOUT_S
+        while len(up) < len(self._procs):
+            self._check_followers()
+            if time.monotonic() > deadline:
+                raise TPRankError("tensor-parallel ranks did not start in time")
+            msg = self._recv_start_message(50)
+            if msg is not None and msg[0] == _UP:
+                up.add(int(msg[1]))
+
     def _handshake(self, num_followers: int) -> None:
         confirmed: set[int] = set()
         deadline = time.monotonic() + _HANDSHAKE_TIMEOUT_S
@@ -215,14 +249,52 @@ class TPEngine:
             if time.monotonic() > deadline:
                 raise TimeoutError("tensor-parallel followers did not subscribe in time")
             self._pub.send(msgpack.packb([_HELLO, []]))
-            if self._ack.poll(50):
-                confirmed.add(int(msgpack.unpackb(self._ack.recv())))
+            msg = self._recv_start_message(50)
+            if isinstance(msg, int):
+                confirmed.add(msg)
         logger.info("tensor parallel: %d follower rank(s) subscribed", num_followers)
 
+    def _recv_start_message(self, timeout_ms: int) -> Any:
+        """The next start-up message from a follower, None if none came; a failure raises."""
+        if not self._ack.poll(timeout_ms):
+            return None
+        msg = msgpack.unpackb(self._ack.recv())
+        if isinstance(msg, list) and msg and msg[0] == _FAILED:
+            self._failures[int(msg[1])] = str(msg[2])
+            raise TPRankError(self._follower_failure() or str(msg[2]))
+        return msg
+
+    def _follower_failure(self) -> str | None:
+        """What went wrong with the followers, in words: their own reports, else their exits."""
+        with contextlib.suppress(zmq.ZMQError):
+            while not self._closed_sockets and self._ack.poll(0):
+                msg = msgpack.unpackb(self._ack.recv())
+                if isinstance(msg, list) and msg and msg[0] == _FAILED:
+                    self._failures[int(msg[1])] = str(msg[2])
+        if self._failures:
+            return "; ".join(
+                f"tensor-parallel rank {r} failed during start-up: {e}"
+                for r, e in sorted(self._failures.items())
+            )
+        dead = [(r, p) for r, p in enumerate(self._procs, start=1) if p.exitcode is not None]
+        if not dead:
+            return None
+        parts = [
+            f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}" for r, p in dead
+        ]
+        why = spawn_main_problem()
+        why = why or (
+            "its error is printed above; one that dies before running our code usually means "
+            "spawn could not re-run the main script: start tensor-parallel engines under "
+            "`if __name__ == '__main__':`"
+        )
+        return "; ".join(parts) + f": {why}"
+
     def _check_followers(self) -> None:
-        dead = [p.name for p in self._procs if not p.is_alive()]
-        if dead:
-            raise RuntimeError(f"tensor-parallel rank process(es) died: {', '.join(dead)}")
+        if any(not p.is_alive() for p in self._procs):
+            for p in self._procs:
+                p.join(timeout=1)  # let a failing rank's report arrive before its exit code
+            raise TPRankError(self._follower_failure() or "a tensor-parallel rank died")
 
 
 def apply_ops(engine: Engine, ops: list[list[Any]]) -> None:
@@ -252,19 +324,44 @@ def follower_main(args_dict: dict, rank: int, rdv_dict: dict, parent_pid: int) -
         level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(message)s"
     )
     args, rdv = EngineArgs(**args_dict), Rendezvous(**rdv_dict)
+    ctx = zmq.Context()
+    ack = ctx.socket(zmq.PUSH)
+    ack.setsockopt(zmq.LINGER, 1000)
+    ack.connect(_zmq_addr(rdv.host, rdv.ack_port))
+    try:
+        sub, engine = _follower_start(args, rank, rdv, ctx, ack)
+    except BaseException as exc:
+        # Rank 0 waits for this rank: tell it why it will not come, then leave.
+        ack.send(msgpack.packb([_FAILED, rank, f"{type(exc).__name__}: {exc}"]))
+        ack.close()
+        ctx.term()
+        raise
+    _follow(engine, rank, parent_pid, ctx, sub, ack)
+
+
+def _follower_start(
+    args: EngineArgs, rank: int, rdv: Rendezvous, ctx: zmq.Context, ack: zmq.Socket
+) -> tuple[zmq.Socket, Engine]:
     # Test hook: a follower that subscribes late must still see every message (slow joiner).
     time.sleep(float(os.environ.get("MINISGL_TP_SUBSCRIBE_DELAY_S", "0")))
-    ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVHWM, 0)
     sub.connect(_zmq_addr(rdv.host, rdv.pub_port))
-    ack = ctx.socket(zmq.PUSH)
-    ack.setsockopt(zmq.LINGER, 1000)
-    ack.connect(_zmq_addr(rdv.host, rdv.ack_port))
-    _init_distributed(args, rank, rdv)
-    engine = Engine(args, tp_rank=rank)
+    ack.send(msgpack.packb([_UP, rank, ""]))
+    try:
+        _init_distributed(args, rank, rdv)
+        engine = Engine(args, tp_rank=rank)
+    except BaseException:
+        sub.close(0)
+        raise
     freeze_startup_objects()
+    return sub, engine
+
+
+def _follow(
+    engine: Engine, rank: int, parent_pid: int, ctx: zmq.Context, sub: zmq.Socket, ack: zmq.Socket
+) -> None:
     acked = False
     try:
         while True:

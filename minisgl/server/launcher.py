@@ -23,6 +23,7 @@ from typing import Any, cast
 import uvicorn
 
 from minisgl.config import ServerArgs, parse_server_args
+from minisgl.engine.startup import spawn_main_problem
 from minisgl.engine.worker import run_scheduler_worker
 from minisgl.message.endpoints import Endpoints
 from minisgl.metrics import ServerMetrics
@@ -100,9 +101,12 @@ class Launcher(Hooks):
                     name = sentinels[ready]
                     pending = [c for c, n in pipes.items() if n == name]
                     if pending and not pending[0].poll():  # ...before saying why
+                        self.procs[name].join(1.0)  # its exit code, not None
                         code = self.procs[name].exitcode
+                        why = spawn_main_problem()
                         raise WorkerStartError(
                             f"{name} worker exited during start-up (code {code})"
+                            + (f": {why}" if why else "")
                         )
                     continue
                 conn = cast(Connection, ready)

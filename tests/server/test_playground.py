@@ -116,7 +116,9 @@ def test_finished_answer_shows_ttft_rate_and_token_counts(
     # The next turn carries the conversation so far.
     page.fill("#input", "again")
     page.click("#send")
-    page.wait_for_function("document.querySelectorAll('.message.assistant[data-outcome]').length == 2")
+    page.wait_for_function(
+        "document.querySelectorAll('.message.assistant[data-outcome]').length == 2"
+    )
     assert [m["role"] for m in sent[1]["messages"]] == ["system", "user", "assistant", "user"]
 
 
@@ -147,7 +149,11 @@ def test_reasoning_is_folded_apart_from_the_answer(page: Any, server: ServerProc
 
     replies = iter(
         [
-            sse({"reasoning_content": "The user "}, {"reasoning_content": "greets."}, {"content": "Hello!"}),
+            sse(
+                {"reasoning_content": "The user "},
+                {"reasoning_content": "greets."},
+                {"content": "Hello!"},
+            ),
             sse({"content": "<think>\nhmm"}, {"content": "</think>\n\nHi"}, {"content": " there"}),
         ]
     )
@@ -176,7 +182,8 @@ def test_reasoning_is_folded_apart_from_the_answer(page: Any, server: ServerProc
 def test_api_key_is_sent_and_kept_in_the_session_only(page: Any, server: ServerProcess) -> None:
     auth: list[str | None] = []
     page.on(
-        "request", lambda r: auth.append(r.headers.get("authorization")) if "/v1/" in r.url else None
+        "request",
+        lambda r: auth.append(r.headers.get("authorization")) if "/v1/" in r.url else None,
     )
     page.goto(f"{server.url}/")
     page.fill("#api-key", "sk-playground")

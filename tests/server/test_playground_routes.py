@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from fastapi.testclient import TestClient

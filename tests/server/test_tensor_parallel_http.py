@@ -65,3 +65,21 @@ def test_tp2_server_first_request_abort_and_shutdown(tiny_model_dir, tmp_path, m
     while [pid for pid in ranks if pid_alive(pid)] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in ranks if pid_alive(pid)], "a worker or rank outlived the server"
+
+
+def test_tp2_server_exits_with_the_rank_error_when_a_rank_fails_to_start(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """Before: rank 0 waited in the torch.distributed rendezvous for a dead rank (minutes)."""
+    monkeypatch.setenv("MINISGL_TP_SUBSCRIBE_DELAY_S", "not-a-number")  # fails in rank 1 only
+    server = ServerProcess(
+        tiny_model_dir, tmp_path / "tp2-bad.log", "--tp-size", "2", "--num-pages", "64"
+    )
+    try:
+        code = server.proc.wait(120)
+        logs = server.logs()
+    finally:
+        server.stop()
+    assert code == 1, logs
+    assert "tensor-parallel rank 1 failed during start-up: ValueError" in logs, logs
+    assert "scheduler worker failed to start" in logs, logs
