@@ -55,7 +55,11 @@ class EngineArgs:
 
 @dataclass(frozen=True)
 class ServerArgs(EngineArgs):
-    served_model_name: str | None = _f(None, "model name in the API; default: --model")
+    served_model_name: str | None = _f(
+        None,
+        "model name(s) in the API, comma-separated; all are listed by /v1/models, replies carry "
+        "the first; default: --model",
+    )
     host: str = _f("127.0.0.1", "address to listen on")
     port: int = _f(8000, "port to listen on")
     api_key: str | None = _f(None, "require this bearer token on /v1 endpoints and /openapi.json")
@@ -69,8 +73,13 @@ class ServerArgs(EngineArgs):
     )
 
     @property
+    def model_names(self) -> list[str]:
+        names = [n.strip() for n in (self.served_model_name or "").split(",") if n.strip()]
+        return names or [self.model]
+
+    @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        return self.model_names[0]
 
     def engine_args(self) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(EngineArgs)}

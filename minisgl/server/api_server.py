@@ -107,15 +107,22 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
         )
         return await serve_request(ctx, request, req, fields, "completion", arrival)
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(
+            id=name, created=ctx.created, root=ctx.args.model, max_model_len=ctx.max_seq_len
+        )
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = ModelCard(
-            id=ctx.model_name,
-            created=ctx.created,
-            root=ctx.args.model,
-            max_model_len=ctx.max_seq_len,
-        )
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        cards = [card(name) for name in ctx.args.model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    # `:path`: hub ids hold a slash (GET /v1/models/Qwen/Qwen3-0.6B).
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> JSONResponse:
+        if model not in ctx.args.model_names:
+            raise APIError(404, f"The model '{model}' does not exist", "model")
+        return JSONResponse(card(model).model_dump())
 
     @app.get("/health")
     async def health() -> Response:

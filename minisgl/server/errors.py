@@ -51,10 +51,28 @@ def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
     if not errors:
         return APIError(400, "invalid request")
     first = errors[0]
+    if first.get("type") == "json_invalid":
+        return _invalid_json(first, getattr(exc, "body", None))
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value")
     return APIError(400, f"{param}: {msg}" if param else msg, param)
+
+
+def _invalid_json(error: Any, body: Any) -> APIError:
+    """A body that is not JSON: say where, by line and column (the location is no field)."""
+    reason = (error.get("ctx") or {}).get("error", "invalid JSON")
+    loc = error.get("loc", ())
+    pos = loc[-1] if loc and isinstance(loc[-1], int) else None
+    if isinstance(body, bytes):
+        body = body.decode(errors="replace")
+    if pos is None or not isinstance(body, str):
+        return APIError(400, f"the request body is not valid JSON: {reason}")
+    line = body.count("\n", 0, pos) + 1
+    column = pos - (body.rfind("\n", 0, pos) + 1) + 1
+    return APIError(
+        400, f"the request body is not valid JSON: {reason} at line {line}, column {column}"
+    )
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -116,8 +116,9 @@ class ModelServerSpec:
 
     @property
     def model_name(self) -> str:
-        """The name clients send and metrics carry (`model_name` label)."""
-        return self.served_model_name or self.model
+        """The name metrics carry (`model_name` label): the first of the served names."""
+        names = [n.strip() for n in (self.served_model_name or "").split(",") if n.strip()]
+        return names[0] if names else self.model
 
 
 def _split(path: str) -> tuple[str, str]:

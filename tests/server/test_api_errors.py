@@ -85,6 +85,13 @@ def test_malformed_request_is_a_400(server: ServerProcess, name: str, path: str,
         _assert_openai_error(_post(server, path, {**body, "stream": True}), 400)
 
 
+def test_invalid_json_says_where_and_names_no_param(server: ServerProcess) -> None:
+    body = b'{"messages": [\n  {"role": "user", "content": "hi"},\n  }\n]}'
+    err = _assert_openai_error(_post(server, CHAT, body), 400)
+    assert err["param"] is None  # was "44": a character offset is no field
+    assert "not valid JSON" in err["message"] and "line 3, column 3" in err["message"], err
+
+
 def test_error_details_and_still_serving(server: ServerProcess, client: openai.OpenAI) -> None:
     assert len(MALFORMED) >= 20
     err = _assert_openai_error(_post(server, CHAT, {"messages": MSG, "temperature": "x"}), 400)

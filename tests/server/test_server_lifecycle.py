@@ -27,7 +27,7 @@ def guarded(
     """--api-key, one running request at a time, one waiting at most, a 60 s drain."""
     log = tmp_path_factory.mktemp("guarded") / "server.log"
     flags = ("--api-key", KEY, "--max-running-requests", "1", "--max-queued-requests", "1",
-             "--shutdown-timeout", "60", "--served-model-name", "tiny-qwen")  # fmt: skip
+             "--shutdown-timeout", "60", "--served-model-name", "tiny-qwen,qwen3")  # fmt: skip
     srv = ServerProcess(tiny_model_dir, log, *COMMON_FLAGS, *flags).wait_ready()
     yield srv
     srv.stop()
@@ -42,9 +42,23 @@ def test_api_key_is_required_on_v1(guarded: ServerProcess) -> None:
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     good = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key=KEY, max_retries=0)
-    assert [m.id for m in good.models.list().data] == ["tiny-qwen"]
+    assert [m.id for m in good.models.list().data] == ["tiny-qwen", "qwen3"]
     assert httpx.get(f"{guarded.url}/internal/stats").status_code == 401
     assert httpx.get(f"{guarded.url}/health").status_code == 200  # probes carry no key
+
+
+def test_every_served_name_is_listed_and_retrievable(guarded: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key=KEY, max_retries=0)
+    for name in ("tiny-qwen", "qwen3"):
+        card = client.models.retrieve(name)  # GET /v1/models/{model}: was a 404
+        assert card.id == name and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-4")
+    assert err.value.body["param"] == "model"  # type: ignore[index]
+    # A single-model server still answers whatever model a request names.
+    for name in ("qwen3", "tiny-qwen", "anything-else"):
+        r = client.completions.create(model=name, prompt="hi", max_tokens=2)
+        assert r.model == "tiny-qwen" and r.choices[0].finish_reason == "length"
 
 
 def test_two_servers_use_private_socket_dirs(guarded: ServerProcess, server: ServerProcess) -> None:
