@@ -3,16 +3,19 @@
     python examples/stage3_milestone.py                 # offline: a random tiny fixture model
     python examples/stage3_milestone.py --model DIR     # a real Qwen3 checkpoint (or hub id)
     python examples/stage3_milestone.py --preset 0.6b   # random Qwen3-0.6B-shaped weights
+    python examples/stage3_milestone.py --keep-serving  # then keep serving until Ctrl-C
 
 Starts `python -m minisgl`, counts its worker processes, sends one non-streaming and one
 streaming chat (time to first chunk), then 8 concurrent requests x 16 tokens (ignore_eos), and
-prints a curl line to try by hand.
+prints a curl line to try by hand (and the playground's address) before it stops the server,
+or, with --keep-serving, once Ctrl-C is pressed. A fixture model it wrote is removed at exit.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import signal
 import socket
 import subprocess
@@ -82,13 +85,24 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny", help="fixture preset when --model is not given")
     ap.add_argument("--dtype", default=None, help="default: float32 for the fixture, else auto")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--keep-serving", action="store_true", help="keep the server up until Ctrl-C")
     args = ap.parse_args()
 
+    scratch = None if args.model else Path(tempfile.mkdtemp(prefix="minisgl-stage3-"))
+    try:
+        run(args, scratch)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+            print(f"removed the fixture model in {scratch}")
+
+
+def run(args: argparse.Namespace, scratch: Path | None) -> None:
     model = args.model
-    if model is None:
+    if scratch is not None:
         from minisgl.testing.fixture import write_fixture_model
 
-        model = str(write_fixture_model(Path(tempfile.mkdtemp()) / "qwen3", args.preset))
+        model = str(write_fixture_model(scratch / "qwen3", args.preset))
         print(f"wrote a random {args.preset} Qwen3 fixture to {model}")
     dtype = args.dtype or ("float32" if args.model is None else "auto")
     port = args.port or free_port()
@@ -97,7 +111,8 @@ def main() -> None:
            "--port", str(port), "--max-seq-len-override", "2048"]  # fmt: skip
     print("$", " ".join(cmd))
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd)
+    # A session of its own: Ctrl-C reaches this script only, which then stops the server once.
+    proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         wait_ready(url, proc)
         print(f"\nready in {time.perf_counter() - t0:.1f} s")
@@ -141,6 +156,13 @@ def main() -> None:
         print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", "
               f"\"content\": \"Hello!\"}}], \"max_tokens\": 32}}'")  # fmt: skip
+        print(f"  or open the playground: {url}/")
+        if args.keep_serving:
+            print(f"\nserving at {url} until Ctrl-C", flush=True)
+            try:
+                proc.wait()
+            except KeyboardInterrupt:
+                print("\nCtrl-C: stopping the server")
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
