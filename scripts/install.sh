@@ -45,15 +45,33 @@ torch_choice() {
   fi
 }
 
+# Can pip reach PyTorch's CPU index? Asked once, quickly: pip itself would retry every
+# package it looks up there for seconds each.
+cpu_index_reachable() {
+  python3 - "$TORCH_CPU_INDEX/" >/dev/null 2>&1 <<'PY'
+import sys
+import urllib.request
+
+urllib.request.urlopen(sys.argv[1], timeout=10)
+PY
+}
+
 # The pip arguments that install torch for a choice ("cpu" or "cuda"), one per line.
 torch_pip_args() {
-  echo "torch==$TORCH_VERSION"
-  if [ "$1" = cpu ]; then
+  if [ "$1" != cpu ]; then
+    echo "torch==$TORCH_VERSION" # PyPI's Linux build is the CUDA one
+  elif cpu_index_reachable; then
     # An extra index, not a replacement: torch's own dependencies still come from the default
-    # index, and pip prefers 2.13.0+cpu there over the public index's CUDA 2.13.0 (a local
-    # version sorts after its public one).
+    # index, and pip prefers 2.13.0+cpu there over PyPI's CUDA 2.13.0 (a local version sorts
+    # after its public one).
+    echo "torch==$TORCH_VERSION"
     echo "--extra-index-url"
     echo "$TORCH_CPU_INDEX"
+  else
+    # Never fall back to PyPI's CUDA build: name the CPU build, which only pip's own
+    # configuration (a local wheel, a mirror) can then provide, or pip fails saying so.
+    echo "torch: $TORCH_CPU_INDEX is unreachable; asking for torch==$TORCH_VERSION+cpu, which pip's configuration (find-links, a mirror) must provide" >&2
+    echo "torch==$TORCH_VERSION+cpu"
   fi
 }
 
@@ -104,6 +122,9 @@ main() {
   echo "pip install ${torch_args[*]}"
   .venv/bin/pip install -q "${torch_args[@]}"
   .venv/bin/python -c 'import torch; print(f"installed torch {torch.__version__} (CUDA: {torch.version.cuda or "none"})")'
+  if [ "$choice" = cpu ] && .venv/bin/python -c 'import sys, torch; sys.exit(not torch.version.cuda)'; then
+    echo "warning: a CUDA build of torch was installed although the CPU one was chosen" >&2
+  fi
   echo "pip install -e .[dev]  (minisgl and its test tools)"
   .venv/bin/pip install -q -e '.[dev]'
   install_apt_packages
