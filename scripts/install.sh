@@ -121,7 +121,7 @@ main() {
   python3 -m venv .venv
   echo "pip install ${torch_args[*]}"
   .venv/bin/pip install -q "${torch_args[@]}"
-  .venv/bin/python -c 'import torch; print(f"installed torch {torch.__version__} (CUDA: {torch.version.cuda or "none"})")'
+  .venv/bin/python -c 'import torch; cuda = torch.version.cuda or "none"; print(f"installed torch {torch.__version__} (CUDA: {cuda})")'
   if [ "$choice" = cpu ] && .venv/bin/python -c 'import sys, torch; sys.exit(not torch.version.cuda)'; then
     echo "warning: a CUDA build of torch was installed although the CPU one was chosen" >&2
   fi

@@ -125,7 +125,8 @@ function splitThinking(text) {
 
 // One answer on the page: its reasoning (folded), its text and its numbers.
 class Answer {
-  constructor(container) {
+  constructor(container, foldThinking) {
+    this.foldThinking = foldThinking; // chat: yes; a raw completion shows its text as it is
     this.el = document.createElement("div");
     this.el.className = "message assistant streaming";
     this.details = document.createElement("details");
@@ -162,7 +163,7 @@ class Answer {
   }
 
   parts() {
-    const split = splitThinking(this.raw);
+    const split = this.foldThinking ? splitThinking(this.raw) : { reasoning: "", answer: this.raw };
     return { reasoning: this.reasoning + split.reasoning, answer: split.answer };
   }
 
@@ -240,6 +241,7 @@ async function stream(path, body, answer) {
       else answer.add(null, choice.text);
       if (choice.finish_reason) outcome = `finished: ${choice.finish_reason}`;
     }
+    if (outcome === "error") showError("the stream ended before the answer was finished");
   } catch (err) {
     if (controller.signal.aborted) outcome = "stopped";
     else showError(String(err));
@@ -265,7 +267,7 @@ async function sendChat() {
     chat_template_kwargs: { enable_thinking: $("thinking").checked },
     ...samplingFields(),
   };
-  const answer = new Answer($("messages"));
+  const answer = new Answer($("messages"), true);
   const outcome = await stream("v1/chat/completions", body, answer);
   answer.finish(outcome);
   // Only the answer goes back into the conversation, as Qwen3's template expects.
@@ -278,7 +280,7 @@ async function sendCompletion() {
   const output = $("raw-output");
   output.replaceChildren();
   output.hidden = false;
-  const answer = new Answer(output);
+  const answer = new Answer(output, false);
   const body = { model: $("model").value || undefined, prompt, ...samplingFields() };
   const outcome = await stream("v1/completions", body, answer);
   const stats = answer.finish(outcome);
@@ -311,6 +313,12 @@ function init() {
   });
   $("input").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey) {
+      e.preventDefault();
+      $("composer").requestSubmit();
+    }
+  });
+  $("raw-prompt").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) {
       e.preventDefault();
       $("composer").requestSubmit();
     }
