@@ -121,12 +121,19 @@ main() {
   python3 -m venv .venv
   echo "pip install ${torch_args[*]}"
   .venv/bin/pip install -q "${torch_args[@]}"
-  .venv/bin/python -c 'import torch; cuda = torch.version.cuda or "none"; print(f"installed torch {torch.__version__} (CUDA: {cuda})")'
-  if [ "$choice" = cpu ] && .venv/bin/python -c 'import sys, torch; sys.exit(not torch.version.cuda)'; then
-    echo "warning: a CUDA build of torch was installed although the CPU one was chosen" >&2
-  fi
   echo "pip install -e .[dev]  (minisgl and its test tools)"
   .venv/bin/pip install -q -e '.[dev]'
+  # Say what is installed now, not what was asked for.
+  .venv/bin/python - "$choice" <<'PY'
+import sys
+
+import torch
+
+cuda = torch.version.cuda
+print(f"installed torch {torch.__version__} (CUDA: {cuda or 'none'})")
+if sys.argv[1] == "cpu" and cuda:
+    print("warning: a CUDA build of torch is installed although the CPU one was chosen")
+PY
   install_apt_packages
 }
 
