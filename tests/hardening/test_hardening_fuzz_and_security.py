@@ -105,7 +105,9 @@ def test_api_key_on_every_v1_endpoint_and_metrics(srv: ServerProcess) -> None:
     assert {p for _, p in guarded} >= {"/v1/chat/completions", "/v1/completions", "/v1/models"}
     guarded += [("GET", "/metrics"), ("GET", "/openapi.json")]
     body = {"messages": MSG, "prompt": "hi", "max_tokens": 1}
-    for method, path in guarded:
+    served = httpx.get(f"{srv.url}/v1/models", headers=srv.headers).json()["data"][0]["id"]
+    for method, template in guarded:
+        path = template.replace("{model}", served)  # GET /v1/models/{model}
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY},
                         {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {KEY}x"}):  # fmt: skip
             r = httpx.request(method, srv.url + path, headers=headers, json=body, timeout=30)

@@ -127,7 +127,10 @@ def test_sigterm_under_load_drains_every_stream(srv: ServerProcess) -> None:
             tasks = [asyncio.create_task(one(client, i)) for i in range(n_streams)]
             await asyncio.wait_for(started.wait(), 30)
             srv.signal(signal.SIGTERM)
-            await asyncio.sleep(0.3)
+            deadline = time.monotonic() + 60  # the drain starts on the server's event loop
+            while (await client.get(f"{srv.url}/health")).status_code != 503:
+                assert time.monotonic() < deadline, "no drain after SIGTERM"
+                await asyncio.sleep(0.05)
             seen["health"] = (await client.get(f"{srv.url}/health")).status_code
             late = await client.post(url, json=_body(99))
             seen["new"] = (late.status_code, late.headers.get("retry-after"))

@@ -114,7 +114,8 @@ def test_sigterm_drains_in_flight_stream_then_exits_zero(guarded: ServerProcess)
             lines.append(line)
             if len(lines) == 3:
                 guarded.signal(signal.SIGTERM)
-                time.sleep(0.3)
+                # The drain starts on the server's event loop: wait for it, not a fixed time.
+                _wait_for(lambda: httpx.get(f"{guarded.url}/health").status_code == 503, guarded)
                 seen["health"] = httpx.get(f"{guarded.url}/health").status_code
                 seen["new"] = httpx.post(
                     url, json={**body, "stream": False}, headers=guarded.headers
