@@ -119,7 +119,9 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # Keep the top_k best, and the smallest prefix whose mass reaches top_p (a token is
         # dropped when the mass strictly before it already does; the best is always kept).
         rank = torch.arange(k, device=probs.device)[None, :]
-        keep = (rank < top_k[:, None]) & (mass_before < top_p[:, None])
+        # rank 0 is kept outright: a top_p that rounds to 0 in float32 (5e-324) must still
+        # leave the best token, not an empty distribution.
+        keep = (rank < top_k[:, None]) & ((mass_before < top_p[:, None]) | (rank == 0))
         filtered = torch.zeros_like(probs).scatter_(-1, ids, values * keep)
         active = (top_k < vocab) | (top_p < 1.0)
         probs = torch.where(active[:, None], filtered, probs)

@@ -174,3 +174,11 @@ def test_rows_without_a_distribution_are_invalid_never_a_token() -> None:
     mixed = [SamplingParams(temperature=0), SamplingParams(temperature=1.0)] * 2
     out = sample(logits, SamplingBatch.build(mixed, [0] * 4, [1, 2, 3, 4], "cpu"))
     assert out[:3].tolist() == [INVALID_TOKEN] * 3 and 10 <= int(out[3]) < 50
+
+
+def test_top_p_that_rounds_to_zero_keeps_the_best_token() -> None:
+    # top_p=5e-324 passes the API's "> 0" check but is 0 in float32: nothing was kept, the row
+    # had no distribution and the request ended with a 500 (found by schemathesis).
+    for top_p in (5e-324, 1e-45):
+        tokens = draw(SamplingParams(temperature=1.0, top_p=top_p), n=64)
+        assert tokens.tolist() == [0] * 64, top_p
