@@ -1,4 +1,5 @@
-"""`python -m minisgl_operator [--namespace NS] [--prometheus-url URL]`: run the operator."""
+"""`python -m minisgl_operator [--namespace NS] [--prometheus-url URL] [--epp-image IMAGE]
+[--epp-arg FLAG ...]`: run the operator."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import kopf
 
 from minisgl_operator import handlers
 from minisgl_operator.reconcile import Config
+from minisgl_operator.routing import DEFAULT_EPP_IMAGE, PickerConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +19,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prometheus-url",
         help="Prometheus base URL: KEDA's default query target and source of status.observed",
+    )
+    p.add_argument(
+        "--epp-image",
+        default=DEFAULT_EPP_IMAGE,
+        help="endpoint picker image for ModelServers with spec.routing.inferencePool",
+    )
+    p.add_argument(
+        "--epp-arg",
+        action="append",
+        default=[],
+        metavar="WORD",
+        help="one more word of the endpoint picker's command line (repeat for each word)",
     )
     p.add_argument(
         "--liveness",
@@ -42,7 +56,8 @@ def configure_logging(verbose: bool) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     configure_logging(args.verbose)
-    handlers.CONFIG = Config(prometheus_url=args.prometheus_url)
+    picker = PickerConfig(image=args.epp_image, extra_args=tuple(args.epp_arg))
+    handlers.CONFIG = Config(prometheus_url=args.prometheus_url, picker=picker)
     kopf.run(
         clusterwide=args.namespace is None,
         namespaces=[args.namespace] if args.namespace else (),

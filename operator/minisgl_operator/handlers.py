@@ -117,6 +117,14 @@ async def on_deployment(body: kopf.Body, **_: Any) -> None:
     await _owner_changed(meta["namespace"], meta.get("labels"))
 
 
+@kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels=OURS)
+async def on_leader_worker_set(body: kopf.Body, **_: Any) -> None:
+    # As for Deployments: a group becoming ready refreshes status (watched only while the
+    # LeaderWorkerSet CRD is installed).
+    meta = body["metadata"]
+    await _owner_changed(meta["namespace"], meta.get("labels"))
+
+
 @kopf.on.event("", "v1", "services", labels=OURS)
 async def on_service(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
     if event.get("type") == "DELETED":

@@ -41,6 +41,25 @@ MANAGED_FIELDS = (
 )
 
 
+# Multi-node (engine.nodes > 1): the rendezvous port on the leader pod, and the flags each pod
+# of a LeaderWorkerSet group adds. Kubernetes expands $(VAR) in a container's command from its
+# environment, where LeaderWorkerSet puts the group's leader address and the pod's index.
+DIST_INIT_PORT = 29500
+LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
+LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
+
+
+def multi_node_args(nodes: int) -> list[str]:
+    return [
+        "--nnodes",
+        str(nodes),
+        "--node-rank",
+        f"$({LWS_WORKER_INDEX})",
+        "--dist-init-addr",
+        f"$({LWS_LEADER_ADDRESS}):{DIST_INIT_PORT}",
+    ]
+
+
 @dataclass(frozen=True)
 class Launch:
     args: list[str]  # everything after `python -m minisgl`
@@ -48,9 +67,14 @@ class Launch:
     termination_grace_s: int
     startup_failure_threshold: int
 
+    nodes: int = 1
+
     @property
     def command(self) -> list[str]:
-        return [*LAUNCHER, *self.args]
+        """What every pod runs; in a multi-node group each pod adds its rank (node 0 is the
+        leader, which also serves the API)."""
+        extra = multi_node_args(self.nodes) if self.nodes > 1 else []
+        return [*LAUNCHER, *self.args, *extra]
 
     @property
     def port(self) -> int:
@@ -91,7 +115,8 @@ def _parse(argv: list[str], *, explicit_only: bool = False) -> dict[str, Any]:
 def launch(spec: ModelServerSpec) -> Launch:
     extra = list(spec.engine.extra_args)
     # What the parser resolves the extra flags to, not how they are spelled (`--tp-size=4`).
-    owned = [f for f in MANAGED_FIELDS if f in _parse(extra, explicit_only=True)]
+    managed = MANAGED_FIELDS + (("dist_init_addr",) if spec.engine.multi_node else ())
+    owned = [f for f in managed if f in _parse(extra, explicit_only=True)]
     if owned:
         names = ", ".join(flag_name(f) for f in owned)
         raise SpecError(f"engine.extraArgs may not set {names}: use the spec field")
@@ -99,4 +124,4 @@ def launch(spec: ModelServerSpec) -> Launch:
     server = ServerArgs(**_parse(args))
     grace = PRESTOP_SLEEP_S + math.ceil(server.shutdown_timeout) + GRACE_MARGIN_S
     failures = max(1, math.ceil(spec.startup_timeout_s / STARTUP_PROBE_PERIOD_S))
-    return Launch(args, server, grace, failures)
+    return Launch(args, server, grace, failures, spec.engine.nodes)

@@ -15,6 +15,7 @@ from minisgl_operator import (
 
 APP_NAME = "minisgl-server"
 CACHE_SUFFIX = "-cache"
+EPP_SUFFIX = "-epp"
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -22,8 +23,22 @@ def selector_labels(name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": APP_NAME, MODELSERVER_LABEL: name}
 
 
-def selector_string(name: str) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+# LeaderWorkerSet labels each pod with its index in the group; the leader (index 0) is the one
+# that serves the API.
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+
+
+def pod_selector_labels(name: str, leaders_only: bool = False) -> dict[str, str]:
+    """The serving pods: every pod, or only the group leaders of a multi-node ModelServer."""
+    out = selector_labels(name)
+    if leaders_only:
+        out[LWS_WORKER_INDEX_LABEL] = "0"
+    return out
+
+
+def selector_string(name: str, leaders_only: bool = False) -> str:
+    pods = pod_selector_labels(name, leaders_only)
+    return ",".join(f"{k}={v}" for k, v in sorted(pods.items()))
 
 
 def labels(name: str) -> dict[str, str]:
@@ -59,6 +74,11 @@ def child_metadata(owner: Mapping[str, Any], name: str | None = None) -> dict[st
 
 def cache_claim_name(name: str) -> str:
     return name + CACHE_SUFFIX
+
+
+def epp_name(name: str) -> str:
+    """The endpoint picker's Deployment, Service, ServiceAccount, Role and RoleBinding."""
+    return name + EPP_SUFFIX
 
 
 def service_host(name: str, namespace: str) -> str:

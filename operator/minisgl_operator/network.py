@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from minisgl_operator.meta import child_metadata, selector_labels
+from minisgl_operator.meta import child_metadata
 from minisgl_operator.spec import ModelServerSpec
-from minisgl_operator.workload import scrape_annotations
+from minisgl_operator.workload import scrape_annotations, serving_selector
 
 SERVICE_PORT = 8000
 
@@ -21,7 +21,7 @@ def service(owner: Mapping[str, Any], spec: ModelServerSpec, container_port: int
         "metadata": meta,
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(spec.name),
+            "selector": serving_selector(spec),
             "ports": [
                 {"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}
             ],

@@ -7,6 +7,8 @@ from __future__ import annotations
 TTFT_HISTOGRAM = "minisgl_time_to_first_token_seconds"
 TPOT_HISTOGRAM = "minisgl_time_per_output_token_seconds"
 WAITING_GAUGE = "minisgl_num_requests_waiting"
+RUNNING_GAUGE = "minisgl_num_requests_running"
+KV_USAGE_GAUGE = "minisgl_kv_cache_usage_ratio"  # 0..1, what the endpoint picker expects
 WINDOW = "2m"
 
 # Per-pod metrics that prometheus-adapter serves for the HPA fallback; the rules that make

@@ -152,7 +152,18 @@ ENGINE = obj(
         "tensorParallelSize": engine_flag(
             "tp_size",
             integer("", minimum=1, default=ServerArgs.tp_size),
-            "GPUs one model spans; resources.gpus defaults to it.",
+            "GPUs one model spans (over all engine.nodes pods); resources.gpus defaults to "
+            "it divided by engine.nodes.",
+        ),
+        "nodes": integer(
+            "Pods (nodes) one model spans: with more than 1, a LeaderWorkerSet runs each "
+            "replica as a group of this many pods (the leader serves the API), the "
+            "tensorParallelSize ranks split evenly over them, and the pods get "
+            "`--nnodes`, `--node-rank` and `--dist-init-addr`. Needs LeaderWorkerSet "
+            "(kubernetes-sigs/lws) in the cluster. tensorParallelSize must divide by it.",
+            minimum=1,
+            maximum=64,
+            default=1,
         ),
         "numPages": engine_flag("num_pages", integer("", minimum=1)),
         "maxSeqLen": engine_flag("max_seq_len_override", integer("", minimum=1), "In tokens."),
@@ -173,6 +184,12 @@ ENGINE = obj(
         ),
     },
     default={},
+    rules=[
+        (
+            "self.tensorParallelSize % self.nodes == 0",
+            "engine.tensorParallelSize must divide by engine.nodes",
+        )
+    ],
 )
 
 RESOURCES = obj(
@@ -180,7 +197,8 @@ RESOURCES = obj(
     {
         "gpus": integer(
             "nvidia.com/gpu per pod (a limit); 0 runs on CPU (`--device cpu`), more runs on "
-            "CUDA. Default: engine.tensorParallelSize. Must be 0 or at least it.",
+            "CUDA. Default: engine.tensorParallelSize / engine.nodes (the ranks of one pod). "
+            "Must be 0 or at least that.",
             minimum=0,
         ),
         "cpu": quantity("CPU request of the server container, e.g. 4 or 500m. Default: none."),
@@ -287,6 +305,39 @@ INGRESS = obj(
     required=["host"],
 )
 
+GATEWAY_REF = obj(
+    "A Gateway (gateway.networking.k8s.io/v1) to route from: the operator adds an HTTPRoute "
+    "<name> sending every path on it to the InferencePool. The Gateway must allow routes "
+    "from this namespace (its listeners' allowedRoutes).",
+    {
+        "name": string("Name of the Gateway.", minLength=1),
+        "namespace": string("Namespace of the Gateway. Default: the ModelServer's.", minLength=1),
+    },
+    required=["name"],
+)
+
+ROUTING = obj(
+    "Load- and cache-aware routing through the Gateway API Inference Extension: instead of "
+    "the Service's round robin, an endpoint picker chooses a pod per request from each pod's "
+    "queue length and KV-cache use.",
+    {
+        "inferencePool": boolean(
+            "Create an InferencePool <name> (inference.networking.k8s.io/v1) over the serving "
+            "pods (the leaders with engine.nodes > 1) and its endpoint picker <name>-epp "
+            "(Deployment, Service, ServiceAccount, Role). Needs the InferencePool CRD in the "
+            "cluster.",
+            default=False,
+        ),
+        "gatewayRef": GATEWAY_REF,
+    },
+    rules=[
+        (
+            "!has(self.gatewayRef) || self.inferencePool",
+            "routing.gatewayRef needs routing.inferencePool: true",
+        )
+    ],
+)
+
 TOLERATION = obj(
     "A pod toleration, as in a Pod's spec.tolerations.",
     {
@@ -320,9 +371,10 @@ ENV_VAR = obj(
 )
 
 SPEC = obj(
-    "The model to serve and how: the operator turns it into a Deployment running "
-    "`python -m minisgl`, a Service <name> on port 8000, and optionally an autoscaler, an "
-    "Ingress and a PersistentVolumeClaim for weights.",
+    "The model to serve and how: the operator turns it into a Deployment (a LeaderWorkerSet "
+    "with engine.nodes > 1) running `python -m minisgl`, a Service <name> on port 8000, and "
+    "optionally an autoscaler, an Ingress, a PersistentVolumeClaim for weights and an "
+    "InferencePool with its endpoint picker and HTTPRoute.",
     {
         "model": string(
             "Hugging Face hub id (e.g. Qwen/Qwen3-0.6B) or a path on the model cache volume. "
@@ -340,7 +392,8 @@ SPEC = obj(
             default="ghcr.io/minisgl/minisgl-server:0.1.0",
         ),
         "replicas": integer(
-            "Pods (the Deployment's replicas); written by the autoscaler when autoscaling is "
+            "Replicas of the model: pods of the Deployment, or groups of engine.nodes pods of "
+            "the LeaderWorkerSet; written by the autoscaler when autoscaling is "
             "set, and then kept between its bounds.",
             minimum=0,
             default=1,
@@ -361,6 +414,7 @@ SPEC = obj(
         ),
         "autoscaling": AUTOSCALING,
         "ingress": INGRESS,
+        "routing": ROUTING,
         "nodeSelector": string_map("Node labels the pods must run on (the pod's nodeSelector)."),
         "tolerations": array("Taints the pods tolerate (the pod's tolerations).", TOLERATION),
         "podAnnotations": string_map(
@@ -372,8 +426,8 @@ SPEC = obj(
     rules=[
         (
             "!has(self.resources) || !has(self.resources.gpus) || self.resources.gpus == 0 || "
-            "self.resources.gpus >= self.engine.tensorParallelSize",
-            "resources.gpus must be 0 (CPU) or at least engine.tensorParallelSize",
+            "self.resources.gpus * self.engine.nodes >= self.engine.tensorParallelSize",
+            "resources.gpus must be 0 (CPU) or at least engine.tensorParallelSize / engine.nodes",
         )
     ],
 )
@@ -404,10 +458,23 @@ STATUS = obj(
         "observedGeneration": integer(
             "metadata.generation of the spec the operator last acted on.", fmt="int64"
         ),
-        "replicas": integer("Pods of the Deployment (any state).", fmt="int32"),
-        "readyReplicas": integer("Pods that pass /health (model loaded).", fmt="int32"),
+        "replicas": integer(
+            "Replicas of the workload (any state): pods of the Deployment, or groups of the "
+            "LeaderWorkerSet.",
+            fmt="int32",
+        ),
+        "readyReplicas": integer(
+            "Replicas whose pods all pass /health (model loaded).", fmt="int32"
+        ),
+        "routing": string(
+            "How requests reach the pods: Service (round robin), InferencePool (the endpoint "
+            "picker) or InferencePool+Gateway <namespace>/<name> (a printer column)."
+        ),
         "replicaSummary": string("readyReplicas/wanted, e.g. 2/3 (a printer column)."),
-        "selector": string("Label selector of the pods (for the /scale subresource)."),
+        "selector": string(
+            "Label selector of the serving pods, leaders only with engine.nodes > 1 (for the "
+            "/scale subresource and the autoscalers' per-pod metrics)."
+        ),
         "endpoint": string(
             "Where clients reach the OpenAI API: https://<ingress host> with an Ingress, else "
             "http://<name>.<namespace>.svc:8000. Absent while nothing of ours serves."

@@ -24,6 +24,7 @@ DEFAULT_IMAGE: str = SPEC.at("image").default
 DEFAULT_REPLICAS: int = SPEC.at("replicas").default
 DEFAULT_STARTUP_TIMEOUT_S: int = SPEC.at("startupTimeoutSeconds").default
 DEFAULT_TP_SIZE: int = SPEC.at("engine.tensorParallelSize").default
+DEFAULT_NODES: int = SPEC.at("engine.nodes").default
 DEFAULT_CACHE_SIZE: str = SPEC.at("modelCache.size").default
 DEFAULT_MIN_REPLICAS: int = SPEC.at("autoscaling.minReplicas").default
 DEFAULT_TARGETS: dict[str, float] = SPEC.at("autoscaling.targets").default
@@ -47,11 +48,20 @@ class SpecError(ValueError):
 class EngineSpec:
     dtype: str | None = None
     tensor_parallel_size: int = DEFAULT_TP_SIZE
+    nodes: int = DEFAULT_NODES
     num_pages: int | None = None
     max_seq_len: int | None = None
     max_running_requests: int | None = None
     shutdown_timeout_s: int | None = None
     extra_args: tuple[str, ...] = ()
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nodes > 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nodes
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,27 @@ class IngressSpec:
 
 
 @dataclass(frozen=True)
+class GatewayRef:
+    name: str
+    namespace: str
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    inference_pool: bool = False
+    gateway: GatewayRef | None = None
+
+    @property
+    def mode(self) -> str:
+        """The routing mode as `kubectl get modelservers` shows it."""
+        if not self.inference_pool:
+            return "Service"
+        if self.gateway is None:
+            return "InferencePool"
+        return f"InferencePool+Gateway {self.gateway.namespace}/{self.gateway.name}"
+
+
+@dataclass(frozen=True)
 class ModelServerSpec:
     name: str
     namespace: str
@@ -109,6 +140,7 @@ class ModelServerSpec:
     hf_token_secret: str | None = None
     autoscaling: AutoscalingSpec | None = None
     ingress: IngressSpec | None = None
+    routing: RoutingSpec = RoutingSpec()
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: tuple[dict[str, Any], ...] = ()
     pod_annotations: dict[str, str] = field(default_factory=dict)
@@ -200,9 +232,17 @@ def _engine(raw: Mapping[str, Any]) -> EngineSpec:
     extra = raw.get("extraArgs") or []
     if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
         raise SpecError("engine.extraArgs must be a list of strings")
+    tp = _int(raw, "engine.tensorParallelSize")
+    nodes = _int(raw, "engine.nodes")
+    if tp % nodes:
+        raise SpecError(
+            f"engine.tensorParallelSize ({tp}) must divide by engine.nodes ({nodes}): "
+            "every pod runs the same number of ranks"
+        )
     return EngineSpec(
         dtype=dtype,
-        tensor_parallel_size=_int(raw, "engine.tensorParallelSize"),
+        tensor_parallel_size=tp,
+        nodes=nodes,
         num_pages=_int(raw, "engine.numPages"),
         max_seq_len=_int(raw, "engine.maxSeqLen"),
         max_running_requests=_int(raw, "engine.maxRunningRequests"),
@@ -240,6 +280,20 @@ def _autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
     )
 
 
+def _routing(raw: Mapping[str, Any], namespace: str) -> RoutingSpec:
+    pool = _bool(raw, "routing.inferencePool")
+    ref = _obj(raw, "gatewayRef", "routing.")
+    gateway = None
+    if ref is not None:
+        if not pool:
+            raise SpecError("routing.gatewayRef needs routing.inferencePool: true")
+        name = _str(ref, "routing.gatewayRef.name")
+        if name is None:
+            raise SpecError("routing.gatewayRef.name is required")
+        gateway = GatewayRef(name, _str(ref, "routing.gatewayRef.namespace") or namespace)
+    return RoutingSpec(inference_pool=pool, gateway=gateway)
+
+
 def parse_spec(name: str, namespace: str, spec: Mapping[str, Any] | None) -> ModelServerSpec:
     """Validate a ModelServer's spec; raise `SpecError` with a user-facing message if invalid."""
     if len(name) > MAX_NAME_LEN or not _DNS1035.match(name):
@@ -254,11 +308,12 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any] | None) -> Mod
         raise SpecError("spec.model is required")
     engine = _engine(_obj(spec, "engine", "") or {})
     res_raw = _obj(spec, "resources", "") or {}
-    gpus = _int(res_raw, "resources.gpus", engine.tensor_parallel_size)
-    if 0 < gpus < engine.tensor_parallel_size:
+    per_pod = engine.ranks_per_node
+    gpus = _int(res_raw, "resources.gpus", per_pod)
+    if 0 < gpus < per_pod:
         raise SpecError(
             f"resources.gpus ({gpus}) must be 0 (CPU) or at least "
-            f"engine.tensorParallelSize ({engine.tensor_parallel_size})"
+            f"engine.tensorParallelSize / engine.nodes ({per_pod}), the ranks of one pod"
         )
     resources = ResourcesSpec(
         gpus=gpus,
@@ -311,6 +366,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any] | None) -> Mod
         hf_token_secret=_str(spec, "hfTokenSecret"),
         autoscaling=_autoscaling(auto_raw) if auto_raw is not None else None,
         ingress=ingress,
+        routing=_routing(_obj(spec, "routing", "") or {}, namespace),
         node_selector=_str_map(spec, "nodeSelector"),
         tolerations=_list_of_objects(spec, "tolerations"),
         pod_annotations=_str_map(spec, "podAnnotations"),

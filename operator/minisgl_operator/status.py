@@ -9,7 +9,7 @@ from minisgl_operator.children import Problem
 from minisgl_operator.meta import selector_string
 from minisgl_operator.network import endpoint
 from minisgl_operator.spec import ModelServerSpec
-from minisgl_operator.workload import deployment_failed
+from minisgl_operator.workload import available_replicas, deployment_failed
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -21,24 +21,29 @@ def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any
     }
 
 
+def _unit(workload: Mapping[str, Any]) -> str:
+    return "groups" if workload.get("kind") == "LeaderWorkerSet" else "pods"
+
+
 def _rollout(deployment: Mapping[str, Any]) -> tuple[bool, str]:
-    """Whether the Deployment is still moving, and a line saying how far it is."""
+    """Whether the workload is still moving, and a line saying how far it is."""
     want = int((deployment.get("spec") or {}).get("replicas") or 0)
     st = deployment.get("status") or {}
     have = int(st.get("replicas") or 0)
     updated = int(st.get("updatedReplicas") or 0)
-    available = int(st.get("availableReplicas") or 0)
+    available = available_replicas(deployment)
+    pods = _unit(deployment)
     generation = int((deployment.get("metadata") or {}).get("generation") or 0)
     seen = int(st.get("observedGeneration") or 0)
     if seen < generation:
         return True, "the new pod template is not yet picked up"
     if updated < want:
-        return True, f"{updated} of {want} pods updated"
+        return True, f"{updated} of {want} {pods} updated"
     if have > updated:
-        return True, f"{have - updated} old pods terminating"
+        return True, f"{have - updated} old {pods} terminating"
     if available < want:
-        return True, f"{available} of {want} pods available (loading the model)"
-    return False, f"{available} of {want} pods available"
+        return True, f"{available} of {want} {pods} available (loading the model)"
+    return False, f"{available} of {want} {pods} available"
 
 
 def _failure_message(deployment: Mapping[str, Any]) -> str:
@@ -46,6 +51,10 @@ def _failure_message(deployment: Mapping[str, Any]) -> str:
         if c.get("type") in ("Progressing", "ReplicaFailure") and c.get("message"):
             return str(c["message"])
     return "the Deployment reports a failed rollout"
+
+
+def deployment_is_lws(workload: Mapping[str, Any] | None) -> bool:
+    return (workload or {}).get("kind") == "LeaderWorkerSet"
 
 
 def with_transition_times(
@@ -71,7 +80,8 @@ def compute_status(
     scale_down_held: bool = False,
 ) -> dict[str, Any]:
     """The status to write. `spec` is None when the spec is invalid (then `problems` says why);
-    `deployment` is the Deployment as the API server last returned it, or None."""
+    `deployment` is the workload (Deployment or LeaderWorkerSet) as the API server last
+    returned it, or None."""
     generation = int(owner["metadata"].get("generation") or 0)
     st = (deployment or {}).get("status") or {}
     ready = int(st.get("readyReplicas") or 0)
@@ -84,7 +94,7 @@ def compute_status(
     conditions = []
     if deployment is None:
         reason = problems[0].reason if problems else "Pending"
-        conditions.append(_condition("Ready", False, reason, "no Deployment is running"))
+        conditions.append(_condition("Ready", False, reason, "no workload is running"))
         conditions.append(_condition("Progressing", False, reason, "nothing to roll out"))
     else:
         # An invalid edit leaves the last good Deployment serving: Ready reflects it.
@@ -128,8 +138,11 @@ def compute_status(
         "replicas": replicas,
         "readyReplicas": ready,
         "replicaSummary": f"{ready}/{want}",
-        "selector": selector_string(name),
+        # The serving pods: the leaders of a LeaderWorkerSet, whose metrics the HPA reads.
+        "selector": selector_string(name, deployment_is_lws(deployment)),
     }
+    if spec is not None:
+        status["routing"] = spec.routing.mode
     if deployment is None:
         status["endpoint"] = None  # nothing of ours serves (null: a merge patch removes it)
     elif spec is not None:

@@ -1,12 +1,19 @@
-"""The Deployment that runs a ModelServer's pods."""
+"""The workload that runs a ModelServer's pods: a Deployment, or with engine.nodes > 1 a
+LeaderWorkerSet whose groups of pods each serve one replica of the model."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from minisgl_operator.launch import PRESTOP_SLEEP_S, STARTUP_PROBE_PERIOD_S, Launch
-from minisgl_operator.meta import cache_claim_name, child_metadata, labels, selector_labels
+from minisgl_operator.launch import DIST_INIT_PORT, PRESTOP_SLEEP_S, STARTUP_PROBE_PERIOD_S, Launch
+from minisgl_operator.meta import (
+    cache_claim_name,
+    child_metadata,
+    labels,
+    pod_selector_labels,
+    selector_labels,
+)
 from minisgl_operator.spec import ModelServerSpec
 
 CACHE_MOUNT = "/cache"
@@ -18,6 +25,7 @@ METRICS_PATH = "/metrics"
 # How long a rollout may sit without progress before the Deployment reports it failed: a
 # startup may legitimately take startupTimeoutSeconds, so the deadline sits past it.
 PROGRESS_DEADLINE_SLACK_S = 600
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
 
 
 def scrape_annotations(port: int) -> dict[str, str]:
@@ -44,13 +52,23 @@ def desired_replicas(spec: ModelServerSpec, current: Mapping[str, Any] | None) -
         return wanted, False
     have = int((current.get("spec") or {}).get("replicas") or 0)
     st = current.get("status") or {}
-    loading = int(st.get("replicas") or 0) - int(st.get("availableReplicas") or 0) > 0
+    loading = int(st.get("replicas") or 0) - available_replicas(current) > 0
     if wanted < have and loading and not deployment_failed(current):
         return have, True
     return wanted, False
 
 
+def available_replicas(workload: Mapping[str, Any]) -> int:
+    """Replicas serving: a LeaderWorkerSet counts a group once all its pods are ready (it has
+    no availableReplicas)."""
+    st = workload.get("status") or {}
+    key = "readyReplicas" if workload.get("kind") == "LeaderWorkerSet" else "availableReplicas"
+    return int(st.get(key) or 0)
+
+
 def deployment_failed(deployment: Mapping[str, Any]) -> bool:
+    if deployment.get("kind") == "LeaderWorkerSet":
+        return False  # it restarts failing groups itself and reports no deadline
     for c in (deployment.get("status") or {}).get("conditions") or []:
         if c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded":
             return True
@@ -112,15 +130,18 @@ def _probe(port: int, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def deployment(
-    owner: Mapping[str, Any], spec: ModelServerSpec, launch: Launch, replicas: int
-) -> dict[str, Any]:
+def pod_template(spec: ModelServerSpec, launch: Launch, *, serves: bool = True) -> dict[str, Any]:
+    """The pod every replica runs; `serves` is False for a multi-node group's workers, which
+    run their ranks and a /health but no API (so Prometheus does not scrape them)."""
     port = launch.port
+    ports = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
+    if launch.nodes > 1:
+        ports.append({"name": "dist", "containerPort": DIST_INIT_PORT, "protocol": "TCP"})
     container = {
         "name": "server",
         "image": spec.image,
         "command": launch.command,
-        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "ports": ports,
         "env": _env(spec),
         "resources": _resources(spec),
         "volumeMounts": [
@@ -156,6 +177,19 @@ def deployment(
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    annotations = scrape_annotations(port) if serves else {}
+    return {
+        "metadata": {
+            "labels": labels(spec.name),
+            "annotations": {**annotations, **spec.pod_annotations},
+        },
+        "spec": pod_spec,
+    }
+
+
+def deployment(
+    owner: Mapping[str, Any], spec: ModelServerSpec, launch: Launch, replicas: int
+) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -170,12 +204,47 @@ def deployment(
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
             },
-            "template": {
-                "metadata": {
-                    "labels": labels(spec.name),
-                    "annotations": {**scrape_annotations(port), **spec.pod_annotations},
-                },
-                "spec": pod_spec,
+            "template": pod_template(spec, launch),
+        },
+    }
+
+
+def leader_worker_set(
+    owner: Mapping[str, Any], spec: ModelServerSpec, launch: Launch, replicas: int
+) -> dict[str, Any]:
+    """One group of engine.nodes pods per replica. A pod that dies takes its group down with
+    it (RecreateGroupOnPodRestart): the ranks of one model cannot continue without it, and
+    the engine's own peers exit when one goes. Workers start with the leader, not after it
+    is ready: the leader cannot be ready before its workers join the rendezvous."""
+    return {
+        "apiVersion": LWS_API_VERSION,
+        "kind": "LeaderWorkerSet",
+        "metadata": child_metadata(owner),
+        "spec": {
+            "replicas": replicas,
+            "startupPolicy": "LeaderCreated",
+            # Like the Deployment: a new group is up before an old one goes.
+            "rolloutStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdateConfiguration": {"maxUnavailable": 0, "maxSurge": 1},
+            },
+            "leaderWorkerTemplate": {
+                "size": spec.engine.nodes,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": pod_template(spec, launch),
+                "workerTemplate": pod_template(spec, launch, serves=False),
             },
         },
     }
+
+
+def workload(
+    owner: Mapping[str, Any], spec: ModelServerSpec, launch: Launch, replicas: int
+) -> dict[str, Any]:
+    make = leader_worker_set if spec.engine.multi_node else deployment
+    return make(owner, spec, launch, replicas)
+
+
+def serving_selector(spec: ModelServerSpec) -> dict[str, str]:
+    """The pods that serve the API: all of them, or the group leaders when multi-node."""
+    return pod_selector_labels(spec.name, spec.engine.multi_node)

@@ -60,6 +60,66 @@ def validate_modelserver(obj: dict[str, Any]) -> dict[str, Any]:
     return defaulted
 
 
+# Upstream CRDs, trimmed (tests/k8s/crds/trim.py): what the real API server checks these by.
+VENDORED_CRDS = {
+    "LeaderWorkerSet": "leaderworkersets.yaml",
+    "InferencePool": "inferencepools.yaml",
+    "HTTPRoute": "httproutes.yaml",
+}
+CRD_DIR = Path(__file__).resolve().parent / "crds"
+
+
+def vendored_crd(kind: str) -> dict[str, Any]:
+    return yaml.safe_load((CRD_DIR / VENDORED_CRDS[kind]).read_text())
+
+
+def unknown_fields(schema: dict[str, Any], obj: Any, where: str = "") -> list[str]:
+    """Fields the schema does not declare: the API server would silently prune them, so a
+    misspelt field would be lost without an error."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    out: list[str] = []
+    if isinstance(obj, dict) and schema.get("type") == "object":
+        props = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        for key, value in obj.items():
+            if props is not None and key in props:
+                out += unknown_fields(props[key], value, f"{where}.{key}")
+            elif isinstance(extra, dict):
+                out += unknown_fields(extra, value, f"{where}.{key}")
+            elif props is not None and where != ".metadata":
+                out.append(f"{where}.{key}")
+    elif isinstance(obj, list) and "items" in schema:
+        for i, x in enumerate(obj):
+            out += unknown_fields(schema["items"], x, f"{where}[{i}]")
+    return out
+
+
+def validate_vendored(obj: dict[str, Any]) -> dict[str, Any]:
+    """Validate against the upstream CRD: version, schema (after defaulting) and no field it
+    would prune. A LeaderWorkerSet's pod templates are checked as core PodTemplates."""
+    crd = vendored_crd(obj["kind"])
+    group = crd["spec"]["group"]
+    (version,) = crd["spec"]["versions"]
+    assert obj["apiVersion"] == f"{group}/{version['name']}", obj["apiVersion"]
+    schema = version["schema"]["openAPIV3Schema"]
+    defaulted = apply_defaults(schema, obj)
+    jsonschema.Draft4Validator(_strip_k8s_extensions(schema)).validate(defaulted)
+    assert unknown_fields(schema, obj) == []
+    if obj["kind"] == "LeaderWorkerSet":
+        lwt = obj["spec"]["leaderWorkerTemplate"]
+        for key in ("leaderTemplate", "workerTemplate"):
+            if key in lwt:
+                pod_template = {
+                    "apiVersion": "v1",
+                    "kind": "PodTemplate",
+                    "metadata": {"name": f"{obj['metadata']['name']}-{key}"},
+                    "template": lwt[key],
+                }
+                kubernetes_validate.validate(pod_template, K8S_VERSION, strict=True)
+    return defaulted
+
+
 # Kinds from CRDs that kubernetes-validate has no schema for, and what checks them instead.
 CUSTOM_KINDS = {"ModelServer", "ScaledObject", "PodMonitor", "ServiceMonitor", "PrometheusRule"}
 
@@ -67,6 +127,9 @@ CUSTOM_KINDS = {"ModelServer", "ScaledObject", "PodMonitor", "ServiceMonitor", "
 def validate_k8s(obj: dict[str, Any]) -> None:
     if obj["kind"] == "ModelServer":
         validate_modelserver(obj)
+        return
+    if obj["kind"] in VENDORED_CRDS:
+        validate_vendored(obj)
         return
     if obj["kind"] in CUSTOM_KINDS:
         assert obj["apiVersion"] and obj["metadata"]["name"] and isinstance(obj["spec"], dict)

@@ -39,6 +39,14 @@ COMBINATIONS = {
         "dashboards": {"enabled": False},
     },
     "external-test-endpoint": {"tests": {"endpoint": "http://qwen.llm.svc:8000"}},
+    "routing": {
+        "rbac": {"inferencePool": True},
+        "operator": {"endpointPicker": {"extraArgs": ["--v", "3"]}},
+        "modelServer": {
+            "enabled": True,
+            "spec": {"model": "Qwen/Qwen3-8B", "routing": {"inferencePool": True}},
+        },
+    },
 }
 
 
@@ -100,22 +108,60 @@ def test_namespaced_operator_gets_a_role_in_that_namespace_only(render) -> None:
     assert "--namespace=team-a" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
-def test_rbac_is_least_privilege(render) -> None:
-    (role,) = by_kind(render(), "ClusterRole")
-    verbs = {
+def granted(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
+    return {
         (g, r): set(rule["verbs"])
         for rule in role["rules"]
         for g in rule["apiGroups"]
         for r in rule["resources"]
     }
+
+
+def test_rbac_is_least_privilege(render) -> None:
+    (role,) = by_kind(render(), "ClusterRole")
+    verbs = granted(role)
     assert all("*" not in v for v in verbs.values())
     assert all("*" not in k[1] for k in verbs)
     assert verbs[("minisgl.io", "modelservers")] == {"get", "list", "watch", "patch"}
     assert verbs[("minisgl.io", "modelservers/status")] == {"get", "patch"}
     assert verbs[("apps", "deployments")] == {"get", "list", "watch", "create", "patch", "delete"}
     assert verbs[("keda.sh", "scaledobjects")] == {"get", "create", "patch", "delete"}
+    assert verbs[("leaderworkerset.x-k8s.io", "leaderworkersets")] == verbs[("apps", "deployments")]
     # Never secrets, pods, or anything the operator does not touch.
     assert not any(r in ("secrets", "pods", "configmaps") for _, r in verbs)
+    assert not any(g.startswith(("inference.", "gateway.", "rbac.")) for g, _ in verbs)
+
+
+def test_routing_rbac_is_opt_in_and_reads_pods_only(render) -> None:
+    (role,) = by_kind(render({"rbac": {"inferencePool": True}}), "ClusterRole")
+    verbs = granted(role)
+    # The picker's Role reads pods and pools: the operator may grant only what it holds.
+    assert verbs[("", "pods")] == {"get", "list", "watch"}
+    assert {"create", "patch", "delete"} <= verbs[("inference.networking.k8s.io", "inferencepools")]
+    assert verbs[("gateway.networking.k8s.io", "httproutes")] == {
+        "get",
+        "create",
+        "patch",
+        "delete",
+    }
+    for kind in ("roles", "rolebindings"):
+        assert "escalate" not in verbs[("rbac.authorization.k8s.io", kind)]
+        assert "bind" not in verbs[("rbac.authorization.k8s.io", kind)]
+    assert not any(r in ("secrets", "configmaps") for _, r in verbs)
+    (role,) = by_kind(render({"rbac": {"leaderWorkerSet": False}}), "ClusterRole")
+    assert not any(g == "leaderworkerset.x-k8s.io" for g, _ in granted(role))
+
+
+def test_endpoint_picker_values_become_operator_flags(render) -> None:
+    values = {"operator": {"endpointPicker": {"image": "r/epp:v2", "extraArgs": ["--v", "3"]}}}
+    (dep,) = by_kind(render(values), "Deployment")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--epp-image=r/epp:v2" in args
+    assert args[args.index("--epp-arg=--v") + 1] == "--epp-arg=3"
+    from minisgl_operator.__main__ import build_parser
+
+    parsed = build_parser().parse_args(args)
+    assert (parsed.epp_image, parsed.epp_arg) == ("r/epp:v2", ["--v", "3"])
 
 
 def test_dashboards_become_labelled_configmaps(render) -> None:

@@ -69,10 +69,16 @@ def test_minimal_spec_makes_deployment_and_service_owned_by_the_modelserver() ->
         assert c["metadata"]["namespace"] == "llm"
         assert c["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "minisgl-operator"
     # Absent optional children are listed for pruning (no KEDA API: no ScaledObject lookups).
-    assert {k.kind for k, _ in p.delete} == {
-        "PersistentVolumeClaim",
-        "Ingress",
-        "HorizontalPodAutoscaler",
+    # Optional CRDs that are not installed (KEDA, LWS, InferencePool, Gateway) are not asked.
+    assert {(k.kind, n) for k, n in p.delete} == {
+        ("PersistentVolumeClaim", "qwen-cache"),
+        ("Ingress", "qwen"),
+        ("HorizontalPodAutoscaler", "qwen"),
+        ("Deployment", "qwen-epp"),
+        ("Service", "qwen-epp"),
+        ("ServiceAccount", "qwen-epp"),
+        ("Role", "qwen-epp"),
+        ("RoleBinding", "qwen-epp"),
     }
 
 

@@ -44,7 +44,16 @@ def test_crd_is_a_valid_kubernetes_object() -> None:
     assert scale["labelSelectorPath"] == ".status.selector"
     assert "status" in version["subresources"]
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Model", "Ready", "Replicas", "TTFT-P95", "Endpoint", "Age"]
+    assert columns == [
+        "Model",
+        "Ready",
+        "Replicas",
+        "Nodes",
+        "Routing",
+        "TTFT-P95",
+        "Endpoint",
+        "Age",
+    ]
 
 
 def test_schema_is_structural() -> None:
@@ -182,6 +191,22 @@ CEL_CASES = {
         {"model": "m", "autoscaling": {"maxReplicas": 2, "targets": {}}},
         "at least one target",
     ),
+    "tp not divisible by nodes": (
+        {"model": "m", "engine": {"tensorParallelSize": 6, "nodes": 4}},
+        "must divide by engine.nodes",
+    ),
+    "fewer gpus than the ranks of one pod": (
+        {
+            "model": "m",
+            "engine": {"tensorParallelSize": 16, "nodes": 2},
+            "resources": {"gpus": 4},
+        },
+        "at least engine.tensorParallelSize / engine.nodes",
+    ),
+    "gateway without pool": (
+        {"model": "m", "routing": {"gatewayRef": {"name": "gw"}}},
+        "needs routing.inferencePool",
+    ),
 }
 
 
@@ -202,6 +227,9 @@ def test_cel_rules_accept_edge_cases() -> None:
         {"model": "m", "engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}},
         {"model": "m", "engine": {"tensorParallelSize": 2}},
         {"model": "m", "autoscaling": {"maxReplicas": 3}},  # default target
+        {"model": "m", "engine": {"tensorParallelSize": 16, "nodes": 2}},
+        {"model": "m", "engine": {"tensorParallelSize": 16, "nodes": 2}, "resources": {"gpus": 8}},
+        {"model": "m", "routing": {"inferencePool": True, "gatewayRef": {"name": "gw"}}},
     ):
         assert cel_failures(ms(good)) == []
         spec.parse_spec("m", "ns", good)
@@ -278,6 +306,8 @@ def test_the_operator_enforces_every_bound_the_crd_declares() -> None:
             base: dict[str, Any] = {"model": "m", "autoscaling": {"maxReplicas": 5}}
             if path.startswith("resources."):
                 base["engine"] = {"tensorParallelSize": 1}
+            if path == "engine.nodes":  # every node count in bounds divides this TP size
+                base["engine"] = {"tensorParallelSize": 64}
             return _set(base, path, value)
 
         for ok in (lo, hi):

@@ -20,13 +20,17 @@ from minisgl_operator.spec import parse_spec
 class FakeKube:
     """Objects by (kind, namespace, name); apply replaces what we own, like SSA with force."""
 
-    def __init__(self, keda: bool = False) -> None:
+    def __init__(self, keda: bool = False, apis: tuple[str, ...] = ()) -> None:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.status: dict[tuple[str, str], dict[str, Any]] = {}
         self.keda = keda
+        self.apis = set(apis)  # plurals of optional CRDs that are installed
         self.fail_apply: set[str] = set()
+        self.forbidden: set[str] = set()  # kinds the operator's RBAC does not grant
 
     async def get(self, kind: ChildKind, namespace: str, name: str) -> dict[str, Any] | None:
+        if kind.kind in self.forbidden:
+            raise KubeError(403, f"{kind.plural} is forbidden")
         obj = self.objects.get((kind.kind, namespace, name))
         return copy.deepcopy(obj) if obj else None
 
@@ -56,7 +60,7 @@ class FakeKube:
         self.status.setdefault((namespace, name), {}).update(status)
 
     async def has_api(self, api_version: str, plural: str) -> bool:
-        return self.keda
+        return self.keda if plural == "scaledobjects" else plural in self.apis
 
     def kinds(self) -> set[str]:
         return {k for k, _, _ in self.objects}
