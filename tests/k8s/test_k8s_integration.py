@@ -172,3 +172,41 @@ def test_operator_end_to_end(api: httpx.Client) -> None:
         assert runner.exception is None
     finally:
         api.delete(f"/api/v1/namespaces/{ns}")
+
+
+def _served(api: httpx.Client, api_version: str, plural: str) -> bool:
+    resp = api.get(f"/apis/{api_version}")
+    return resp.status_code == 200 and any(
+        r.get("name") == plural for r in resp.json().get("resources", [])
+    )
+
+
+@pytest.mark.parametrize(
+    "example,kind,plural",
+    [
+        ("modelserver-multinode.yaml", "LeaderWorkerSet", "leaderworkersets"),
+        ("modelserver-routed.yaml", "InferencePool", "inferencepools"),
+        ("modelserver-routed.yaml", "HTTPRoute", "httproutes"),
+    ],
+)
+def test_the_real_crds_accept_what_the_operator_renders(
+    api: httpx.Client, example: str, kind: str, plural: str
+) -> None:
+    """A server-side dry run with strict field validation: the cluster's own CRD (schema,
+    defaults, CEL) judges the object; nothing is created."""
+    from minisgl_operator.children import KINDS, Cluster, plan
+
+    child = KINDS[kind]
+    if not _served(api, child.api_version, plural):
+        pytest.skip(f"the cluster does not serve {child.api_version} {plural}")
+    owner = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / example).read_text())
+    owner["metadata"].update(namespace="default", uid=str(uuid.uuid4()))
+    cluster = Cluster(leader_worker_set=True, inference_pool=True, gateway_api=True)
+    (obj,) = [c for c in plan(owner, cluster).apply if c["kind"] == kind]
+    obj["metadata"].pop("ownerReferences")  # the owner does not exist in a dry run
+    resp = api.post(
+        f"/apis/{child.api_version}/namespaces/default/{plural}",
+        params={"dryRun": "All", "fieldValidation": "Strict"},
+        json=obj,
+    )
+    assert resp.status_code in (200, 201), resp.text
