@@ -9,7 +9,15 @@ from pathlib import Path
 from typing import Any
 
 from minisgl_operator import GROUP, KIND, PLURAL, VERSION
-from minisgl_operator.schema import MAX_NAME_LEN, SPEC, STATUS, Node, obj, string
+from minisgl_operator.schema import (
+    MAX_MULTI_NODE_NAME_LEN,
+    MAX_NAME_LEN,
+    SPEC,
+    STATUS,
+    Node,
+    obj,
+    string,
+)
 
 CHART_CRD = Path(__file__).resolve().parents[2] / "charts/minisgl/crds/modelservers.minisgl.io.yaml"
 HEADER = """\
@@ -54,7 +62,13 @@ ROOT = obj(
         (
             f"self.metadata.name.size() <= {MAX_NAME_LEN}",
             f"metadata.name must be at most {MAX_NAME_LEN} characters (children add suffixes)",
-        )
+        ),
+        (
+            "!has(self.spec.engine) || self.spec.engine.nodes <= 1 || "
+            f"self.metadata.name.size() <= {MAX_MULTI_NODE_NAME_LEN}",
+            f"metadata.name must be at most {MAX_MULTI_NODE_NAME_LEN} characters with "
+            "engine.nodes > 1 (LeaderWorkerSet names its pods after it)",
+        ),
     ],
 )
 

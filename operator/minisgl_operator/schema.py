@@ -19,6 +19,9 @@ from typing import Any
 from minisgl.config import DTYPES, ServerArgs, flag_name
 
 MAX_NAME_LEN = 57  # the longest child name adds "-cache"; names must stay <= 63
+# A LeaderWorkerSet's StatefulSets are <name>-<group>, and each labels its pods with
+# <statefulset>-<revision hash> (at most 63 characters): room for 3-digit groups and the hash.
+MAX_MULTI_NODE_NAME_LEN = 45
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minisgl_operator.schema import (
+    MAX_MULTI_NODE_NAME_LEN,
     MAX_NAME_LEN,
     SPEC,
     TOLERATION_EFFECTS,
@@ -307,6 +308,11 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any] | None) -> Mod
     if model is None:
         raise SpecError("spec.model is required")
     engine = _engine(_obj(spec, "engine", "") or {})
+    if engine.multi_node and len(name) > MAX_MULTI_NODE_NAME_LEN:
+        raise SpecError(
+            f"name {name!r} must be at most {MAX_MULTI_NODE_NAME_LEN} characters with "
+            "engine.nodes > 1 (LeaderWorkerSet names its pods after it)"
+        )
     res_raw = _obj(spec, "resources", "") or {}
     per_pod = engine.ranks_per_node
     gpus = _int(res_raw, "resources.gpus", per_pod)

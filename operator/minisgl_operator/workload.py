@@ -223,6 +223,10 @@ def leader_worker_set(
         "spec": {
             "replicas": replicas,
             "startupPolicy": "LeaderCreated",
+            # A headless Service per group, named after its leader pod (<name>-<group>): the
+            # default (Shared) one would be named <name>, which is our Service, and then the
+            # leader address LeaderWorkerSet hands the workers would never resolve.
+            "networkConfig": {"subdomainPolicy": "UniquePerReplica"},
             # Like the Deployment: a new group is up before an old one goes.
             "rolloutStrategy": {
                 "type": "RollingUpdate",

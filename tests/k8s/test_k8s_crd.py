@@ -333,3 +333,13 @@ def test_the_status_the_operator_writes_is_all_declared() -> None:
     assert set(status) <= set(declared)
     condition = declared["conditions"]["items"]["properties"]
     assert all(set(c) <= set(condition) for c in status["conditions"])
+
+
+def test_multi_node_name_rule_agrees_with_the_operator() -> None:
+    multi = {"model": "m", "engine": {"tensorParallelSize": 2, "nodes": 2}}
+    long_name = "q" * 46
+    assert any("at most 45 characters" in f for f in cel_failures(ms(multi, long_name)))
+    with pytest.raises(spec.SpecError, match="at most 45"):
+        spec.parse_spec(long_name, "ns", multi)
+    assert cel_failures(ms(multi, "q" * 45)) == []
+    assert cel_failures(ms({"model": "m"}, "q" * 57)) == []

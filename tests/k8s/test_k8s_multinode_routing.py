@@ -85,6 +85,8 @@ def test_multinode_example_renders_a_leader_worker_set_instead_of_a_deployment()
     spec = lws["spec"]
     assert spec["replicas"] == 1
     assert spec["startupPolicy"] == "LeaderCreated"
+    # Never the Shared headless Service, which would take our Service's name.
+    assert spec["networkConfig"] == {"subdomainPolicy": "UniquePerReplica"}
     lwt = spec["leaderWorkerTemplate"]
     assert lwt["size"] == 2 and lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
     for key in ("leaderTemplate", "workerTemplate"):
@@ -106,14 +108,16 @@ def test_each_pod_gets_its_rank_and_the_leader_address_from_lws_env(index: int) 
     key = "leaderTemplate" if index == 0 else "workerTemplate"
     (c,) = lws["spec"]["leaderWorkerTemplate"][key]["spec"]["containers"]
     # What LeaderWorkerSet sets in every pod of group 0.
-    env = {"LWS_LEADER_ADDRESS": "qwen3-235b-0.qwen3-235b.llm", "LWS_WORKER_INDEX": str(index)}
+    # (UniquePerReplica: <leader pod>.<leader pod's headless Service>.<namespace>).
+    leader = "qwen3-235b-0.qwen3-235b-0.llm"
+    env = {"LWS_LEADER_ADDRESS": leader, "LWS_WORKER_INDEX": str(index)}
     argv = [kubelet_expand(w, env) for w in c["command"]]
     assert argv[:3] == ["python", "-m", "minisgl"]
     server, multi = split_multi_node(argv[3:])
     assert multi == {
         "--nnodes": "2",
         "--node-rank": str(index),
-        "--dist-init-addr": f"qwen3-235b-0.qwen3-235b.llm:{DIST_INIT_PORT}",
+        "--dist-init-addr": f"{leader}:{DIST_INIT_PORT}",
     }
     s = parse_server_args(server)
     assert (s.tp_size, s.model, s.device) == (16, "Qwen/Qwen3-235B-A22B", "cuda")
@@ -380,3 +384,15 @@ def test_kinds_the_chart_did_not_grant_are_left_alone() -> None:
     status = run(reconcile(ms({"model": "m"}), kube, Config()))
     assert cond(status, "Degraded")["status"] == "False"
     assert kube.kinds() == {"Deployment", "Service"}
+
+
+def test_multinode_names_leave_room_for_the_pods_lws_names() -> None:
+    owner = ms({"model": "m", "engine": {"tensorParallelSize": 2, "nodes": 2}})
+    owner["metadata"]["name"] = "q" * 46
+    with pytest.raises(SpecError, match="at most 45 characters"):
+        plan(owner, EVERYTHING)
+    owner["metadata"]["name"] = "q" * 45
+    plan(owner, EVERYTHING)
+    owner["spec"]["engine"] = {}
+    owner["metadata"]["name"] = "q" * 57  # one node: the usual limit
+    plan(owner, EVERYTHING)
