@@ -44,7 +44,14 @@ class EngineArgs:
     attention_backend: str = _f("auto", "attention implementation", ATTENTION_BACKENDS)
     memory_fraction: float = _f(0.85, "fraction of free memory the KV cache may take by default")
     dist_init_addr: str = _f(
-        "127.0.0.1:0", "host:port for the tensor-parallel rendezvous (port 0: pick a free one)"
+        "127.0.0.1:0",
+        "host:port for the tensor-parallel rendezvous (port 0: pick a free one); with "
+        "--nnodes > 1 node 0's address as the other nodes reach it and a fixed port (it and "
+        "the next 3 ports are used)",
+    )
+    nnodes: int = _f(1, "nodes the --tp-size ranks are split over, evenly (multi-node)")
+    node_rank: int = _f(
+        0, "this node's index: node 0 serves the API and rank 0, the others their ranks and /health"
     )
     seed: int = _f(0, "seed of the unseeded random sampling stream")
 

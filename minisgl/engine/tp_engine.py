@@ -32,6 +32,7 @@ import zmq
 
 from minisgl.config import EngineArgs
 from minisgl.engine.engine import Engine, StepOutput
+from minisgl.engine.multinode import NodeLink, check_args, exit_group, local_ranks
 from minisgl.engine.startup import spawn_main_problem
 from minisgl.process import freeze_startup_objects
 from minisgl.sampling_params import SamplingParams
@@ -65,6 +66,16 @@ class Rendezvous:
     dist_port: int  # torch.distributed
     pub_port: int  # rank 0's PUB socket
     ack_port: int  # followers' PUSH back to rank 0 (handshake)
+    link_port: int = 0  # multi-node: the nodes' link to node 0 (multinode.NodeLink)
+    bind_host: str = ""  # where rank 0 binds: the host, or every interface when multi-node
+
+    @classmethod
+    def for_args(cls, args: EngineArgs) -> Rendezvous:
+        host, port = split_host_port(args.dist_init_addr)
+        if args.nnodes > 1:
+            # Fixed ports next to the rendezvous: every node must know them in advance.
+            return cls(host, port, port + 1, port + 2, port + 3, bind_host="*")
+        return cls(host, port or free_port(host), free_port(host), free_port(host), 0, host)
 
 
 def _init_distributed(args: EngineArgs, rank: int, rdv: Rendezvous) -> None:
@@ -92,20 +103,18 @@ class TPEngine:
     def __init__(self, args: EngineArgs) -> None:
         self._failures: dict[int, str] = {}  # rank -> error it reported
         self._closed_sockets = False
-        host, port = split_host_port(args.dist_init_addr)
-        self.rdv = Rendezvous(
-            host=host,
-            dist_port=port or free_port(host),
-            pub_port=free_port(host),
-            ack_port=free_port(host),
-        )
+        check_args(args)
+        self.rdv = Rendezvous.for_args(args)
+        bind = self.rdv.bind_host
+        self._num_followers = args.tp_size - 1  # on every node
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 1000)
-        self._pub.bind(_zmq_addr(host, self.rdv.pub_port))
+        self._pub.bind(_zmq_addr(bind, self.rdv.pub_port))
         self._ack = self._ctx.socket(zmq.PULL)
         self._ack.setsockopt(zmq.LINGER, 0)
-        self._ack.bind(_zmq_addr(host, self.rdv.ack_port))
+        self._ack.bind(_zmq_addr(bind, self.rdv.ack_port))
+        self._link: NodeLink | None = None
         spawn = mp.get_context("spawn")
         self._procs = [
             spawn.Process(
@@ -114,15 +123,21 @@ class TPEngine:
                 name=f"minisgl-tp{rank}",
                 daemon=True,
             )
-            for rank in range(1, args.tp_size)
+            for rank in local_ranks(args)
+            if rank > 0
         ]
         for p in self._procs:
             p.start()
+        if args.nnodes > 1:
+            procs = self._procs
+            self._link = NodeLink(
+                self.rdv.link_port, args.nnodes, lambda why: exit_group(why, procs)
+            )
         try:
             self._wait_checked_in()
             _init_distributed(args, 0, self.rdv)
             self.engine = Engine(args, tp_rank=0)
-            self._handshake(args.tp_size - 1)
+            self._handshake(self._num_followers)
         except BaseException as exc:
             failure = None
             if not isinstance(exc, TPRankError):  # e.g. a collective broken by a dead rank
@@ -191,7 +206,7 @@ class TPEngine:
         self._pub.send(msgpack.packb([_STATS, []]))
         replies: dict[int, SchedulerStats] = {}
         deadline = time.monotonic() + timeout_s
-        while len(replies) < len(self._procs):
+        while len(replies) < self._num_followers:
             if time.monotonic() > deadline:
                 raise TimeoutError("tensor-parallel ranks did not report their stats")
             if self._ack.poll(100):
@@ -222,6 +237,8 @@ class TPEngine:
         self._ack.close()
         self._closed_sockets = True
         self._ctx.term()
+        if self._link is not None:
+            self._link.close()
         _destroy_distributed()
 
     def __del__(self) -> None:
@@ -233,7 +250,7 @@ class TPEngine:
         """Every follower is running our code, right before it joins torch.distributed."""
         up: set[int] = set()
         deadline = time.monotonic() + _HANDSHAKE_TIMEOUT_S
-        while len(up) < len(self._procs):
+        while len(up) < self._num_followers:  # other nodes' ranks check in too
             self._check_followers()
             if time.monotonic() > deadline:
                 raise TPRankError("tensor-parallel ranks did not start in time")

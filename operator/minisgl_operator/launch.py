@@ -34,6 +34,8 @@ MANAGED_FIELDS = (
     "device",
     "dtype",
     "tp_size",
+    "nnodes",
+    "node_rank",
     "num_pages",
     "max_seq_len_override",
     "max_running_requests",
@@ -49,10 +51,9 @@ LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
 LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
 
 
-def multi_node_args(nodes: int) -> list[str]:
+def multi_node_args() -> list[str]:
+    """Per pod, so outside what the operator parses: Kubernetes fills them in."""
     return [
-        "--nnodes",
-        str(nodes),
         "--node-rank",
         f"$({LWS_WORKER_INDEX})",
         "--dist-init-addr",
@@ -73,7 +74,7 @@ class Launch:
     def command(self) -> list[str]:
         """What every pod runs; in a multi-node group each pod adds its rank (node 0 is the
         leader, which also serves the API)."""
-        extra = multi_node_args(self.nodes) if self.nodes > 1 else []
+        extra = multi_node_args() if self.nodes > 1 else []
         return [*LAUNCHER, *self.args, *extra]
 
     @property
@@ -97,6 +98,7 @@ def server_args(spec: ModelServerSpec) -> ServerArgs:
         host=LISTEN_HOST,
         device="cuda" if spec.resources.gpus > 0 else "cpu",
         tp_size=e.tensor_parallel_size,
+        nnodes=e.nodes,
         **{k: v for k, v in given.items() if v is not None},
     )
 

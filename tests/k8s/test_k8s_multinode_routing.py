@@ -21,6 +21,7 @@ from minisgl_operator.spec import SpecError
 from test_k8s_reconcile import FakeKube, cond, ms, run
 
 from minisgl.config import parse_server_args
+from minisgl.engine.multinode import check_args
 
 UID = "uid-1"
 EVERYTHING = Cluster(
@@ -63,9 +64,9 @@ def kubelet_expand(word: str, env: dict[str, str]) -> str:
 
 
 def split_multi_node(argv: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The server's own flags, and the three the multi-node launcher adds."""
+    """The server's own flags, and the two each pod of a group adds."""
     rest, extra = list(argv), {}
-    for flag in ("--nnodes", "--node-rank", "--dist-init-addr"):
+    for flag in ("--node-rank", "--dist-init-addr"):
         i = rest.index(flag)
         extra[flag] = rest[i + 1]
         del rest[i : i + 2]
@@ -115,12 +116,15 @@ def test_each_pod_gets_its_rank_and_the_leader_address_from_lws_env(index: int) 
     assert argv[:3] == ["python", "-m", "minisgl"]
     server, multi = split_multi_node(argv[3:])
     assert multi == {
-        "--nnodes": "2",
         "--node-rank": str(index),
         "--dist-init-addr": f"{leader}:{DIST_INIT_PORT}",
     }
     s = parse_server_args(server)
-    assert (s.tp_size, s.model, s.device) == (16, "Qwen/Qwen3-235B-A22B", "cuda")
+    assert (s.tp_size, s.nnodes, s.model, s.device) == (16, 2, "Qwen/Qwen3-235B-A22B", "cuda")
+    # What the pod finally runs is a layout the server accepts.
+    final = parse_server_args(argv[3:])
+    assert (final.node_rank, final.dist_init_addr) == (index, f"{leader}:{DIST_INIT_PORT}")
+    check_args(final)
 
 
 def test_service_selects_leaders_only_and_status_selector_follows() -> None:
@@ -177,10 +181,12 @@ def test_gpus_default_to_the_ranks_of_one_pod_and_cpu_pods_still_split() -> None
     assert c["command"][c["command"].index("--device") + 1] == "cpu"
 
 
-def test_extra_args_may_not_take_over_the_rendezvous() -> None:
-    spec = {"model": "m", "engine": {"tensorParallelSize": 2, "nodes": 2}}
-    spec["engine"]["extraArgs"] = ["--dist-init-addr", "10.0.0.1:1234"]
-    with pytest.raises(SpecError, match="may not set --dist-init-addr"):
+@pytest.mark.parametrize(
+    "extra", [["--dist-init-addr", "10.0.0.1:1234"], ["--nnodes", "4"], ["--node-rank", "1"]]
+)
+def test_extra_args_may_not_take_over_the_group_layout(extra: list[str]) -> None:
+    spec = {"model": "m", "engine": {"tensorParallelSize": 2, "nodes": 2, "extraArgs": extra}}
+    with pytest.raises(SpecError, match=f"may not set {extra[0]}"):
         plan(ms(spec), EVERYTHING)
 
 

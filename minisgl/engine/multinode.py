@@ -1,0 +1,128 @@
+"""Tensor parallelism over several nodes (`--nnodes N --node-rank R --dist-init-addr HOST:PORT`).
+
+The `--tp-size` ranks split evenly: node R runs ranks R*k .. R*k+k-1 (k = tp_size / nnodes).
+Node 0 is the usual server (API, tokenizer, detokenizer, scheduler = rank 0, its local ranks);
+every other node runs only its ranks and a small /health (`node_agent.run_node`). Rank 0's
+broadcast and the subscriber handshake go over TCP at fixed ports next to the rendezvous port,
+so every node can find them: PORT torch.distributed, PORT+1 rank 0's PUB, PORT+2 the acks,
+PORT+3 the nodes' link (`NodeLink`).
+
+A group of nodes lives and dies as one: the link is a TCP connection from each node to node 0
+carrying a beat each way. When a node dies its connection closes (or falls silent), and node 0
+exits non-zero at once (its /health fails first: the launcher sees its scheduler die); when node
+0 goes, every other node exits non-zero. An orchestrator then restarts the group whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.process import BaseProcess
+
+from minisgl.config import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+BEAT_INTERVAL_S = 0.5
+SILENCE_LIMIT_S = 5.0  # a peer silent this long (no close seen: a lost host) counts as dead
+_BEAT = b"."
+
+
+def check_args(args: EngineArgs) -> None:
+    """Reject a multi-node layout that cannot work, before anything starts."""
+    if args.nnodes < 1:
+        raise ValueError(f"--nnodes must be >= 1, got {args.nnodes}")
+    if args.tp_size % args.nnodes:
+        raise ValueError(
+            f"--tp-size ({args.tp_size}) must divide by --nnodes ({args.nnodes}): every node "
+            "runs the same number of ranks"
+        )
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank must be in [0, {args.nnodes}), got {args.node_rank}")
+    if args.nnodes > 1 and args.dist_init_addr.rpartition(":")[2] in ("", "0"):
+        raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT with a fixed port")
+
+
+def local_ranks(args: EngineArgs) -> range:
+    per_node = args.tp_size // args.nnodes
+    return range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
+
+
+class NodeLink:
+    """Node 0's end: accepts one connection per other node, beats to each, and calls `lost`
+    (from its own thread) when any of them closes or falls silent."""
+
+    def __init__(self, port: int, num_nodes: int, lost: Callable[[str], None]) -> None:
+        self._listener = _listen(port)
+        self._expected = num_nodes - 1
+        self._lost = lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="minisgl-nodelink", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._listener.close()
+
+    def _run(self) -> None:
+        peers: dict[socket.socket, float] = {}  # connection -> last time heard
+        self._listener.settimeout(BEAT_INTERVAL_S)
+        last_beat = 0.0
+        while not self._stop.is_set():
+            if len(peers) < self._expected:
+                with contextlib.suppress(TimeoutError, socket.timeout):
+                    conn, addr = self._listener.accept()
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    peers[conn] = time.monotonic()
+                    logger.info("node link: %s joined (%d of %d)", addr, len(peers), self._expected)
+            if not peers:
+                continue
+            now = time.monotonic()
+            if now - last_beat >= BEAT_INTERVAL_S:
+                last_beat = now
+                for conn in peers:
+                    with contextlib.suppress(OSError):
+                        conn.sendall(_BEAT)
+            readable, _, _ = select.select(list(peers), [], [], BEAT_INTERVAL_S / 2)
+            for conn in readable:
+                try:
+                    data = conn.recv(64)
+                except OSError:
+                    data = b""
+                if not data:
+                    return self._lost(f"node at {_peer(conn)} closed its link")
+                peers[conn] = time.monotonic()
+            for conn, heard in peers.items():
+                if time.monotonic() - heard > SILENCE_LIMIT_S:
+                    return self._lost(f"node at {_peer(conn)} silent for {SILENCE_LIMIT_S:.0f} s")
+
+
+def _listen(port: int) -> socket.socket:
+    """On every interface: the other nodes reach node 0 by its pod or host address."""
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    return socket.create_server(("0.0.0.0", port))
+
+
+def _peer(conn: socket.socket) -> str:
+    try:
+        return str(conn.getpeername()[0])
+    except OSError:
+        return "?"
+
+
+def exit_group(reason: str, procs: Sequence[BaseProcess]) -> None:
+    """This node cannot go on without the others: stop its ranks and exit non-zero now (a
+    rank may be blocked in a collective that will never complete)."""
+    logger.error("multi-node group lost: %s; exiting", reason)
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.kill()
+    os._exit(1)
