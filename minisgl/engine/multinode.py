@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.process import BaseProcess
+from typing import NoReturn
 
 from minisgl.config import EngineArgs
 
@@ -118,7 +119,7 @@ def _peer(conn: socket.socket) -> str:
         return "?"
 
 
-def exit_group(reason: str, procs: Sequence[BaseProcess]) -> None:
+def exit_group(reason: str, procs: Sequence[BaseProcess]) -> NoReturn:
     """This node cannot go on without the others: stop its ranks and exit non-zero now (a
     rank may be blocked in a collective that will never complete)."""
     logger.error("multi-node group lost: %s; exiting", reason)

@@ -46,14 +46,16 @@ class _Health(http.server.BaseHTTPRequestHandler):
         return  # probes every few seconds: not worth a log line
 
 
-def _connect(host: str, port: int, deadline: float) -> socket.socket:
+def _connect(host: str, port: int, deadline: float, stopping: threading.Event) -> socket.socket:
+    """Node 0 may start later (or still be loading): retry until the deadline, or until this
+    node is asked to stop."""
     while True:
         try:
             conn = socket.create_connection((host, port), timeout=5)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return conn
         except OSError:
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or stopping.is_set():
                 raise
             time.sleep(1)
 
@@ -92,8 +94,10 @@ def run_node(args: ServerArgs) -> int:
         args.port,
     )
     try:
-        conn = _connect(rdv.host, rdv.link_port, time.monotonic() + CONNECT_TIMEOUT_S)
+        conn = _connect(rdv.host, rdv.link_port, time.monotonic() + CONNECT_TIMEOUT_S, stopping)
     except OSError as e:
+        if stopping.is_set():
+            exit_group("stopped before node 0 was reached", procs)
         exit_group(f"cannot reach node 0 at {rdv.host}:{rdv.link_port}: {e}", procs)
     linked.set()
     heard = last_beat = time.monotonic()

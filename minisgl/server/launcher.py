@@ -25,7 +25,6 @@ import uvicorn
 from minisgl.config import ServerArgs, parse_server_args
 from minisgl.engine.startup import spawn_main_problem
 from minisgl.engine.multinode import check_args
-from minisgl.engine.node_agent import run_node
 from minisgl.engine.worker import run_scheduler_worker
 from minisgl.message.endpoints import Endpoints
 from minisgl.metrics import ServerMetrics
@@ -255,7 +254,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"python -m minisgl: error: {e}")
     setup_logging(args.log_level, "launcher")
     if args.node_rank > 0:
-        # Not node 0: only this node's tensor-parallel ranks and a /health.
+        # Not node 0: only this node's tensor-parallel ranks and a /health. (Imported here:
+        # it needs torch, which the API server process never loads.)
+        from minisgl.engine.node_agent import run_node
+
         sys.exit(run_node(args))
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -185,3 +185,10 @@ def test_bad_layouts_are_refused_before_anything_starts(tiny_model_dir: Path) ->
         cmd = [sys.executable, "-m", "minisgl", "--model", str(tiny_model_dir), *extra]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert out.returncode != 0 and why in out.stderr, out.stderr
+
+
+def test_the_api_server_process_never_loads_torch() -> None:
+    # Multi-node support must not pull torch into the launcher: its exit (after a lost node,
+    # say) would then take seconds of interpreter teardown.
+    code = "import sys, minisgl.server.launcher; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
