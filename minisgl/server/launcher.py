@@ -23,8 +23,8 @@ from typing import Any, cast
 import uvicorn
 
 from minisgl.config import ServerArgs, parse_server_args
-from minisgl.engine.startup import spawn_main_problem
 from minisgl.engine.multinode import check_args
+from minisgl.engine.startup import spawn_main_problem
 from minisgl.engine.worker import run_scheduler_worker
 from minisgl.message.endpoints import Endpoints
 from minisgl.metrics import ServerMetrics
