@@ -23,16 +23,41 @@ if "torch" in sys.modules:  # a plugin imported it already; the env var came too
     sys.modules["torch"].set_num_threads(int(_THREADS))
 
 
-def _write(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs: Any) -> Path:
+# MINISGL_TEST_PRESET=qwen3-moe (or qwen2, llama) runs every test that uses tiny_model_dir
+# (server, metrics, engine) on that architecture instead of dense Qwen3.
+TINY_PRESET = os.environ.get("MINISGL_TEST_PRESET", "tiny")
+
+
+def _write(
+    tmp_path_factory: pytest.TempPathFactory, name: str, preset: str = TINY_PRESET, **kwargs: Any
+) -> Path:
     from minisgl.testing.fixture import write_fixture_model
 
-    return write_fixture_model(tmp_path_factory.mktemp(name), "tiny", **kwargs)
+    return write_fixture_model(tmp_path_factory.mktemp(name), preset, **kwargs)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny Qwen3 (hidden 64, 2 layers, 4 heads / 2 kv heads), tied, float32, std 0.5."""
     return _write(tmp_path_factory, "qwen3-tiny")
+
+
+@pytest.fixture(scope="session")
+def moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Qwen3-MoE: 3 layers (layer 1 dense), 16 experts, top-4, tied, float32."""
+    return _write(tmp_path_factory, "qwen3-moe-tiny", "qwen3-moe")
+
+
+@pytest.fixture(scope="session")
+def qwen2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Qwen2 (q/k/v biases, no q/k norm), tied, float32."""
+    return _write(tmp_path_factory, "qwen2-tiny", "qwen2")
+
+
+@pytest.fixture(scope="session")
+def llama_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Llama 3 (llama3 RoPE scaling), untied head, float32."""
+    return _write(tmp_path_factory, "llama-tiny", "llama", tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

@@ -26,12 +26,16 @@ def _divide(n: int, d: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    """y = x @ W.T over this rank's weight shard [out_local, in_local] (no bias: Qwen3 has none)."""
+    """y = x @ W.T (+ b) over this rank's weight shard [out_local, in_local]; the bias (Qwen2's
+    q/k/v, `attention_bias` models) is added by the subclass where its rank owns it."""
 
-    def __init__(self, in_local: int, out_local: int, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self, in_local: int, out_local: int, tp_rank: int, tp_size: int, bias: bool = False
+    ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
         # Set by `prepack` on CPU: a faster layout of `weight` (see cpu_linear.py).
         self.kernel: CpuLinearKernel | None = None
 
@@ -39,6 +43,17 @@ class LinearBase(nn.Module):
         if self.kernel is not None:
             return self.kernel(x)
         return F.linear(x, self.weight)
+
+    def matmul_bias(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def _target(self, full: torch.Tensor) -> torch.Tensor:
+        """The local tensor a full HF tensor fills: the weight, or the bias for a 1-D one."""
+        if full.dim() == 1:
+            assert self.bias is not None, "a bias for a layer built without one"
+            return self.bias.data
+        return self.weight.data
 
     def prepack(self) -> None:
         self.kernel = CpuLinearKernel.create(self.weight)
@@ -78,6 +93,7 @@ class QKVParallelLinear(LinearBase):
         num_kv_heads: int,
         tp_rank: int = 0,
         tp_size: int = 1,
+        bias: bool = False,
     ) -> None:
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp_size, "num_attention_heads")
@@ -90,10 +106,10 @@ class QKVParallelLinear(LinearBase):
             self.kv_head_start = tp_rank // (tp_size // num_kv_heads)
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, tp_rank, tp_size)
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, tp_rank, tp_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x)
+        return self.matmul_bias(x)
 
     def load(self, full: torch.Tensor, shard: str) -> None:
         if shard == "q":
@@ -102,24 +118,33 @@ class QKVParallelLinear(LinearBase):
         else:
             src = full.narrow(0, self.kv_head_start * self.head_dim, self.kv_size)
             offset = self.q_size + (self.kv_size if shard == "v" else 0)
-        self.weight.data.narrow(0, offset, src.shape[0]).copy_(src)
+        self._target(full).narrow(0, offset, src.shape[0]).copy_(src)
 
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; the partial outputs are summed over ranks."""
 
     def __init__(
-        self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1
+        self,
+        in_features: int,
+        out_features: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        bias: bool = False,
     ) -> None:
         self.in_local = _divide(in_features, tp_size, "input features")
-        super().__init__(self.in_local, out_features, tp_rank, tp_size)
+        super().__init__(self.in_local, out_features, tp_rank, tp_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)
         if self.tp_size > 1:
             distributed.all_reduce(y)
-        return y
+        # After the sum: the bias is added once, not once per rank.
+        return y if self.bias is None else y.add_(self.bias)
 
     def load(self, full: torch.Tensor) -> None:
+        if full.dim() == 1:
+            self._target(full).copy_(full)
+            return
         src = full.narrow(1, self.tp_rank * self.in_local, self.in_local)
         self.weight.data.copy_(src)

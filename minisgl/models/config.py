@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+from minisgl.models.registry import ARCHITECTURES, supported_architecture
+
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # rope_type values RotaryEmbedding implements ("default" and None mean plain RoPE).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -29,6 +31,31 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     torch_dtype: str = "bfloat16"
     eos_token_ids: list[int] = field(default_factory=list)
+    # Bias on q, k, v and o (Qwen3, Llama: `attention_bias`; Qwen2 always biases q, k, v).
+    attention_bias: bool = False
+    # Mixture of experts (Qwen3-MoE); num_experts == 0 means every layer is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    @property
+    def architecture(self) -> str:
+        """The entry of `architectures` that picks the model class (see registry.py)."""
+        arch = supported_architecture(self.architectures)
+        assert arch is not None  # from_dict refuses the others
+        return arch
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """transformers' rule: sparse unless listed in mlp_only_layers, every
+        decoder_sparse_step-th layer (1-based)."""
+        return (
+            self.num_experts > 0
+            and layer_id not in self.mlp_only_layers
+            and (layer_id + 1) % max(self.decoder_sparse_step, 1) == 0
+        )
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -46,7 +73,7 @@ class ModelConfig:
         cls, raw: dict[str, Any], generation: dict[str, Any] | None = None
     ) -> ModelConfig:
         archs = list(raw.get("architectures") or [])
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        if supported_architecture(archs) is None:
             raise ValueError(
                 f"unsupported model architecture {archs or raw.get('model_type')!r}; "
                 f"minisgl supports {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -54,6 +81,8 @@ class ModelConfig:
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         theta, scaling = _rope(raw)
+        if raw.get("mlp_bias"):
+            raise ValueError("unsupported model: mlp_bias=true (minisgl's MLPs have no bias)")
         eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
         if eos is None:
             eos_ids: list[int] = []
@@ -79,6 +108,13 @@ class ModelConfig:
             # when neither is present is float32.
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
+            attention_bias=bool(raw.get("attention_bias", False)),
+            num_experts=int(raw.get("num_experts") or 0),
+            num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
         )
 
 

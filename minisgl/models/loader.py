@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from minisgl.models.config import ModelConfig
 from minisgl.models.qwen3 import Qwen3ForCausalLM
+from minisgl.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,8 @@ def load_model(
     progress: bool | None = None,
     prepack: bool = True,
 ) -> Qwen3ForCausalLM:
-    """Build the model for this rank on `device` and fill it from the checkpoint at `path`.
+    """Build the model for this rank on `device` (its class picked by config.json's
+    `architectures`, see registry.py) and fill it from the checkpoint at `path`.
 
     `prepack` (CPU only) reorders matmul weights for oneDNN where the CPU supports it; set
     MINISGL_CPU_PREPACK=0 (or pass False) to keep plain F.linear.
@@ -122,7 +124,7 @@ def load_model(
     # Parameters are created on the meta device (no memory, no random init) and then
     # materialised uninitialised on the target: every one is overwritten from the checkpoint.
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config, tp_rank, tp_size)
+        model: Qwen3ForCausalLM = model_class(config.architecture)(config, tp_rank, tp_size)
     model = model.to(dtype=dtype).to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.tie(model.model.embed_tokens)  # to_empty re-creates the tensors

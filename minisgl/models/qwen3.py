@@ -3,11 +3,16 @@
 The batch arrives flattened: T tokens of all requests in request order, each with its position;
 the attention backend knows which tokens belong to which request. Only the rows named by
 `sample_indices` (usually each request's last token) go through the final norm and LM head.
+
+The decoder here is shared by the other families (qwen2.py, llama.py, qwen3_moe.py): they
+differ in `AttentionOptions` (q/k norm, biases) and in the MLP a layer gets (`make_mlp`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -22,13 +27,30 @@ from minisgl.layers.linear import (
     RowParallelLinear,
 )
 from minisgl.layers.norm import RMSNorm, head_rms_norm_rotary
-from minisgl.layers.rotary import RotaryEmbedding
+from minisgl.layers.rotary import RotaryEmbedding, apply_rotary
 from minisgl.models.config import ModelConfig
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What the attention block of one family has on top of plain GQA + RoPE."""
+
+    qk_norm: bool = True  # per-head RMSNorm of q and k before the rotation (Qwen3)
+    qkv_bias: bool = False
+    o_bias: bool = False
+
+
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        tp_rank: int,
+        tp_size: int,
+        options: AttentionOptions | None = None,
+    ) -> None:
         super().__init__()
+        options = options or AttentionOptions()
         self.layer_id = layer_id
         d = config.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -38,15 +60,18 @@ class Qwen3Attention(nn.Module):
             config.num_key_value_heads,
             tp_rank,
             tp_size,
+            bias=options.qkv_bias,
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = d
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * d, config.hidden_size, tp_rank, tp_size
+            config.num_attention_heads * d, config.hidden_size, tp_rank, tp_size, options.o_bias
         )
-        self.q_norm = RMSNorm(d, config.rms_norm_eps)
-        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.qk_norm = options.qk_norm
+        if options.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.eps = config.rms_norm_eps
         self._qk_weight: torch.Tensor | None = None
 
@@ -62,7 +87,10 @@ class Qwen3Attention(nn.Module):
         qkv = self.qkv_proj(x)
         # q and k heads side by side: one norm and one rotation for both (per-head weights).
         qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
-        qk = head_rms_norm_rotary(qk, self.qk_weight(), self.eps, cos, sin)
+        if self.qk_norm:
+            qk = head_rms_norm_rotary(qk, self.qk_weight(), self.eps, cos, sin)
+        else:
+            qk = apply_rotary(qk, cos, sin)
         v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
         o = attn.forward(qk[:, :hq], qk[:, hq:], v, self.layer_id, meta)
         return self.o_proj(o)
@@ -93,14 +121,58 @@ class Qwen3MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
+    @staticmethod
+    def weight_names() -> set[str]:
+        return {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}
+
+    def load(self, name: str, t: torch.Tensor) -> bool:
+        """`name` relative to the layer's `mlp.`; False for a name that is not ours."""
+        if name == "gate_proj.weight":
+            self.gate_up_proj.load(t, 0)
+        elif name == "up_proj.weight":
+            self.gate_up_proj.load(t, 1)
+        elif name == "down_proj.weight":
+            self.down_proj.load(t)
+        else:
+            return False
+        return True
+
+
+class Mlp(Protocol):
+    """A layer's MLP (dense or mixture of experts): forward, and its own HF weight names."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+    def weight_names(self) -> set[str]: ...
+    def load(self, name: str, t: torch.Tensor) -> bool: ...
+
+
+# (config, layer_id, tp_rank, tp_size) -> the layer's MLP (dense, or mixture of experts)
+MlpFactory = Callable[[ModelConfig, int, int, int], nn.Module]
+
+
+def dense_mlp(config: ModelConfig, layer_id: int, tp_rank: int, tp_size: int) -> nn.Module:
+    return Qwen3MLP(config, tp_rank, tp_size)
+
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        tp_rank: int,
+        tp_size: int,
+        options: AttentionOptions | None = None,
+        make_mlp: MlpFactory = dense_mlp,
+    ) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(config, layer_id, tp_rank, tp_size)
-        self.mlp = Qwen3MLP(config, tp_rank, tp_size)
+        self.self_attn = Qwen3Attention(config, layer_id, tp_rank, tp_size, options)
+        self.mlp = make_mlp(config, layer_id, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @property
+    def mlp_weights(self) -> Mlp:
+        return cast(Mlp, self.mlp)
 
     def forward(
         self,
@@ -122,13 +194,21 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp_rank: int,
+        tp_size: int,
+        options: AttentionOptions | None = None,
+        make_mlp: MlpFactory = dense_mlp,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp_rank, tp_size
         )
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(config, i, tp_rank, tp_size) for i in range(config.num_hidden_layers)
+            Qwen3DecoderLayer(config, i, tp_rank, tp_size, options, make_mlp)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -138,7 +218,9 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.model = Qwen3Model(config, tp_rank, tp_size)
+        self.model = Qwen3Model(
+            config, tp_rank, tp_size, self.attention_options(config), self.make_mlp
+        )
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         if config.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
@@ -148,6 +230,15 @@ class Qwen3ForCausalLM(nn.Module):
             config.rope_scaling,
             config.max_position_embeddings,
         )
+
+    @staticmethod
+    def attention_options(config: ModelConfig) -> AttentionOptions:
+        bias = config.attention_bias
+        return AttentionOptions(qk_norm=True, qkv_bias=bias, o_bias=bias)
+
+    @staticmethod
+    def make_mlp(config: ModelConfig, layer_id: int, tp_rank: int, tp_size: int) -> nn.Module:
+        return dense_mlp(config, layer_id, tp_rank, tp_size)
 
     def forward(
         self,
@@ -174,24 +265,17 @@ class Qwen3ForCausalLM(nn.Module):
         names = {"model.embed_tokens.weight", "model.norm.weight"}
         if not self.config.tie_word_embeddings:
             names.add("lm_head.weight")
-        for i in range(self.config.num_hidden_layers):
+        opts = self.attention_options(self.config)
+        attn = [f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        attn += [f"self_attn.{x}_norm.weight" for x in "qk"] if opts.qk_norm else []
+        attn += [f"self_attn.{x}_proj.bias" for x in "qkv"] if opts.qkv_bias else []
+        attn += ["self_attn.o_proj.bias"] if opts.o_bias else []
+        norms = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+        for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}."
-            names |= {
-                p + s
-                for s in (
-                    "input_layernorm.weight",
-                    "post_attention_layernorm.weight",
-                    "self_attn.q_proj.weight",
-                    "self_attn.k_proj.weight",
-                    "self_attn.v_proj.weight",
-                    "self_attn.o_proj.weight",
-                    "self_attn.q_norm.weight",
-                    "self_attn.k_norm.weight",
-                    "mlp.gate_proj.weight",
-                    "mlp.up_proj.weight",
-                    "mlp.down_proj.weight",
-                )
-            }
+            names |= {p + s for s in attn + norms}
+            assert isinstance(layer, Qwen3DecoderLayer)
+            names |= {p + "mlp." + s for s in layer.mlp_weights.weight_names()}
         return names
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -225,28 +309,30 @@ class Qwen3ForCausalLM(nn.Module):
     @staticmethod
     def _load_layer(layer: nn.Module, rest: str, t: torch.Tensor) -> bool:
         assert isinstance(layer, Qwen3DecoderLayer)
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
+        if rest.startswith("mlp."):
+            return layer.mlp_weights.load(rest[len("mlp.") :], t)
         if rest in (
             "self_attn.q_proj.weight",
             "self_attn.k_proj.weight",
             "self_attn.v_proj.weight",
+        ) or (
+            attn.qkv_proj.bias is not None
+            and rest in ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
         ):
             attn.qkv_proj.load(t, rest.split(".")[1][0])
-        elif rest == "self_attn.o_proj.weight":
+        elif rest == "self_attn.o_proj.weight" or (
+            rest == "self_attn.o_proj.bias" and attn.o_proj.bias is not None
+        ):
             attn.o_proj.load(t)
-        elif rest == "mlp.gate_proj.weight":
-            mlp.gate_up_proj.load(t, 0)
-        elif rest == "mlp.up_proj.weight":
-            mlp.gate_up_proj.load(t, 1)
-        elif rest == "mlp.down_proj.weight":
-            mlp.down_proj.load(t)
         else:
             norms = {
                 "input_layernorm.weight": layer.input_layernorm,
                 "post_attention_layernorm.weight": layer.post_attention_layernorm,
-                "self_attn.q_norm.weight": attn.q_norm,
-                "self_attn.k_norm.weight": attn.k_norm,
             }
+            if attn.qk_norm:
+                norms["self_attn.q_norm.weight"] = attn.q_norm
+                norms["self_attn.k_norm.weight"] = attn.k_norm
             if rest not in norms:
                 return False
             norms[rest].weight.data.copy_(t)

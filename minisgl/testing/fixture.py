@@ -2,9 +2,12 @@
 
 The directory looks like a Hugging Face Qwen3 snapshot (config.json, generation_config.json,
 safetensors weights with HF tensor names, tokenizer files, chat template): transformers'
-AutoModelForCausalLM/AutoTokenizer and our own loader both read it.
+AutoModelForCausalLM/AutoTokenizer and our own loader both read it. Presets of the other
+architectures (Qwen3-MoE, Qwen2, Llama) write their own config and tensor names with the same
+Qwen tokenizer (a random model does not care whose vocabulary it has).
 
-    python -m minisgl.testing.fixture /tmp/qwen3-tiny [--preset tiny|0.6b] [--dtype ...]
+    python -m minisgl.testing.fixture /tmp/qwen3-tiny [--preset tiny|0.6b|qwen3-moe|...]
+    python -m minisgl.testing.fixture /tmp/a3b --preset 30b-a3b --num-layers 4
 
 Weights come from numpy (no torch import) with one generator per tensor seeded by the tensor's
 name, so the values do not depend on sharding or write order.
@@ -16,7 +19,7 @@ import argparse
 import hashlib
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from math import prod
 from pathlib import Path
@@ -50,7 +53,30 @@ class Preset:
     max_position_embeddings: int
     std: float
     dtype: str
+    arch: str = "qwen3"  # a key of ARCHS
+    # Qwen3-MoE only (arch "qwen3_moe").
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    mlp_only_layers: tuple[int, ...] = ()
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict[str, Any] | None = None
 
+
+# arch -> (config.json architectures[0], model_type)
+ARCHS = {
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "llama": ("LlamaForCausalLM", "llama"),
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 1024,
+}
 
 PRESETS: dict[str, Preset] = {
     # GQA with head counts divisible by 2, so tensor parallel can split it. std 0.5 keeps greedy
@@ -58,13 +84,79 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset(64, 128, 2, 4, 2, 32, 4096, std=0.5, dtype="float32"),
     # The real Qwen3-0.6B shape, for benchmarks.
     "0.6b": Preset(1024, 3072, 28, 16, 8, 128, 40960, std=0.02, dtype="bfloat16"),
+    # 16 experts, top-4; layer 1 dense (mlp_only_layers), so both kinds of layer are exercised.
+    "qwen3-moe": Preset(
+        64,
+        128,
+        3,
+        4,
+        2,
+        32,
+        4096,
+        std=0.5,
+        dtype="float32",
+        arch="qwen3_moe",
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        mlp_only_layers=(1,),
+    ),
+    # Qwen2/Llama derive head_dim from hidden_size / heads: 64 / 4.
+    "qwen2": Preset(64, 128, 2, 4, 2, 16, 4096, std=0.5, dtype="float32", arch="qwen2"),
+    "llama": Preset(
+        64,
+        128,
+        2,
+        4,
+        2,
+        16,
+        4096,
+        std=0.5,
+        dtype="float32",
+        arch="llama",
+        rope_theta=500_000.0,
+        rope_scaling=LLAMA3_ROPE,
+    ),
+    # The real Qwen3-30B-A3B shape (48 layers; benchmarks take fewer with num_hidden_layers).
+    "30b-a3b": Preset(
+        2048,
+        6144,
+        48,
+        32,
+        4,
+        128,
+        40960,
+        std=0.02,
+        dtype="bfloat16",
+        arch="qwen3_moe",
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    ),
 }
 
 
+def _is_moe_layer(p: Preset, i: int) -> bool:
+    return p.num_experts > 0 and i not in p.mlp_only_layers
+
+
 def _config(p: Preset, tied: bool, dtype: str) -> dict[str, Any]:
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
+    arch, model_type = ARCHS[p.arch]
+    extra: dict[str, Any] = {}
+    if p.arch == "qwen3_moe":
+        extra = {
+            "num_experts": p.num_experts,
+            "num_experts_per_tok": p.num_experts_per_tok,
+            "moe_intermediate_size": p.moe_intermediate_size,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": list(p.mlp_only_layers),
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+        }
+    return extra | {
+        "architectures": [arch],
+        "model_type": model_type,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "bos_token_id": BOS_ID,
@@ -80,8 +172,8 @@ def _config(p: Preset, tied: bool, dtype: str) -> dict[str, Any]:
         "num_hidden_layers": p.num_hidden_layers,
         "num_key_value_heads": p.num_key_value_heads,
         "rms_norm_eps": 1e-6,
-        "rope_scaling": None,
-        "rope_theta": 1000000,
+        "rope_scaling": p.rope_scaling,
+        "rope_theta": p.rope_theta,
         "sliding_window": None,
         "use_sliding_window": False,
         "tie_word_embeddings": tied,
@@ -113,11 +205,20 @@ def _tensor_specs(p: Preset, tied: bool, tag: str) -> list[TensorSpec]:
             (pre + "self_attn.k_proj.weight", (kv, h)),
             (pre + "self_attn.v_proj.weight", (kv, h)),
             (pre + "self_attn.o_proj.weight", (h, q)),
-            (pre + "self_attn.q_norm.weight", (p.head_dim,)),
-            (pre + "self_attn.k_norm.weight", (p.head_dim,)),
-            (pre + "mlp.gate_proj.weight", (p.intermediate_size, h)),
-            (pre + "mlp.up_proj.weight", (p.intermediate_size, h)),
-            (pre + "mlp.down_proj.weight", (h, p.intermediate_size)),
+        ]
+        if p.arch in ("qwen3", "qwen3_moe"):
+            shapes += [
+                (pre + "self_attn.q_norm.weight", (p.head_dim,)),
+                (pre + "self_attn.k_norm.weight", (p.head_dim,)),
+            ]
+        if p.arch == "qwen2":
+            shapes += [
+                (pre + "self_attn.q_proj.bias", (q,)),
+                (pre + "self_attn.k_proj.bias", (kv,)),
+                (pre + "self_attn.v_proj.bias", (kv,)),
+            ]
+        shapes += _mlp_shapes(p, i)
+        shapes += [
             (pre + "input_layernorm.weight", (h,)),
             (pre + "post_attention_layernorm.weight", (h,)),
         ]
@@ -125,6 +226,26 @@ def _tensor_specs(p: Preset, tied: bool, tag: str) -> list[TensorSpec]:
     if not tied:
         shapes.append(("lm_head.weight", (VOCAB_SIZE, h)))
     return [TensorSpec(name, shape, tag) for name, shape in shapes]
+
+
+def _mlp_shapes(p: Preset, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    pre, h = f"model.layers.{i}.mlp.", p.hidden_size
+    if not _is_moe_layer(p, i):
+        inter = p.intermediate_size
+        return [
+            (pre + "gate_proj.weight", (inter, h)),
+            (pre + "up_proj.weight", (inter, h)),
+            (pre + "down_proj.weight", (h, inter)),
+        ]
+    inter = p.moe_intermediate_size
+    shapes: list[tuple[str, tuple[int, ...]]] = [(pre + "gate.weight", (p.num_experts, h))]
+    for e in range(p.num_experts):
+        shapes += [
+            (f"{pre}experts.{e}.gate_proj.weight", (inter, h)),
+            (f"{pre}experts.{e}.up_proj.weight", (inter, h)),
+            (f"{pre}experts.{e}.down_proj.weight", (h, inter)),
+        ]
+    return shapes
 
 
 def _to_dtype(values: np.ndarray, tag: str) -> np.ndarray:
@@ -233,15 +354,19 @@ def write_fixture_model(
     std: float | None = None,
     num_shards: int = 1,
     progress: bool | None = None,
+    num_hidden_layers: int | None = None,
 ) -> Path:
     """Write a random Qwen3 checkpoint plus the real Qwen3 tokenizer into `out_dir`.
 
     dtype and std default to the preset's (tiny: float32, std 0.5; 0.6b: bfloat16, std 0.02).
-    progress defaults to a bar for checkpoints over 100 MB. Returns the directory.
+    progress defaults to a bar for checkpoints over 100 MB. num_hidden_layers overrides the
+    preset's (a 30B-A3B shape with a few layers fits a benchmark machine). Returns the directory.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     p = PRESETS[preset]
+    if num_hidden_layers is not None:
+        p = replace(p, num_hidden_layers=num_hidden_layers)
     dtype = dtype or p.dtype
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose from {sorted(DTYPES)}")
@@ -297,6 +422,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--untied", action="store_true", help="separate lm_head weights")
     parser.add_argument("--num-shards", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-layers", type=int, default=None, help="preset default")
     parser.add_argument("--std", type=float, default=None, help="preset default")
     args = parser.parse_args(argv)
     out = write_fixture_model(
@@ -307,6 +433,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         seed=args.seed,
         std=args.std,
         num_shards=args.num_shards,
+        num_hidden_layers=args.num_layers,
     )
     print(out)
 

@@ -1,4 +1,5 @@
-"""Greedy generation must be token-identical to transformers' own Qwen3 on the same weights."""
+"""Greedy generation must be token-identical to transformers on the same weights, for every
+architecture of the registry (Qwen3, Qwen3-MoE, Qwen2, Llama 3)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,16 @@ from minisgl import LLM, SamplingParams
 MAX_TOKENS = 12
 
 
-@lru_cache(maxsize=4)
+# Each architecture's tiny fixture (see tests/conftest.py).
+ARCH_FIXTURES = {
+    "qwen3": "tiny_model_dir",
+    "qwen3-moe": "moe_model_dir",
+    "qwen2": "qwen2_model_dir",
+    "llama": "llama_model_dir",
+}
+
+
+@lru_cache(maxsize=8)
 def _hf_model(model_dir: str):
     from transformers import AutoModelForCausalLM
 
@@ -58,9 +68,9 @@ def check_identical(
     return smallest
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir) -> str:
-    return str(tiny_model_dir)
+@pytest.fixture(scope="module", params=list(ARCH_FIXTURES))
+def model_dir(request: pytest.FixtureRequest) -> str:
+    return str(request.getfixturevalue(ARCH_FIXTURES[request.param]))
 
 
 def test_batch_of_mixed_lengths_matches_transformers(model_dir):

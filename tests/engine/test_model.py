@@ -267,9 +267,10 @@ def test_missing_files_and_tensors_are_named(tmp_path: Path) -> None:
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     write_hf_model(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
-    raw["architectures"] = ["LlamaForCausalLM"]
+    raw["architectures"] = ["MistralForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen3ForCausalLM"):
+    supported = "Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM"
+    with pytest.raises(ValueError, match=f"MistralForCausalLM.*{supported}"):
         ModelConfig.from_dir(tmp_path)
 
 

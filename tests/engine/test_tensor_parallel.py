@@ -1,4 +1,5 @@
-"""Tensor parallelism on CPU (gloo): TP=2 must be token-identical to TP=1 and to transformers."""
+"""Tensor parallelism on CPU (gloo): TP=2 must be token-identical to TP=1 and to transformers,
+for dense Qwen3 and for Qwen3-MoE (each rank holds every expert's slice of the MLP)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-def test_tp2_matches_tp1_and_transformers(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "moe_model_dir"])
+def test_tp2_matches_tp1_and_transformers(fixture, request, monkeypatch):
     from test_generate_vs_hf import hf_greedy
 
+    tiny_model_dir = request.getfixturevalue(fixture)
     # The followers subscribe late on purpose: the handshake must still deliver the first step.
     monkeypatch.setenv("MINISGL_TP_SUBSCRIBE_DELAY_S", "1.5")
     prompts = _prompts(6, seed=11)

@@ -1,0 +1,174 @@
+"""Mixture of experts: the router's top-k choice and a fused forward over the chosen experts.
+
+Weights are fused per layer: w13 [E, 2I, H] (each expert's gate rows, then its up rows) and
+w2 [E, H, I]. Under tensor parallelism every rank holds every expert's slice of the
+intermediate dimension (I / tp of gate, of up and of down's inputs), so, as for a dense MLP,
+each rank's output is a partial sum that one all-reduce completes.
+
+The forward groups the batch's (token, expert) pairs by expert and runs one SwiGLU MLP per
+expert that at least one token chose, over that expert's contiguous weights, then scatters the
+results back weighted by the router. Experts no token chose are never read: a batch-1 decode
+step streams k of E experts per layer (8 of 128 for Qwen3-30B-A3B), which is what puts
+single-stream MoE decode near the memory roofline of the *active* parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl import distributed
+from minisgl.layers import cpu_kernels
+from minisgl.layers.activation import silu_and_mul
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts (in fp32), the top-k per token, optionally renormalised to sum 1.
+
+    router_logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int64). Ties go to the
+    lower expert id (torch.topk's order on CPU and CUDA alike is not promised, so the choice is
+    made explicit: a stable descending sort).
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = probs.sort(dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _expert_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w.T for one expert's contiguous [N, K] weight: the CPU GEMV/GEMM kernels where
+    they apply (they stream bf16 weights at memory speed), F.linear elsewhere (CUDA, fp16)."""
+    if cpu_kernels.supports(w):
+        if x.shape[0] <= cpu_kernels.MAX_ROWS:
+            return cpu_kernels.gemv(x, w)
+        return cpu_kernels.gemm(x, w)
+    return F.linear(x, w)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t -> [T, H] in x's dtype.
+
+    Accumulates in fp32 (one rounding at the end instead of one per expert)."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    # (token, slot) pairs sorted by expert, stable so each expert's tokens stay in order.
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # one host sync per layer
+    tokens = order // k
+    pair_weights = weights.reshape(-1)[order].unsqueeze(1)
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = tokens[start : start + n]
+        xe = x if t == 1 else x.index_select(0, rows)  # decode at batch 1: no gather
+        h = _expert_matmul(silu_and_mul(_expert_matmul(xe, w13[e])), w2[e])
+        out.index_add_(0, rows, h.float() * pair_weights[start : start + n])
+        start += n
+    return out.to(x.dtype)
+
+
+class FusedMoE(nn.Module):
+    """E SwiGLU experts with fused, tensor-parallel-sharded weights (see the module docstring).
+
+    `load` takes the Hugging Face per-expert tensors (experts.{e}.gate_proj/up_proj/down_proj)
+    and cuts this rank's slice out of each."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        if intermediate_size % tp_size:
+            raise ValueError(
+                f"moe_intermediate_size ({intermediate_size}) is not divisible by the "
+                f"tensor-parallel size ({tp_size})"
+            )
+        self.num_experts = num_experts
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.inter = intermediate_size // tp_size
+        i, h = self.inter, hidden_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * i, h), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, h, i), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        y = fused_moe(x, self.w13, self.w2, weights, ids)
+        if self.tp_size > 1:
+            distributed.all_reduce(y)
+        return y
+
+    def weight_names(self) -> set[str]:
+        return {
+            f"{e}.{p}.weight"
+            for e in range(self.num_experts)
+            for p in ("gate_proj", "up_proj", "down_proj")
+        }
+
+    def load(self, name: str, t: torch.Tensor) -> bool:
+        """`name` relative to `experts.` (e.g. "3.up_proj.weight"); False if not ours."""
+        e_str, _, proj = name.partition(".")
+        if not e_str.isdigit() or int(e_str) >= self.num_experts:
+            return False
+        e, i, r = int(e_str), self.inter, self.tp_rank
+        if proj == "gate_proj.weight":
+            self.w13.data[e, :i].copy_(t.narrow(0, r * i, i))
+        elif proj == "up_proj.weight":
+            self.w13.data[e, i:].copy_(t.narrow(0, r * i, i))
+        elif proj == "down_proj.weight":
+            self.w2.data[e].copy_(t.narrow(1, r * i, i))
+        else:
+            return False
+        return True
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts: Qwen3-MoE's `mlp` of a sparse layer (HF names: mlp.gate, mlp.experts)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        # The router is small ([E, H]) and every rank needs all of its logits: replicated.
+        self.gate = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp_rank, tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(F.linear(x, self.gate), self.top_k, self.renormalize)
+        # transformers casts the routing weights to the activations' dtype before mixing.
+        return self.experts(x, weights.to(x.dtype), ids)
+
+    def weight_names(self) -> set[str]:
+        return {"gate.weight"} | {"experts." + n for n in self.experts.weight_names()}
+
+    def load(self, name: str, t: torch.Tensor) -> bool:
+        """`name` relative to the layer's `mlp.`; False for a name that is not ours."""
+        if name == "gate.weight":
+            self.gate.data.copy_(t)
+            return True
+        if name.startswith("experts."):
+            return self.experts.load(name[len("experts.") :], t)
+        return False
