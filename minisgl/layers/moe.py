@@ -59,25 +59,33 @@ def fused_moe(
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t -> [T, H] in x's dtype.
 
-    Accumulates in fp32 (one rounding at the end instead of one per expert)."""
+    The per-expert work is just the two matmuls and the activation; gathering, weighting and
+    the scatter back are one op each per layer, not per expert (on a busy 2-core CPU every
+    small op is a parallel region costing tens of microseconds)."""
     t, k = ids.shape
     flat = ids.reshape(-1)
+    if t == 1:  # decode at batch 1: k distinct experts, no sort or gather needed
+        outs = [_expert(x, w13, w2, e) for e in flat.tolist()]
+        ys = torch.cat(outs).float() * weights.reshape(-1, 1).float()
+        return ys.sum(0, keepdim=True).to(x.dtype)
     # (token, slot) pairs sorted by expert, stable so each expert's tokens stay in order.
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # one host sync per layer
-    tokens = order // k
-    pair_weights = weights.reshape(-1)[order].unsqueeze(1)
-    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
-    start = 0
+    xs = x.index_select(0, order // k)
+    outs, start = [], 0
     for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = tokens[start : start + n]
-        xe = x if t == 1 else x.index_select(0, rows)  # decode at batch 1: no gather
-        h = _expert_matmul(silu_and_mul(_expert_matmul(xe, w13[e])), w2[e])
-        out.index_add_(0, rows, h.float() * pair_weights[start : start + n])
-        start += n
-    return out.to(x.dtype)
+        if n:
+            outs.append(_expert(xs[start : start + n], w13, w2, e))
+            start += n
+    # Accumulate in fp32: one rounding at the end instead of one per expert.
+    ys = torch.cat(outs).float() * weights.reshape(-1, 1)[order].float()
+    unsorted = torch.empty_like(ys).index_copy_(0, order, ys)
+    return unsorted.view(t, k, -1).sum(1).to(x.dtype)
+
+
+def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, e: int) -> torch.Tensor:
+    """Expert e's SwiGLU MLP over the rows x [n, H] that chose it."""
+    return _expert_matmul(silu_and_mul(_expert_matmul(x, w13[e])), w2[e])
 
 
 class FusedMoE(nn.Module):

@@ -192,3 +192,39 @@ def test_merges_derived_from_ranks_and_cached(tmp_path: Path, monkeypatch) -> No
     assert tb.qwen3_tokenizer_json(path) == b"{}"
     path.write_text(path.read_text() + f"{base64.b64encode(b'xy').decode()} 260\n")
     assert tb.qwen3_tokenizer_json(path) != b"{}"  # new ranks, new cache entry
+
+
+@pytest.mark.parametrize(
+    "preset, arch, per_layer",
+    [
+        # sparse layers 0 and 2: attention 6 + norms 2 + router 1 + 16 experts x 3; layer 1 dense
+        ("qwen3-moe", "Qwen3MoeForCausalLM", [6 + 2 + 1 + 48, 6 + 2 + 3, 6 + 2 + 1 + 48]),
+        ("qwen2", "Qwen2ForCausalLM", [4 + 3 + 3 + 2] * 2),  # q/k/v biases, no q/k norm
+        ("llama", "LlamaForCausalLM", [4 + 3 + 2] * 2),
+    ],
+)
+def test_other_architecture_presets(tmp_path: Path, preset: str, arch: str, per_layer) -> None:
+    from safetensors import safe_open
+
+    from minisgl.testing.fixture import write_fixture_model
+
+    out = write_fixture_model(tmp_path, preset)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [arch]
+    with safe_open(out / "model.safetensors", "np") as f:
+        names = set(f.keys())
+    for i, n in enumerate(per_layer):
+        assert len([x for x in names if x.startswith(f"model.layers.{i}.")]) == n
+    if preset == "qwen3-moe":
+        assert config["num_experts"] == 16 and config["num_experts_per_tok"] == 4
+        assert "model.layers.0.mlp.experts.15.down_proj.weight" in names
+        assert "model.layers.1.mlp.gate_proj.weight" in names
+    if preset == "llama":
+        assert config["rope_scaling"]["rope_type"] == "llama3"
+
+
+def test_layer_count_override(tmp_path: Path) -> None:
+    from minisgl.testing.fixture import write_fixture_model
+
+    out = write_fixture_model(tmp_path, "qwen3-moe", num_hidden_layers=1)
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 1

@@ -1,0 +1,146 @@
+"""Mixture of experts: routing and the fused forward against plain per-token references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from minisgl.layers.moe import FusedMoE, SparseMoeBlock, fused_moe, route
+from minisgl.models.config import ModelConfig
+
+
+def ref_route(logits: list[float], k: int, renormalize: bool) -> list[tuple[int, float]]:
+    """Softmax, the k most probable experts (ties to the lower id), optionally renormalised."""
+    m = max(logits)
+    exps = [math.exp(v - m) for v in logits]
+    probs = [e / sum(exps) for e in exps]
+    chosen = sorted(range(len(probs)), key=lambda e: (-probs[e], e))[:k]
+    total = sum(probs[e] for e in chosen) if renormalize else 1.0
+    return [(e, probs[e] / total) for e in chosen]
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_route_matches_reference(k: int, renormalize: bool) -> None:
+    logits = torch.randn(13, 16, generator=torch.Generator().manual_seed(k)) * 3
+    weights, ids = route(logits, k, renormalize)
+    assert weights.dtype == torch.float32 and ids.shape == (13, k)
+    for t in range(13):
+        want = ref_route(logits[t].tolist(), k, renormalize)
+        assert ids[t].tolist() == [e for e, _ in want]
+        assert weights[t].tolist() == pytest.approx([w for _, w in want], rel=1e-5)
+    if renormalize:
+        assert torch.allclose(weights.sum(-1), torch.ones(13))
+
+
+def test_route_ties_go_to_the_lower_expert_id() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, 1.0], [5.0] * 6])
+    weights, ids = route(logits, 2, renormalize=True)
+    assert ids.tolist() == [[1, 3], [0, 1]]
+    assert weights.tolist() == [[0.5, 0.5], [0.5, 0.5]]
+    for t in range(2):
+        assert [e for e, _ in ref_route(logits[t].tolist(), 2, True)] == ids[t].tolist()
+
+
+def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    gate, up = (x @ w13.T).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up) @ w2.T
+
+
+def ref_moe(x, w13, w2, weights, ids) -> torch.Tensor:  # noqa: ANN001
+    """One token and one chosen expert at a time."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            out[t] += weights[t, j] * _swiglu(x[t : t + 1], w13[e], w2[e])[0]
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 9, 40])
+def test_fused_moe_matches_per_token_reference(tokens: int) -> None:
+    g = torch.Generator().manual_seed(tokens)
+    e, h, i, k = 16, 64, 32, 4
+    x = torch.randn(tokens, h, generator=g)
+    w13, w2 = torch.randn(e, 2 * i, h, generator=g) / 8, torch.randn(e, h, i, generator=g) / 8
+    weights, ids = route(torch.randn(tokens, e, generator=g), k, True)
+    got = fused_moe(x, w13, w2, weights, ids)
+    assert torch.allclose(got, ref_moe(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_fused_moe_reads_only_the_chosen_experts() -> None:
+    """Experts no token routes to are never touched: NaN weights there change nothing."""
+    g = torch.Generator().manual_seed(0)
+    e, h, i = 16, 64, 32
+    x = torch.randn(5, h, generator=g)
+    w13, w2 = torch.randn(e, 2 * i, h, generator=g) / 8, torch.randn(e, h, i, generator=g) / 8
+    ids = torch.tensor([[0, 3], [3, 7], [7, 0], [0, 3], [12, 3]])
+    weights = torch.full((5, 2), 0.5)
+    unused = [n for n in range(e) if n not in ids.unique().tolist()]
+    w13[unused], w2[unused] = float("nan"), float("nan")
+    got = fused_moe(x, w13, w2, weights, ids)
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got, ref_moe(x, w13, w2, weights, ids), atol=1e-4)
+
+
+def test_fused_moe_bf16_close_to_fp32() -> None:
+    g = torch.Generator().manual_seed(1)
+    e, h, i = 8, 128, 64
+    x = torch.randn(6, h, generator=g)
+    w13, w2 = torch.randn(e, 2 * i, h, generator=g) / 8, torch.randn(e, h, i, generator=g) / 8
+    weights, ids = route(torch.randn(6, e, generator=g), 2, True)
+    want = ref_moe(x, w13, w2, weights, ids)
+    got = fused_moe(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights.bfloat16(), ids)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want, atol=0.1, rtol=0.05)
+
+
+def test_tensor_parallel_shards_sum_to_the_whole_block() -> None:
+    """Each rank loads its slice of every expert from the HF tensors; the partial outputs add
+    up to the unsharded block's output (the all-reduce's job)."""
+    g = torch.Generator().manual_seed(2)
+    e, h, i, k = 4, 32, 16, 2
+    hf = {"gate.weight": torch.randn(e, h, generator=g)}
+    for n in range(e):
+        for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            hf[f"experts.{n}.{proj}.weight"] = torch.randn(*shape, generator=g) / 4
+
+    def build(rank: int, size: int) -> SparseMoeBlock:
+        block = SparseMoeBlock(e, k, h, i, True, rank, size)
+        assert block.weight_names() == set(hf)
+        assert all(block.load(name, t) for name, t in hf.items())
+        assert not block.load("experts.9.up_proj.weight", hf["experts.0.up_proj.weight"])
+        return block
+
+    x = torch.randn(7, h, generator=g)
+    whole = build(0, 1)
+    shards = [build(r, 2) for r in range(2)]
+    assert shards[0].experts.w13.shape == (e, i, h) and shards[0].experts.w2.shape == (e, h, i // 2)
+    weights, ids = route(x @ hf["gate.weight"].T, k, True)
+    partial = sum(fused_moe(x, s.experts.w13, s.experts.w2, weights, ids) for s in shards)
+    assert torch.allclose(partial, whole(x), atol=1e-4)
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        FusedMoE(e, h, 15, 0, 2)
+
+
+def test_sparse_layers_follow_step_and_mlp_only_layers() -> None:
+    raw = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 2,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 8,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [3],
+    }
+    config = ModelConfig.from_dict(raw)
+    assert [config.is_moe_layer(n) for n in range(6)] == [False, True, False, False, False, True]
+    assert config.architecture == "Qwen3MoeForCausalLM"
+    dense = ModelConfig.from_dict({**raw, "num_experts": 0})
+    assert not any(dense.is_moe_layer(n) for n in range(6))
