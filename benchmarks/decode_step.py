@@ -1,11 +1,15 @@
 """One engine step at a time, without the scheduler: where a forward pass spends its time.
 
-Times ModelRunner.forward on the random Qwen3-0.6B-shaped fixture for decode batches (B requests,
-one new token each, at a given context) and for a prefill chunk (requests of --prefill-len new
-tokens up to --prefill-tokens in one step). Repeats interleave the cases, so noise from other
-work on the machine spreads over all of them; the best and median of the repeats are printed.
+Times ModelRunner.forward on a random fixture (Qwen3-0.6B shape by default) for decode batches
+(B requests, one new token each, at a given context) and for a prefill chunk (requests of
+--prefill-len new tokens up to --prefill-tokens in one step). Repeats interleave the cases, so
+noise from other work on the machine spreads over all of them; the best and median of the
+repeats are printed. For B=1 it also prints the memory roofline: the bytes a decode step must
+read (for a mixture of experts only the k routed experts per layer) over the read bandwidth
+measured in the same run, and how close the step comes to it.
 
     python benchmarks/decode_step.py --dtype bfloat16 --batches 1,8,32 --context 320
+    python benchmarks/decode_step.py --model-shape qwen3-30b-a3b --num-layers 4 --batches 1
     python benchmarks/decode_step.py --profile 1     # torch profiler table for B=1 decode
 """
 
@@ -18,6 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+from bench_models import MODEL_SHAPES, decode_bytes_per_token, read_bandwidth
+from bench_models import fixture as shape_fixture
 
 from minisgl.config import EngineArgs
 from minisgl.engine.model_runner import ForwardInput, ModelRunner
@@ -25,15 +31,6 @@ from minisgl.models.config import ModelConfig
 from minisgl.sampling_params import SamplingParams
 
 PAGE = 16
-
-
-def fixture(dtype: str, root: Path) -> Path:
-    from minisgl.testing.fixture import write_fixture_model
-
-    out = root / f"qwen3-0.6b-{dtype}"
-    if not (out / "config.json").is_file():
-        write_fixture_model(out, preset="0.6b", dtype=dtype)
-    return out
 
 
 def decode_input(batch: int, context: int) -> ForwardInput:
@@ -93,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--model", help="model dir (default: the random 0.6B fixture)")
     ap.add_argument("--fixture-dir", default="/tmp/minisgl-bench-models")
+    ap.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-0.6b")
+    ap.add_argument("--num-layers", type=int, default=None, help="fewer layers (shape's default)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=320)
@@ -105,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model = Path(args.model) if args.model else fixture(args.dtype, Path(args.fixture_dir))
+    model = (
+        Path(args.model)
+        if args.model
+        else shape_fixture(args.model_shape, args.dtype, Path(args.fixture_dir), args.num_layers)
+    )
     config = ModelConfig.from_dir(model)
     batches = [int(b) for b in args.batches.split(",") if b]
     pages_needed = max(
@@ -154,7 +157,21 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:<34} best {best * 1e3:8.1f} ms  median {med * 1e3:8.1f} ms  "
             f"{tokens / best:8.1f} tok/s (best)"
         )
+    if 1 in batches:
+        _roofline(runner, args.context, min(times[f"decode B=1 ctx={args.context}"]))
     return 0
+
+
+def _roofline(runner: ModelRunner, context: int, step_s: float) -> None:
+    need = decode_bytes_per_token(runner.model, context, runner.dtype)
+    bw = read_bandwidth()
+    ideal = need / bw
+    print(
+        f"B=1 decode reads {need / 1e6:.1f} MB/token; read bandwidth {bw / 1e9:.1f} GB/s "
+        f"-> roofline {ideal * 1e3:.1f} ms/token ({1 / ideal:.1f} tok/s); measured "
+        f"{step_s * 1e3:.1f} ms = {100 * ideal / step_s:.0f}% of the roofline "
+        f"({need / step_s / 1e9:.1f} GB/s effective)"
+    )
 
 
 if __name__ == "__main__":

@@ -2,11 +2,14 @@
 
 Workloads (issue 2): 64 requests of 128-512 random prompt tokens and 128 output tokens
 (ignore_eos) through LLM.generate versus transformers' generate with a padded static batch (the
-best of --hf-batch-sizes), and single-stream decode tokens/s for both. Uses the random
-Qwen3-0.6B-shaped fixture model (or --model PATH), on CPU by default.
+best of --hf-batch-sizes), and single-stream decode tokens/s for both. Uses a random fixture
+model of --model-shape (Qwen3-0.6B by default; Qwen3-30B-A3B with --num-layers to fit memory),
+or --model PATH, on CPU by default.
 
     python benchmarks/offline_throughput.py                  # fp32 and bf16, full size
     python benchmarks/offline_throughput.py --quick          # a small smoke run
+    python benchmarks/offline_throughput.py --model-shape qwen3-30b-a3b --num-layers 4 \
+        --dtypes bfloat16 --hf-requests bfloat16=16 --hf-batch-sizes 16
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import time
 from pathlib import Path
 
 import torch
+from bench_models import MODEL_SHAPES
+from bench_models import fixture as shape_fixture
 
 
 def log(msg: str) -> None:
@@ -108,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", help="model dir or hub id (default: write the random 0.6B fixture)")
+    ap.add_argument("--model", help="model dir or hub id (default: a random --model-shape model)")
+    ap.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-0.6b")
+    ap.add_argument("--num-layers", type=int, default=None, help="fewer layers (shape's default)")
+    ap.add_argument("--fixture-dir", default=None, help="keep written models here (default: tmp)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--num-requests", type=int, default=64)
@@ -129,22 +137,26 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    preset = "0.6b"
     if args.quick:
-        args.num_requests, args.output_len, args.max_input, preset = 8, 16, 160, "tiny"
+        args.num_requests, args.output_len, args.max_input = 8, 16, 160
         args.hf_batch_sizes = "8"
 
     from minisgl.testing.fixture import write_fixture_model
 
     model = args.model
     tmp = tempfile.TemporaryDirectory(prefix="minisgl-bench-")
+    root = Path(args.fixture_dir or tmp.name)
     prompts = make_prompts(args.num_requests, args.min_input, args.max_input, args.seed)
     hf_limits = {k: int(v) for k, v in (kv.split("=") for kv in args.hf_requests.split(",") if kv)}
     rows = []
     for dtype in args.dtypes.split(","):
-        if args.model is None:
-            log(f"writing a random Qwen3-{preset} checkpoint ({dtype}) ...")
-            model = str(write_fixture_model(Path(tmp.name) / dtype, preset=preset, dtype=dtype))
+        if args.model is None and args.quick:
+            model = str(write_fixture_model(root / f"tiny-{dtype}", preset="tiny", dtype=dtype))
+        elif args.model is None:
+            log(
+                f"random {args.model_shape} checkpoint ({dtype}, {args.num_layers or 'all'} layers)"
+            )
+            model = str(shape_fixture(args.model_shape, dtype, root, args.num_layers))
         log(f"[{dtype}] minisgl: {len(prompts)} requests x {args.output_len} tokens")
         ours, ours_single = run_minisgl(model, dtype, args.device, prompts, args.output_len)
         log(f"[{dtype}] minisgl: {ours:.1f} tok/s batch, {ours_single:.1f} tok/s single-stream")
