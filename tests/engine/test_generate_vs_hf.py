@@ -3,8 +3,10 @@ architecture of the registry (Qwen3, Qwen3-MoE, Qwen2, Llama 3)."""
 
 from __future__ import annotations
 
+import json
 import random
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,6 +77,9 @@ def model_dir(request: pytest.FixtureRequest) -> str:
 
 def test_batch_of_mixed_lengths_matches_transformers(model_dir):
     llm = LLM(model_dir, dtype="float32", device="cpu", num_pages=512, page_size=16)
+    # The registry picked the class config.json names, and transformers runs its own of it.
+    arch = json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0]
+    assert type(llm.engine.runner.model).__name__ == arch == type(_hf_model(model_dir)).__name__
     margin = check_identical(model_dir, llm, mixed_prompts(12))
     assert margin > 1e-3, "logit margins too close to ties for an exact comparison"
 
