@@ -22,6 +22,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     # Keep the stop string, or the stop/EOS token's text, at the end of the output (vLLM's).
     include_stop_str_in_output: bool = False
+    # Structured output: a grammar the tokens must follow (minisgl.structured.spec kinds:
+    # json_schema, json_object, regex, ebnf, choice, structural_tag) and its text.
+    grammar_kind: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,6 +48,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if (self.grammar_kind is None) != (self.grammar is None):
+            raise ValueError("grammar_kind and grammar are set together")
 
     @property
     def greedy(self) -> bool:

@@ -20,6 +20,7 @@ from minisgl.models.loader import resolve_model_path
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.request import Request
 from minisgl.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerStats
+from minisgl.structured.grammar import GrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             enable_prefix_cache=not args.disable_prefix_cache,
         )
+        self.grammars = GrammarBackend(
+            str(self.model_path), self.vocab_size, self.eos_token_ids
+        )  # sets itself up in the background
         self._seed_rng = random.Random(args.seed)
         self._arrival: dict[str, float] = {}  # rid -> arrival, until first scheduled
         self._queue_time: dict[str, float] = {}  # rid -> queue time, until its first token
@@ -96,6 +100,9 @@ class Engine:
                 f"requested ({need})"
             )
         params.validate()
+        if params.grammar_kind is not None:
+            assert params.grammar is not None
+            self.grammars.compile(params.grammar_kind, params.grammar)  # cached: GrammarError
 
     def add_request(
         self,
@@ -108,6 +115,9 @@ class Engine:
         arrival = time.time() if arrival_time is None else arrival_time
         req = Request(rid, list(prompt_ids), params, arrival_time=arrival)
         req.seed = params.seed if params.seed is not None else self.draw_seed()
+        if params.grammar_kind is not None:
+            assert params.grammar is not None
+            req.grammar = self.grammars.matcher(params.grammar_kind, params.grammar)
         self.scheduler.add_request(req)  # may refuse it (e.g. a duplicate id): record after
         self._arrival[rid] = arrival
 
@@ -146,6 +156,7 @@ class Engine:
         for rid in failed:
             # Its pages go back now; process_batch_output skips a request no longer running.
             self.scheduler.abort_request(rid)
+        self._advance_grammars(sampled, next_ids)
         finished = {r.rid for r in self.scheduler.process_batch_output(batch, next_ids)}
         outputs = []
         for req, token in zip(sampled, next_ids):
@@ -181,11 +192,35 @@ class Engine:
             error=SAMPLING_FAILED,
         )
 
+    def _advance_grammars(self, sampled: list[Request], next_ids: list[int]) -> None:
+        """Feed each constrained request's sampled token to its matcher.
+
+        The mask only allowed tokens the matcher accepts, so a refusal is a bug: the request
+        then goes on unconstrained rather than failing. Its state lives on the request, so a
+        preemption (which recomputes KV but never resamples) leaves it as it is.
+        """
+        for req, token in zip(sampled, next_ids):
+            matcher = req.grammar
+            if matcher is not None and not matcher.is_terminated():
+                if not matcher.accept_token(token):
+                    logger.error("rid=%s: the grammar refused sampled token %d", req.rid, token)
+                    req.grammar = None
+
+    def _grammar_bitmask(self, reqs: list[Request]) -> tuple[object, list[int]] | None:
+        """The sampled rows' token bitmask and its constrained rows, or None when none is."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return None
+        return self.grammars.fill_bitmask([r.grammar for r in reqs]), rows
+
     def _forward_input(self, batch: ScheduledBatch) -> ForwardInput:
         prefix_lens, extend_lens, page_tables = batch.layout_lists()
         rows = [i for i, s in enumerate(batch.seqs) if s.sample]
         reqs = [batch.seqs[i].req for i in rows]
+        mask = self._grammar_bitmask(reqs)
         return ForwardInput(
+            grammar_bitmask=mask[0] if mask else None,
+            grammar_rows=mask[1] if mask else None,
             token_ids=[t for s in batch.seqs for t in s.token_ids],
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,

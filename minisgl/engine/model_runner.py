@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +35,10 @@ class ForwardInput:
     sample_params: list[SamplingParams]
     sample_steps: list[int]
     sample_seeds: list[int]
+    # int32 token bitmask [len(sample_rows), words] for structured outputs; None: no row is
+    # constrained (the common case costs nothing).
+    grammar_bitmask: Any = None
+    grammar_rows: list[int] | None = None  # which rows of the bitmask are constrained
 
 
 class ModelRunner:
@@ -105,7 +110,16 @@ class ModelRunner:
         logits = self.model(input_ids, pos_t, self.attn, meta, sample_idx)
         if not inp.sample_rows:
             return []
+        if inp.grammar_rows:
+            apply_grammar_mask(logits, inp.grammar_bitmask, inp.grammar_rows)
         batch = SamplingBatch.build(
             inp.sample_params, inp.sample_steps, inp.sample_seeds, self.device
         )
         return sample(logits, batch).tolist()
+
+
+def apply_grammar_mask(logits: torch.Tensor, bitmask: Any, rows: list[int]) -> None:
+    """Structured outputs: disallowed tokens of the constrained rows to -inf, in place."""
+    from minisgl.structured.grammar import apply_bitmask
+
+    apply_bitmask(logits, bitmask, rows)

@@ -85,7 +85,9 @@ class SchedulerLoop:
             engine.add_request(req.rid, req.prompt_ids, params, arrival_time=req.arrival_time)
         except ValueError as exc:
             self.log.info("rid=%s rejected: %s", req.rid, exc)
-            self.to_detok.put(RequestEnded(req.rid, "error", str(exc), 400, None))
+            self.to_detok.put(
+                RequestEnded(req.rid, "error", str(exc), 400, getattr(exc, "param", None))
+            )
             return
         hidden = list(params.stop_token_ids)
         if not params.ignore_eos:

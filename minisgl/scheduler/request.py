@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from minisgl.sampling_params import SamplingParams
 
@@ -39,6 +39,7 @@ class Request:
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.seed: int | None = params.seed  # the engine may overwrite it
+        self.grammar: Any = None  # structured output: the xgrammar matcher (engine-owned)
         self.status = "new"  # new -> waiting -> running -> (waiting on preemption) -> finished
         # Scheduler internals.
         self.num_cached_pages = 0  # leading pages of page_table owned by the radix cache
