@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+OUTPUT_PARSERS = ("auto", "qwen3", "none")
 
 
 def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
@@ -77,6 +78,18 @@ class ServerArgs(EngineArgs):
     max_request_body_bytes: int = _f(8 * 1024 * 1024, "largest request body accepted")
     disable_playground: bool = _f(
         False, "do not serve the chat playground page at / and /playground"
+    )
+
+    reasoning_parser: str = _f(
+        "auto",
+        "split <think> blocks into reasoning_content (auto: when the chat template is Qwen3's "
+        "thinking template)",
+        OUTPUT_PARSERS,
+    )
+    tool_call_parser: str = _f(
+        "auto",
+        "parse <tool_call> blocks into tool_calls (auto: when the chat template renders them)",
+        OUTPUT_PARSERS,
     )
 
     @property

@@ -201,10 +201,11 @@ class Engine:
         """
         for req, token in zip(sampled, next_ids):
             matcher = req.grammar
-            if matcher is not None and not matcher.is_terminated():
-                if not matcher.accept_token(token):
-                    logger.error("rid=%s: the grammar refused sampled token %d", req.rid, token)
-                    req.grammar = None
+            if matcher is None or matcher.is_terminated():
+                continue
+            if not matcher.accept_token(token):
+                logger.error("rid=%s: the grammar refused sampled token %d", req.rid, token)
+                req.grammar = None
 
     def _grammar_bitmask(self, reqs: list[Request]) -> tuple[object, list[int]] | None:
         """The sampled rows' token bitmask and its constrained rows, or None when none is."""

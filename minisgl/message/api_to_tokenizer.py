@@ -20,6 +20,7 @@ class TokenizeRequest:
     max_tokens: int | None  # None: whatever context is left after the prompt
     messages: list[dict[str, Any]] | None = None  # chat: rendered with the chat template
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None  # chat: OpenAI tool definitions for the template
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
     skip_special_tokens: bool = True

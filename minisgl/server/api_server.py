@@ -14,11 +14,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from minisgl.server.body_limit import BodySizeLimit
+from minisgl.server.chat_output import ChatOutput
 from minisgl.server.context import ServerContext
 from minisgl.server.errors import APIError, error_response, install_handlers
 from minisgl.server.handlers import serve_request
 from minisgl.server.playground import install_playground
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from minisgl.server.structured_request import (
+    chat_grammar,
+    output_grammar,
+    template_tools,
+    validate_tools,
+)
 
 log = logging.getLogger("minisgl.api")
 
@@ -81,11 +88,19 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         arrival = getattr(request.state, "arrival", None) or time.time()
+        validate_tools(req)
+        tools = template_tools(req)
         fields = {
             "messages": [m.template_dict() for m in req.messages],
             "chat_template_kwargs": dict(req.chat_template_kwargs),
+            "tools": tools,
         }
-        return await serve_request(ctx, request, req, fields, "chat", arrival)
+        output = ChatOutput(
+            reasoning=ctx.reasoning_parser, tools=bool(tools) and ctx.tool_call_parser
+        )
+        return await serve_request(
+            ctx, request, req, fields, "chat", arrival, chat_grammar(req), output
+        )
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
@@ -105,7 +120,9 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
         fields: dict[str, Any] = (
             {"prompt_text": prompt} if isinstance(prompt, str) else {"prompt_ids": prompt}
         )
-        return await serve_request(ctx, request, req, fields, "completion", arrival)
+        return await serve_request(
+            ctx, request, req, fields, "completion", arrival, output_grammar(req)
+        )
 
     def card(name: str) -> ModelCard:
         return ModelCard(

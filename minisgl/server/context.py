@@ -26,6 +26,8 @@ class ServerContext:
     ready: bool = False  # model loaded and a ping went round every worker
     draining: bool = False
     dead_worker: str | None = None
+    reasoning_parser: bool = False  # chat: split <think> blocks into reasoning_content
+    tool_call_parser: bool = False  # chat: parse <tool_call> blocks into tool_calls
 
     @property
     def model_name(self) -> str:

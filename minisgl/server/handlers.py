@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from minisgl.message.api_to_tokenizer import TokenizeRequest
 from minisgl.message.detokenizer_to_api import ErrorReply, TextOutput
 from minisgl.sampling_params import SamplingParams
+from minisgl.server.chat_output import ChatOutput
 from minisgl.server.context import ServerContext
 from minisgl.server.errors import APIError, error_response
 from minisgl.server.manager import RequestState
@@ -29,6 +30,7 @@ from minisgl.server.protocol import (
     CompletionResponse,
     PromptTokensDetails,
     ResponseMessage,
+    ResponseToolCall,
     SamplingFields,
     Usage,
 )
@@ -36,7 +38,12 @@ from minisgl.server.protocol import (
 log = logging.getLogger("minisgl.api")
 
 
-def sampling_params(ctx: ServerContext, req: SamplingFields, limit: int | None) -> SamplingParams:
+def sampling_params(
+    ctx: ServerContext,
+    req: SamplingFields,
+    limit: int | None,
+    grammar: tuple[str, str] | None = None,
+) -> SamplingParams:
     bad = req.unsupported()
     if bad is not None:
         raise APIError(400, bad[1], bad[0])
@@ -57,6 +64,8 @@ def sampling_params(ctx: ServerContext, req: SamplingFields, limit: int | None) 
             stop=req.stop or [],  # type: ignore[arg-type]
             stop_token_ids=req.stop_token_ids or [],
             include_stop_str_in_output=req.include_stop_str_in_output,
+            grammar_kind=grammar[0] if grammar else None,
+            grammar=grammar[1] if grammar else None,
         )
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
@@ -171,8 +180,11 @@ async def serve_request(
     tok_req_fields: dict[str, Any],
     kind: str,
     arrival: float,
+    grammar: tuple[str, str] | None = None,
+    output: ChatOutput | None = None,
 ) -> Response:
-    params = sampling_params(ctx, req, req.limit())
+    params = sampling_params(ctx, req, req.limit(), grammar)
+    output = output if output is not None and output.active else None
     admit(ctx)
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
     tracker = Tracker(rid, arrival, req.stream)
@@ -211,12 +223,12 @@ async def serve_request(
     if req.stream:
         watcher.cancel()  # from here Starlette cancels the stream when the client goes
         return StreamingResponse(
-            _stream(ctx, state, tracker, first, kind, req.include_usage),
+            _stream(ctx, state, tracker, first, kind, req, output),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     try:
-        return await _collect(ctx, state, tracker, first, kind, watcher)
+        return await _collect(ctx, state, tracker, first, kind, watcher, output)
     finally:
         watcher.cancel()
 
@@ -228,6 +240,7 @@ async def _collect(
     reply: Any,
     kind: str,
     watcher: asyncio.Task[None],
+    output: ChatOutput | None,
 ) -> Response:
     parts: list[str] = []
     try:
@@ -263,11 +276,20 @@ async def _collect(
     created = int(tracker.arrival)
     body: ChatCompletionResponse | CompletionResponse
     if kind == "chat":
+        message = ResponseMessage(content=text)
+        if output is not None:
+            content, reasoning, calls = output.whole(text)
+            message = ResponseMessage(
+                content=content,
+                reasoning_content=reasoning,
+                tool_calls=[ResponseToolCall.model_validate(c.to_openai()) for c in calls],
+            )
+            reason = _finish_reason(reason, bool(calls))
         body = ChatCompletionResponse(
             id=tracker.rid,
             created=created,
             model=ctx.model_name,
-            choices=[ChatChoice(message=ResponseMessage(content=text), finish_reason=reason)],
+            choices=[ChatChoice(message=message, finish_reason=reason)],
             usage=usage,
         )
     else:
@@ -281,6 +303,11 @@ async def _collect(
     return JSONResponse(body.model_dump())
 
 
+def _finish_reason(reason: str, called: bool) -> str:
+    """A reply that ends in tool calls finishes with "tool_calls" (a cut-off stays "length")."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -291,9 +318,14 @@ async def _stream(
     tracker: Tracker,
     reply: Any,
     kind: str,
-    include_usage: bool,
+    req: SamplingFields,
+    output: ChatOutput | None,
 ) -> AsyncIterator[str]:
     """OpenAI SSE: role first (chat), then content deltas, finish_reason last, then [DONE]."""
+    include_usage = req.include_usage
+    continuous = include_usage and bool(
+        req.stream_options and req.stream_options.continuous_usage_stats
+    )
     created = int(tracker.arrival)
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
@@ -311,8 +343,15 @@ async def _stream(
             "choices": [choice],
         }
         if include_usage:
-            out["usage"] = None
+            out["usage"] = tracker.usage() if continuous else None
         return out
+
+    def deltas(text: str, final: bool) -> list[dict[str, Any] | str]:
+        if kind != "chat":
+            return [text] if text else []
+        if output is None:
+            return [{"content": text}] if text else []
+        return list(output.finish() if final else output.feed(text))
 
     try:
         if kind == "chat":
@@ -334,14 +373,18 @@ async def _stream(
                 )
                 return
             tracker.on_output(reply)
-            if reply.text:
-                yield _sse(chunk({"content": reply.text} if kind == "chat" else reply.text, None))
+            for delta in deltas(reply.text, False):
+                yield _sse(chunk(delta, None))
             if reply.finished:
                 break
             reply = await state.queue.get()
+        for delta in deltas("", True):
+            yield _sse(chunk(delta, None))
         ctx.manager.release(tracker.rid)
         reason = reply.finish_reason or "stop"
         tracker.finish(ctx, reason)
+        if output is not None:
+            reason = _finish_reason(reason, bool(output.calls))
         yield _sse(chunk({} if kind == "chat" else "", reason))
         if include_usage:
             yield _sse(

@@ -32,6 +32,7 @@ from minisgl.process import setup_logging
 from minisgl.server.api_server import Hooks, build_app
 from minisgl.server.context import ServerContext
 from minisgl.server.manager import RequestManager
+from minisgl.structured.chat_template import read_chat_template, reasoning_on, tool_calls_on
 from minisgl.tokenizer.detokenizer_worker import run_detokenizer_worker
 from minisgl.tokenizer.tokenizer_worker import run_tokenizer_worker
 
@@ -211,6 +212,9 @@ class Launcher(Hooks):
                 worker_pids={n: p.pid or 0 for n, p in self.procs.items()},
                 ipc_dir=self.endpoints.root,
             )
+            template = read_chat_template(sched.get("model_path") or a.model)
+            self.ctx.reasoning_parser = reasoning_on(a.reasoning_parser, template)
+            self.ctx.tool_call_parser = tool_calls_on(a.tool_call_parser, template)
             app = build_app(self.ctx, self)
             config = uvicorn.Config(
                 app,

@@ -25,6 +25,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk too
 
 
 class TextPart(_Request):
@@ -32,10 +33,61 @@ class TextPart(_Request):
     text: str
 
 
+# ---- tool calling (chat) ----
+class FunctionDef(_Request):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class CalledFunction(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+# ---- structured outputs ----
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None  # structural_tag (xgrammar's format object)
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool results
+    reasoning_content: str | None = None  # assistant turns (Qwen3 keeps the last one's)
 
     def template_dict(self) -> dict[str, Any]:
         """The message as the chat template sees it (text parts joined, developer -> system)."""
@@ -43,7 +95,16 @@ class ChatMessage(_Request):
         if isinstance(content, list):
             content = "".join(p.text for p in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        out: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        return out
 
 
 class SamplingFields(_Request):
@@ -58,6 +119,7 @@ class SamplingFields(_Request):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
     max_tokens: int | None = Field(None, ge=1, le=INT_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT_MAX)
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -68,7 +130,16 @@ class SamplingFields(_Request):
     frequency_penalty: float = 0.0
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
-    user: str | None = None
+    user: str | None = None  # accepted and ignored
+    metadata: dict[str, Any] | None = None  # accepted and ignored
+    # Structured outputs: OpenAI's response_format, SGLang's regex/ebnf, vLLM's guided_*.
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
 
     @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
     @classmethod
@@ -113,8 +184,10 @@ class SamplingFields(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT_MAX)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -140,6 +213,8 @@ class CompletionRequest(SamplingFields):
         raise ValueError("batched prompts are not supported: send one prompt per request")
 
     def limit(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
         return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -164,9 +239,22 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class ResponseFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):

@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any
 
-from minisgl.structured.spec import KIND_FIELDS, choice_ebnf
+from minisgl.structured.spec import KIND_FIELDS, choice_ebnf, harden_schema
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,8 @@ class GrammarBackend:
         param = KIND_FIELDS.get(kind)
         try:
             if kind == "json_schema":
-                return compiler.compile_json_schema(value, any_whitespace=False)
+                schema = json.dumps(harden_schema(json.loads(value)))
+                return compiler.compile_json_schema(schema, any_whitespace=False)
             if kind == "json_object":
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":

@@ -86,8 +86,3 @@ class Qwen3ReasoningParser:
         parser = cls(started)
         a, b = parser.feed(text), parser.finish()
         return a.reasoning + b.reasoning, a.content + b.content
-
-
-def template_thinks(template: str | None) -> bool:
-    """Whether a chat template is Qwen3's thinking template (it knows `<think>` blocks)."""
-    return bool(template) and THINK_END in template and "enable_thinking" in template  # type: ignore[operator]

@@ -43,9 +43,12 @@ def tokenize(tokenizer: Any, req: TokenizeRequest) -> list[int]:
     if req.prompt_ids is not None:
         return list(req.prompt_ids)
     if req.messages is not None:
+        kwargs = dict(req.chat_template_kwargs)
+        if req.tools:
+            kwargs["tools"] = req.tools
         try:
             text = tokenizer.apply_chat_template(
-                req.messages, tokenize=False, add_generation_prompt=True, **req.chat_template_kwargs
+                req.messages, tokenize=False, add_generation_prompt=True, **kwargs
             )
         except Exception as exc:  # jinja errors, bad kwargs: the request's fault
             raise ValueError(f"cannot apply the chat template: {exc}") from exc
