@@ -100,7 +100,11 @@ def test_json_schema_outputs_validate(client: openai.OpenAI) -> None:
 
 def test_json_object_regex_choice_ebnf_both_endpoints(client: openai.OpenAI) -> None:
     obj = client.chat.completions.create(
-        model="m", messages=MSG, temperature=1.0, seed=3, max_tokens=300,
+        model="m",
+        messages=MSG,
+        temperature=1.0,
+        seed=3,
+        max_tokens=300,
         response_format={"type": "json_object"},
     )
     # Free keys and strings: a random model may not close them within max_tokens.
@@ -109,49 +113,97 @@ def test_json_object_regex_choice_ebnf_both_endpoints(client: openai.OpenAI) -> 
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
     reg = client.completions.create(
-        model="m", prompt="Code:", temperature=1.0, seed=4, max_tokens=20,
+        model="m",
+        prompt="Code:",
+        temperature=1.0,
+        seed=4,
+        max_tokens=20,
         extra_body={"regex": r"[A-Z]{3}-\d{2}"},
     )
     text = reg.choices[0].text
     assert len(text) == 6 and text[:3].isupper() and text[3] == "-" and text[4:].isdigit()
     vllm_regex = client.completions.create(
-        model="m", prompt="Code:", temperature=1.0, seed=4, max_tokens=20,
+        model="m",
+        prompt="Code:",
+        temperature=1.0,
+        seed=4,
+        max_tokens=20,
         extra_body={"guided_regex": r"[A-Z]{3}-\d{2}"},
     )
     assert vllm_regex.choices[0].text == text
     pick = client.chat.completions.create(
-        model="m", messages=MSG, temperature=1.0, seed=5, max_tokens=20,
+        model="m",
+        messages=MSG,
+        temperature=1.0,
+        seed=5,
+        max_tokens=20,
         extra_body={"guided_choice": ["sunny", "rainy"]},
     )
     assert pick.choices[0].message.content in ("sunny", "rainy")
     ebnf = client.completions.create(
-        model="m", prompt="Answer:", temperature=1.0, seed=6, max_tokens=20,
+        model="m",
+        prompt="Answer:",
+        temperature=1.0,
+        seed=6,
+        max_tokens=20,
         extra_body={"ebnf": 'root ::= "yes" | "no" | "maybe"'},
     )
     assert ebnf.choices[0].text in ("yes", "no", "maybe")
     guided = client.completions.create(
-        model="m", prompt="J:", temperature=1.0, seed=7, max_tokens=100,
-        extra_body={"guided_json": {"type": "object", "properties": {"a": {"enum": [1, 2]}},
-                                    "required": ["a"]}},
+        model="m",
+        prompt="J:",
+        temperature=1.0,
+        seed=7,
+        max_tokens=100,
+        extra_body={
+            "guided_json": {
+                "type": "object",
+                "properties": {"a": {"enum": [1, 2]}},
+                "required": ["a"],
+            }
+        },
     )
     assert json.loads(guided.choices[0].text)["a"] in (1, 2)
 
 
 def test_constrained_stream_and_length_cut(client: openai.OpenAI) -> None:
-    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
-        "type": "object", "properties": {"a": {"type": "array", "items": {"enum": ["x"]}}},
-        "required": ["a"]}}}
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "n",
+            "schema": {
+                "type": "object",
+                "properties": {"a": {"type": "array", "items": {"enum": ["x"]}}},
+                "required": ["a"],
+            },
+        },
+    }
     whole = client.chat.completions.create(
-        model="m", messages=MSG, temperature=1.0, seed=9, max_tokens=200, response_format=fmt,
+        model="m",
+        messages=MSG,
+        temperature=1.0,
+        seed=9,
+        max_tokens=200,
+        response_format=fmt,
     )
     stream = client.chat.completions.create(
-        model="m", messages=MSG, temperature=1.0, seed=9, max_tokens=200, response_format=fmt,
+        model="m",
+        messages=MSG,
+        temperature=1.0,
+        seed=9,
+        max_tokens=200,
+        response_format=fmt,
         stream=True,
     )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == whole.choices[0].message.content
     cut = client.chat.completions.create(
-        model="m", messages=MSG, temperature=1.0, seed=9, max_tokens=3, response_format=fmt,
+        model="m",
+        messages=MSG,
+        temperature=1.0,
+        seed=9,
+        max_tokens=3,
+        response_format=fmt,
     )
     assert cut.choices[0].finish_reason == "length"
 
@@ -159,15 +211,26 @@ def test_constrained_stream_and_length_cut(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     ("body", "param", "needle"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "frobnicate"}}}}, "response_format", "frobnicate"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "frobnicate"}},
+                }
+            },
+            "response_format",
+            "frobnicate",
+        ),
         ({"regex": "([a-z"}, "regex", "regex is invalid"),
         ({"ebnf": 'root ::= "a" missing_rule'}, "ebnf", "missing_rule"),
         ({"response_format": {"type": "json_schema"}}, "response_format", "schema"),
         ({"regex": "a", "guided_choice": ["b"]}, "guided_choice", "one structured output"),
         ({"tool_choice": "required"}, "tool_choice", "tools"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-         "tool_choice", "nope"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "nope",
+        ),
     ],
 )
 def test_bad_grammar_is_400(server: ServerProcess, body: dict, param: str, needle: str) -> None:
@@ -206,8 +269,14 @@ def _reassemble(chunks: list[Any]) -> tuple[str, list[dict[str, str]], str | Non
 def test_tool_call_round_trip(client: openai.OpenAI, choice: Any) -> None:
     messages: list[Any] = [{"role": "user", "content": "Weather in Paris, and the time?"}]
     first = client.chat.completions.create(
-        model="m", messages=messages, tools=TOOLS, tool_choice=choice, temperature=1.0,
-        seed=21, max_tokens=200, parallel_tool_calls=False,  # a random model would go on
+        model="m",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice=choice,
+        temperature=1.0,
+        seed=21,
+        max_tokens=200,
+        parallel_tool_calls=False,  # a random model would go on
     )
     msg = first.choices[0].message
     assert first.choices[0].finish_reason == "tool_calls"
@@ -220,8 +289,15 @@ def test_tool_call_round_trip(client: openai.OpenAI, choice: Any) -> None:
         assert [c.function.name for c in msg.tool_calls] == ["get_time"]
     # The stream of the same seeded request reassembles to the same calls.
     stream = client.chat.completions.create(
-        model="m", messages=messages, tools=TOOLS, tool_choice=choice, temperature=1.0,
-        seed=21, max_tokens=200, parallel_tool_calls=False, stream=True,
+        model="m",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice=choice,
+        temperature=1.0,
+        seed=21,
+        max_tokens=200,
+        parallel_tool_calls=False,
+        stream=True,
     )
     content, calls, reason = _reassemble(list(stream))
     assert reason == "tool_calls" and content == ""
@@ -234,7 +310,11 @@ def test_tool_call_round_trip(client: openai.OpenAI, choice: Any) -> None:
     for call in msg.tool_calls:
         messages.append({"role": "tool", "tool_call_id": call.id, "content": '{"ok": true}'})
     final = client.chat.completions.create(
-        model="m", messages=messages, tools=TOOLS, tool_choice="auto", max_tokens=8,
+        model="m",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="auto",
+        max_tokens=8,
         temperature=0,
     )
     assert final.choices[0].finish_reason == "length"
@@ -250,3 +330,61 @@ def test_tools_reach_the_template(client: openai.OpenAI) -> None:
         model="m", messages=MSG, tools=TOOLS, max_tokens=1, temperature=0
     )
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # type: ignore[union-attr]
+
+
+THINKING = 'root ::= "<think>" [a-z]{3,6} "</think>" "\\n\\n" [a-z]{2,5}'
+
+
+def test_reasoning_is_split_from_the_answer(client: openai.OpenAI) -> None:
+    # The grammar makes even the random model think first: the parser must split it.
+    reply = client.chat.completions.create(
+        model="m",
+        messages=MSG,
+        temperature=1.0,
+        seed=2,
+        max_tokens=40,
+        extra_body={"ebnf": THINKING},
+    )
+    msg = reply.choices[0].message
+    reasoning = msg.reasoning_content  # type: ignore[attr-defined]
+    assert reasoning and reasoning.isalpha() and 3 <= len(reasoning) <= 6
+    assert msg.content and msg.content.isalpha() and "<" not in msg.content
+    # max_tokens counts the reasoning too.
+    assert reply.usage is not None and reply.usage.completion_tokens >= 4
+    stream = client.chat.completions.create(
+        model="m",
+        messages=MSG,
+        temperature=1.0,
+        seed=2,
+        max_tokens=40,
+        extra_body={"ebnf": THINKING},
+        stream=True,
+    )
+    r = c = ""
+    for chunk in stream:
+        if chunk.choices:
+            d = chunk.choices[0].delta
+            r += getattr(d, "reasoning_content", None) or ""
+            c += d.content or ""
+    assert (r, c) == (reasoning, msg.content)
+    cut = client.chat.completions.create(
+        model="m",
+        messages=MSG,
+        temperature=1.0,
+        seed=2,
+        max_tokens=2,
+        extra_body={"ebnf": THINKING},
+    )
+    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.content
+
+
+def test_thinking_off_is_all_answer(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="m",
+        messages=MSG,
+        temperature=0,
+        max_tokens=6,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    msg = reply.choices[0].message
+    assert msg.content and getattr(msg, "reasoning_content", None) is None
