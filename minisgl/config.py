@@ -79,7 +79,6 @@ class ServerArgs(EngineArgs):
     disable_playground: bool = _f(
         False, "do not serve the chat playground page at / and /playground"
     )
-
     reasoning_parser: str = _f(
         "auto",
         "split <think> blocks into reasoning_content (auto: when the chat template is Qwen3's "

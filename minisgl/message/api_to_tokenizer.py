@@ -43,4 +43,28 @@ class Ping:
     hops: list[str] = field(default_factory=list)
 
 
-KINDS: tuple[type, ...] = (TokenizeRequest, AbortRequest, Ping)
+@register("tokenize_only")
+@dataclass
+class TokenizeOnly:
+    """POST /tokenize: a prompt or chat messages -> ids, answered with a TokenizerReply."""
+
+    rid: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+@register("detokenize_only")
+@dataclass
+class DetokenizeOnly:
+    """POST /detokenize: ids -> text, answered with a TokenizerReply."""
+
+    rid: str
+    tokens: list[int]
+
+
+KINDS: tuple[type, ...] = (TokenizeRequest, AbortRequest, Ping, TokenizeOnly, DetokenizeOnly)

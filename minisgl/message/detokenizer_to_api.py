@@ -41,4 +41,15 @@ class ErrorReply:
     param: str | None = None
 
 
-KINDS: tuple[type, ...] = (TextBatch, ErrorReply, SchedulerStatsUpdate, Ping)
+@register("tokenizer_reply")
+@dataclass
+class TokenizerReply:
+    """The tokenizer worker's answer to TokenizeOnly (tokens) or DetokenizeOnly (text)."""
+
+    rid: str
+    tokens: list[int] | None = None
+    token_strs: list[str] | None = None
+    text: str | None = None
+
+
+KINDS: tuple[type, ...] = (TextBatch, ErrorReply, SchedulerStatsUpdate, Ping, TokenizerReply)

@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -13,13 +14,23 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from minisgl.message.api_to_tokenizer import DetokenizeOnly, TokenizeOnly
+from minisgl.message.detokenizer_to_api import ErrorReply, TokenizerReply
 from minisgl.server.body_limit import BodySizeLimit
 from minisgl.server.chat_output import ChatOutput
 from minisgl.server.context import ServerContext
 from minisgl.server.errors import APIError, error_response, install_handlers
-from minisgl.server.handlers import serve_request
+from minisgl.server.handlers import admit, serve_request
+from minisgl.server.multi_choice import serve_prompts
 from minisgl.server.playground import install_playground
-from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from minisgl.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeBody,
+    ModelCard,
+    ModelList,
+    TokenizeBody,
+)
 from minisgl.server.structured_request import (
     chat_grammar,
     output_grammar,
@@ -75,7 +86,8 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
         key = ctx.args.api_key
         path = request.url.path
         # /openapi.json too: with a key set, even the API's shape is for key holders only.
-        guarded = path.startswith(("/v1", "/internal")) or path == "/openapi.json"
+        guarded = path.startswith(("/v1", "/internal", "/tokenize", "/detokenize"))
+        guarded = guarded or path == "/openapi.json"
         guarded = guarded or (path == "/metrics" and ctx.args.metrics_require_api_key)
         if key and guarded:
             given = request.headers.get("authorization", "")
@@ -106,23 +118,82 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
     async def completions(req: CompletionRequest, request: Request) -> Response:
         arrival = getattr(request.state, "arrival", None) or time.time()
         try:
-            prompt = req.single_prompt()
+            prompts = req.prompts()
         except ValueError as exc:
             raise APIError(400, str(exc), "prompt") from None
         vocab = ctx.vocab_size
-        if isinstance(prompt, list) and vocab is not None:
-            # Here, not only in the engine: an id beyond 64 bits could not even be sent there.
-            bad = next((t for t in prompt if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise APIError(
-                    400, f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
-                )
-        fields: dict[str, Any] = (
-            {"prompt_text": prompt} if isinstance(prompt, str) else {"prompt_ids": prompt}
+        batch: list[dict[str, Any]] = []
+        for prompt in prompts:
+            if isinstance(prompt, list) and vocab is not None:
+                # Here, not only in the engine: an id beyond 64 bits could not even be sent.
+                bad = next((t for t in prompt if not 0 <= t < vocab), None)
+                if bad is not None:
+                    raise APIError(
+                        400, f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
+                    )
+            if isinstance(prompt, list) and not prompt:
+                raise APIError(400, "prompt must not be empty", "prompt")
+            batch.append(
+                {"prompt_text": prompt} if isinstance(prompt, str) else {"prompt_ids": prompt}
+            )
+        grammar = output_grammar(req)
+        if len(batch) > 1:
+            bad_field = req.unsupported()
+            if bad_field is not None:
+                raise APIError(400, bad_field[1], bad_field[0])
+            return await serve_prompts(ctx, request, req, batch, arrival, grammar)
+        return await serve_request(ctx, request, req, batch[0], "completion", arrival, grammar)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody) -> JSONResponse:
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        msg = TokenizeOnly(
+            rid="tok-" + uuid.uuid4().hex[:24],
+            prompt=body.prompt,
+            messages=[m.template_dict() for m in body.messages] if body.messages else None,
+            add_special_tokens=(
+                body.add_special_tokens
+                if body.add_special_tokens is not None
+                else body.messages is None
+            ),
+            add_generation_prompt=body.add_generation_prompt,
+            chat_template_kwargs=dict(body.chat_template_kwargs),
+            tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+            return_token_strs=body.return_token_strs,
         )
-        return await serve_request(
-            ctx, request, req, fields, "completion", arrival, output_grammar(req)
+        reply = await _text_tool(msg)
+        tokens = reply.tokens or []
+        return JSONResponse(
+            {
+                "count": len(tokens),
+                "max_model_len": ctx.max_seq_len,
+                "tokens": tokens,
+                "token_strs": reply.token_strs,
+            }
         )
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody) -> JSONResponse:
+        vocab = ctx.vocab_size
+        bad = next((t for t in body.tokens if t < 0 or (vocab is not None and t >= vocab)), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary", "tokens")
+        reply = await _text_tool(DetokenizeOnly("detok-" + uuid.uuid4().hex[:24], body.tokens))
+        return JSONResponse({"prompt": reply.text or ""})
+
+    async def _text_tool(msg: TokenizeOnly | DetokenizeOnly) -> TokenizerReply:
+        admit(ctx)
+        try:
+            reply = await ctx.manager.text_tool(msg)
+        except (TypeError, ValueError, OverflowError):
+            raise APIError(400, "the request holds values that cannot be processed") from None
+        except asyncio.TimeoutError:
+            raise APIError(503, "the tokenizer did not answer in time") from None
+        if isinstance(reply, ErrorReply):
+            raise APIError(reply.status, reply.message, reply.param)
+        assert isinstance(reply, TokenizerReply)
+        return reply
 
     def card(name: str) -> ModelCard:
         return ModelCard(

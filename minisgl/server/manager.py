@@ -21,14 +21,14 @@ import zmq.asyncio
 
 from minisgl.message import api_to_tokenizer, detokenizer_to_api
 from minisgl.message.api_to_tokenizer import AbortRequest, Ping, TokenizeRequest
-from minisgl.message.detokenizer_to_api import ErrorReply, TextBatch, TextOutput
+from minisgl.message.detokenizer_to_api import ErrorReply, TextBatch, TextOutput, TokenizerReply
 from minisgl.message.endpoints import Endpoints
 from minisgl.message.queue import AsyncPullQueue, PushQueue
 from minisgl.message.scheduler_to_detokenizer import SchedulerStatsUpdate
 
 log = logging.getLogger("minisgl.api")
 
-Reply = TextOutput | ErrorReply
+Reply = TextOutput | ErrorReply | TokenizerReply
 
 
 @dataclass
@@ -85,6 +85,16 @@ class RequestManager:
         self.requests[req.rid] = state  # no await since put(): no reply can come before this
         return state
 
+    async def text_tool(self, msg: Any, timeout: float = 60.0) -> Reply:
+        """Send a TokenizeOnly/DetokenizeOnly to the tokenizer worker and await its reply."""
+        state = RequestState(msg.rid, time.time())
+        self.to_tokenizer.put(msg)
+        self.requests[msg.rid] = state
+        try:
+            return await asyncio.wait_for(state.queue.get(), timeout)
+        finally:
+            self.requests.pop(msg.rid, None)
+
     def release(self, rid: str) -> None:
         self.requests.pop(rid, None)
 
@@ -128,7 +138,7 @@ class RequestManager:
         if isinstance(msg, TextBatch):
             for out in msg.outputs:
                 self._deliver(out.rid, out)
-        elif isinstance(msg, ErrorReply):
+        elif isinstance(msg, ErrorReply | TokenizerReply):
             self._deliver(msg.rid, msg)
         elif isinstance(msg, SchedulerStatsUpdate):
             self._on_stats(msg)

@@ -17,6 +17,7 @@ SEED_MAX = 2**63 - 1
 # vocabulary is this large, so anything beyond is a 400 here rather than an encoding error.
 INT_MAX = 2**31 - 1
 MAX_STOP = 64
+MAX_PROMPTS = 1024  # prompts in one /v1/completions request
 
 
 class _Request(BaseModel):
@@ -199,18 +200,18 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request; ValueError for batches (not supported)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request (a batch, or one); ValueError when there are none."""
         p = self.prompt
         if isinstance(p, str):
-            return p
+            return [p]
         if not p:
             raise ValueError("prompt must not be empty")
         if all(isinstance(x, int) for x in p):
-            return list(p)  # type: ignore[arg-type]
-        if len(p) == 1:
-            return p[0]  # type: ignore[return-value]
-        raise ValueError("batched prompts are not supported: send one prompt per request")
+            return [list(p)]  # type: ignore[arg-type]
+        if len(p) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        return [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[arg-type]
 
     def limit(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -301,3 +302,20 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---- POST /tokenize and /detokenize (vLLM's shapes) ----
+class TokenizeBody(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    tools: list[ToolDef] | None = None
+
+
+class DetokenizeBody(_Request):
+    model: str | None = None
+    tokens: list[int]

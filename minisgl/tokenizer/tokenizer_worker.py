@@ -16,8 +16,14 @@ from typing import Any
 import zmq
 
 from minisgl.message import api_to_tokenizer, detokenizer_to_api, tokenizer_to_scheduler
-from minisgl.message.api_to_tokenizer import AbortRequest, Ping, TokenizeRequest
-from minisgl.message.detokenizer_to_api import ErrorReply
+from minisgl.message.api_to_tokenizer import (
+    AbortRequest,
+    DetokenizeOnly,
+    Ping,
+    TokenizeOnly,
+    TokenizeRequest,
+)
+from minisgl.message.detokenizer_to_api import ErrorReply, TokenizerReply
 from minisgl.message.endpoints import Endpoints
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.tokenizer_to_scheduler import TokenizedRequest
@@ -54,6 +60,41 @@ def tokenize(tokenizer: Any, req: TokenizeRequest) -> list[int]:
             raise ValueError(f"cannot apply the chat template: {exc}") from exc
         return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(req.prompt_text or "", add_special_tokens=False))
+
+
+def tokenize_only(tokenizer: Any, req: TokenizeOnly) -> TokenizerReply:
+    """POST /tokenize: the ids of a prompt, or of chat messages through the template."""
+    if req.messages is not None:
+        kwargs = dict(req.chat_template_kwargs)
+        if req.tools:
+            kwargs["tools"] = req.tools
+        try:
+            text = tokenizer.apply_chat_template(
+                req.messages,
+                tokenize=False,
+                add_generation_prompt=req.add_generation_prompt,
+                **kwargs,
+            )
+        except Exception as exc:
+            raise ValueError(f"cannot apply the chat template: {exc}") from exc
+    else:
+        text = req.prompt or ""
+    ids = list(tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
+    strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return TokenizerReply(req.rid, tokens=ids, token_strs=strs)
+
+
+def _text_tool(
+    tokenizer: Any, msg: TokenizeOnly | DetokenizeOnly, log: logging.Logger
+) -> TokenizerReply | ErrorReply:
+    try:
+        if isinstance(msg, TokenizeOnly):
+            return tokenize_only(tokenizer, msg)
+        return TokenizerReply(msg.rid, text=tokenizer.decode(msg.tokens))
+    except Exception as exc:  # the request's fault (bad template kwargs, odd ids)
+        log.info("rid=%s rejected: %s", msg.rid, exc)
+        param = "tokens" if isinstance(msg, DetokenizeOnly) else None
+        return ErrorReply(msg.rid, str(exc), 400, param)
 
 
 def run_tokenizer_worker(
@@ -106,6 +147,8 @@ def _handle(
                 msg.rid, ids, msg.params, msg.max_tokens, msg.arrival_time, msg.skip_special_tokens
             )
         )
+    elif isinstance(msg, TokenizeOnly | DetokenizeOnly):
+        to_api.put(_text_tool(tokenizer, msg, log))
     elif isinstance(msg, AbortRequest):
         to_scheduler.put(msg)
     elif isinstance(msg, Ping):

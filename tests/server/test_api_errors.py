@@ -51,7 +51,7 @@ MALFORMED: list[tuple[str, str, Any]] = [
     ("missing prompt", COMP, {"model": "m"}),
     ("empty prompt list", COMP, {"prompt": []}),
     ("empty prompt text", COMP, {"prompt": ""}),
-    ("batched prompts", COMP, {"prompt": ["a", "b"]}),
+    ("an empty prompt in a batch", COMP, {"prompt": [[1], []]}),
     ("token id beyond vocab", COMP, {"prompt": [1, 2, 10**7]}),
     ("negative token id", COMP, {"prompt": [1, -2]}),
     ("prompt of wrong type", COMP, {"prompt": {"text": "hi"}}),
