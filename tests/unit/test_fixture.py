@@ -41,7 +41,8 @@ def test_chat_template_turns_and_thinking(hf_tokenizer) -> None:
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "2+2?"},
         {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"},
-        {"role": "user", "content": [{"type": "text", "text": "and 3+3?"}]},
+        # Qwen3's template reads string contents (the API server joins text parts).
+        {"role": "user", "content": "and 3+3?"},
     ]
     text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text == (
@@ -228,3 +229,26 @@ def test_layer_count_override(tmp_path: Path) -> None:
 
     out = write_fixture_model(tmp_path, "qwen3-moe", num_hidden_layers=1)
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 1
+
+
+def test_chat_template_renders_tools_and_tool_turns(hf_tokenizer) -> None:
+    """The fixture ships Qwen3's own template: tools, calls and results as Qwen3 renders them."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    messages = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "content": "42"},
+    ]
+    text = hf_tokenizer.apply_chat_template(
+        messages, tools=[tool], add_generation_prompt=True, tokenize=False
+    )
+    assert text.startswith("<|im_start|>system\n# Tools\n\nYou may call one or more functions")
+    assert '<tools>\n{"type": "function", "function": {"name": "f"' in text
+    assert '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call><|im_end|>' in text
+    assert text.endswith(
+        "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
