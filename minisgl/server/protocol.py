@@ -189,6 +189,29 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI fields this server cannot honour: read, so that they are refused, not dropped.
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    # Bookkeeping or hints with no effect on a self-hosted model: accepted and ignored.
+    store: bool | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.functions is not None or self.function_call is not None:
+            name = "functions" if self.functions is not None else "function_call"
+            return name, f"{name} is deprecated and not supported: use tools and tool_choice"
+        if self.audio is not None or any(m != "text" for m in self.modalities or []):
+            return "modalities", "only text output is supported"
+        if self.prediction is not None:
+            return "prediction", "predicted outputs are not supported"
+        if self.web_search_options is not None:
+            return "web_search_options", "web search is not supported"
+        return super().unsupported()
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

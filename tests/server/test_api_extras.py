@@ -103,3 +103,26 @@ def test_continuous_usage_stats(server: ServerProcess) -> None:
 def test_models_list_max_model_len(client: openai.OpenAI) -> None:
     card = client.models.list().data[0]
     assert card.model_dump()["max_model_len"] == 4096
+
+
+def test_fields_we_cannot_honour_are_refused(server: ServerProcess) -> None:
+    for field, value in (
+        ("functions", [{"name": "f", "parameters": {}}]),
+        ("function_call", "auto"),
+        ("modalities", ["text", "audio"]),
+        ("prediction", {"type": "content", "content": "x"}),
+        ("web_search_options", {}),
+    ):
+        r = httpx.post(
+            f"{server.url}/v1/chat/completions",
+            json={"messages": MSG, "max_tokens": 1, field: value},
+            timeout=30,
+        )
+        assert r.status_code == 400, (field, r.text)
+        assert r.json()["error"]["param"] in (field, "modalities")
+    ok = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"messages": MSG, "max_tokens": 1, "store": False, "service_tier": "auto"},
+        timeout=30,
+    )
+    assert ok.status_code == 200
