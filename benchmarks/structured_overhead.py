@@ -1,0 +1,144 @@
+"""What constrained requests cost the plain requests that share their batch.
+
+A batch of --batch requests decodes --output-len tokens each (ignore_eos), once all plain, once
+with a quarter of them constrained by a JSON schema (an array of objects with bounded integers,
+enums and booleans, long enough that no constrained request ends early, so both batches keep
+the same size throughout). Both runs alternate --repeats times in one process; the report is the
+plain requests' tokens/s in each (best of the repeats: other work on the machine only ever slows a run down) and their ratio. Target: the plain requests no more
+than 5% slower. Uses the random Qwen3-0.6B-shaped fixture model (or --model PATH).
+
+    python benchmarks/structured_overhead.py                      # 0.6B bf16, batch 16 x 64
+    python benchmarks/structured_overhead.py --quick              # tiny model smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 999},
+            "tag": {"enum": ["alpha", "beta", "gamma"]},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["id", "tag", "ok"],
+        "additionalProperties": False,
+    },
+    "minItems": 500,  # never closed within the run: the batch keeps its size
+}
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def cpu_description() -> str:
+    model, flags = platform.processor() or "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    have = [f for f in FLAGS if f in flags]
+    return f"{model}; flags: {' '.join(have) or '-'}; torch threads {torch.get_num_threads()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", help="model dir (default: write the random fixture)")
+    ap.add_argument("--preset", default="0.6b", choices=("tiny", "0.6b"))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    ap.add_argument("--quick", action="store_true", help="tiny model, 8 x 16 tokens, 2 repeats")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.preset, args.dtype, args.batch, args.output_len, args.repeats = (
+            "tiny", "float32", 8, 16, 2,
+        )  # fmt: skip
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from minisgl import LLM, SamplingParams
+    from minisgl.testing.fixture import write_fixture_model
+
+    tmp = tempfile.TemporaryDirectory(prefix="minisgl-bench-")
+    model = args.model
+    if model is None:
+        log(f"writing a random Qwen3-{args.preset} checkpoint ({args.dtype}) ...")
+        model = str(write_fixture_model(Path(tmp.name), preset=args.preset, dtype=args.dtype))
+    llm = LLM(model, dtype=args.dtype, device=args.device, max_seq_len=1024)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(0, 151643) for _ in range(rng.randint(64, 128))] for _ in range(args.batch)]  # fmt: skip
+    n_constrained = max(1, args.batch // 4)
+    plain = SamplingParams(temperature=1.0, seed=1, max_tokens=args.output_len, ignore_eos=True)
+    constrained = SamplingParams(
+        temperature=1.0,
+        seed=2,
+        max_tokens=args.output_len,
+        grammar_kind="json_schema",
+        grammar=json.dumps(SCHEMA),
+    )
+    mixed = [constrained] * n_constrained + [plain] * (args.batch - n_constrained)
+    # Warm-up: kernels, xgrammar's set-up and the schema's compilation (cached from then on).
+    llm.generate(prompts[:2], [plain, constrained])
+
+    def run(params: list[SamplingParams]) -> float:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - t0
+        assert all(len(o.token_ids) == args.output_len for o in outs), "a request ended early"
+        return elapsed
+
+    plain_s, mixed_s = [], []
+    for i in range(args.repeats):
+        plain_s.append(run([plain] * args.batch))
+        mixed_s.append(run(mixed))
+        log(f"repeat {i + 1}: plain batch {plain_s[-1]:.2f} s, mixed batch {mixed_s[-1]:.2f} s")
+    n_plain_mixed = args.batch - n_constrained
+    plain_tps = args.batch * args.output_len / min(plain_s)
+    mixed_tps = n_plain_mixed * args.output_len / min(mixed_s)
+    per_request_plain = plain_tps / args.batch
+    per_request_mixed = mixed_tps / n_plain_mixed
+    slower = per_request_plain / per_request_mixed - 1
+    log("")
+    log(f"CPU: {cpu_description()}")
+    log(
+        f"model {args.preset} {args.dtype} on {args.device}; batch {args.batch} x "
+        f"{args.output_len} tokens; {n_constrained} of them constrained (JSON schema)"
+    )
+    log(f"plain batch : {plain_tps:8.1f} tok/s, {per_request_plain:.2f} tok/s per request")
+    log(
+        f"mixed batch : {mixed_tps:8.1f} tok/s from its {n_plain_mixed} plain requests, "
+        f"{per_request_mixed:.2f} tok/s per plain request"
+    )
+    log(f"plain requests are {100 * slower:+.1f}% slower in the mixed batch (target <= +5%)")
+    llm.shutdown()
+    tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
