@@ -201,10 +201,13 @@ class Engine:
         """
         for req, token in zip(sampled, next_ids):
             matcher = req.grammar
-            if matcher is None or matcher.is_terminated():
+            if matcher is None:
                 continue
             if not matcher.accept_token(token):
                 logger.error("rid=%s: the grammar refused sampled token %d", req.rid, token)
+                req.grammar = None
+            elif matcher.is_terminated():
+                # It took the end token; with ignore_eos the request goes on, unconstrained.
                 req.grammar = None
 
     def _grammar_bitmask(self, reqs: list[Request]) -> tuple[object, list[int]] | None:

@@ -85,3 +85,13 @@ def test_invalid_grammar_is_a_value_error_naming_the_field(tiny_model_dir) -> No
         llm.generate([[1, 2, 3]], SamplingParams(grammar_kind="regex", grammar="(a"))
     with pytest.raises(ValueError, match="set together"):
         SamplingParams(grammar_kind="regex")
+
+
+def test_grammar_with_ignore_eos_runs_on_unconstrained(tiny_model_dir) -> None:
+    llm = LLM(str(tiny_model_dir), dtype="float32", device="cpu", num_pages=64)
+    params = SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True, grammar_kind="choice", grammar='["yes"]'
+    )
+    out = llm.generate([[1, 2, 3]], params)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 6
+    assert out.text.startswith("yes")
