@@ -18,6 +18,7 @@ from typing import Any
 from minisgl.structured.spec import KIND_FIELDS, choice_ebnf, harden_schema
 
 logger = logging.getLogger(__name__)
+CACHE_LIMIT_BYTES = 256 * 2**20
 
 
 class GrammarError(ValueError):
@@ -65,7 +66,11 @@ class GrammarBackend:
             info = xgr.TokenizerInfo.from_huggingface(
                 tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
             )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            # xgrammar's own cache keys compiled grammars by their source: a schema seen before
+            # costs nothing. Bounded, so a stream of distinct schemas cannot grow it forever.
+            self._compiler = xgr.GrammarCompiler(
+                info, max_threads=1, cache_enabled=True, cache_limit_bytes=CACHE_LIMIT_BYTES
+            )
             self._xgr = xgr
             logger.info("xgrammar ready in %.1f s", time.perf_counter() - start)
         except Exception as exc:  # reported to each constrained request, never a crash
