@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     if model is None:
         log(f"writing a random Qwen3-{args.preset} checkpoint ({args.dtype}) ...")
         model = str(write_fixture_model(Path(tmp.name), preset=args.preset, dtype=args.dtype))
-    llm = LLM(model, dtype=args.dtype, device=args.device, max_seq_len=1024)
+    # KV for the whole batch and no more (the default would take most of the free memory).
+    pages = args.batch * (128 + args.output_len + 16) // 16 + 64
+    llm = LLM(model, dtype=args.dtype, device=args.device, max_seq_len=1024, num_pages=pages)
     rng = random.Random(0)
     prompts = [[rng.randrange(0, 151643) for _ in range(rng.randint(64, 128))] for _ in range(args.batch)]  # fmt: skip
     n_constrained = max(1, args.batch // 4)
@@ -103,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     mixed = [constrained] * n_constrained + [plain] * (args.batch - n_constrained)
     # Warm-up: kernels, xgrammar's set-up and the schema's compilation (cached from then on).
+    t0 = time.perf_counter()
     llm.generate(prompts[:2], [plain, constrained])
+    log(
+        f"warm-up (incl. xgrammar set-up and the schema's compilation): {time.perf_counter() - t0:.1f} s"
+    )
 
     def run(params: list[SamplingParams]) -> float:
         t0 = time.perf_counter()
