@@ -54,6 +54,7 @@ class GrammarBackend:
         self._error: BaseException | None = None
         self._compiler: Any = None
         self._xgr: Any = None
+        self._mask: Any = None  # the reused bitmask buffer (fill_bitmask)
 
     def _setup(self) -> None:
         self._tried = True
@@ -112,9 +113,16 @@ class GrammarBackend:
         return self._xgr.GrammarMatcher(self.compile(kind, value))
 
     def fill_bitmask(self, matchers: list[Any]) -> Any:
-        """An int32 bitmask [rows, words] on the CPU; rows without a matcher allow everything."""
-        xgr = self._xgr
-        mask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        """An int32 bitmask [rows, words] on the CPU, filled for the rows that have a matcher.
+
+        One buffer, reused step after step (allocating it each step cost more than filling
+        it): rows without a matcher hold stale bits, so only the constrained rows may be
+        applied (`apply_bitmask` takes their indices).
+        """
+        rows = len(matchers)
+        if self._mask is None or self._mask.shape[0] < rows:
+            self._mask = self._xgr.allocate_token_bitmask(max(rows, 64), self.vocab_size)
+        mask = self._mask[:rows]
         for row, m in enumerate(matchers):
             if m is not None:
                 m.fill_next_token_bitmask(mask, row)
@@ -125,6 +133,5 @@ def apply_bitmask(logits: Any, bitmask: Any, rows: list[int]) -> None:
     """Disallowed tokens of the constrained `rows` to -inf, in place, with xgrammar's kernel."""
     import xgrammar as xgr
 
-    xgr.apply_token_bitmask_inplace(
-        logits, bitmask.to(logits.device, non_blocking=True), indices=rows
-    )
+    # A blocking copy: the CPU buffer is refilled at the next step.
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
