@@ -17,6 +17,15 @@ import pytest
 from harness import ServerProcess
 
 MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    """A patient client: the first constrained request sets xgrammar up in the scheduler (a
+    few seconds, much longer on a busy machine), and grammars compile on first use."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+
 WEATHER = {
     "type": "function",
     "function": {
@@ -237,7 +246,7 @@ def test_bad_grammar_is_400(server: ServerProcess, body: dict, param: str, needl
     r = httpx.post(
         f"{server.url}/v1/chat/completions",
         json={"messages": MSG, "max_tokens": 5, **body},
-        timeout=60,
+        timeout=600,
     )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
