@@ -118,3 +118,15 @@ def test_schema_hardening_and_choice_grammar() -> None:
     assert hard["properties"]["s"]["pattern"].endswith("{0,3}$")
     assert schema["properties"]["s"] == {"type": "string", "maxLength": 3}  # not mutated
     assert choice_ebnf(['a"b', "ü"]) == 'root ::= "a\\"b" | "ü"'
+
+
+def test_parsers_follow_the_flags_and_the_template(tiny_model_dir) -> None:
+    from minisgl.structured.chat_template import read_chat_template, reasoning_on, tool_calls_on
+
+    qwen3 = read_chat_template(tiny_model_dir)
+    assert qwen3 is not None and "<tool_call>" in qwen3
+    assert reasoning_on("auto", qwen3) and tool_calls_on("auto", qwen3)
+    plain = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert not reasoning_on("auto", plain) and not tool_calls_on("auto", plain)
+    assert not reasoning_on("none", qwen3) and not tool_calls_on("none", qwen3)
+    assert reasoning_on("qwen3", plain) and tool_calls_on("qwen3", None)
