@@ -201,7 +201,7 @@ class Engine:
         """
         for req, token in zip(sampled, next_ids):
             matcher = req.grammar
-            if matcher is None:
+            if matcher is None or token == INVALID_TOKEN:  # no draw: the request ends anyway
                 continue
             if not matcher.accept_token(token):
                 logger.error("rid=%s: the grammar refused sampled token %d", req.rid, token)
