@@ -2,11 +2,17 @@
 
 Every server gets the same random Qwen3-0.6B-shaped model (bf16, CPU), the same cores (taskset)
 and about the same KV cache budget, and is driven by the same client, `python -m minisgl.bench`,
-with the same seeded prompts. Workloads (issue 4):
+with the same seeded prompts. Workloads (issues 4 and 12):
 
-    1 stream       4 requests one at a time, 128 output tokens
+    TTFT idle      4 requests one at a time, a 6-token prompt, 1 output token
+    1 stream       4 requests one at a time, 64 output tokens
     8 x 16         8 concurrent requests of 16 output tokens
-    32 x 128       32 concurrent requests of 128 output tokens
+    32 x 64        32 concurrent requests of 64 output tokens
+
+Before the servers start, the machine's roofline is measured (benchmarks/roofline.py: read
+bandwidth, matmul peak) and printed with the CPU model and flags; every minisgl figure is also
+given as a fraction of what that roofline allows for this model (weights streamed once per
+decode step; prefill FLOPs at the matmul peak).
 
 The peers run in their own environments, never as project dependencies:
 
@@ -34,14 +40,16 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-# Workload name -> (num prompts, max concurrency, output tokens).
-WORKLOADS: dict[str, tuple[int, int, int]] = {
-    "1 stream": (4, 1, 128),
-    "8 x 16": (8, 8, 16),
-    "32 x 128": (32, 32, 128),
+# Workload name -> (num prompts, max concurrency, output tokens, input tokens; 0: --input-len).
+WORKLOADS: dict[str, tuple[int, int, int, int]] = {
+    "TTFT idle": (4, 1, 1, 6),
+    "1 stream": (4, 1, 64, 0),
+    "8 x 16": (8, 8, 16, 0),
+    "32 x 64": (32, 32, 64, 0),
 }
 SERVED_NAME = "qwen3-0.6b-random"
 BENCH_PYTHON = "/work/bench-venv/bin/python"  # peers' own venv, outside the repo
@@ -67,6 +75,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def vllm_preload(python: str) -> dict[str, str]:
+    """LD_PRELOAD of tcmalloc (system) and the libiomp5 in the peer's environment, as vLLM's
+    CPU docs advise; whichever is missing is left out."""
+    libs = []
+    for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib"):
+        tc = Path(d) / "libtcmalloc_minimal.so.4"
+        if tc.exists():
+            libs.append(str(tc))
+            break
+    env_root = Path(python).parent.parent
+    libs += [str(p) for p in sorted(env_root.glob("lib/libiomp5.so"))[:1]]
+    return {"LD_PRELOAD": ":".join(libs)} if libs else {}
+
+
 def peers(args: argparse.Namespace, model: Path, port: int) -> list[Peer]:
     kv_tokens = args.kv_gib * (1 << 30) // KV_BYTES_PER_TOKEN_0_6B
     threads = {"OMP_NUM_THREADS": str(args.cores), "MKL_NUM_THREADS": str(args.cores)}
@@ -83,9 +105,11 @@ def peers(args: argparse.Namespace, model: Path, port: int) -> list[Peer]:
         ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
          "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len", "2048",
          "--max-num-seqs", "32", "--host", "127.0.0.1", *common],
-        # vLLM's CPU backend sizes its KV cache in GiB and pins its own OpenMP threads.
-        {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib), "VLLM_CPU_OMP_THREADS_BIND": "auto",
-         **threads},
+        # vLLM's CPU backend at its best: KV cache in GiB, its OpenMP threads pinned to the
+        # named cores, tcmalloc and its own Intel OpenMP preloaded.
+        {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib),
+         "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(args.cores, 1) - 1}",
+         **vllm_preload(args.vllm_python), **threads},
         [],
     )  # fmt: skip
     transformers = Peer(
@@ -147,14 +171,15 @@ def run_peer(peer: Peer, args: argparse.Namespace, port: int, workdir: Path) -> 
             log(f"[{peer.name}] skipped: server not ready; tail of its log:")
             log(server_log.read_text(errors="replace")[-2000:])
             return {}
-        for name, (num, conc, out_len) in WORKLOADS.items():
+        for name, (num, conc, out_len, in_len) in WORKLOADS.items():
+            in_len = in_len or args.input_len
             if args.quick:
                 num, conc, out_len = min(num, 8), min(conc, 8), min(out_len, 8)
             result_file = workdir / f"{peer.name}-{name.replace(' ', '')}.json"
             bench = [
                 sys.executable, "-m", "minisgl.bench", "--base-url", base_url,
                 "--model", SERVED_NAME, "--num-prompts", str(num), "--max-concurrency", str(conc),
-                "--random-input-len", str(args.input_len), "--random-output-len", str(out_len),
+                "--random-input-len", str(in_len), "--random-output-len", str(out_len),
                 "--seed", str(args.seed), "--output-file", str(result_file), "--disable-tqdm",
                 "--warmup-requests", "2", *peer.bench_args,
             ]  # fmt: skip
@@ -203,6 +228,34 @@ def table(all_results: dict[str, dict[str, dict]]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
 
+def roofline_lines(machine: Any, model: Path, results: dict[str, dict], input_len: int) -> str:
+    """Each minisgl figure as a fraction of what the measured roofline allows for this model:
+    a decode step reads every weight once (or, batched, is bound by the matmul peak), and a
+    prefill is bound by the matmul peak (or by reading the weights once)."""
+    wbytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    params = wbytes / 2  # bf16
+    out = [machine.describe(), f"model: {wbytes / 1e9:.2f} GB of bf16 weights"]
+    for name, (_, conc, _, in_len) in WORKLOADS.items():
+        r = results.get(name)
+        if not r:
+            continue
+        if name == "TTFT idle":
+            floor, bound = machine.floor_s(wbytes, 2 * params * (in_len or input_len), "bfloat16")
+            got = r["median_ttft_ms"] / 1e3
+            out.append(f"{name}: {got * 1e3:.0f} ms, roofline {floor * 1e3:.0f} ms ({bound}): "
+                       f"{floor / got:.0%}")  # fmt: skip
+            continue
+        step, bound = machine.floor_s(wbytes, 2 * params * conc, "bfloat16")
+        best = conc / step
+        got = r["output_throughput"]
+        if conc == 1 and r.get("median_tpot_ms"):
+            got = 1e3 / r["median_tpot_ms"]  # decode speed, without the prefill
+        out.append(
+            f"{name}: {got:.1f} tok/s, roofline {best:.1f} tok/s ({bound}): {got / best:.0%}"
+        )
+    return "\n".join(out)
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # run the `finally` blocks that stop the servers
 
@@ -234,6 +287,10 @@ def main() -> int:
 
             log("writing the random Qwen3-0.6B-shaped model (bf16)...")
             model = write_fixture_model(workdir / "qwen3-0.6b", "0.6b", dtype="bfloat16")
+        from roofline import measure as measure_machine
+
+        machine = measure_machine(("bfloat16",))  # before any server loads the cores
+        log(machine.describe())
         all_results: dict[str, dict[str, dict]] = {}
         for name in args.peers:
             port = free_port()
@@ -241,6 +298,9 @@ def main() -> int:
                 if peer.name == name:
                     all_results[name] = run_peer(peer, args, port, workdir)
         log("\n" + table(all_results))
+        if all_results.get("minisgl"):
+            log("\nminisgl against the roofline:\n" + roofline_lines(
+                machine, model, all_results["minisgl"], args.input_len))  # fmt: skip
         if args.output_file:
             Path(args.output_file).write_text(json.dumps(all_results, indent=2))
     return 0 if all_results.get("minisgl") else 1

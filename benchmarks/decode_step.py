@@ -4,9 +4,9 @@ Times ModelRunner.forward on a random fixture (Qwen3-0.6B shape by default) for 
 (B requests, one new token each, at a given context) and for a prefill chunk (requests of
 --prefill-len new tokens up to --prefill-tokens in one step). Repeats interleave the cases, so
 noise from other work on the machine spreads over all of them; the best and median of the
-repeats are printed. For B=1 it also prints the memory roofline: the bytes a decode step must
-read (for a mixture of experts only the k routed experts per layer) over the read bandwidth
-measured in the same run, and how close the step comes to it.
+repeats are printed, with the machine's measured roofline (read bandwidth, matmul peak:
+roofline.py) and each case's best as a fraction of it (the bytes a decode step must read: for a
+mixture of experts only the k routed experts per layer at B=1).
 
     python benchmarks/decode_step.py --dtype bfloat16 --batches 1,8,32 --context 320
     python benchmarks/decode_step.py --model-shape qwen3-30b-a3b --num-layers 4 --batches 1
@@ -16,14 +16,17 @@ measured in the same run, and how close the step comes to it.
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from bench_models import MODEL_SHAPES, decode_bytes_per_token, read_bandwidth
+from bench_models import MODEL_SHAPES, decode_bytes_per_token
 from bench_models import fixture as shape_fixture
+from roofline import linear_weights
+from roofline import measure as measure_machine
 
 from minisgl.config import EngineArgs
 from minisgl.engine.model_runner import ForwardInput, ModelRunner
@@ -74,13 +77,13 @@ def _label_kernels() -> None:
 
     def labelled(name: str, fn):  # noqa: ANN001, ANN202
         def run(*a, **kw):  # noqa: ANN002, ANN003, ANN202
-            rows = a[0].shape[0] if name in ("gemv", "gemm") else 0
+            rows = a[0].shape[0] if name in ("gemv", "gemv512", "gemm") else 0
             with record_function(f"minisgl::{name}" + (f"[N={a[1].shape[0]}]" if rows else "")):
                 return fn(*a, **kw)
 
         return run
 
-    for name in ("gemv", "gemm", "decode_attention", "rms_norm", "silu_mul"):
+    for name in ("gemv", "gemv512", "gemm", "decode_attention", "rms_norm", "silu_mul"):
         setattr(cpu_kernels, name, labelled(name, getattr(cpu_kernels, name)))
 
 
@@ -100,7 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--profile", type=int, default=0, help="profile decode at this batch size")
+    ap.add_argument("--cpu-kernel-tuning", default="cached", choices=("cached", "full", "off"))
+    ap.add_argument(
+        "--clock",
+        default="wall",
+        choices=("wall", "cpu"),
+        help="cpu: the process's CPU time; with --threads 1 it leaves out the time other work "
+        "held the core (ratios on a busy shared machine; not comparable to wall-clock figures)",
+    )
     args = ap.parse_args(argv)
+    # The kernel chooser's one line (what runs for which shape and row count) is worth seeing.
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -116,18 +129,36 @@ def main(argv: list[str] | None = None) -> int:
         + [args.prefill_tokens // PAGE + 64, 64]
     )
     eargs = EngineArgs(
-        model=str(model), dtype=args.dtype, device="cpu", num_pages=pages_needed, page_size=PAGE
+        model=str(model),
+        dtype=args.dtype,
+        device="cpu",
+        num_pages=pages_needed,
+        page_size=PAGE,
+        cpu_kernel_tuning=args.cpu_kernel_tuning,
     )
     runner = ModelRunner(eargs, model, config, max_seq_len=4096)
-    cases: dict[str, tuple[ForwardInput, int]] = {}
+    params, weight_bytes = linear_weights(runner.model)
+    kv_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim
+    kv_token *= runner.kv_pool.k_buffers[0].element_size()
+    one = decode_bytes_per_token(runner.model, args.context, runner.dtype)
+    # name -> (input, tokens, bytes read, FLOPs); B=1 reads only what one token touches (a
+    # mixture of experts: its k routed experts), more rows are counted as all the weights.
+    cases: dict[str, tuple[ForwardInput, int, float, float]] = {}
     for b in batches:
-        cases[f"decode B={b} ctx={args.context}"] = (decode_input(b, args.context), b)
+        nbytes = one if b == 1 else weight_bytes + b * args.context * kv_token
+        cases[f"decode B={b} ctx={args.context}"] = (
+            decode_input(b, args.context),
+            b,
+            nbytes,
+            2.0 * min(params, nbytes / runner.model.lm_head.weight.element_size()) * b,
+        )
     if args.prefill_tokens:
         inp = prefill_input(args.prefill_tokens, args.prefill_len)
-        cases[f"prefill {len(inp.token_ids)} tok ({args.prefill_len}/req)"] = (
-            inp,
-            len(inp.token_ids),
-        )
+        n = len(inp.token_ids)
+        # Logits only for each request's last token.
+        head = runner.model.lm_head.weight.numel()
+        flops = 2.0 * ((params - head) * n + head * len(inp.sample_rows))
+        cases[f"prefill {n} tok ({args.prefill_len}/req)"] = (inp, n, weight_bytes, flops)
 
     if args.profile:
         _label_kernels()
@@ -143,35 +174,29 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     times: dict[str, list[float]] = {k: [] for k in cases}
-    for inp, _ in cases.values():
+    for inp, *_ in cases.values():
         runner.forward(inp)  # warm-up: kernels built, tables cached
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for _ in range(args.repeats):
-        for name, (inp, _) in cases.items():
-            t0 = time.perf_counter()
+        for name, (inp, *_) in cases.items():
+            t0 = clock()
             runner.forward(inp)
-            times[name].append(time.perf_counter() - t0)
-    print(f"{args.dtype}, {torch.get_num_threads()} threads")
-    for name, (_, tokens) in cases.items():
+            times[name].append(clock() - t0)
+    machine = measure_machine((args.dtype,), clock)
+    print(machine.describe())
+    print(
+        f"{args.dtype}, {params / 1e6:.0f} M matmul parameters ({weight_bytes / 1e9:.2f} GB), "
+        f"{args.clock} clock"
+    )
+    for name, (_, tokens, nbytes, flops) in cases.items():
         best, med = min(times[name]), statistics.median(times[name])
+        floor, bound = machine.floor_s(nbytes, flops, args.dtype)
         print(
             f"{name:<34} best {best * 1e3:8.1f} ms  median {med * 1e3:8.1f} ms  "
-            f"{tokens / best:8.1f} tok/s (best)"
+            f"{tokens / best:8.1f} tok/s (best)  roofline {floor * 1e3:7.1f} ms ({bound}): "
+            f"{floor / best:4.0%}"
         )
-    if 1 in batches:
-        _roofline(runner, args.context, min(times[f"decode B=1 ctx={args.context}"]))
     return 0
-
-
-def _roofline(runner: ModelRunner, context: int, step_s: float) -> None:
-    need = decode_bytes_per_token(runner.model, context, runner.dtype)
-    bw = read_bandwidth()
-    ideal = need / bw
-    print(
-        f"B=1 decode reads {need / 1e6:.1f} MB/token; read bandwidth {bw / 1e9:.1f} GB/s "
-        f"-> roofline {ideal * 1e3:.1f} ms/token ({1 / ideal:.1f} tok/s); measured "
-        f"{step_s * 1e3:.1f} ms = {100 * ideal / step_s:.0f}% of the roofline "
-        f"({need / step_s / 1e9:.1f} GB/s effective)"
-    )
 
 
 if __name__ == "__main__":

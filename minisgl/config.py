@@ -19,6 +19,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 OUTPUT_PARSERS = ("auto", "qwen3", "none")
+CPU_KERNEL_TUNING = ("cached", "full", "off")
 
 
 def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
@@ -55,6 +56,12 @@ class EngineArgs:
         0, "this node's index: node 0 serves the API and rank 0, the others their ranks and /health"
     )
     seed: int = _f(0, "seed of the unseeded random sampling stream")
+    cpu_kernel_tuning: str = _f(
+        "cached",
+        "CPU matmul kernels timed per shape at start-up: cached (reuse earlier timings of this "
+        "machine), full (time again), off (fixed defaults)",
+        CPU_KERNEL_TUNING,
+    )
 
     @property
     def max_seq_len(self) -> int | None:

@@ -55,7 +55,15 @@ class ModelRunner:
         self.page_size = args.page_size
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, config, self.device)
-        self.model = load_model(model_path, config, self.dtype, self.device, tp_rank, tp_size)
+        self.model = load_model(
+            model_path,
+            config,
+            self.dtype,
+            self.device,
+            tp_rank,
+            tp_size,
+            cpu_kernel_tuning=args.cpu_kernel_tuning,
+        )
         num_kv_heads = max(1, config.num_key_value_heads // tp_size)
         num_heads = config.num_attention_heads // tp_size
         bytes_per_page = KVPool.bytes_per_page(

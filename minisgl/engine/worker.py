@@ -17,6 +17,7 @@ from typing import Any
 
 import zmq
 
+from minisgl import timeline
 from minisgl.config import EngineArgs
 from minisgl.message import scheduler_to_detokenizer, tokenizer_to_scheduler
 from minisgl.message.api_to_tokenizer import AbortRequest, Ping
@@ -41,6 +42,11 @@ from minisgl.process import (
 )
 
 STATS_INTERVAL = 0.25  # seconds; the API server's gauges are never older than this plus a step
+# Waking from idle, the loop keeps taking messages while they come this close together (at most
+# COALESCE_MAX in all), so requests sent together (a client's burst, passing the tokenizer one
+# by one) are prefilled in one step rather than the first alone and the rest a step later.
+COALESCE_GAP = 0.002
+COALESCE_MAX = 0.006
 
 
 class SchedulerLoop:
@@ -51,16 +57,30 @@ class SchedulerLoop:
         self.log = log
         self.batch_sizes: list[int] = []
         self.last_stats = 0.0
+        self.unscheduled: list[str] = []  # added since the last step (timeline only)
 
     def run(self, life: WorkerLife) -> None:
         while life.alive():
             busy = self.engine.has_unfinished()
-            for msg in self.inbox.get_all(timeout=0 if busy else STATS_INTERVAL / 2):
+            msgs = self.inbox.get_all(timeout=0 if busy else STATS_INTERVAL / 2)
+            for msg in msgs:
                 self.handle(msg)
+            if msgs and not busy:
+                self.coalesce()
             if self.engine.has_unfinished():
                 self.step()
             if time.monotonic() - self.last_stats >= STATS_INTERVAL:
                 self.send_stats()
+
+    def coalesce(self) -> None:
+        """Take the rest of a burst that woke an idle loop (see COALESCE_GAP)."""
+        deadline = time.monotonic() + COALESCE_MAX
+        while (left := deadline - time.monotonic()) > 0:
+            msgs = self.inbox.get_all(timeout=min(COALESCE_GAP, left))
+            if not msgs:
+                return
+            for msg in msgs:
+                self.handle(msg)
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, TokenizedRequest):
@@ -92,6 +112,9 @@ class SchedulerLoop:
         hidden = list(params.stop_token_ids)
         if not params.ignore_eos:
             hidden += list(engine.eos_token_ids)
+        if timeline.enabled():
+            timeline.mark(req.rid, "queued")
+            self.unscheduled.append(req.rid)
         self.log.info(
             "rid=%s queued: %d prompt tokens, max_tokens=%d",
             req.rid,
@@ -112,7 +135,17 @@ class SchedulerLoop:
         )
 
     def step(self) -> None:
+        if timeline.enabled():
+            for rid in self.unscheduled:
+                timeline.mark(rid, "scheduled")
+            self.unscheduled = []
+            timeline.mark("-", "step_begin")
         outputs = self.engine.step()
+        if timeline.enabled():
+            timeline.mark("-", "step_end")
+            for o in outputs:
+                if o.queue_time is not None:
+                    timeline.mark(o.rid, "forwarded")
         if not outputs:
             return
         self.batch_sizes.append(self.engine.stats().last_batch_size)

@@ -1,35 +1,69 @@
-"""Faster CPU matmuls for decode-shaped inputs (a handful of rows against a large weight).
+"""CPU matmuls y = x @ W.T, by whichever implementation is fastest on this machine.
 
 `F.linear` on CPU streams weights at a fraction of memory bandwidth for small batches (MKL's
-small-M path, and torch's bf16 path without AVX-512). Two remedies, in order of preference:
-- our AVX2 kernels (cpu_kernels.py): a GEMV for up to MAX_ROWS rows (memory-bound decode)
-  and a blocked GEMM beyond (batched decode, prefill). Both compute in fp32 from bf16 weights:
-  without native bf16 (AVX2), torch's bf16 matmul runs ~10x below its fp32 one;
-- else oneDNN with the weight reordered once into its blocked layout, for every row count
-  (needs CPU support for the dtype: bf16 wants AVX-512 or AVX-NE-CONVERT).
-On CPUs with native bf16 dot products (AVX512-BF16, AMX) oneDNN's bf16 GEMM does twice the
-FLOPs per instruction of our fp32-compute one, so there bf16 layers keep both: our GEMV for
-decode-sized inputs (bandwidth-bound, where it streams faster) and a oneDNN-packed copy for
-more rows (compute-bound: prefill, big decode batches). That costs a second copy of the bf16
-weights; MINISGL_CPU_ONEDNN_GEMM=0 drops it.
-Where nothing applies `create` returns None and the layer keeps F.linear.
+small-M path, and torch's bf16 path without native bf16), while for prefill-sized inputs
+MKL or oneDNN may beat our kernels (AVX-512, AMX). Which one wins depends on the CPU, the
+shape, the dtype and the row count, so it is measured (kernel_choice.py keeps the bookkeeping):
+the candidates
+- "gemv": our AVX2 GEMV (cpu_kernels.py; weights streamed once, fp32 compute);
+- "gemv512": our AVX-512 GEMV (native bf16 dot products where the CPU has them);
+- "gemm": our blocked GEMM (fp32 compute from bf16 or fp32 weights, no weight copy);
+- "torch": plain F.linear (MKL for fp32);
+- "onednn": oneDNN with the weight reordered once into its blocked layout (a second copy of
+  the weight, kept only where it wins some row count);
+are timed per distinct weight shape and dtype for each row-count bucket at start-up, and a
+layer then dispatches on its input's row count with a list lookup.
 
-The switch: MINISGL_CPU_PREPACK=0 turns all of this off (plain F.linear everywhere);
-MINISGL_CPU_KERNELS=0 turns off just the AVX2 kernel.
+Tuning modes (EngineArgs.cpu_kernel_tuning): "cached" (default: measure shapes the on-disk
+cache lacks), "full" (measure all again), "off" (no timing: GEMV up to 16 rows, then oneDNN
+where the CPU multiplies bf16 natively, else our GEMM).
+Switches: MINISGL_CPU_PREPACK=0: plain F.linear everywhere; MINISGL_CPU_KERNELS=0: no C
+kernels; MINISGL_CPU_ONEDNN_GEMM=0: never a oneDNN copy; MINISGL_CPU_LINEAR=<candidate>: that
+candidate for every row count where it can run (the parity tests force each in turn).
+
+For other layers (e.g. a fused MoE): `CpuLinearKernel.create(W)` gives a callable
+x [M, K] -> x @ W.T, tuned once per shape per process; `create_group` does a list of
+same-shaped weights at once.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from minisgl.layers import cpu_kernels
+from minisgl.layers import cpu_build, cpu_kernels, kernel_choice
+from minisgl.layers.kernel_choice import BUCKETS, TIMED_ROWS, MachineKey, ShapeKey
+
+logger = logging.getLogger(__name__)
+
+# Listed with the copy-free ones first: ties go to the earlier one.
+CANDIDATES = ("gemv", "gemv512", "gemm", "torch", "onednn")
+# Timing: at least this many bytes of distinct weights per pass (more than a last-level cache,
+# so each pass reads from memory as a decode step does), at most this many FLOPs per pass.
+_COLD_BYTES = 48 << 20
+_PASS_FLOPS = 4e8
+# Passes per candidate: at least _MIN_REPEATS, more (up to _MAX_REPEATS) while some best still
+# improves by over 2%: on an idle machine that stops early, on a busy one it keeps looking for
+# undisturbed passes.
+_MIN_REPEATS = 3
+_MAX_REPEATS = 8
+
+# Picks made in this process, by (mode, shape, candidates available).
+_MEMO: dict[tuple[str, ShapeKey, tuple[str, ...]], tuple[str, ...]] = {}
+
+
+def _off(name: str) -> bool:
+    return os.environ.get(name, "1") in ("0", "false", "no")
 
 
 def prepack_enabled() -> bool:
-    return os.environ.get("MINISGL_CPU_PREPACK", "1") not in ("0", "false", "no")
+    return not _off("MINISGL_CPU_PREPACK")
 
 
 def native_bf16() -> bool:
@@ -38,7 +72,7 @@ def native_bf16() -> bool:
 
 
 def onednn_gemm_enabled() -> bool:
-    return os.environ.get("MINISGL_CPU_ONEDNN_GEMM", "1") not in ("0", "false", "no")
+    return not _off("MINISGL_CPU_ONEDNN_GEMM")
 
 
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -57,51 +91,267 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+def _cast(y: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
+    return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
+
+
+# name -> run(x, weight, packed, out_dtype). The picks were made for x in the weight's dtype
+# (the model's); an x of another dtype takes a path that accepts it.
+_RUN: dict[str, Callable[..., torch.Tensor]] = {
+    "gemv": lambda x, w, p, o: cpu_kernels.gemv(x, w, o),
+    "gemv512": lambda x, w, p, o: (
+        cpu_kernels.gemv512(x, w, o) if x.dtype == w.dtype else cpu_kernels.gemv(x, w, o)
+    ),
+    "gemm": lambda x, w, p, o: cpu_kernels.gemm(x, w, o),
+    "torch": lambda x, w, p, o: _cast(F.linear(x.to(w.dtype), w), o),
+    "onednn": lambda x, w, p, o: _cast(_onednn_linear(x.to(w.dtype), p), o),
+}
+
+
+def available(weight: torch.Tensor, x_dtype: torch.dtype) -> list[str]:
+    """The candidates that can compute x @ weight.T here (in CANDIDATES' order)."""
+    ours = cpu_kernels.supports(weight)
+    out = []
+    if ours:
+        out.append("gemv")
+        if cpu_kernels.supports_gemv512(x_dtype, weight):
+            out.append("gemv512")
+        out.append("gemm")
+    out.append("torch")
+    # oneDNN probed on a few rows of the weight (packing all of a large one takes a while).
+    probe = weight.detach()[: min(weight.shape[0], 64)]
+    if x_dtype == weight.dtype and onednn_gemm_enabled() and _onednn_pack(probe) is not None:
+        out.append("onednn")
+    return out
+
+
+def default_picks(avail: Sequence[str], weight_dtype: torch.dtype) -> tuple[str, ...]:
+    """Without measuring (tuning "off"): the choice that was tuned on an AVX2 machine."""
+    if "gemv" in avail:
+        native = weight_dtype == torch.bfloat16 and native_bf16() and "onednn" in avail
+        big = "onednn" if native else "gemm"
+        small = cpu_kernels.MAX_ROWS
+        return tuple("gemv" if (last or small + 1) <= small else big for _, last in BUCKETS)
+    only = "onednn" if "onednn" in avail else "torch"
+    return tuple(only for _ in BUCKETS)
+
+
+def machine_key() -> MachineKey:
+    model, flags = cpu_build.cpu_info()
+    kernels = cpu_kernels.build_id() or "none"
+    return MachineKey.of(model, flags, torch.__version__, torch.get_num_threads(), kernels)
+
+
+def tuning_cache() -> kernel_choice.TuningCache:
+    return kernel_choice.TuningCache(cpu_build.cache_dir() / "tuning", machine_key())
+
+
 class CpuLinearKernel:
-    """y = x @ weight.T (in `out_dtype`, default x's dtype) by the fastest available path."""
+    """y = x @ weight.T (in `out_dtype`, default x's dtype), by the pick for x's row count."""
 
     def __init__(
         self,
         weight: torch.Tensor,
-        use_gemv: bool,
+        picks: Sequence[str],
         packed: torch.Tensor | None,
         out_dtype: torch.dtype | None,
     ) -> None:
-        self.weight = weight
-        self.use_gemv = use_gemv
-        self.packed = packed
-        self.out_dtype = out_dtype
+        self.weight, self.packed, self.out_dtype = weight, packed, out_dtype
+        self.picks = tuple(picks)
+        runs = {name: _bind(name, weight, packed, out_dtype) for name in set(self.picks)}
+        self._table = [runs[name] for name in kernel_choice.row_table(self.picks)]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._table[kernel_choice.table_index(x.shape[0])](x)
 
     @staticmethod
     def create(
-        weight: torch.Tensor, out_dtype: torch.dtype | None = None
+        weight: torch.Tensor, out_dtype: torch.dtype | None = None, tuning: str = "cached"
     ) -> CpuLinearKernel | None:
-        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
-            return None
-        if not prepack_enabled():
-            return None
-        weight = weight.detach()
-        if cpu_kernels.supports(weight):
-            # Many rows go to oneDNN where the CPU multiplies bf16 natively (see above).
-            big = (
-                _onednn_pack(weight)
-                if weight.dtype == torch.bfloat16 and native_bf16() and onednn_gemm_enabled()
-                else None
-            )
-            return CpuLinearKernel(weight, True, big, out_dtype)
-        packed = _onednn_pack(weight)
-        if packed is None:
-            return None
-        return CpuLinearKernel(weight, False, packed, out_dtype)
+        """The kernel for `weight`, or None where nothing beats F.linear's plain path here."""
+        return create_group([weight], out_dtype, tuning)[0]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_gemv:
-            if x.shape[0] <= cpu_kernels.MAX_ROWS:
-                return cpu_kernels.gemv(x, self.weight, self.out_dtype)
-            if self.packed is None:
-                return cpu_kernels.gemm(x, self.weight, self.out_dtype)
-        if self.packed is not None:
-            y = _onednn_linear(x, self.packed)
+
+def _bind(
+    name: str, weight: torch.Tensor, packed: torch.Tensor | None, out_dtype: torch.dtype | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    run = _RUN[name]
+    return lambda x: run(x, weight, packed, out_dtype)
+
+
+def create_group(
+    weights: Sequence[torch.Tensor],
+    out_dtype: torch.dtype | None = None,
+    tuning: str = "cached",
+    x_dtype: torch.dtype | None = None,
+) -> list[CpuLinearKernel | None]:
+    """Kernels for same-shaped, same-dtype weights (e.g. every layer's qkv), tuned once: the
+    timing passes over several of them, so they read from memory as in a real step."""
+    return _create_group(weights, out_dtype, tuning, x_dtype)[0]
+
+
+def _create_group(
+    weights: Sequence[torch.Tensor],
+    out_dtype: torch.dtype | None,
+    tuning: str,
+    x_dtype: torch.dtype | None,
+) -> tuple[list[CpuLinearKernel | None], ShapeKey | None, str]:
+    first = weights[0].detach()
+    none: list[CpuLinearKernel | None] = [None] * len(weights)
+    if first.device.type != "cpu" or first.dtype not in (torch.float32, torch.bfloat16):
+        return none, None, ""
+    if not prepack_enabled():
+        return none, None, ""
+    shape, picks, source = choose(weights, x_dtype or first.dtype, out_dtype, tuning)
+    if picks is None:
+        return none, shape, source
+    out: list[CpuLinearKernel | None] = []
+    for w in weights:
+        w = w.detach()
+        packed = _onednn_pack(w) if "onednn" in picks else None
+        out.append(CpuLinearKernel(w, picks, packed, out_dtype))
+    return out, shape, source
+
+
+def choose(
+    weights: Sequence[torch.Tensor],
+    x_dtype: torch.dtype,
+    out_dtype: torch.dtype | None,
+    tuning: str,
+) -> tuple[ShapeKey, tuple[str, ...] | None, str]:
+    """(shape, picks per bucket or None for plain F.linear everywhere, how they were found)."""
+    if tuning not in kernel_choice.MODES:
+        raise ValueError(f"cpu_kernel_tuning must be one of {kernel_choice.MODES}, not {tuning!r}")
+    first = weights[0]
+    shape = ShapeKey(
+        first.shape[0],
+        first.shape[1],
+        str(first.dtype).removeprefix("torch."),
+        str(x_dtype).removeprefix("torch."),
+        str(out_dtype or x_dtype).removeprefix("torch."),
+    )
+    avail = available(first, x_dtype)
+    forced = os.environ.get("MINISGL_CPU_LINEAR")
+    if forced:
+        picks, source = (
+            kernel_choice.forced(forced, avail, default_picks(avail, first.dtype)),
+            "forced",
+        )
+    elif tuning == "off":
+        picks, source = default_picks(avail, first.dtype), "defaults"
+    elif (tuning, shape, tuple(avail)) in _MEMO:
+        picks, source = _MEMO[(tuning, shape, tuple(avail))], "measured"
+    else:
+        cache = tuning_cache()
+        got = cache.get(shape, avail) if tuning == "cached" else None
+        if got is not None:
+            picks, source = got, "cached"
         else:
-            y = F.linear(x, self.weight)
-        return y if self.out_dtype is None else y.to(self.out_dtype)
+            spreads: list[float] = []
+            timings = measure(weights, x_dtype, out_dtype, avail, spreads=spreads)
+            picks = kernel_choice.pick(timings, default_picks(avail, first.dtype))
+            source = "measured"
+            if kernel_choice.disturbed(spreads):
+                # Bursts of other work decide such timings more than the kernels do.
+                picks = default_picks(avail, first.dtype)
+                source = "defaults: timings disturbed, not cached"
+                logger.warning(
+                    "CPU matmul timings for %s varied by %.1fx between passes (other work on "
+                    "the cores): using the defaults, measuring again next start",
+                    shape,
+                    sorted(spreads)[len(spreads) // 2],
+                )
+            else:
+                cache.put({shape: picks})
+        _MEMO[(tuning, shape, tuple(avail))] = picks
+    if all(p == "torch" for p in picks):
+        return shape, None, source
+    return shape, picks, source
+
+
+def _timing_set(weights: Sequence[torch.Tensor], rows: int) -> list[torch.Tensor]:
+    """The weights one timing pass multiplies: enough distinct ones to miss the caches, few
+    enough FLOPs to stay quick (a slice of rows of one when even one is too big)."""
+    n, k = weights[0].shape
+    per = weights[0].numel() * weights[0].element_size()
+    flops = 2.0 * rows * n * k
+    count = max(1, min(len(weights), -(-_COLD_BYTES // per), int(_PASS_FLOPS // flops)))
+    if flops <= _PASS_FLOPS:
+        return [w.detach() for w in weights[:count]]
+    keep = max(64, int(_PASS_FLOPS // (2.0 * rows * k)) // 16 * 16)
+    return [weights[0].detach()[: min(n, keep)]]
+
+
+def measure(
+    weights: Sequence[torch.Tensor],
+    x_dtype: torch.dtype,
+    out_dtype: torch.dtype | None,
+    avail: Sequence[str],
+    clock: Callable[[], float] = time.perf_counter,
+    spreads: list[float] | None = None,
+) -> dict[str, list[float | None]]:
+    """Seconds per pass for each candidate (in CANDIDATES' order) and bucket; None: cannot
+    run here. The candidates take turns pass by pass and each keeps its best, so a burst of
+    other work on the machine hits them all alike; one far behind after its first pass is not
+    run again. The best pass counts (other work only ever adds time). `spreads` collects each
+    repeated candidate's slowest pass over its fastest."""
+    timings: dict[str, list[float | None]] = {name: [] for name in CANDIDATES}
+    packs: dict[tuple[int, int], Any] = {}
+    for rows in TIMED_ROWS:
+        group = _timing_set(weights, rows)
+        x = torch.randn(rows, group[0].shape[1]).to(x_dtype)
+        live: dict[str, tuple[Callable[..., torch.Tensor], list[Any]]] = {}
+        for name in CANDIDATES:
+            if name not in avail:
+                continue
+            packed: list[Any] = [None] * len(group)
+            if name == "onednn":
+                packed = [
+                    packs.setdefault((i, w.shape[0]), _onednn_pack(w)) for i, w in enumerate(group)
+                ]
+            live[name] = (_RUN[name], packed)
+            _RUN[name](x, group[0], packed[0], out_dtype)  # warm-up: first-call set-up
+        best = {name: float("inf") for name in live}
+        worst = {name: 0.0 for name in live}
+        for rep in range(_MAX_REPEATS):
+            improved = False
+            for name, (run, packed) in live.items():
+                t0 = clock()
+                for w, p in zip(group, packed):
+                    run(x, w, p, out_dtype)
+                t = clock() - t0
+                improved |= t < 0.98 * best[name]
+                best[name] = min(best[name], t)
+                worst[name] = max(worst[name], t)
+            if rep == 0:
+                lead = min(best.values())
+                live = {n: v for n, v in live.items() if best[n] <= 3 * lead}
+            elif rep + 1 >= _MIN_REPEATS and not improved:
+                break
+        for name in CANDIDATES:
+            timings[name].append(best.get(name))
+        if spreads is not None:
+            spreads += [worst[n] / best[n] for n in live if best[n] > 0]
+    return timings
+
+
+def prepack_modules(modules: Sequence[Any], tuning: str = "cached") -> None:
+    """Set `m.kernel` for CPU matmul modules (each has `weight` and `kernel_out_dtype`), tuning
+    once per distinct shape and dtype, and log one line of what was picked."""
+    groups: dict[tuple[Any, ...], list[Any]] = {}
+    for m in modules:
+        w = m.weight
+        groups.setdefault((tuple(w.shape), w.dtype, m.kernel_out_dtype), []).append(m)
+    chosen: dict[ShapeKey, tuple[str, ...]] = {}
+    sources: set[str] = set()
+    t0 = time.perf_counter()
+    for (_, _, out_dtype), mods in groups.items():
+        kernels, shape, source = _create_group([m.weight for m in mods], out_dtype, tuning, None)
+        for m, kernel in zip(mods, kernels):
+            m.kernel = kernel
+        if kernels[0] is not None and shape is not None:
+            chosen[shape] = kernels[0].picks
+            sources.add(source)
+    if chosen:
+        how = "/".join(sorted(sources)) + f", {time.perf_counter() - t0:.1f} s"
+        logger.info(kernel_choice.summary(chosen, how))

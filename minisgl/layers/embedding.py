@@ -48,13 +48,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1
     ) -> None:
         super().__init__(vocab_size, hidden_size, tp_rank, tp_size)
-        self.kernel: CpuLinearKernel | None = None
+        self.kernel: CpuLinearKernel | None = None  # see LinearBase.kernel
+        self.kernel_out_dtype: torch.dtype | None = torch.float32
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
-
-    def prepack(self) -> None:
-        self.kernel = CpuLinearKernel.create(self.weight, out_dtype=torch.float32)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:

@@ -36,8 +36,9 @@ class LinearBase(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
-        # Set by `prepack` on CPU: a faster layout of `weight` (see cpu_linear.py).
+        # Set on CPU by cpu_linear.prepack_modules: the fastest matmul per row count.
         self.kernel: CpuLinearKernel | None = None
+        self.kernel_out_dtype: torch.dtype | None = None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -54,9 +55,6 @@ class LinearBase(nn.Module):
             assert self.bias is not None, "a bias for a layer built without one"
             return self.bias.data
         return self.weight.data
-
-    def prepack(self) -> None:
-        self.kernel = CpuLinearKernel.create(self.weight)
 
 
 class ColumnParallelLinear(LinearBase):

@@ -113,11 +113,13 @@ def load_model(
     tp_size: int = 1,
     progress: bool | None = None,
     prepack: bool = True,
+    cpu_kernel_tuning: str = "cached",
 ) -> Qwen3ForCausalLM:
     """Build the model for this rank on `device` (its class picked by config.json's
     `architectures`, see registry.py) and fill it from the checkpoint at `path`.
 
-    `prepack` (CPU only) reorders matmul weights for oneDNN where the CPU supports it; set
+    `prepack` (CPU only) gives each matmul the kernel measured fastest here for its shape and
+    row count (`cpu_kernel_tuning`: cached, full or off; see cpu_linear.py); set
     MINISGL_CPU_PREPACK=0 (or pass False) to keep plain F.linear.
     """
     files = checkpoint_files(Path(path))
@@ -138,5 +140,5 @@ def load_model(
         raise FileNotFoundError(f"checkpoint {path} has no tensor {missing[0]!r}{more}")
     model.eval()
     if prepack and device.type == "cpu":
-        model.prepack()
+        model.prepack(cpu_kernel_tuning)
     return model

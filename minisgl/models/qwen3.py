@@ -17,6 +17,7 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
+from minisgl.layers import cpu_linear
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.attention.base import AttentionBackend, AttentionMetadata
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -338,8 +339,7 @@ class Qwen3ForCausalLM(nn.Module):
             norms[rest].weight.data.copy_(t)
         return True
 
-    def prepack(self) -> None:
-        """Switch CPU matmuls to prepacked weights where it is supported (see cpu_linear.py)."""
-        for m in self.modules():
-            if isinstance(m, (LinearBase, ParallelLMHead)):
-                m.prepack()
+    def prepack(self, tuning: str = "cached") -> None:
+        """Give CPU matmuls the fastest kernel per row count, measured (see cpu_linear.py)."""
+        mods = [m for m in self.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
+        cpu_linear.prepack_modules(mods, tuning)

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from minisgl import timeline
 from minisgl.message.api_to_tokenizer import TokenizeRequest
 from minisgl.message.detokenizer_to_api import ErrorReply, TextOutput
 from minisgl.sampling_params import SamplingParams
@@ -99,6 +100,7 @@ class Tracker:
     completion_tokens: int = 0
     finish_reason: str | None = None
     done: bool = False
+    first_byte: bool = False  # the first content chunk went out (timeline)
 
     def on_output(self, out: TextOutput) -> None:
         if out.queue_time is not None:
@@ -197,6 +199,7 @@ async def serve_request(
         **tok_req_fields,
     )
     log.info("rid=%s received: %s stream=%s", rid, kind, req.stream)
+    timeline.mark(rid, "received")
     try:
         state = ctx.manager.submit(tok_req)
     except (TypeError, ValueError, OverflowError) as exc:  # e.g. a 2**70 in chat_template_kwargs
@@ -375,6 +378,9 @@ async def _stream(
             tracker.on_output(reply)
             for delta in deltas(reply.text, False):
                 yield _sse(chunk(delta, None))
+                if timeline.enabled():
+                    timeline.mark(tracker.rid, "token" if tracker.first_byte else "first_byte")
+                    tracker.first_byte = True
             if reply.finished:
                 break
             reply = await state.queue.get()

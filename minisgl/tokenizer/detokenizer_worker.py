@@ -15,6 +15,7 @@ from typing import Any
 
 import zmq
 
+from minisgl import timeline
 from minisgl.message import detokenizer_to_api, scheduler_to_detokenizer, tokenizer_to_scheduler
 from minisgl.message.api_to_tokenizer import AbortRequest, Ping
 from minisgl.message.detokenizer_to_api import ErrorReply, TextBatch, TextOutput
@@ -93,6 +94,8 @@ class Detokenizer:
             if finished:
                 del self.decoders[out.rid]
                 self.log.debug("rid=%s finished (%s)", out.rid, reason)
+            if timeline.enabled() and out.queue_time is not None:
+                timeline.mark(out.rid, "detokenized")
             if delta or finished or out.queue_time is not None:
                 texts.append(
                     TextOutput(

@@ -15,6 +15,7 @@ from typing import Any
 
 import zmq
 
+from minisgl import timeline
 from minisgl.message import api_to_tokenizer, detokenizer_to_api, tokenizer_to_scheduler
 from minisgl.message.api_to_tokenizer import (
     AbortRequest,
@@ -142,6 +143,7 @@ def _handle(
             to_api.put(ErrorReply(msg.rid, f"tokenization failed: {exc}", 400, None))
             return
         log.debug("rid=%s tokenized: %d prompt tokens", msg.rid, len(ids))
+        timeline.mark(msg.rid, "tokenized")
         to_scheduler.put(
             TokenizedRequest(
                 msg.rid, ids, msg.params, msg.max_tokens, msg.arrival_time, msg.skip_special_tokens

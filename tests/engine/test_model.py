@@ -165,13 +165,21 @@ def test_prefix_then_chunks_then_decode_match_transformers(tmp_path: Path) -> No
         torch.testing.assert_close(logits, hf_logits(hf, seq), atol=1e-4, rtol=1e-4)
 
 
+MATMULS = ["measured", "gemv", "gemv512", "gemm", "torch", "onednn"]
+
+
+@pytest.mark.parametrize("matmul", MATMULS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cpu_fast_path_agrees_with_pure_pytorch(
-    tmp_path: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, dtype: torch.dtype, matmul: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The CPU kernels (matmul, norm, decode attention) against the plain PyTorch path, over a
-    prefill step and decode steps."""
+    prefill step and decode steps: with the matmuls the chooser measured fastest, and with each
+    candidate forced for every row count (where this CPU can run it)."""
     from minisgl.layers import cpu_kernels
+
+    if matmul != "measured":
+        monkeypatch.setenv("MINISGL_CPU_LINEAR", matmul)
 
     write_hf_model(tmp_path)
     config = ModelConfig.from_dir(tmp_path)
@@ -324,16 +332,22 @@ def test_tensor_parallel_two_ranks_match_transformers(tmp_path: Path) -> None:
         torch.testing.assert_close(torch.tensor(logits), want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("matmul", MATMULS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cpu_fast_matmul_matches_linear(dtype: torch.dtype) -> None:
-    """Whatever fast path this CPU gets (AVX2 kernel, oneDNN or none) computes x @ W.T for
-    decode-sized and prefill-sized inputs and odd output sizes."""
+def test_cpu_fast_matmul_matches_linear(
+    dtype: torch.dtype, matmul: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever fast path this CPU gets (measured, or each candidate forced) computes x @ W.T
+    for decode-sized and prefill-sized inputs and odd output sizes."""
     from minisgl.layers.cpu_linear import CpuLinearKernel
+
+    if matmul != "measured":
+        monkeypatch.setenv("MINISGL_CPU_LINEAR", matmul)
 
     g = torch.Generator().manual_seed(0)
     for n, k in [(1, 8), (5, 64), (130, 1024)]:
         w = torch.randn(n, k, generator=g).to(dtype)
-        for m in (1, 2, 3, 16, 17):
+        for m in (1, 2, 3, 5, 16, 17, 70):
             x = torch.randn(m, k, generator=g).to(dtype)
             want = F.linear(x.float(), w.float())
             for out_dtype in (None, torch.float32):

@@ -1,5 +1,5 @@
-"""The AVX2 CPU kernels against float64 references: matmuls at every row count the engine
-routes to them (GEMV and GEMM, tails included) and paged decode attention with GQA."""
+"""The CPU kernels against float64 references: matmuls at every row count the engine may route
+to them (every matmul candidate, tails included) and paged decode attention with GQA."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2 kern
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 2, 3, 15, 16, 17, 40, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 15, 16, 17, 40, 200])
 def test_matmul_matches_reference(wdtype: torch.dtype, rows: int) -> None:
+    """Our GEMV and GEMM at any row count (the chooser may give either any bucket)."""
     torch.manual_seed(rows)
     n, k = 37, 96  # N not a multiple of the 16-row panel or the 4-row block
     w = torch.randn(n, k).to(wdtype)
     x = torch.randn(rows, k)
     ref = F.linear(x.double(), w.double())
-    fn = cpu_kernels.gemv if rows <= cpu_kernels.MAX_ROWS else cpu_kernels.gemm
-    for f in {fn, cpu_kernels.gemm}:
+    for f in (cpu_kernels.gemv, cpu_kernels.gemm):
         y = f(x, w)
         assert y.dtype == torch.float32 and y.shape == (rows, n)
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
@@ -29,6 +29,32 @@ def test_matmul_matches_reference(wdtype: torch.dtype, rows: int) -> None:
         yb = f(x.bfloat16(), w, torch.bfloat16)
         assert yb.dtype == torch.bfloat16
         assert torch.equal(yb, f(x.bfloat16(), w).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17, 70])
+def test_avx512_gemv_matches_reference(wdtype: torch.dtype, rows: int) -> None:
+    """x in the weight's dtype (bf16 products are exact, sums in fp32, as oneDNN's)."""
+    torch.manual_seed(rows)
+    n, k = 37, 96
+    w = torch.randn(n, k).to(wdtype)
+    x = torch.randn(rows, k).to(wdtype)
+    lib = cpu_kernels.load()
+    if lib is None or lib.gemv512_bf16 is None:  # the AVX2 build: no such candidate
+        assert not cpu_kernels.supports_gemv512(wdtype, w)
+        return
+    assert cpu_kernels.supports_gemv512(wdtype, w)
+    ref = F.linear(x.double(), w.double())
+    y = cpu_kernels.gemv512(x, w, torch.float32)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+    yb = cpu_kernels.gemv512(x, w)
+    assert yb.dtype == wdtype and torch.equal(yb, y.to(wdtype))
+
+
+def test_read_bandwidth_is_measured() -> None:
+    bw = cpu_kernels.read_bandwidth(64 << 20, repeats=1)
+    assert bw is not None and bw > 1e8
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -56,48 +82,6 @@ def test_decode_attention_matches_sdpa(dtype: torch.dtype, hq: int, hkv: int, d:
         )  # [Hq, 1, D]
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
         torch.testing.assert_close(out[b].double(), ref.reshape(-1), rtol=tol, atol=tol)
-
-
-@pytest.mark.parametrize("native", [False, True])
-def test_bf16_gemm_goes_to_onednn_only_with_native_bf16(monkeypatch, native: bool) -> None:
-    """Decode-sized inputs always take our GEMV; beyond MAX_ROWS bf16 goes to the oneDNN copy
-    where the CPU has bf16 dot products (twice our fp32-compute GEMM's FLOPs there). The oneDNN
-    call is replaced by F.linear on this machine's behalf when it lacks native bf16."""
-    from minisgl.layers import cpu_linear
-
-    calls: list[int] = []
-    if not cpu_linear.native_bf16():
-        monkeypatch.setattr(cpu_linear, "native_bf16", lambda: native)
-        monkeypatch.setattr(cpu_linear, "_onednn_pack", lambda w: w.clone())
-
-        def fake_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-            calls.append(x.shape[0])
-            return F.linear(x, packed)
-
-        monkeypatch.setattr(cpu_linear, "_onednn_linear", fake_linear)
-    elif not native:
-        monkeypatch.setenv("MINISGL_CPU_ONEDNN_GEMM", "0")
-    torch.manual_seed(0)
-    w = torch.randn(48, 64).bfloat16()
-    kernel = cpu_linear.CpuLinearKernel.create(w)
-    assert kernel is not None and kernel.use_gemv
-    assert (kernel.packed is not None) == native
-    for rows in (1, cpu_kernels.MAX_ROWS, cpu_kernels.MAX_ROWS + 1, 100):
-        x = torch.randn(rows, 64).bfloat16()
-        ref = F.linear(x.double(), w.double())
-        torch.testing.assert_close(kernel(x).double(), ref, rtol=2e-2, atol=0.1)
-    if calls or not cpu_linear.native_bf16():
-        assert calls == ([cpu_kernels.MAX_ROWS + 1, 100] if native else [])
-
-
-def test_onednn_copy_can_be_turned_off(monkeypatch) -> None:
-    from minisgl.layers import cpu_linear
-
-    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: True)
-    monkeypatch.setattr(cpu_linear, "_onednn_pack", lambda w: w.clone())
-    monkeypatch.setenv("MINISGL_CPU_ONEDNN_GEMM", "0")
-    kernel = cpu_linear.CpuLinearKernel.create(torch.randn(32, 64).bfloat16())
-    assert kernel is not None and kernel.packed is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -1,0 +1,107 @@
+"""Build the CPU kernels (layers/csrc/*.c) for the instruction set of the running machine.
+
+No build step for users: the first use compiles the sources with the system C compiler into a
+per-user cache (one shared library per instruction set and source digest) and later runs load
+that file. Two builds exist:
+- "avx2": AVX2 + FMA, every kernel;
+- "avx512": the same kernels compiled for AVX-512 plus an AVX-512 GEMV (gemv_avx512.c), with
+  native bf16 dot products where the CPU has AVX512-BF16.
+The build is chosen from the CPU's flags at load time; MINISGL_CPU_ISA=avx2 forces the AVX2
+build on an AVX-512 machine (to compare them). Torch-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+COMMON_SOURCES = ("gemv.c", "gemm.c", "attention.c", "elementwise.c", "stream.c")
+AVX512_NEEDS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+
+
+@cache
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """(model name, flags) of the first CPU in /proc/cpuinfo; ("", {}) where there is none."""
+    model, flags = "", frozenset[str]()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = frozenset(value.split())
+    return model or platform.processor() or platform.machine(), flags
+
+
+def pick_isa(flags: frozenset[str], forced: str | None = None) -> str | None:
+    """The build for a CPU with these flags: "avx512", "avx2" or None (no kernels)."""
+    has_avx2 = {"avx2", "fma"} <= flags
+    if forced == "avx2":
+        return "avx2" if has_avx2 else None
+    if flags >= AVX512_NEEDS:
+        return "avx512"
+    return "avx2" if has_avx2 else None
+
+
+def compile_flags(isa: str, flags: frozenset[str]) -> list[str]:
+    out = ["-mavx2", "-mfma", "-mf16c"]
+    if isa == "avx512":
+        out += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+        if "avx512_bf16" in flags:
+            out.append("-mavx512bf16")
+    return out
+
+
+def sources(isa: str) -> list[Path]:
+    names = list(COMMON_SOURCES) + (["gemv_avx512.c"] if isa == "avx512" else [])
+    return [CSRC / n for n in names]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MINISGL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minisgl"
+    )
+    return Path(root)
+
+
+def source_digest(isa: str, cflags: list[str], cc: str = "") -> str:
+    h = hashlib.sha256(" ".join([isa, cc, *cflags]).encode())
+    for p in sorted(CSRC.glob("*.[ch]")):
+        h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build(isa: str, flags: frozenset[str]) -> Path | None:
+    """The shared library for `isa`, compiled now if the cache has none; None if it cannot be."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    cflags = compile_flags(isa, flags)
+    out = cache_dir() / "kernels" / f"cpu-kernels-{isa}-{source_digest(isa, cflags, cc)}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        lib = Path(tmp) / "kernels.so"
+        cmd = [cc, "-O3", *cflags, "-fopenmp", "-shared", "-fPIC", f"-I{CSRC}"]
+        cmd += [str(p) for p in sources(isa)] + ["-o", str(lib), "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            logger.info("CPU kernels (%s) not built with %s: %s", isa, cc, result.stderr[-800:])
+            return None
+        os.replace(lib, out)  # atomic: concurrent builders (TP ranks) agree on one file
+    return out

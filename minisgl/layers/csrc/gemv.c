@@ -1,0 +1,127 @@
+/* GEMV for decode-sized inputs (a few rows against a large weight), AVX2. */
+#include "common.h"
+
+/* Four weight rows against one or two input rows; K % 8 == 0. */
+#define GEMV(NAME, WT, LOAD)                                                                  \
+void NAME(const float* x, const WT* w, void* y, int64_t M, int64_t N, int64_t K,            \
+          int out_bf16) {                                                                   \
+    int64_t blocks = (N + 3) / 4;                                                           \
+    _Pragma("omp parallel for schedule(static)")                                            \
+    for (int64_t b = 0; b < blocks; b++) {                                                  \
+        int64_t n0 = b * 4;                                                                 \
+        int rows = N - n0 < 4 ? (int)(N - n0) : 4;                                          \
+        const WT* w0 = w + n0 * K;                                                          \
+        const WT* w1 = rows > 1 ? w0 + K : w0;                                              \
+        const WT* w2 = rows > 2 ? w0 + 2 * K : w0;                                          \
+        const WT* w3 = rows > 3 ? w0 + 3 * K : w0;                                          \
+        const char* pf = ahead(w0, 4 * K * (int64_t)sizeof(WT), n0 + 4 * PF_BLOCKS < N);      \
+        for (int64_t m = 0; m < M; m += 2) {                                                \
+            const float* x0 = x + m * K;                                                    \
+            float r[2][4];                                                                  \
+            if (m + 1 < M) {                                                                \
+                const float* x1 = x0 + K;                                                   \
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                 \
+                __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;                                  \
+                for (int64_t k = 0; k < K; k += 8) {                                        \
+                    if (m == 0 && pf) prefetch_lines(pf, k * 4 * (int64_t)sizeof(WT), 2);    \
+                    __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k);        \
+                    __m256 c0 = LOAD(w0 + k), c1 = LOAD(w1 + k);                            \
+                    __m256 c2 = LOAD(w2 + k), c3 = LOAD(w3 + k);                            \
+                    a0 = _mm256_fmadd_ps(c0, u, a0); b0 = _mm256_fmadd_ps(c0, v, b0);       \
+                    a1 = _mm256_fmadd_ps(c1, u, a1); b1 = _mm256_fmadd_ps(c1, v, b1);       \
+                    a2 = _mm256_fmadd_ps(c2, u, a2); b2 = _mm256_fmadd_ps(c2, v, b2);       \
+                    a3 = _mm256_fmadd_ps(c3, u, a3); b3 = _mm256_fmadd_ps(c3, v, b3);       \
+                }                                                                           \
+                r[0][0] = hsum(a0); r[0][1] = hsum(a1); r[0][2] = hsum(a2);                 \
+                r[0][3] = hsum(a3); r[1][0] = hsum(b0); r[1][1] = hsum(b1);                 \
+                r[1][2] = hsum(b2); r[1][3] = hsum(b3);                                     \
+            } else {                                                                        \
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                 \
+                for (int64_t k = 0; k < K; k += 8) {                                        \
+                    if (m == 0 && pf) prefetch_lines(pf, k * 4 * (int64_t)sizeof(WT), 2);    \
+                    __m256 u = _mm256_loadu_ps(x0 + k);                                     \
+                    a0 = _mm256_fmadd_ps(LOAD(w0 + k), u, a0);                              \
+                    a1 = _mm256_fmadd_ps(LOAD(w1 + k), u, a1);                              \
+                    a2 = _mm256_fmadd_ps(LOAD(w2 + k), u, a2);                              \
+                    a3 = _mm256_fmadd_ps(LOAD(w3 + k), u, a3);                              \
+                }                                                                           \
+                r[0][0] = hsum(a0); r[0][1] = hsum(a1);                                     \
+                r[0][2] = hsum(a2); r[0][3] = hsum(a3);                                     \
+            }                                                                               \
+            for (int i = 0; i < 2 && m + i < M; i++)                                        \
+                for (int j = 0; j < rows; j++)                                              \
+                    store(y, (m + i) * N + n0 + j, r[i][j], out_bf16);                      \
+        }                                                                                   \
+    }                                                                                       \
+}
+
+GEMV(gemv_f32, float, load_f32)
+
+/* bf16 weights: 16 at a time with one load, no shuffle: a 32-bit lane holds two bf16; shifting
+   left by 16 gives the even element as fp32, masking the low half gives the odd one. x is
+   pre-split into even/odd halves per 16-block to match. K % 16 == 0. */
+void gemv_bf16(const float* x, const uint16_t* w, void* y, int64_t M, int64_t N, int64_t K,
+               int out_bf16) {
+    float* xs = (float*)malloc(sizeof(float) * M * K);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k += 16)
+            for (int j = 0; j < 8; j++) {
+                xs[m * K + k + j] = x[m * K + k + 2 * j];
+                xs[m * K + k + 8 + j] = x[m * K + k + 2 * j + 1];
+            }
+    const __m256i hi_mask = _mm256_set1_epi32((int)0xFFFF0000u);
+    int64_t blocks = (N + 3) / 4;
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t n0 = b * 4;
+        int rows = N - n0 < 4 ? (int)(N - n0) : 4;
+        const uint16_t* wr[4];
+        for (int j = 0; j < 4; j++) wr[j] = w + (n0 + (j < rows ? j : 0)) * K;
+        const char* pf = ahead(w + n0 * K, 4 * K * 2, n0 + 4 * PF_BLOCKS < N);
+        /* Two input rows per pass: each weight vector is converted once for both. Even and
+           odd halves share an accumulator (x is pre-split to match). */
+        int64_t m = 0;
+        for (; m + 1 < M; m += 2) {
+            const float* x0 = xs + m * K;
+            const float* x1 = x0 + K;
+            __m256 a[4], c[4];
+            for (int j = 0; j < 4; j++) a[j] = c[j] = _mm256_setzero_ps();
+            for (int64_t k = 0; k < K; k += 16) {
+                if (m == 0 && pf) prefetch_lines(pf, k * 8, 2);
+                for (int j = 0; j < 4; j++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i*)(wr[j] + k));
+                    __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                    __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+                    a[j] = _mm256_fmadd_ps(we, _mm256_loadu_ps(x0 + k), a[j]);
+                    c[j] = _mm256_fmadd_ps(we, _mm256_loadu_ps(x1 + k), c[j]);
+                    a[j] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(x0 + k + 8), a[j]);
+                    c[j] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(x1 + k + 8), c[j]);
+                }
+            }
+            for (int j = 0; j < rows; j++) {
+                store(y, m * N + n0 + j, hsum(a[j]), out_bf16);
+                store(y, (m + 1) * N + n0 + j, hsum(c[j]), out_bf16);
+            }
+        }
+        for (; m < M; m++) {
+            const float* xm = xs + m * K;
+            __m256 a[4], c[4];
+            for (int j = 0; j < 4; j++) a[j] = c[j] = _mm256_setzero_ps();
+            for (int64_t k = 0; k < K; k += 16) {
+                if (m == 0 && pf) prefetch_lines(pf, k * 8, 2);
+                __m256 xe = _mm256_loadu_ps(xm + k), xo = _mm256_loadu_ps(xm + k + 8);
+                for (int j = 0; j < 4; j++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i*)(wr[j] + k));
+                    __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                    __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+                    a[j] = _mm256_fmadd_ps(we, xe, a[j]);
+                    c[j] = _mm256_fmadd_ps(wo, xo, c[j]);
+                }
+            }
+            for (int j = 0; j < rows; j++)
+                store(y, m * N + n0 + j, hsum(_mm256_add_ps(a[j], c[j])), out_bf16);
+        }
+    }
+    free(xs);
+}
+

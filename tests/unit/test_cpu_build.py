@@ -1,0 +1,49 @@
+"""Which build of the CPU kernels a CPU gets, and that each build this CPU can run compiles
+from the packaged sources into the cache and exports its kernels."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+
+from minisgl.layers import cpu_build
+
+AVX2 = frozenset({"avx2", "fma", "sse4_2"})
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+def test_isa_follows_the_cpu_flags() -> None:
+    assert cpu_build.pick_isa(frozenset({"sse4_2"})) is None
+    assert cpu_build.pick_isa(AVX2) == "avx2"
+    assert cpu_build.pick_isa(AVX512) == "avx512"
+    assert cpu_build.pick_isa(AVX512, forced="avx2") == "avx2"
+    # AVX-512 F without BW/VL (Xeon Phi style) is not enough for the AVX-512 build.
+    assert cpu_build.pick_isa(AVX2 | {"avx512f"}) == "avx2"
+
+
+def test_native_bf16_dot_products_only_where_the_cpu_has_them() -> None:
+    assert "-mavx512bf16" not in cpu_build.compile_flags("avx512", AVX512)
+    assert "-mavx512bf16" in cpu_build.compile_flags("avx512", AVX512 | {"avx512_bf16"})
+    assert "-mavx512f" not in cpu_build.compile_flags("avx2", AVX512)
+    names = [p.name for p in cpu_build.sources("avx512")]
+    assert "gemv_avx512.c" in names and "gemv_avx512.c" not in [
+        p.name for p in cpu_build.sources("avx2")
+    ]
+    assert all(p.is_file() for p in cpu_build.sources("avx512"))
+
+
+def test_every_build_this_cpu_runs_compiles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))
+    _, flags = cpu_build.cpu_info()
+    isas = {cpu_build.pick_isa(flags, "avx2"), cpu_build.pick_isa(flags)} - {None}
+    for isa in isas:
+        path = cpu_build.build(isa, flags)
+        assert path is not None and path.parent == tmp_path / "kernels" and isa in path.name
+        lib = ctypes.CDLL(str(path))
+        assert lib.gemv_bf16 and lib.decode_attn_bf16 and lib.stream_read
+        assert hasattr(lib, "gemv512_bf16") == (isa == "avx512")
+        assert cpu_build.build(isa, flags) == path  # cached: the same file, no rebuild

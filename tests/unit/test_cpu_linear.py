@@ -1,0 +1,249 @@
+"""The CPU matmul chooser driven by injected timings: a layer runs the candidate that was
+fastest for its row count, the timings are cached per machine and reused, extra weight copies
+exist only where a pick needs them, and every candidate computes the same product."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl.layers import cpu_linear
+from minisgl.layers.kernel_choice import BUCKETS, TIMED_ROWS
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MINISGL_CPU_LINEAR", raising=False)
+    monkeypatch.setattr(cpu_linear, "_MEMO", {})
+
+
+def weight(dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(48, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+
+class Timings:
+    """A stand-in for `measure`: `winners[b]` is fastest in bucket b; counts its calls."""
+
+    def __init__(self, winners: Sequence[str], spread: float = 1.0) -> None:
+        self.winners = list(winners)
+        self.calls = 0
+        self.spread = spread  # slowest pass over fastest, as a busy machine shows
+
+    def __call__(
+        self, weights, x_dtype, out_dtype, avail, spreads=None
+    ) -> dict[str, list[float | None]]:
+        self.calls += 1
+        if spreads is not None:
+            spreads += [self.spread] * 10
+        return {
+            name: [
+                (0.1 if self.winners[b] == name else 1.0) if name in avail else None
+                for b in range(len(BUCKETS))
+            ]
+            for name in cpu_linear.CANDIDATES
+        }
+
+
+def spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Record (candidate, rows) of every matmul run."""
+    calls: list[tuple[str, int]] = []
+    for name, run in list(cpu_linear._RUN.items()):
+
+        def wrapped(x, w, p, o, run=run, name=name):  # noqa: ANN001, ANN202
+            calls.append((name, x.shape[0]))
+            return run(x, w, p, o)
+
+        monkeypatch.setitem(cpu_linear._RUN, name, wrapped)
+    return calls
+
+
+def winners_from(avail: Sequence[str]) -> list[str]:
+    """A different candidate per bucket, cycling through what this machine can run."""
+    return [avail[(b + 1) % len(avail)] for b in range(len(BUCKETS))]
+
+
+def test_each_row_count_runs_the_fastest_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = weight()
+    avail = cpu_linear.available(w, w.dtype)
+    timings = Timings(winners_from(avail))
+    monkeypatch.setattr(cpu_linear, "measure", timings)
+    calls = spy(monkeypatch)
+    kernel = cpu_linear.CpuLinearKernel.create(w)
+    assert kernel is not None and kernel.picks == tuple(timings.winners)
+    rows_per_bucket = [1, 3, 6, 12, 40, 100]
+    for rows in rows_per_bucket:
+        x = torch.randn(rows, 64).bfloat16()
+        got = kernel(x)
+        torch.testing.assert_close(
+            got.double(), F.linear(x.double(), w.double()), rtol=2e-2, atol=0.1
+        )
+    assert calls == [(timings.winners[b], r) for b, r in enumerate(rows_per_bucket)]
+
+
+def test_timings_are_cached_on_disk_and_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = weight()
+    avail = cpu_linear.available(w, w.dtype)
+    timings = Timings(winners_from(avail))
+    monkeypatch.setattr(cpu_linear, "measure", timings)
+    first = cpu_linear.CpuLinearKernel.create(w, tuning="cached")
+    assert timings.calls == 1
+    monkeypatch.setattr(cpu_linear, "_MEMO", {})  # a restart: only the file remains
+    again = cpu_linear.CpuLinearKernel.create(w, tuning="cached")
+    assert timings.calls == 1 and again is not None and first is not None
+    assert again.picks == first.picks
+    # "full" measures again and rewrites the file.
+    monkeypatch.setattr(cpu_linear, "_MEMO", {})
+    timings.winners = [avail[0]] * len(BUCKETS)
+    full = cpu_linear.CpuLinearKernel.create(w, tuning="full")
+    assert timings.calls == 2 and full is not None and full.picks == (avail[0],) * len(BUCKETS)
+    monkeypatch.setattr(cpu_linear, "_MEMO", {})
+    assert cpu_linear.CpuLinearKernel.create(w).picks == full.picks  # type: ignore[union-attr]
+    # Another shape is measured on its own.
+    cpu_linear.CpuLinearKernel.create(torch.randn(32, 64).bfloat16())
+    assert timings.calls == 3
+
+
+def test_a_different_thread_count_tunes_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = weight()
+    timings = Timings(winners_from(cpu_linear.available(w, w.dtype)))
+    monkeypatch.setattr(cpu_linear, "measure", timings)
+    cpu_linear.CpuLinearKernel.create(w)
+    monkeypatch.setattr(cpu_linear, "_MEMO", {})
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        cpu_linear.CpuLinearKernel.create(w)
+    finally:
+        torch.set_num_threads(threads)
+    assert timings.calls == 2
+
+
+def test_off_never_measures(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = weight()
+    timings = Timings(["torch"] * len(BUCKETS))
+    monkeypatch.setattr(cpu_linear, "measure", timings)
+    kernel = cpu_linear.CpuLinearKernel.create(w, tuning="off")
+    assert timings.calls == 0
+    avail = cpu_linear.available(w, w.dtype)
+    assert kernel is not None and kernel.picks == cpu_linear.default_picks(avail, w.dtype)
+
+
+def test_bad_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="cpu_kernel_tuning"):
+        cpu_linear.CpuLinearKernel.create(weight(), tuning="sometimes")
+
+
+def test_onednn_copy_only_where_a_pick_needs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = weight()
+    if "onednn" not in cpu_linear.available(w, w.dtype):
+        # This CPU's oneDNN refuses bf16: stand in for it, the bookkeeping is what is tested.
+        monkeypatch.setattr(cpu_linear, "_onednn_pack", lambda w: w.clone())
+        monkeypatch.setitem(cpu_linear._RUN, "onednn", lambda x, w, p, o: F.linear(x, p))
+    avail = cpu_linear.available(w, w.dtype)
+    ours = [n for n in avail if n != "onednn"]
+    monkeypatch.setattr(cpu_linear, "measure", Timings([ours[0]] * len(BUCKETS)))
+    kernel = cpu_linear.CpuLinearKernel.create(w)
+    assert kernel is not None and kernel.packed is None
+    monkeypatch.setattr(cpu_linear, "_MEMO", {})
+    monkeypatch.setattr(cpu_linear, "measure", Timings([ours[0]] * 5 + ["onednn"]))
+    kernel = cpu_linear.CpuLinearKernel.create(w, tuning="full")
+    assert kernel is not None and kernel.packed is not None
+    x = torch.randn(100, 64).bfloat16()
+    torch.testing.assert_close(kernel(x).float(), F.linear(x, w).float(), rtol=2e-2, atol=0.1)
+    # MINISGL_CPU_ONEDNN_GEMM=0: never a second copy, whatever the timings say.
+    monkeypatch.setenv("MINISGL_CPU_ONEDNN_GEMM", "0")
+    assert "onednn" not in cpu_linear.available(w, w.dtype)
+
+
+def test_all_plain_linear_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_linear, "measure", Timings(["torch"] * len(BUCKETS)))
+    assert cpu_linear.CpuLinearKernel.create(weight()) is None
+
+
+@pytest.mark.parametrize("name", cpu_linear.CANDIDATES)
+def test_forcing_a_candidate(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    w = weight()
+    monkeypatch.setenv("MINISGL_CPU_LINEAR", name)
+    monkeypatch.setattr(cpu_linear, "measure", Timings(["torch"] * len(BUCKETS)))
+    kernel = cpu_linear.CpuLinearKernel.create(w)
+    avail = cpu_linear.available(w, w.dtype)
+    if name not in avail:  # not on this CPU: the defaults, never a failure
+        assert kernel is not None and kernel.picks == cpu_linear.default_picks(avail, w.dtype)
+        return
+    if name == "torch":
+        assert kernel is None  # plain F.linear is what the layer does anyway
+        return
+    assert kernel is not None and kernel.picks == (name,) * len(BUCKETS)
+
+
+def test_real_measurement_times_every_available_candidate_per_bucket() -> None:
+    w = [weight(torch.float32), weight(torch.float32) + 1]
+    avail = cpu_linear.available(w[0], torch.float32)
+    timings = cpu_linear.measure(w, torch.float32, None, avail)
+    assert set(timings) == set(cpu_linear.CANDIDATES)
+    for name, times in timings.items():
+        assert len(times) == len(TIMED_ROWS)
+        if name not in avail:
+            assert times == [None] * len(TIMED_ROWS)
+        else:  # measured at least once
+            assert all(t is not None and t > 0 for t in times)
+
+
+def test_prepack_logs_one_line_per_model(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Layer:
+        def __init__(self, w: torch.Tensor, out: torch.dtype | None) -> None:
+            self.weight, self.kernel_out_dtype, self.kernel = w, out, None
+
+    layers = [
+        Layer(weight(), None),
+        Layer(weight() * 2, None),
+        Layer(torch.randn(16, 64).bfloat16(), torch.float32),
+    ]
+    timings = Timings(["gemm"] * len(BUCKETS))
+    monkeypatch.setattr(cpu_linear, "measure", timings)
+    with caplog.at_level(logging.INFO, logger="minisgl.layers.cpu_linear"):
+        cpu_linear.prepack_modules(layers, "cached")
+    assert timings.calls == 2  # one per distinct shape
+    assert all(layer.kernel is not None for layer in layers)
+    lines = [r.getMessage() for r in caplog.records if "CPU matmul kernels" in r.getMessage()]
+    assert len(lines) == 1 and "48x64 bfloat16 [1+:gemm]" in lines[0]
+
+
+@pytest.mark.parametrize("name", cpu_linear.CANDIDATES)
+def test_an_input_in_another_dtype_still_multiplies(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Picks are made for x in the weight's dtype; a caller with fp32 x on bf16 weights (e.g.
+    a layer that keeps activations in fp32) still gets x @ W.T."""
+    w = weight()
+    if name not in cpu_linear.available(w, w.dtype):
+        assert name in ("gemv", "gemv512", "gemm", "onednn")  # only torch is always there
+        return
+    monkeypatch.setenv("MINISGL_CPU_LINEAR", name)
+    kernel = cpu_linear.CpuLinearKernel.create(w, out_dtype=torch.float32)
+    x = torch.randn(5, 64)
+    got = kernel(x) if kernel is not None else F.linear(x, w.float())
+    want = F.linear(x.double(), w.double())
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=0.1)
+
+
+def test_timings_from_a_busy_machine_give_the_defaults_and_are_not_cached(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    w = weight()
+    avail = cpu_linear.available(w, w.dtype)
+    timings = Timings(winners_from(avail), spread=3.0)
+    monkeypatch.setattr(cpu_linear, "measure", timings)
+    kernel = cpu_linear.CpuLinearKernel.create(w)
+    assert kernel is not None and kernel.picks == cpu_linear.default_picks(avail, w.dtype)
+    monkeypatch.setattr(cpu_linear, "_MEMO", {})  # a restart measures again
+    cpu_linear.CpuLinearKernel.create(w)
+    assert timings.calls == 2

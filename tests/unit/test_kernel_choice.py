@@ -1,0 +1,131 @@
+"""The matmul chooser's bookkeeping (torch-free): buckets, picks from injected timings, the
+on-disk cache's key and invalidation, the log line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from minisgl.layers import kernel_choice as kc
+
+SHAPE = kc.ShapeKey(3072, 1024, "bfloat16", "bfloat16", "bfloat16")
+
+
+def key(**over: object) -> kc.MachineKey:
+    base: dict = dict(
+        cpu_model="AMD EPYC",
+        flags=frozenset({"avx2", "fma", "avx512f"}),
+        torch_version="2.13.0",
+        threads=2,
+        kernels="avx512-abc",
+    )
+    base.update(over)
+    return kc.MachineKey.of(**base)
+
+
+def test_buckets_cover_every_row_count_at_their_edges() -> None:
+    assert kc.BUCKET_NAMES == ("1", "2-4", "5-8", "9-16", "17-64", ">64")
+    edges = {1: 0, 2: 1, 4: 1, 5: 2, 8: 2, 9: 3, 16: 3, 17: 4, 64: 4, 65: 5, 100000: 5}
+    for rows, bucket in edges.items():
+        assert kc.bucket_of(rows) == bucket, rows
+    assert kc.bucket_of(0) == 0
+    # Each bucket is timed at a row count inside it.
+    assert [kc.bucket_of(r) for r in kc.TIMED_ROWS] == list(range(len(kc.BUCKETS)))
+
+
+def test_row_table_matches_bucket_of() -> None:
+    picks = ("a", "b", "c", "d", "e", "f")
+    table = kc.row_table(picks)
+    for rows in (1, 3, 8, 9, 16, 17, 64, 65, 4096):
+        assert table[kc.table_index(rows)] == picks[kc.bucket_of(rows)]
+
+
+def test_pick_takes_the_fastest_per_bucket() -> None:
+    timings = {
+        "gemv": [1.0, 2.0, 4.0, 8.0, 30.0, 100.0],
+        "gemv512": [None, 1.5, 2.0, 3.0, 10.0, 90.0],  # cannot run the first bucket
+        "gemm": [5.0, 5.0, 5.0, 5.0, 6.0, 20.0],
+        "onednn": [2.0, 3.0, 3.0, 2.5, 7.0, 10.0],
+    }
+    assert kc.pick(timings) == ("gemv", "gemv512", "gemv512", "onednn", "gemm", "onednn")
+
+
+def test_near_ties_go_to_the_earlier_candidate() -> None:
+    timings = {"gemv": [1.0] * 6, "onednn": [1.0, 0.97, 0.9, 1.0, 1.0, 1.0]}
+    assert kc.pick(timings) == ("gemv", "gemv", "onednn", "gemv", "gemv", "gemv")
+
+
+def test_the_default_is_the_incumbent() -> None:
+    timings = {"gemv": [1.0] * 6, "gemm": [0.97] * 6, "onednn": [0.93] * 6}
+    assert kc.pick(timings, prefer=("gemm",) * 6) == ("gemm",) * 6  # 3% is not enough
+    assert kc.pick(timings) == ("onednn",) * 6
+
+
+def test_a_disturbed_run_is_recognised() -> None:
+    assert not kc.disturbed([1.02, 1.1, 1.05, 3.0])  # one burst does not make a run noisy
+    assert kc.disturbed([2.0, 1.8, 1.1, 4.0])
+    assert not kc.disturbed([])
+
+
+def test_pick_refuses_a_bucket_nobody_ran() -> None:
+    with pytest.raises(ValueError, match="17-64"):
+        kc.pick({"gemv": [1.0, 1.0, 1.0, 1.0, None, 1.0]})
+
+
+def test_forced_candidate_applies_where_available() -> None:
+    default = ("gemv",) * 4 + ("gemm",) * 2
+    assert kc.forced("onednn", ["gemv", "onednn"], default) == ("onednn",) * 6
+    assert kc.forced("onednn", ["gemv", "gemm"], default) == default
+
+
+def test_cache_round_trip_and_merge(tmp_path: Path) -> None:
+    cache = kc.TuningCache(tmp_path, key())
+    avail = ["gemv", "gemm", "onednn"]
+    assert cache.get(SHAPE, avail) is None
+    picks = ("gemv",) * 4 + ("onednn",) * 2
+    cache.put({SHAPE: picks})
+    other = kc.ShapeKey(1024, 3072, "bfloat16", "bfloat16", "bfloat16")
+    cache.put({other: ("gemm",) * 6})  # a second shape joins, the first stays
+    again = kc.TuningCache(tmp_path, key())
+    assert again.get(SHAPE, avail) == picks
+    assert again.get(other, avail) == ("gemm",) * 6
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"cpu_model": "Intel Xeon"},
+        {"flags": frozenset({"avx2", "fma"})},
+        {"torch_version": "2.14.0"},
+        {"threads": 4},
+        {"kernels": "avx512-def"},
+    ],
+)
+def test_cache_is_keyed_by_machine_torch_threads_and_kernels(tmp_path: Path, change: dict) -> None:
+    kc.TuningCache(tmp_path, key()).put({SHAPE: ("gemv",) * 6})
+    assert kc.TuningCache(tmp_path, key(**change)).get(SHAPE, ["gemv"]) is None
+    assert kc.TuningCache(tmp_path, key()).get(SHAPE, ["gemv"]) == ("gemv",) * 6
+
+
+def test_cache_entries_that_no_longer_apply_are_ignored(tmp_path: Path) -> None:
+    cache = kc.TuningCache(tmp_path, key())
+    cache.put({SHAPE: ("gemv512",) * 6})
+    # The candidate is gone (e.g. MINISGL_CPU_ISA=avx2): measure again.
+    assert cache.get(SHAPE, ["gemv", "gemm"]) is None
+    # A file whose stored key is not ours (edited, or a digest collision) is not trusted.
+    data = json.loads(cache.path.read_text())
+    data["key"]["threads"] = 64
+    cache.path.write_text(json.dumps(data))
+    assert cache.get(SHAPE, ["gemv512"]) is None
+    cache.path.write_text("{not json")
+    assert cache.load() == {}
+
+
+def test_summary_is_one_line_with_merged_runs() -> None:
+    line = kc.summary({SHAPE: ("gemv512",) * 3 + ("onednn",) * 3}, "measured, 1.2 s")
+    assert "\n" not in line
+    assert line == (
+        "CPU matmul kernels (measured, 1.2 s): 3072x1024 bfloat16 [1-8:gemv512 9+:onednn]"
+    )

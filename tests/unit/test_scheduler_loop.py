@@ -1,0 +1,94 @@
+"""The scheduler worker's loop: requests sent together reach the engine before its first step,
+so they are prefilled together; a request that comes later does not hold up the first."""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from minisgl.engine.worker import COALESCE_MAX, SchedulerLoop
+from minisgl.message.tokenizer_to_scheduler import TokenizedRequest
+from minisgl.sampling_params import SamplingParams
+
+
+class Inbox:
+    """Messages that become available at given offsets from the first get_all call."""
+
+    def __init__(self, schedule: list[tuple[float, Any]]) -> None:
+        self.schedule = sorted(schedule, key=lambda e: e[0])
+        self.start: float | None = None
+
+    def get_all(self, timeout: float | None = None) -> list[Any]:
+        if self.start is None:
+            self.start = time.monotonic()
+        deadline = time.monotonic() + (timeout or 0)
+        while True:
+            now = time.monotonic() - self.start
+            ready = [m for t, m in self.schedule if t <= now]
+            if ready:
+                self.schedule = [(t, m) for t, m in self.schedule if t > now]
+                return ready
+            if time.monotonic() >= deadline:
+                return []
+            time.sleep(0.0002)
+
+
+class Engine:
+    max_seq_len = 100
+    eos_token_ids: list[int] = []
+
+    def __init__(self) -> None:
+        self.waiting: list[str] = []
+        self.steps: list[list[str]] = []
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting)
+
+    def add_request(self, rid: str, prompt: list[int], params: Any, arrival_time: float) -> None:
+        self.waiting.append(rid)
+
+    def step(self) -> list[Any]:
+        self.steps.append(self.waiting)
+        self.waiting = []
+        return []
+
+    def stats(self) -> Any:
+        return SimpleNamespace(last_batch_size=0)
+
+
+class Life:
+    def __init__(self, engine: Engine, steps: int) -> None:
+        self.engine, self.steps = engine, steps
+
+    def alive(self) -> bool:
+        return len(self.engine.steps) < self.steps
+
+
+def request(rid: str) -> TokenizedRequest:
+    return TokenizedRequest(rid, [1, 2, 3], SamplingParams(), 4, time.time())
+
+
+def run(schedule: list[tuple[float, Any]], steps: int) -> list[list[str]]:
+    engine = Engine()
+    loop = SchedulerLoop(
+        engine, Inbox(schedule), SimpleNamespace(put=lambda m: None), logging.getLogger("t")
+    )
+    loop.send_stats = lambda: None  # type: ignore[method-assign]
+    loop.run(Life(engine, steps))  # type: ignore[arg-type]
+    return engine.steps
+
+
+def test_a_burst_is_prefilled_in_one_step() -> None:
+    # One request at a time from the tokenizer, half a millisecond apart.
+    burst = [(0.0005 * i, request(f"r{i}")) for i in range(4)]
+    assert run(burst, steps=1) == [["r0", "r1", "r2", "r3"]]
+
+
+def test_a_later_request_does_not_delay_the_first() -> None:
+    later = max(1.0, COALESCE_MAX * 100)
+    t0 = time.monotonic()
+    steps = run([(0.0, request("a")), (later, request("b"))], steps=2)
+    assert steps == [["a"], ["b"]]
+    assert time.monotonic() - t0 >= later
