@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from minisgl.message.api_to_tokenizer import TokenizeRequest
 from minisgl.message.detokenizer_to_api import ErrorReply, TextOutput
 from minisgl.sampling_params import SamplingParams
+from minisgl.server.choices import Choices
 from minisgl.server.context import ServerContext
 from minisgl.server.errors import APIError, error_response
 from minisgl.server.manager import RequestState
@@ -28,7 +29,6 @@ from minisgl.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     PromptTokensDetails,
-    ResponseMessage,
     SamplingFields,
     Usage,
 )
@@ -45,6 +45,15 @@ def sampling_params(ctx: ServerContext, req: SamplingFields, limit: int | None) 
         raise APIError(
             400, f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids"
         )
+    if req.n > ctx.args.max_n:
+        raise APIError(
+            400, f"n must be at most {ctx.args.max_n} on this server (--max-n), got {req.n}", "n"
+        )
+    bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+    if vocab is not None and any(t >= vocab for t in bias):
+        raise APIError(
+            400, f"logit_bias token ids must be below the vocabulary size {vocab}", "logit_bias"
+        )
     try:
         return SamplingParams(
             temperature=req.temperature,
@@ -52,11 +61,19 @@ def sampling_params(ctx: ServerContext, req: SamplingFields, limit: int | None) 
             top_k=req.top_k,
             min_p=req.min_p,
             seed=req.seed,
-            max_tokens=limit or 1,  # the scheduler fills the context when limit is None
+            # The scheduler fills the context when limit is None.
+            max_tokens=limit if limit is not None else 1,
             ignore_eos=req.ignore_eos,
             stop=req.stop or [],  # type: ignore[arg-type]
             stop_token_ids=req.stop_token_ids or [],
             include_stop_str_in_output=req.include_stop_str_in_output,
+            n=req.n,
+            logprobs=req.num_logprobs(),
+            prompt_logprobs=req.num_prompt_logprobs(),
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=bias,
         )
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
@@ -90,13 +107,15 @@ class Tracker:
     completion_tokens: int = 0
     finish_reason: str | None = None
     done: bool = False
+    sample_tokens: dict[int, int] = field(default_factory=dict)  # per sample (n > 1)
 
     def on_output(self, out: TextOutput) -> None:
-        if out.queue_time is not None:
+        if out.queue_time is not None and self.queue_time is None:
             self.queue_time = out.queue_time
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.cached_tokens = out.cached_tokens or self.cached_tokens
-        self.completion_tokens = out.completion_tokens
+        self.sample_tokens[out.index] = out.completion_tokens
+        self.completion_tokens = sum(self.sample_tokens.values())
         if out.text:
             now = time.time()
             if self.first_token_time is None:
@@ -176,15 +195,19 @@ async def serve_request(
     admit(ctx)
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
     tracker = Tracker(rid, arrival, req.stream)
+    echo = isinstance(req, CompletionRequest) and req.echo
+    prompt_text = tok_req_fields.get("prompt_text")
+    choices = Choices(kind, req.n, req.num_logprobs() is not None, echo, prompt_text)
     tok_req = TokenizeRequest(
         rid=rid,
         arrival_time=arrival,
         params=params,
         max_tokens=req.limit(),
         skip_special_tokens=req.skip_special_tokens,
+        echo=echo and prompt_text is None,  # an ids prompt: the detokenizer decodes it
         **tok_req_fields,
     )
-    log.info("rid=%s received: %s stream=%s", rid, kind, req.stream)
+    log.info("rid=%s received: %s stream=%s n=%d", rid, kind, req.stream, req.n)
     try:
         state = ctx.manager.submit(tok_req)
     except (TypeError, ValueError, OverflowError) as exc:  # e.g. a 2**70 in chat_template_kwargs
@@ -211,12 +234,12 @@ async def serve_request(
     if req.stream:
         watcher.cancel()  # from here Starlette cancels the stream when the client goes
         return StreamingResponse(
-            _stream(ctx, state, tracker, first, kind, req.include_usage),
+            _stream(ctx, state, tracker, first, kind, req.include_usage, choices),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     try:
-        return await _collect(ctx, state, tracker, first, kind, watcher)
+        return await _collect(ctx, state, tracker, first, kind, watcher, choices)
     finally:
         watcher.cancel()
 
@@ -228,8 +251,8 @@ async def _collect(
     reply: Any,
     kind: str,
     watcher: asyncio.Task[None],
+    choices: Choices,
 ) -> Response:
-    parts: list[str] = []
     try:
         while True:
             if reply is None:
@@ -242,8 +265,8 @@ async def _collect(
                 tracker.finish(ctx, "error")
                 return error_response(reply.status, reply.message, reply.param)
             tracker.on_output(reply)
-            parts.append(reply.text)
-            if reply.finished:
+            choices.add(reply)
+            if choices.all_done:
                 break
             reply = await next_reply(state, watcher)
     except BaseException:
@@ -251,9 +274,7 @@ async def _collect(
         tracker.finish(ctx, "abort")
         raise
     ctx.manager.release(tracker.rid)
-    reason = reply.finish_reason or "stop"
-    tracker.finish(ctx, reason)
-    text = "".join(parts)
+    tracker.finish(ctx, choices.choices[0].finish_reason or "stop")
     usage = Usage(
         prompt_tokens=tracker.prompt_tokens,
         completion_tokens=tracker.completion_tokens,
@@ -267,7 +288,7 @@ async def _collect(
             id=tracker.rid,
             created=created,
             model=ctx.model_name,
-            choices=[ChatChoice(message=ResponseMessage(content=text), finish_reason=reason)],
+            choices=[ChatChoice(**c) for c in choices.body_choices()],
             usage=usage,
         )
     else:
@@ -275,7 +296,7 @@ async def _collect(
             id=tracker.rid,
             created=created,
             model=ctx.model_name,
-            choices=[CompletionChoice(text=text, finish_reason=reason)],
+            choices=[CompletionChoice(**c) for c in choices.body_choices()],
             usage=usage,
         )
     return JSONResponse(body.model_dump())
@@ -292,17 +313,21 @@ async def _stream(
     reply: Any,
     kind: str,
     include_usage: bool,
+    choices: Choices,
 ) -> AsyncIterator[str]:
-    """OpenAI SSE: role first (chat), then content deltas, finish_reason last, then [DONE]."""
+    """OpenAI SSE: role first (chat), then content deltas, each choice's finish_reason after
+    its last delta, then the usage chunk (when asked) and [DONE]."""
     created = int(tracker.arrival)
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-    def chunk(delta: dict[str, Any] | str, reason: str | None) -> dict[str, Any]:
+    def chunk(
+        index: int, delta: dict[str, Any] | str, reason: str | None, logprobs: Any = None
+    ) -> dict[str, Any]:
         if kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
+            choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": delta, "finish_reason": reason}
-        choice["logprobs"] = None
+            choice = {"index": index, "text": delta, "finish_reason": reason}
+        choice["logprobs"] = logprobs
         out: dict[str, Any] = {
             "id": tracker.rid,
             "object": obj,
@@ -316,7 +341,8 @@ async def _stream(
 
     try:
         if kind == "chat":
-            yield _sse(chunk({"role": "assistant", "content": ""}, None))
+            for c in choices.choices:
+                yield _sse(chunk(c.index, {"role": "assistant", "content": ""}, None))
         while True:
             if isinstance(reply, ErrorReply):
                 # A worker failed mid-stream: the status is sent already, so say it in-band.
@@ -334,15 +360,18 @@ async def _stream(
                 )
                 return
             tracker.on_output(reply)
-            if reply.text:
-                yield _sse(chunk({"content": reply.text} if kind == "chat" else reply.text, None))
+            text, logprobs = choices.add(reply)
+            if text or logprobs is not None:
+                delta = {"content": text} if kind == "chat" else text
+                yield _sse(chunk(reply.index, delta, None, logprobs))
             if reply.finished:
+                reason = choices.choices[reply.index].finish_reason
+                yield _sse(chunk(reply.index, {} if kind == "chat" else "", reason))
+            if choices.all_done:
                 break
             reply = await state.queue.get()
         ctx.manager.release(tracker.rid)
-        reason = reply.finish_reason or "stop"
-        tracker.finish(ctx, reason)
-        yield _sse(chunk({} if kind == "chat" else "", reason))
+        tracker.finish(ctx, choices.choices[0].finish_reason or "stop")
         if include_usage:
             yield _sse(
                 {
