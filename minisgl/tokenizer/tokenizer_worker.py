@@ -144,7 +144,13 @@ def _handle(
         log.debug("rid=%s tokenized: %d prompt tokens", msg.rid, len(ids))
         to_scheduler.put(
             TokenizedRequest(
-                msg.rid, ids, msg.params, msg.max_tokens, msg.arrival_time, msg.skip_special_tokens
+                msg.rid,
+                ids,
+                msg.params,
+                msg.max_tokens,
+                msg.arrival_time,
+                msg.skip_special_tokens,
+                msg.echo,
             )
         )
     elif isinstance(msg, TokenizeOnly | DetokenizeOnly):
