@@ -83,6 +83,7 @@ class ServerArgs(EngineArgs):
     shutdown_timeout: float = _f(30.0, "seconds in-flight requests may take to finish on SIGTERM")
     log_level: str = _f("info", "log level", LOG_LEVELS)
     max_request_body_bytes: int = _f(8 * 1024 * 1024, "largest request body accepted")
+    max_n: int = _f(16, "most samples (n) one request may ask for; beyond it a 400")
     disable_playground: bool = _f(
         False, "do not serve the chat playground page at / and /playground"
     )

@@ -4,23 +4,39 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from minisgl.config import EngineArgs
-from minisgl.engine.engine import Engine
+from minisgl.engine.engine import Engine, StepOutput
 from minisgl.engine.factory import create_engine, shutdown_engine
+from minisgl.logprobs import TokenLogprobs
 from minisgl.sampling_params import SamplingParams
 from minisgl.tokenizer.incremental import IncrementalDecoder
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a prompt (n > 1 gives several)."""
+
+    index: int
+    token_ids: list[int]  # generated tokens only
+    text: str
+    finish_reason: str  # "stop" | "length"
+    logprobs: TokenLogprobs | None = None  # per generated token, with SamplingParams.logprobs
 
 
 @dataclass
 class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]  # generated tokens only
+    token_ids: list[int]  # generated tokens only (of the first sample)
     text: str
     finish_reason: str  # "stop" | "length"
+    outputs: list[CompletionOutput] = field(default_factory=list)  # every sample, by index
+    logprobs: TokenLogprobs | None = None  # the first sample's
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (the first is None).
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 class LLM:
@@ -129,8 +145,9 @@ class LLM:
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         index = {rid: i for i, rid in enumerate(rids)}
-        tokens: list[list[int]] = [[] for _ in rids]
-        decoders = [self._decoder(p) for p in params_list]
+        samples = [[_Sample(self._decoder(p)) for _ in range(p.n)] for p in params_list]
+        prompt_lps: list[TokenLogprobs | None] = [None] * len(rids)
+        left = [p.n for p in params_list]
         results: list[RequestOutput | None] = [None] * len(rids)
         bar = _progress(len(rids), use_tqdm)
         while any(r is None for r in results):
@@ -141,23 +158,71 @@ class LLM:
                 i = index[out.rid]
                 if out.error is not None:
                     raise RuntimeError(f"prompt {i}: {out.error}")
-                tokens[i] += out.new_token_ids
-                dec = decoders[i]
-                if not out.finished and not dec.stop:
-                    continue  # without stop strings, the text is decoded once, at the end
-                new = tokens[i][dec.num_tokens :]
-                dec.feed(new, finished=out.finished, finish_reason=out.finish_reason)
-                if dec.stopped and not out.finished:
-                    self.engine.abort_request(out.rid)  # the engine would keep generating
-                if not (out.finished or dec.stopped):
+                if out.prompt_logprobs is not None:
+                    prompt_lps[i] = out.prompt_logprobs
+                one = samples[i][out.index]
+                if one.done is not None:
+                    continue  # stopped by a stop string: its abort is on the way
+                if self._take(one, out):
+                    left[i] -= 1
+                if left[i]:
                     continue
-                reason = "stop" if dec.stopped else str(out.finish_reason)
-                results[i] = RequestOutput(texts[i], prompt_ids[i], tokens[i], dec.text, reason)
+                results[i] = self._result(texts[i], prompt_ids[i], samples[i], prompt_lps[i])
                 if bar is not None:
                     bar.update(1)
         if bar is not None:
             bar.close()
         return [r for r in results if r is not None]
+
+    def _take(self, one: _Sample, out: StepOutput) -> bool:
+        """Add a step's output to its sample; True once the sample is complete."""
+        one.tokens += out.new_token_ids
+        if out.logprobs is not None:
+            one.logprobs = one.logprobs or TokenLogprobs()
+            one.logprobs.extend(out.logprobs)
+        dec = one.decoder
+        if not out.finished and not dec.stop:
+            return False  # without stop strings, the text is decoded once, at the end
+        dec.feed(
+            one.tokens[dec.num_tokens :], finished=out.finished, finish_reason=out.finish_reason
+        )
+        if dec.stopped and not out.finished:
+            self.engine.abort_request(out.rid, out.index)  # the engine would keep generating
+        if not (out.finished or dec.stopped):
+            return False
+        one.done = "stop" if dec.stopped else str(out.finish_reason)
+        return True
+
+    @staticmethod
+    def _result(
+        prompt: str | None,
+        prompt_ids: list[int],
+        samples: list[_Sample],
+        prompt_logprobs: TokenLogprobs | None,
+    ) -> RequestOutput:
+        outputs = [
+            CompletionOutput(j, s.tokens, s.decoder.text, s.done or "stop", s.logprobs)
+            for j, s in enumerate(samples)
+        ]
+        first = outputs[0]
+        return RequestOutput(
+            prompt,
+            prompt_ids,
+            first.token_ids,
+            first.text,
+            first.finish_reason,
+            outputs,
+            first.logprobs,
+            prompt_logprobs,
+        )
+
+
+@dataclass
+class _Sample:
+    decoder: IncrementalDecoder  # the server's text rules (stop strings, hidden tokens)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: TokenLogprobs | None = None
+    done: str | None = None  # the finish reason, once complete
 
 
 def _per_prompt(

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minisgl.config import EngineArgs
-from minisgl.engine.model_runner import ForwardInput, ModelRunner
+from minisgl.engine.model_runner import ForwardInput, ModelRunner, PromptRows
 from minisgl.layers.sampling import INVALID_TOKEN
+from minisgl.logprobs import TokenLogprobs
 from minisgl.models.config import ModelConfig
 from minisgl.models.loader import resolve_model_path
 from minisgl.sampling_params import SamplingParams
@@ -41,6 +42,9 @@ class StepOutput:
     completion_tokens: int
     queue_time: float | None = None  # arrival -> first scheduled; set on the first output only
     error: str | None = None  # why the request failed, when finish_reason is "error"
+    index: int = 0  # which of the request's n samples
+    logprobs: TokenLogprobs | None = None  # of new_token_ids, when the request asked
+    prompt_logprobs: TokenLogprobs | None = None  # every prompt token's; on the first output
 
 
 class Engine:
@@ -80,6 +84,7 @@ class Engine:
         self._seed_rng = random.Random(args.seed)
         self._arrival: dict[str, float] = {}  # rid -> arrival, until first scheduled
         self._queue_time: dict[str, float] = {}  # rid -> queue time, until its first token
+        self._groups: dict[str, list[str]] = {}  # rid of an n > 1 request -> its samples' rids
 
     # -- requests -------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -92,6 +97,11 @@ class Engine:
         problem = self.scheduler.check_prompt(len(prompt_ids))
         if problem is not None:
             raise ValueError(problem)
+        bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
         need = len(prompt_ids) + params.max_tokens
         if need > self.max_seq_len:
             raise ValueError(
@@ -112,23 +122,51 @@ class Engine:
         arrival_time: float | None = None,
     ) -> None:
         self.validate(prompt_ids, params)
+        if self.is_live(rid):
+            raise ValueError(f"request id {rid!r} is already scheduled")
         arrival = time.time() if arrival_time is None else arrival_time
-        req = Request(rid, list(prompt_ids), params, arrival_time=arrival)
-        req.seed = params.seed if params.seed is not None else self.draw_seed()
-        if params.grammar_kind is not None:
-            assert params.grammar is not None
-            req.grammar = self.grammars.matcher(params.grammar_kind, params.grammar)
-        self.scheduler.add_request(req)  # may refuse it (e.g. a duplicate id): record after
-        self._arrival[rid] = arrival
+        n = params.n
+        reqs = []
+        for i in range(n):
+            sample = params.sample_params(i) if n > 1 else params
+            key = rid if n == 1 else f"{rid}#{i}"
+            req = Request(key, list(prompt_ids), sample, arrival_time=arrival, group=rid, index=i)
+            req.seed = sample.seed if sample.seed is not None else self.draw_seed()
+            if sample.grammar_kind is not None:  # each sample walks its own grammar
+                assert sample.grammar is not None
+                req.grammar = self.grammars.matcher(sample.grammar_kind, sample.grammar)
+            reqs.append(req)
+        self.scheduler.add_group(reqs)  # may refuse them (e.g. a duplicate id): record after
+        for req in reqs:
+            self._arrival[req.rid] = arrival
+        if n > 1:
+            self._groups[rid] = [r.rid for r in reqs]
+
+    def is_live(self, rid: str) -> bool:
+        """Whether request `rid` (any of its samples) is still waiting or running."""
+        return rid in self._groups or self.scheduler.get_request(rid) is not None
 
     def draw_seed(self) -> int:
         """A seed for an unseeded request: from the engine's own stream (EngineArgs.seed)."""
         return self._seed_rng.getrandbits(63)
 
-    def abort_request(self, rid: str) -> bool:
-        self._arrival.pop(rid, None)
-        self._queue_time.pop(rid, None)
-        return self.scheduler.abort_request(rid) is not None
+    def abort_request(self, rid: str, index: int | None = None) -> bool:
+        """Drop request `rid` (all its samples, or only sample `index`); False if unknown."""
+        keys = self._groups.get(rid, [rid])
+        if index is not None:
+            keys = [k for i, k in enumerate(keys) if i == index]
+        found = False
+        for key in keys:
+            self._arrival.pop(key, None)
+            self._queue_time.pop(key, None)
+            found = self.scheduler.abort_request(key) is not None or found
+        self._forget_group(rid)
+        return found
+
+    def _forget_group(self, rid: str) -> None:
+        keys = self._groups.get(rid)
+        if keys is not None and all(self.scheduler.get_request(k) is None for k in keys):
+            del self._groups[rid]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -138,7 +176,9 @@ class Engine:
 
     def num_live_requests(self) -> int:
         """Entries in every per-request map (scheduler and engine): 0 once idle, or a leak."""
-        return self.scheduler.num_live + len(self._arrival) + len(self._queue_time)
+        return (
+            self.scheduler.num_live + len(self._arrival) + len(self._queue_time) + len(self._groups)
+        )
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -150,38 +190,74 @@ class Engine:
             arrival = self._arrival.pop(seq.req.rid, None)
             if arrival is not None:
                 self._queue_time[seq.req.rid] = now - arrival
-        next_ids = self.runner.forward(self._forward_input(batch))
+        inp = self._forward_input(batch)
+        result = self.runner.forward(inp)
+        self._keep_prompt_logprobs(batch, inp, result.prompt_logprobs)
+        next_ids = result.tokens
         sampled = [s.req for s in batch.seqs if s.sample]
         failed = {r.rid for r, t in zip(sampled, next_ids) if t == INVALID_TOKEN}
-        for rid in failed:
-            # Its pages go back now; process_batch_output skips a request no longer running.
-            self.scheduler.abort_request(rid)
+        failed_groups = {r.group for r in sampled if r.rid in failed}
+        for group in failed_groups:
+            # Its pages (every sample's) go back now; process_batch_output skips a request no
+            # longer running, and its other samples end with it (the reply is one error).
+            self.abort_request(group)
         self._advance_grammars(sampled, next_ids)
         finished = {r.rid for r in self.scheduler.process_batch_output(batch, next_ids)}
         outputs = []
-        for req, token in zip(sampled, next_ids):
-            if req.rid in failed:
-                outputs.append(self._failed_output(req))
+        reported: set[str] = set()
+        for req, token, logprobs in zip(sampled, next_ids, result.logprobs, strict=True):
+            if req.group in failed_groups:
+                if req.group not in reported:  # one error reply per request
+                    reported.add(req.group)
+                    outputs.append(self._failed_output(req))
                 continue
             done = req.rid in finished
+            generated = req.params.max_tokens > 0
             outputs.append(
                 StepOutput(
-                    rid=req.rid,
-                    new_token_ids=[token],
+                    rid=req.group,
+                    new_token_ids=[token] if generated else [],
                     finished=done,
                     finish_reason=req.finish_reason if done else None,
                     prompt_tokens=len(req.prompt_ids),
                     cached_tokens=req.num_cached_tokens,
                     completion_tokens=len(req.output_ids),
                     queue_time=self._queue_time.pop(req.rid, None),
+                    index=req.index,
+                    logprobs=logprobs if generated else None,
+                    prompt_logprobs=self._take_prompt_logprobs(req),
                 )
             )
+            if done and req.group in self._groups:
+                self._forget_group(req.group)
         return outputs
+
+    def _keep_prompt_logprobs(
+        self, batch: ScheduledBatch, inp: ForwardInput, found: list[TokenLogprobs]
+    ) -> None:
+        owners = [s.req for s in batch.seqs if self._scores_prompt(s.req)]
+        for req, part in zip(owners, found, strict=True):
+            assert req.prompt_logprobs is not None
+            req.prompt_logprobs.extend(part)
+
+    @staticmethod
+    def _take_prompt_logprobs(req: Request) -> TokenLogprobs | None:
+        """The whole prompt's logprobs, once (then the request keeps no copy)."""
+        lp = req.prompt_logprobs
+        if lp is None or len(lp) < len(req.prompt_ids):
+            return None
+        req.prompt_logprobs = None  # every position scored: the prefix cache may serve it
+        return lp
+
+    @staticmethod
+    def _scores_prompt(req: Request) -> bool:
+        lp = req.prompt_logprobs
+        return lp is not None and len(lp) < len(req.prompt_ids)
 
     def _failed_output(self, req: Request) -> StepOutput:
         logger.error("rid=%s: the logits hold NaN or inf; ending the request", req.rid)
         return StepOutput(
-            rid=req.rid,
+            rid=req.group,
             new_token_ids=[],
             finished=True,
             finish_reason="error",
@@ -189,6 +265,7 @@ class Engine:
             cached_tokens=req.num_cached_tokens,
             completion_tokens=len(req.output_ids),
             queue_time=self._queue_time.pop(req.rid, None),
+            index=req.index,
             error=SAMPLING_FAILED,
         )
 
@@ -233,4 +310,24 @@ class Engine:
             sample_params=[r.params for r in reqs],
             sample_steps=[len(r.output_ids) for r in reqs],
             sample_seeds=[r.seed or 0 for r in reqs],
+            sample_states=reqs if any(r.params.has_penalties for r in reqs) else None,
+            prompt_rows=self._prompt_rows(batch),
         )
+
+    def _prompt_rows(self, batch: ScheduledBatch) -> list[PromptRows]:
+        """The positions of this step whose logits score a prompt token (the next one)."""
+        out = []
+        offset = 0
+        for seq in batch.seqs:
+            req = seq.req
+            if self._scores_prompt(req):
+                assert req.prompt_logprobs is not None
+                # Position p predicts token p + 1; tokens [0, scored) are done.
+                first = max(seq.start, len(req.prompt_logprobs) - 1)
+                end = min(seq.start + len(seq.token_ids), len(req.prompt_ids) - 1)
+                assert seq.start <= len(req.prompt_logprobs) - 1, "an unscored position"
+                k = req.params.prompt_logprobs or 0
+                targets = req.prompt_ids[first + 1 : end + 1] if end > first else []
+                out.append(PromptRows(offset + first - seq.start, targets, k))
+            offset += len(seq.token_ids)
+        return out

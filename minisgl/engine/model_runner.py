@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -15,12 +16,34 @@ from minisgl.engine.memory import default_num_pages
 from minisgl.kvcache.kv_pool import KVPool
 from minisgl.layers.attention import create_attention_backend
 from minisgl.layers.attention.base import BatchLayout
+from minisgl.layers.logprobs import pick, prompt_logprobs
+from minisgl.layers.penalties import PenaltyBatch, PenaltyState, apply_penalties
 from minisgl.layers.sampling import SamplingBatch, sample
+from minisgl.logprobs import TokenLogprobs
 from minisgl.models.config import ModelConfig
 from minisgl.models.loader import load_model, resolve_device, resolve_dtype
 from minisgl.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class SampleState(Protocol):
+    """What the sampler reads (and keeps) per sampled request: the scheduler's Request."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    penalty_state: Any  # PenaltyState once penalties ran for it; owned by this runner
+
+
+@dataclass
+class PromptRows:
+    """Prompt positions of one sequence to score: flat rows [start, start + len(targets)) of
+    this step's tokens, each predicting the next prompt token in `targets`."""
+
+    start: int
+    targets: list[int]
+    k: int  # top alternatives per token
 
 
 @dataclass
@@ -39,6 +62,16 @@ class ForwardInput:
     # constrained (the common case costs nothing).
     grammar_bitmask: Any = None
     grammar_rows: list[int] | None = None  # which rows of the bitmask are constrained
+    # Per sampled request: its state for penalties (None: no request needs penalties).
+    sample_states: Sequence[SampleState] | None = None
+    prompt_rows: list[PromptRows] = field(default_factory=list)
+
+
+@dataclass
+class ForwardOutput:
+    tokens: list[int]  # one per sampled request
+    logprobs: list[TokenLogprobs | None]  # per sampled request: None unless it asked
+    prompt_logprobs: list[TokenLogprobs]  # per PromptRows entry, in order
 
 
 class ModelRunner:
@@ -104,8 +137,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, inp: ForwardInput) -> list[int]:
-        """Run one batch; returns the sampled token of every request in `sample_rows`."""
+    def forward(self, inp: ForwardInput) -> ForwardOutput:
+        """Run one batch: the sampled token of every request in `sample_rows`, plus the
+        log-probabilities the requests asked for."""
         layout = BatchLayout(self.page_size, inp.prefix_lens, inp.extend_lens, inp.page_tables)
         meta = self.attn.prepare(layout)
         positions = np.concatenate(
@@ -115,15 +149,80 @@ class ModelRunner:
         input_ids = torch.tensor(inp.token_ids, dtype=torch.long, device=self.device)
         pos_t = torch.from_numpy(positions).to(self.device)
         sample_idx = torch.from_numpy(ends[inp.sample_rows]).to(self.device)
-        logits = self.model(input_ids, pos_t, self.attn, meta, sample_idx)
+        prompt: list[TokenLogprobs] = []
+        if inp.prompt_rows:
+            rows = [np.arange(r.start, r.start + len(r.targets)) for r in inp.prompt_rows]
+            extra = torch.from_numpy(np.concatenate(rows)).to(self.device)
+            hidden = self.model.hidden_states(
+                input_ids, pos_t, self.attn, meta, torch.cat([sample_idx, extra])
+            )
+            logits = self.model.lm_head(hidden[: len(inp.sample_rows)])
+            prompt = self._score_prompts(hidden[len(inp.sample_rows) :], inp.prompt_rows)
+        else:
+            logits = self.model(input_ids, pos_t, self.attn, meta, sample_idx)
         if not inp.sample_rows:
-            return []
+            return ForwardOutput([], [], prompt)
+        return self._sample(logits, inp, prompt)
+
+    def _sample(
+        self, logits: torch.Tensor, inp: ForwardInput, prompt: list[TokenLogprobs]
+    ) -> ForwardOutput:
+        # Log-probabilities come from the raw logits: taken before any adjustment.
+        lp_rows = [i for i, p in enumerate(inp.sample_params) if p.logprobs is not None]
+        lsm = None
+        if lp_rows:
+            rows = logits if len(lp_rows) == len(inp.sample_rows) else logits[lp_rows]
+            lsm = torch.log_softmax(rows, dim=-1)
+        if inp.sample_states is not None:
+            self._apply_penalties(logits, inp.sample_states)
+        # The grammar mask goes last, so no penalty or bias can revive a disallowed token.
         if inp.grammar_rows:
             apply_grammar_mask(logits, inp.grammar_bitmask, inp.grammar_rows)
         batch = SamplingBatch.build(
             inp.sample_params, inp.sample_steps, inp.sample_seeds, self.device
         )
-        return sample(logits, batch).tolist()
+        tokens_t = sample(logits, batch)
+        logprobs: list[TokenLogprobs | None] = [None] * len(inp.sample_rows)
+        if lsm is not None:
+            ks = [inp.sample_params[i].logprobs or 0 for i in lp_rows]
+            found = pick(lsm, tokens_t[lp_rows], ks).rows()
+            for i, one in zip(lp_rows, found, strict=True):
+                logprobs[i] = one
+        return ForwardOutput(tokens_t.tolist(), logprobs, prompt)
+
+    def _apply_penalties(self, logits: torch.Tensor, states: Sequence[SampleState]) -> None:
+        rows = [i for i, s in enumerate(states) if s.params.has_penalties]
+        if not rows:
+            return
+        picked = [states[i] for i in rows]
+        for s in picked:
+            if s.penalty_state is None:
+                s.penalty_state = PenaltyState.create(s.params, s.prompt_ids)
+            s.penalty_state.catch_up(s.output_ids)
+        batch = PenaltyBatch.build(
+            rows, [s.params for s in picked], [s.penalty_state for s in picked], self.device
+        )
+        apply_penalties(logits, batch)
+
+    def _score_prompts(
+        self, hidden: torch.Tensor, entries: list[PromptRows]
+    ) -> list[TokenLogprobs]:
+        out = []
+        start = 0
+        for r in entries:
+            n = len(r.targets)
+            targets = torch.tensor(r.targets, dtype=torch.long, device=self.device)
+            out.append(
+                prompt_logprobs(
+                    hidden[start : start + n],
+                    self.model.lm_head,
+                    self.config.vocab_size,
+                    targets,
+                    r.k,
+                )
+            )
+            start += n
+        return out
 
 
 def apply_grammar_mask(logits: torch.Tensor, bitmask: Any, rows: list[int]) -> None:

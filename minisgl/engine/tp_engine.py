@@ -188,11 +188,11 @@ class TPEngine:
         params = dataclasses.replace(params, seed=seed)  # every rank samples alike
         self._ops.append(["add", rid, list(prompt_ids), dataclasses.asdict(params), arrival])
 
-    def abort_request(self, rid: str) -> bool:
+    def abort_request(self, rid: str, index: int | None = None) -> bool:
         pending = any(op[0] == "add" and op[1] == rid for op in self._ops)
-        known = pending or self.engine.scheduler.get_request(rid) is not None
+        known = pending or self.engine.is_live(rid)
         if known:
-            self._ops.append(["abort", rid])
+            self._ops.append(["abort", rid, index])
         return known
 
     def has_unfinished(self) -> bool:
@@ -320,7 +320,7 @@ def apply_ops(engine: Engine, ops: list[list[Any]]) -> None:
             _, rid, prompt_ids, params, arrival = op
             engine.add_request(rid, prompt_ids, SamplingParams(**params), arrival_time=arrival)
         elif op[0] == "abort":
-            engine.abort_request(op[1])
+            engine.abort_request(op[1], op[2])
 
 
 def _destroy_distributed() -> None:
@@ -386,7 +386,7 @@ def _follow(
                 if os.getppid() != parent_pid:  # rank 0 is gone: do not linger
                     return
                 continue
-            kind, ops = msgpack.unpackb(sub.recv())
+            kind, ops = msgpack.unpackb(sub.recv(), strict_map_key=False)  # logit_bias: int keys
             if kind == _HELLO:
                 if not acked:
                     ack.send(msgpack.packb(rank))

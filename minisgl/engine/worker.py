@@ -86,9 +86,10 @@ class SchedulerLoop:
         if isinstance(msg, TokenizedRequest):
             self.add(msg)
         elif isinstance(msg, AbortRequest):
-            if self.engine.abort_request(msg.rid):
-                self.log.info("rid=%s aborted", msg.rid)
-                self.to_detok.put(RequestEnded(msg.rid, "abort"))
+            if self.engine.abort_request(msg.rid, msg.index):
+                which = "" if msg.index is None else f" (sample {msg.index})"
+                self.log.info("rid=%s aborted%s", msg.rid, which)
+                self.to_detok.put(RequestEnded(msg.rid, "abort", index=msg.index))
         elif isinstance(msg, Ping):
             msg.hops.append("scheduler")
             self.to_detok.put(msg)
@@ -131,6 +132,8 @@ class SchedulerLoop:
                 req.skip_special_tokens,
                 len(req.prompt_ids),
                 params.include_stop_str_in_output,
+                n=params.n,
+                echo_ids=list(req.prompt_ids) if req.echo else None,
             )
         )
 
@@ -159,6 +162,9 @@ class SchedulerLoop:
                 o.cached_tokens,
                 o.completion_tokens,
                 o.queue_time,
+                o.index,
+                o.logprobs,
+                o.prompt_logprobs,
             )
             for o in outputs
             if o.error is None

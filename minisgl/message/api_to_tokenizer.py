@@ -24,6 +24,7 @@ class TokenizeRequest:
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    echo: bool = False  # the reply starts with the prompt's text (decoded: an ids prompt)
 
 
 @register("abort")
@@ -32,6 +33,7 @@ class AbortRequest:
     """Drop a request (client gone, stop string hit, drain timeout). Unknown rids are ignored."""
 
     rid: str
+    index: int | None = None  # one sample of an n > 1 request (a stop string hit); None: all
 
 
 @register("ping")

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
+from minisgl.logprobs import TokenLogprobs
 from minisgl.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -42,6 +43,7 @@ def register(tag: str) -> Callable[[type[T]], type[T]]:
 
 
 register("sampling_params")(SamplingParams)
+register("token_logprobs")(TokenLogprobs)
 
 
 def _default(obj: Any) -> Any:

@@ -9,6 +9,19 @@ from minisgl.message.codec import register
 from minisgl.message.scheduler_to_detokenizer import SchedulerStatsUpdate
 
 
+@register("logprobs_text")
+@dataclass
+class LogprobsText:
+    """Log-probabilities with each token's text and bytes (the OpenAI shapes need both)."""
+
+    tokens: list[str]
+    token_bytes: list[bytes]
+    logprobs: list[float | None]
+    top_tokens: list[list[str]]
+    top_bytes: list[list[bytes]]
+    top_logprobs: list[list[float]]
+
+
 @register("text_out")
 @dataclass
 class TextOutput:
@@ -22,6 +35,10 @@ class TextOutput:
     cached_tokens: int
     completion_tokens: int
     queue_time: float | None = None
+    index: int = 0  # which sample of an n > 1 request; each sample ends with finished=True
+    logprobs: LogprobsText | None = None  # of the tokens behind this output, when asked
+    prompt_logprobs: LogprobsText | None = None  # of every prompt token, on the first output
+    prompt_text: str | None = None  # echo of an ids prompt, on the first output
 
 
 @register("text_batch")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from minisgl.logprobs import TokenLogprobs
 from minisgl.message.api_to_tokenizer import Ping
 from minisgl.message.codec import register
 
@@ -20,6 +21,8 @@ class RequestRegistered:
     skip_special_tokens: bool
     prompt_tokens: int
     include_stop_str_in_output: bool = False
+    n: int = 1  # samples: outputs carry their index
+    echo_ids: list[int] | None = None  # prompt ids whose text the first reply carries
 
 
 @register("token_out")
@@ -33,6 +36,9 @@ class TokenOutput:
     cached_tokens: int
     completion_tokens: int
     queue_time: float | None = None
+    index: int = 0  # which sample
+    logprobs: TokenLogprobs | None = None  # of token_ids, when asked
+    prompt_logprobs: TokenLogprobs | None = None  # of every prompt token, once
 
 
 @register("token_batch")
@@ -53,6 +59,7 @@ class RequestEnded:
     message: str = ""
     status: int = 400
     param: str | None = None
+    index: int | None = None  # an abort of one sample only; None: the whole request
 
 
 @register("sched_stats")

@@ -18,6 +18,7 @@ class TokenizedRequest:
     max_tokens: int | None  # None: fill the context
     arrival_time: float
     skip_special_tokens: bool = True
+    echo: bool = False
 
 
 KINDS: tuple[type, ...] = (TokenizedRequest, AbortRequest, Ping)

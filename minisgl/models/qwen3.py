@@ -250,14 +250,26 @@ class Qwen3ForCausalLM(nn.Module):
         sample_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Logits [len(sample_indices), vocab] (float32) of the rows `sample_indices`."""
+        return self.lm_head(self.hidden_states(input_ids, positions, attn, meta, sample_indices))
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        meta: AttentionMetadata,
+        indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Final (normed) hidden states [len(indices), hidden] of the rows `indices`: the
+        LM head's input, for callers that turn many rows into logits a block at a time."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, cos, sin, attn, meta)
         assert residual is not None
-        h = x[sample_indices] + residual[sample_indices]
-        return self.lm_head(self.model.norm(h))
+        h = x[indices] + residual[indices]
+        return self.model.norm(h)
 
     # -- weights ---------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from minisgl.logprobs import TokenLogprobs
 from minisgl.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -27,8 +28,13 @@ class Request:
         prompt_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        *,
+        group: str | None = None,
+        index: int = 0,
     ) -> None:
-        self.rid = rid
+        self.rid = rid  # unique among live requests: "<group>#<index>" for a sample of n > 1
+        self.group = rid if group is None else group  # the user's request id
+        self.index = index  # which of its n samples this is
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.arrival_time = time.time() if arrival_time is None else arrival_time
@@ -47,6 +53,15 @@ class Request:
         self.prefill_target = 0  # num_tokens at admission: sampling there ends the prefill
         self.first_admit_time: float | None = None
         self.finish_time: float | None = None
+        # Sampling state. Penalty counts on the device (owned by the model runner).
+        self.penalty_state: Any = None
+        # Prompt scoring: one entry per prompt token scored so far (the first is None: nothing
+        # predicts it), sent with the request's first output.
+        self.prompt_logprobs: TokenLogprobs | None = None
+        if params.prompt_logprobs is not None and self.prompt_ids:
+            self.prompt_logprobs = TokenLogprobs()
+            self.prompt_logprobs.append(self.prompt_ids[0], None, [], [])
+        self.prompt_logprobs_sent = False
 
     @property
     def all_ids(self) -> list[int]:
@@ -55,6 +70,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_reusable(self) -> int:
+        """Leading tokens whose KV the prefix cache may serve at admission: all but the last
+        (its logits are sampled), and no prompt position not scored yet when the prompt's
+        logprobs are asked (token p's logprob comes from position p - 1's logits)."""
+        if self.prompt_logprobs is None:
+            return self.num_tokens - 1
+        return min(self.num_tokens - 1, max(0, len(self.prompt_logprobs) - 1))
 
     @property
     def is_finished(self) -> bool:

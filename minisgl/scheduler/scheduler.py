@@ -15,6 +15,11 @@ Every `schedule()` builds one batch:
    keeps one spare page per running request, so that admitting does not force a preemption
    on the very next decode step. The head of the queue blocks those behind it (no starvation).
 
+Samples of one prompt (n > 1) are added as a group: the first prefills, the others wait
+(parked) until its prompt pages are in the prefix cache, and then reuse them, recomputing
+at most the last partial page (all of it with --disable-prefix-cache). A request that scores its prompt (prompt logprobs) reuses no
+cached page whose positions it has not scored yet: every prompt position gets its logits.
+
 Requests that can never fit: `add_request` rejects a prompt that cannot be computed at all
 (empty, >= max_seq_len tokens, or more KV than the whole pool). A request whose prompt fits but
 whose output would outgrow the pool is finished with "length" once it holds as many tokens as
@@ -83,6 +88,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the newest
         self._live: dict[str, Request] = {}
+        self._parked: dict[str, list[Request]] = {}  # leader rid -> its siblings, waiting
         self.num_preemptions_total = 0
         self.prefix_cache_hit_tokens_total = 0
         self.prompt_tokens_total = 0
@@ -106,6 +112,25 @@ class Scheduler:
         return None
 
     def add_request(self, req: Request) -> None:
+        self._check_new(req)
+        req.status = "waiting"
+        self._live[req.rid] = req
+        self.waiting.append(req)
+
+    def add_group(self, reqs: list[Request]) -> None:
+        """n samples of one prompt: reqs[0] prefills, the others reuse its cached prompt."""
+        for req in reqs:
+            self._check_new(req)
+        self.add_request(reqs[0])
+        # Even without a prefix cache they wait: the first sample's output (with the prompt's
+        # logprobs) then always comes before any other sample's.
+        for req in reqs[1:]:
+            req.status = "parked"
+            self._live[req.rid] = req
+        if len(reqs) > 1:
+            self._parked[reqs[0].rid] = list(reqs[1:])
+
+    def _check_new(self, req: Request) -> None:
         if req.rid in self._live:
             raise ValueError(f"request id {req.rid!r} is already scheduled")
         if req.status != "new":
@@ -113,9 +138,14 @@ class Scheduler:
         problem = self.check_prompt(len(req.prompt_ids))
         if problem is not None:
             raise ValueError(problem)
-        req.status = "waiting"
-        self._live[req.rid] = req
-        self.waiting.append(req)
+
+    def _unpark(self, leader: Request) -> None:
+        """The leader's prompt is cached (or it is gone): its siblings queue up, first in line
+        (they arrived with it)."""
+        for req in reversed(self._parked.pop(leader.rid, [])):
+            if req.status == "parked":
+                req.status = "waiting"
+                self.waiting.appendleft(req)
 
     def abort_request(self, rid: str) -> Request | None:
         req = self._live.pop(rid, None)
@@ -123,11 +153,14 @@ class Scheduler:
             return None
         if req.status == "waiting":
             self.waiting.remove(req)
+        elif req.status == "parked":
+            pass  # unparking skips it (no longer "parked")
         else:
             self.running.remove(req)
             self._release(req)
         req.finish_reason = "abort"
         req.status = "finished"
+        self._unpark(req)
         return req
 
     def get_request(self, rid: str) -> Request | None:
@@ -146,8 +179,12 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def num_parked(self) -> int:
+        return sum(r.status == "parked" for rs in self._parked.values() for r in rs)
+
+    @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + self.num_parked
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
@@ -192,13 +229,18 @@ class Scheduler:
             req.num_computed = seq.start + len(seq.token_ids)
             if token is None:
                 continue
-            req.output_ids.append(int(token))
-            reason = self._finish_reason(req, int(token))
+            if req.params.max_tokens == 0:  # prompt scoring only: nothing is generated
+                reason: str | None = "length"
+            else:
+                req.output_ids.append(int(token))
+                reason = self._finish_reason(req, int(token))
             if reason is not None:
                 self._finish(req, reason)
                 finished.append(req)
             elif not seq.is_decode:
                 self._cache_prefill(req)
+            if not seq.is_decode:
+                self._unpark(req)
         return finished
 
     def stats(self) -> SchedulerStats:
@@ -206,7 +248,7 @@ class Scheduler:
         cached = self.cache.num_evictable_pages
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=self.num_waiting,
             num_pages_total=self.num_pages,
             num_pages_free=free,
             num_pages_used=self.num_pages - free - cached,
@@ -285,7 +327,7 @@ class Scheduler:
     # ---- transitions ------------------------------------------------------------------------
     def _admit(self, req: Request) -> bool:
         if self.cache.enabled:
-            match = self.cache.match_prefix(req.token_slice(0, req.num_tokens - 1))
+            match = self.cache.match_prefix(req.token_slice(0, req.num_reusable))
         else:
             match = self.cache.match_prefix([])
         self.cache.lock(match.node)
@@ -340,6 +382,7 @@ class Scheduler:
         self._release(req)
         req.finish_reason = reason
         req.status = "finished"
+        self._unpark(req)
 
     def _seq(self, req: Request, n: int, *, is_decode: bool) -> ScheduledSeq:
         start = req.num_computed

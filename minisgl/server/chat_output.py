@@ -18,6 +18,10 @@ class ChatOutput:
         self.reasoning = Qwen3ReasoningParser() if reasoning else None
         self.tools = Qwen3ToolParser() if tools else None
 
+    def fresh(self) -> ChatOutput:
+        """A parser pair like this one with no state yet (one per choice)."""
+        return ChatOutput(reasoning=self.reasoning is not None, tools=self.tools is not None)
+
     @property
     def active(self) -> bool:
         return self.reasoning is not None or self.tools is not None

@@ -19,6 +19,7 @@ from minisgl.message.api_to_tokenizer import TokenizeRequest
 from minisgl.message.detokenizer_to_api import ErrorReply, TextOutput
 from minisgl.sampling_params import SamplingParams
 from minisgl.server.chat_output import ChatOutput
+from minisgl.server.choices import Choices
 from minisgl.server.context import ServerContext
 from minisgl.server.errors import APIError, error_response
 from minisgl.server.manager import RequestState
@@ -53,6 +54,15 @@ def sampling_params(
         raise APIError(
             400, f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids"
         )
+    if req.n > ctx.args.max_n:
+        raise APIError(
+            400, f"n must be at most {ctx.args.max_n} on this server (--max-n), got {req.n}", "n"
+        )
+    bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+    if vocab is not None and any(t >= vocab for t in bias):
+        raise APIError(
+            400, f"logit_bias token ids must be below the vocabulary size {vocab}", "logit_bias"
+        )
     try:
         return SamplingParams(
             temperature=req.temperature,
@@ -60,13 +70,21 @@ def sampling_params(
             top_k=req.top_k,
             min_p=req.min_p,
             seed=req.seed,
-            max_tokens=limit or 1,  # the scheduler fills the context when limit is None
+            # The scheduler fills the context when limit is None.
+            max_tokens=limit if limit is not None else 1,
             ignore_eos=req.ignore_eos,
             stop=req.stop or [],  # type: ignore[arg-type]
             stop_token_ids=req.stop_token_ids or [],
             include_stop_str_in_output=req.include_stop_str_in_output,
             grammar_kind=grammar[0] if grammar else None,
             grammar=grammar[1] if grammar else None,
+            n=req.n,
+            logprobs=req.num_logprobs(),
+            prompt_logprobs=req.num_prompt_logprobs(),
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=bias,
         )
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
@@ -101,13 +119,15 @@ class Tracker:
     finish_reason: str | None = None
     done: bool = False
     first_byte: bool = False  # the first content chunk went out (timeline)
+    sample_tokens: dict[int, int] = field(default_factory=dict)  # per sample (n > 1)
 
     def on_output(self, out: TextOutput) -> None:
-        if out.queue_time is not None:
+        if out.queue_time is not None and self.queue_time is None:
             self.queue_time = out.queue_time
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.cached_tokens = out.cached_tokens or self.cached_tokens
-        self.completion_tokens = out.completion_tokens
+        self.sample_tokens[out.index] = out.completion_tokens
+        self.completion_tokens = sum(self.sample_tokens.values())
         if out.text:
             now = time.time()
             if self.first_token_time is None:
@@ -190,15 +210,21 @@ async def serve_request(
     admit(ctx)
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
     tracker = Tracker(rid, arrival, req.stream)
+    echo = isinstance(req, CompletionRequest) and req.echo
+    prompt_text = tok_req_fields.get("prompt_text")
+    choices = Choices(kind, req.n, req.num_logprobs() is not None, echo, prompt_text)
+    # Each choice parses its own text: tool-call and reasoning parsers keep per-stream state.
+    outputs = [output.fresh() for _ in range(req.n)] if output is not None else None
     tok_req = TokenizeRequest(
         rid=rid,
         arrival_time=arrival,
         params=params,
         max_tokens=req.limit(),
         skip_special_tokens=req.skip_special_tokens,
+        echo=echo and prompt_text is None,  # an ids prompt: the detokenizer decodes it
         **tok_req_fields,
     )
-    log.info("rid=%s received: %s stream=%s", rid, kind, req.stream)
+    log.info("rid=%s received: %s stream=%s n=%d", rid, kind, req.stream, req.n)
     timeline.mark(rid, "received")
     try:
         state = ctx.manager.submit(tok_req)
@@ -226,12 +252,12 @@ async def serve_request(
     if req.stream:
         watcher.cancel()  # from here Starlette cancels the stream when the client goes
         return StreamingResponse(
-            _stream(ctx, state, tracker, first, kind, req, output),
+            _stream(ctx, state, tracker, first, kind, req, choices, outputs),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     try:
-        return await _collect(ctx, state, tracker, first, kind, watcher, output)
+        return await _collect(ctx, state, tracker, first, kind, watcher, choices, outputs)
     finally:
         watcher.cancel()
 
@@ -243,9 +269,9 @@ async def _collect(
     reply: Any,
     kind: str,
     watcher: asyncio.Task[None],
-    output: ChatOutput | None,
+    choices: Choices,
+    outputs: list[ChatOutput] | None,
 ) -> Response:
-    parts: list[str] = []
     try:
         while True:
             if reply is None:
@@ -258,8 +284,8 @@ async def _collect(
                 tracker.finish(ctx, "error")
                 return error_response(reply.status, reply.message, reply.param)
             tracker.on_output(reply)
-            parts.append(reply.text)
-            if reply.finished:
+            choices.add(reply)
+            if choices.all_done:
                 break
             reply = await next_reply(state, watcher)
     except BaseException:
@@ -267,9 +293,7 @@ async def _collect(
         tracker.finish(ctx, "abort")
         raise
     ctx.manager.release(tracker.rid)
-    reason = reply.finish_reason or "stop"
-    tracker.finish(ctx, reason)
-    text = "".join(parts)
+    tracker.finish(ctx, choices.choices[0].finish_reason or "stop")
     usage = Usage(
         prompt_tokens=tracker.prompt_tokens,
         completion_tokens=tracker.completion_tokens,
@@ -279,20 +303,11 @@ async def _collect(
     created = int(tracker.arrival)
     body: ChatCompletionResponse | CompletionResponse
     if kind == "chat":
-        message = ResponseMessage(content=text)
-        if output is not None:
-            content, reasoning, calls = output.whole(text)
-            message = ResponseMessage(
-                content=content,
-                reasoning_content=reasoning,
-                tool_calls=[ResponseToolCall.model_validate(c.to_openai()) for c in calls],
-            )
-            reason = _finish_reason(reason, bool(calls))
         body = ChatCompletionResponse(
             id=tracker.rid,
             created=created,
             model=ctx.model_name,
-            choices=[ChatChoice(message=message, finish_reason=reason)],
+            choices=[_chat_choice(c, outputs) for c in choices.body_choices()],
             usage=usage,
         )
     else:
@@ -300,10 +315,26 @@ async def _collect(
             id=tracker.rid,
             created=created,
             model=ctx.model_name,
-            choices=[CompletionChoice(text=text, finish_reason=reason)],
+            choices=[CompletionChoice(**c) for c in choices.body_choices()],
             usage=usage,
         )
     return JSONResponse(body.model_dump())
+
+
+def _chat_choice(entry: dict[str, Any], outputs: list[ChatOutput] | None) -> ChatChoice:
+    """One choice of a chat response: its text parsed into reasoning/content/tool calls."""
+    if outputs is None:
+        return ChatChoice(**entry)
+    content, reasoning, calls = outputs[entry["index"]].whole(entry["message"]["content"])
+    message = ResponseMessage(
+        content=content,
+        reasoning_content=reasoning,
+        tool_calls=[ResponseToolCall.model_validate(c.to_openai()) for c in calls],
+    )
+    reason = _finish_reason(entry["finish_reason"] or "stop", bool(calls))
+    return ChatChoice(
+        index=entry["index"], message=message, finish_reason=reason, logprobs=entry["logprobs"]
+    )
 
 
 def _finish_reason(reason: str, called: bool) -> str:
@@ -322,9 +353,11 @@ async def _stream(
     reply: Any,
     kind: str,
     req: SamplingFields,
-    output: ChatOutput | None,
+    choices: Choices,
+    outputs: list[ChatOutput] | None,
 ) -> AsyncIterator[str]:
-    """OpenAI SSE: role first (chat), then content deltas, finish_reason last, then [DONE]."""
+    """OpenAI SSE: role first (chat), then content deltas, each choice's finish_reason after
+    its last delta, then the usage chunk (when asked) and [DONE]."""
     include_usage = req.include_usage
     continuous = include_usage and bool(
         req.stream_options and req.stream_options.continuous_usage_stats
@@ -332,12 +365,14 @@ async def _stream(
     created = int(tracker.arrival)
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-    def chunk(delta: dict[str, Any] | str, reason: str | None) -> dict[str, Any]:
+    def chunk(
+        index: int, delta: dict[str, Any] | str, reason: str | None, logprobs: Any = None
+    ) -> dict[str, Any]:
         if kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
+            choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": delta, "finish_reason": reason}
-        choice["logprobs"] = None
+            choice = {"index": index, "text": delta, "finish_reason": reason}
+        choice["logprobs"] = logprobs
         out: dict[str, Any] = {
             "id": tracker.rid,
             "object": obj,
@@ -349,16 +384,18 @@ async def _stream(
             out["usage"] = tracker.usage() if continuous else None
         return out
 
-    def deltas(text: str, final: bool) -> list[dict[str, Any] | str]:
+    def deltas(index: int, text: str, final: bool) -> list[dict[str, Any] | str]:
         if kind != "chat":
             return [text] if text else []
-        if output is None:
+        if outputs is None:
             return [{"content": text}] if text else []
+        output = outputs[index]
         return list(output.finish() if final else output.feed(text))
 
     try:
         if kind == "chat":
-            yield _sse(chunk({"role": "assistant", "content": ""}, None))
+            for c in choices.choices:
+                yield _sse(chunk(c.index, {"role": "assistant", "content": ""}, None))
         while True:
             if isinstance(reply, ErrorReply):
                 # A worker failed mid-stream: the status is sent already, so say it in-band.
@@ -376,22 +413,27 @@ async def _stream(
                 )
                 return
             tracker.on_output(reply)
-            for delta in deltas(reply.text, False):
-                yield _sse(chunk(delta, None))
+            text, logprobs = choices.add(reply)
+            pieces = deltas(reply.index, text, False)
+            if not pieces and logprobs is not None:
+                pieces = [{} if kind == "chat" else ""]  # logprobs of tokens with no text yet
+            for i, delta in enumerate(pieces):
+                yield _sse(chunk(reply.index, delta, None, logprobs if i == 0 else None))
                 if timeline.enabled():
                     timeline.mark(tracker.rid, "token" if tracker.first_byte else "first_byte")
                     tracker.first_byte = True
             if reply.finished:
+                for delta in deltas(reply.index, "", True):
+                    yield _sse(chunk(reply.index, delta, None))
+                reason = choices.choices[reply.index].finish_reason or "stop"
+                if outputs is not None:
+                    reason = _finish_reason(reason, bool(outputs[reply.index].calls))
+                yield _sse(chunk(reply.index, {} if kind == "chat" else "", reason))
+            if choices.all_done:
                 break
             reply = await state.queue.get()
-        for delta in deltas("", True):
-            yield _sse(chunk(delta, None))
         ctx.manager.release(tracker.rid)
-        reason = reply.finish_reason or "stop"
-        tracker.finish(ctx, reason)
-        if output is not None:
-            reason = _finish_reason(reason, bool(output.calls))
-        yield _sse(chunk({} if kind == "chat" else "", reason))
+        tracker.finish(ctx, choices.choices[0].finish_reason or "stop")
         if include_usage:
             yield _sse(
                 {

@@ -9,6 +9,7 @@ carry their choice's index, with usage summed over the choices.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import uuid
@@ -21,6 +22,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minisgl.message.api_to_tokenizer import TokenizeRequest
 from minisgl.message.detokenizer_to_api import ErrorReply, TextOutput
+from minisgl.sampling_params import SamplingParams
+from minisgl.server.choices import Choices
 from minisgl.server.context import ServerContext
 from minisgl.server.errors import APIError, error_response
 from minisgl.server.handlers import Tracker, admit, sampling_params
@@ -35,7 +38,7 @@ class Choice:
     index: int
     tracker: Tracker
     state: RequestState
-    text: str = ""
+    out: Choices  # its text, echo and logprobs (one sample: the engine sees n=1)
     finish_reason: str | None = None
 
 
@@ -55,23 +58,27 @@ async def serve_prompts(
     admit(ctx)
     base = "cmpl-" + uuid.uuid4().hex[:24]
     samples = req.n
+    params = sampling_params(ctx, req, req.limit(), grammar)
+    want_logprobs = req.num_logprobs() is not None
     choices: list[Choice] = []
     try:
         for p_index, fields in enumerate(prompts):
+            prompt_text = fields.get("prompt_text")
             for sample in range(samples):
                 index = p_index * samples + sample
                 rid = f"{base}-{index}"
-                params = sampling_params(ctx, req, req.limit(), grammar)
                 tok_req = TokenizeRequest(
                     rid=rid,
                     arrival_time=arrival,
-                    params=params,
+                    params=_one_sample(params, sample),
                     max_tokens=req.limit(),
                     skip_special_tokens=req.skip_special_tokens,
+                    echo=req.echo and prompt_text is None,  # the detokenizer decodes ids
                     **fields,
                 )
                 state = ctx.manager.submit(tok_req)
-                choices.append(Choice(index, Tracker(rid, arrival, req.stream), state))
+                out = Choices("completion", 1, want_logprobs, req.echo, prompt_text)
+                choices.append(Choice(index, Tracker(rid, arrival, req.stream), state, out))
     except (TypeError, ValueError, OverflowError):
         _abort_all(ctx, choices)
         raise APIError(400, "the request holds values that cannot be processed") from None
@@ -88,6 +95,13 @@ async def serve_prompts(
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     return await _collect(ctx, request, base, choices, merged, pumps)
+
+
+def _one_sample(params: SamplingParams, sample: int) -> SamplingParams:
+    """Sample `sample` of a prompt as its own engine request: seed + sample (as n > 1 does),
+    and it scores its own prompt (no sibling in the engine shares it)."""
+    one = params.sample_params(sample)
+    return dataclasses.replace(one, prompt_logprobs=params.prompt_logprobs)
 
 
 async def _pump(choice: Choice, merged: asyncio.Queue[tuple[Choice, Any]]) -> None:
@@ -116,16 +130,16 @@ def _usage(choices: list[Choice]) -> dict[str, Any]:
     }
 
 
-def _on_reply(ctx: ServerContext, choice: Choice, reply: Any) -> bool:
-    """Account one reply; True once the choice is finished."""
+def _on_reply(ctx: ServerContext, choice: Choice, reply: Any) -> tuple[bool, str, Any]:
+    """Account one reply: (finished, the text and logprobs a stream chunk carries now)."""
     choice.tracker.on_output(reply)
-    choice.text += reply.text
+    text, logprobs = choice.out.add(reply)
     if not reply.finished:
-        return False
+        return False, text, logprobs
     ctx.manager.release(choice.tracker.rid)
     choice.finish_reason = reply.finish_reason or "stop"
     choice.tracker.finish(ctx, choice.finish_reason)
-    return True
+    return True, text, logprobs
 
 
 async def _disconnected(request: Request) -> None:
@@ -158,7 +172,7 @@ async def _collect(
                 choice.tracker.finish(ctx, "error")
                 _abort_all(ctx, choices)
                 return error_response(reply.status, reply.message, reply.param)
-            left -= _on_reply(ctx, choice, reply)
+            left -= _on_reply(ctx, choice, reply)[0]
     except BaseException:
         _abort_all(ctx, choices)
         raise
@@ -171,10 +185,7 @@ async def _collect(
         "object": "text_completion",
         "created": int(choices[0].tracker.arrival),
         "model": ctx.model_name,
-        "choices": [
-            {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
-            for c in choices
-        ],
+        "choices": [{**c.out.body_choices()[0], "index": c.index} for c in choices],
         "usage": _usage(choices),
     }
     return JSONResponse(body)
@@ -194,14 +205,19 @@ async def _stream(
         req.stream_options and req.stream_options.continuous_usage_stats
     )
 
-    def chunk(choice: Choice, text: str, reason: str | None) -> str:
+    def chunk(choice: Choice, text: str, reason: str | None, logprobs: Any = None) -> str:
         out: dict[str, Any] = {
             "id": base,
             "object": "text_completion",
             "created": created,
             "model": ctx.model_name,
             "choices": [
-                {"index": choice.index, "text": text, "finish_reason": reason, "logprobs": None}
+                {
+                    "index": choice.index,
+                    "text": text,
+                    "finish_reason": reason,
+                    "logprobs": logprobs,
+                }
             ],
         }
         if include_usage:
@@ -219,9 +235,9 @@ async def _stream(
                 error = {"message": reply.message, "type": "server_error", "code": reply.status}
                 yield _sse({"error": {**error, "param": None}})
                 return
-            done = _on_reply(ctx, choice, reply)
-            if reply.text:
-                yield chunk(choice, reply.text, None)
+            done, text, logprobs = _on_reply(ctx, choice, reply)
+            if text or logprobs is not None:
+                yield chunk(choice, text, None, logprobs)
             if done:
                 left -= 1
                 yield chunk(choice, "", choice.finish_reason)

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from minisgl.sampling_params import MAX_LOGPROBS
+
 SEED_MAX = 2**63 - 1
 # Integers travel to the workers as msgpack (64-bit at most); far below that, no context or
 # vocabulary is this large, so anything beyond is a 400 here rather than an encoding error.
@@ -121,17 +123,18 @@ class SamplingFields(_Request):
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
     max_tokens: int | None = Field(None, ge=1, le=INT_MAX)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT_MAX)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=INT_MAX)  # and at most the server's --max-n
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
-    user: str | None = None  # accepted and ignored
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)  # vLLM/SGLang extra
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None  # vLLM extra: answered with a 400 (use echo + logprobs)
+    user: str | None = None
     metadata: dict[str, Any] | None = None  # accepted and ignored
     # Structured outputs: OpenAI's response_format, SGLang's regex/ebnf, vLLM's guided_*.
     response_format: ResponseFormat | None = None
@@ -142,7 +145,14 @@ class SamplingFields(_Request):
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
 
-    @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
+    @field_validator(
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    )
     @classmethod
     def _finite(cls, v: float) -> float:
         if not math.isfinite(v):
@@ -159,6 +169,16 @@ class SamplingFields(_Request):
             raise ValueError(f"at most {MAX_STOP} stop strings")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.strip().isdigit() or int(key) > INT_MAX:
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise ValueError(f"biases must be in [-100, 100], got {bias}")
+        return v
+
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
@@ -168,14 +188,20 @@ class SamplingFields(_Request):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for a feature this server does not implement."""
-        if self.n != 1:
-            return "n", "only n=1 is supported"
-        if self.logprobs or self.top_logprobs:
-            return "logprobs", "logprobs are not supported"
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty", "presence and frequency penalties are not supported"
+        if self.prompt_logprobs is not None:
+            return (
+                "prompt_logprobs",
+                "prompt_logprobs is not supported: use /v1/completions with echo and logprobs",
+            )
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
+        return None
+
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per generated token, or None when logprobs are off."""
+        return None
+
+    def num_prompt_logprobs(self) -> int | None:
         return None
 
     @property
@@ -201,6 +227,10 @@ class ChatCompletionRequest(SamplingFields):
     service_tier: str | None = None
     reasoning_effort: str | None = None
 
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # vLLM's chat echo (repeat the last message): not implemented
+
     def unsupported(self) -> tuple[str, str] | None:
         if self.functions is not None or self.function_call is not None:
             name = "functions" if self.functions is not None else "function_call"
@@ -211,10 +241,17 @@ class ChatCompletionRequest(SamplingFields):
             return "prediction", "predicted outputs are not supported"
         if self.web_search_options is not None:
             return "web_search_options", "web search is not supported"
+        if self.echo:
+            return "echo", "echo is only supported on /v1/completions"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
         return super().unsupported()
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingFields):
@@ -222,6 +259,9 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # 0 is allowed with echo (score the prompt, generate nothing: evaluation harnesses).
+    max_tokens: int | None = Field(None, ge=0, le=INT_MAX)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request (a batch, or one); ValueError when there are none."""
@@ -241,9 +281,19 @@ class CompletionRequest(SamplingFields):
             return self.max_completion_tokens
         return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default
 
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        if not self.echo:
+            return None
+        if self.logprobs is None and self.max_tokens == 0:
+            return 0  # nothing generated: the prompt's pass is the request (scores unused)
+        return self.logprobs
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens: 0 is only allowed with echo"
         if self.suffix:
             return "suffix", "suffix is not supported"
         if self.best_of not in (None, 1):
@@ -285,7 +335,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: ResponseMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -301,7 +351,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -10,15 +10,17 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import zmq
 
 from minisgl import timeline
+from minisgl.logprobs import TokenLogprobs
 from minisgl.message import detokenizer_to_api, scheduler_to_detokenizer, tokenizer_to_scheduler
 from minisgl.message.api_to_tokenizer import AbortRequest, Ping
-from minisgl.message.detokenizer_to_api import ErrorReply, TextBatch, TextOutput
+from minisgl.message.detokenizer_to_api import ErrorReply, LogprobsText, TextBatch, TextOutput
 from minisgl.message.endpoints import Endpoints
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.scheduler_to_detokenizer import (
@@ -37,8 +39,18 @@ from minisgl.process import (
     setup_logging,
 )
 from minisgl.tokenizer.incremental import IncrementalDecoder
+from minisgl.tokenizer.token_text import TokenTexts
 from minisgl.tokenizer.tokenizer_worker import load_tokenizer
 from minisgl.tokenizer.without_torch import keep_torch_out
+
+
+@dataclass
+class _Live:
+    """A request the detokenizer still answers for: one decoder per live sample."""
+
+    samples: dict[int, IncrementalDecoder]
+    echo_ids: list[int] | None  # prompt to decode into the first reply (echo of an ids prompt)
+    skip_special_tokens: bool
 
 
 class Detokenizer:
@@ -47,29 +59,28 @@ class Detokenizer:
     def __init__(self, tokenizer: Any, log: logging.Logger | None = None) -> None:
         self.tokenizer = tokenizer
         self.log = log or logging.getLogger("minisgl.detokenizer")
-        self.decoders: dict[str, IncrementalDecoder] = {}
+        self.decoders: dict[str, _Live] = {}
+        self.token_texts = TokenTexts(tokenizer)
 
     def handle(self, msg: Any) -> tuple[list[Any], list[AbortRequest]]:
         """Messages for the API server, and aborts for the scheduler (stop string hits)."""
         if isinstance(msg, TokenBatch):
             return self._tokens(msg.outputs)
         if isinstance(msg, RequestRegistered):
-            self.decoders[msg.rid] = IncrementalDecoder(
-                self.tokenizer,
-                stop=msg.stop,
-                hidden_token_ids=msg.hidden_token_ids,
-                skip_special_tokens=msg.skip_special_tokens,
-                include_stop_str_in_output=msg.include_stop_str_in_output,
-            )
+            samples = {
+                i: IncrementalDecoder(
+                    self.tokenizer,
+                    stop=msg.stop,
+                    hidden_token_ids=msg.hidden_token_ids,
+                    skip_special_tokens=msg.skip_special_tokens,
+                    include_stop_str_in_output=msg.include_stop_str_in_output,
+                )
+                for i in range(msg.n)
+            }
+            self.decoders[msg.rid] = _Live(samples, msg.echo_ids, msg.skip_special_tokens)
             return [], []
         if isinstance(msg, RequestEnded):
-            dec = self.decoders.pop(msg.rid, None)
-            if msg.reason == "error":
-                return [ErrorReply(msg.rid, msg.message, msg.status, msg.param)], []
-            if dec is None:
-                return [], []  # already finished: its final reply went out
-            done = TextOutput(msg.rid, "", True, "abort", 0, 0, dec.num_tokens)
-            return [TextBatch([done])], []
+            return self._ended(msg), []
         if isinstance(msg, Ping):
             msg.hops.append("detokenizer")
             return [msg], []
@@ -79,24 +90,53 @@ class Detokenizer:
             return [msg], []
         return [], []
 
+    def _ended(self, msg: RequestEnded) -> list[Any]:
+        if msg.reason == "error":
+            self.decoders.pop(msg.rid, None)
+            return [ErrorReply(msg.rid, msg.message, msg.status, msg.param)]
+        live = self.decoders.get(msg.rid)
+        if live is None:
+            return []  # already finished: its final reply went out
+        which = list(live.samples) if msg.index is None else [msg.index]
+        done = []
+        for i in which:
+            dec = live.samples.pop(i, None)
+            if dec is not None:  # else that sample already ended
+                done.append(TextOutput(msg.rid, "", True, "abort", 0, 0, dec.num_tokens, index=i))
+        if not live.samples:
+            del self.decoders[msg.rid]
+        return [TextBatch(done)] if done else []
+
     def _tokens(self, outputs: list[TokenOutput]) -> tuple[list[Any], list[AbortRequest]]:
         texts: list[TextOutput] = []
         aborts: list[AbortRequest] = []
         for out in outputs:
-            dec = self.decoders.get(out.rid)
-            if dec is None:
+            live = self.decoders.get(out.rid)
+            dec = live.samples.get(out.index) if live is not None else None
+            if live is None or dec is None:
                 continue  # stopped by a stop string or aborted: nothing after the final reply
             delta = dec.feed(out.token_ids, finished=out.finished, finish_reason=out.finish_reason)
             finished = out.finished or dec.stopped
             reason = "stop" if dec.stopped else out.finish_reason
             if dec.stopped and not out.finished:
-                aborts.append(AbortRequest(out.rid))  # the engine would keep generating
+                # The engine would keep generating this sample.
+                aborts.append(AbortRequest(out.rid, out.index if len(live.samples) > 1 else None))
+            prompt_text = None
+            if live.echo_ids is not None:
+                prompt_text = self.tokenizer.decode(
+                    live.echo_ids, skip_special_tokens=live.skip_special_tokens
+                )
+                live.echo_ids = None
             if finished:
-                del self.decoders[out.rid]
+                del live.samples[out.index]
+                if not live.samples:
+                    del self.decoders[out.rid]
                 self.log.debug("rid=%s finished (%s)", out.rid, reason)
             if timeline.enabled() and out.queue_time is not None:
                 timeline.mark(out.rid, "detokenized")
-            if delta or finished or out.queue_time is not None:
+            extras = out.logprobs is not None or out.prompt_logprobs is not None
+            extras = extras or prompt_text is not None
+            if delta or finished or out.queue_time is not None or extras:
                 texts.append(
                     TextOutput(
                         out.rid,
@@ -107,9 +147,18 @@ class Detokenizer:
                         out.cached_tokens,
                         dec.num_tokens,
                         out.queue_time,
+                        out.index,
+                        self._logprobs(out.logprobs),
+                        self._logprobs(out.prompt_logprobs),
+                        prompt_text,
                     )
                 )
         return ([TextBatch(texts)] if texts else []), aborts
+
+    def _logprobs(self, lp: TokenLogprobs | None) -> LogprobsText | None:
+        if lp is None or not lp.token_ids:
+            return None if lp is None else LogprobsText([], [], [], [], [], [])
+        return self.token_texts.logprobs_text(lp)
 
 
 def run_detokenizer_worker(

@@ -146,7 +146,13 @@ def _handle(
         timeline.mark(msg.rid, "tokenized")
         to_scheduler.put(
             TokenizedRequest(
-                msg.rid, ids, msg.params, msg.max_tokens, msg.arrival_time, msg.skip_special_tokens
+                msg.rid,
+                ids,
+                msg.params,
+                msg.max_tokens,
+                msg.arrival_time,
+                msg.skip_special_tokens,
+                msg.echo,
             )
         )
     elif isinstance(msg, TokenizeOnly | DetokenizeOnly):

@@ -35,7 +35,8 @@ MALFORMED: list[tuple[str, str, Any]] = [
     ("max_tokens zero", CHAT, {"messages": MSG, "max_tokens": 0}),
     ("max_tokens a string", CHAT, {"messages": MSG, "max_tokens": "many"}),
     ("max_completion_tokens negative", CHAT, {"messages": MSG, "max_completion_tokens": -3}),
-    ("n above one", CHAT, {"messages": MSG, "n": 2}),
+    ("n above the server's --max-n", CHAT, {"messages": MSG, "n": 1000}),
+    ("n zero", COMP, {"prompt": "hi", "n": 0}),
     ("stop of ints", CHAT, {"messages": MSG, "stop": [1, 2]}),
     ("empty stop string", CHAT, {"messages": MSG, "stop": ""}),
     ("negative stop token id", CHAT, {"messages": MSG, "stop_token_ids": [-1]}),
@@ -45,7 +46,17 @@ MALFORMED: list[tuple[str, str, Any]] = [
     ("ignore_eos not a bool", CHAT, {"messages": MSG, "ignore_eos": "maybe"}),
     ("stream not a bool", CHAT, {"messages": MSG, "stream": "maybe"}),
     ("stream_options without stream", CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}),
-    ("logprobs", CHAT, {"messages": MSG, "logprobs": True}),
+    ("top_logprobs above 20", CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}),
+    ("top_logprobs without logprobs", CHAT, {"messages": MSG, "top_logprobs": 3}),
+    ("echo on chat", CHAT, {"messages": MSG, "echo": True}),
+    ("completion logprobs above 20", COMP, {"prompt": "hi", "logprobs": 21}),
+    ("prompt_logprobs (use echo)", COMP, {"prompt": "hi", "prompt_logprobs": 1}),
+    ("presence_penalty above 2", CHAT, {"messages": MSG, "presence_penalty": 2.5}),
+    ("frequency_penalty below -2", COMP, {"prompt": "hi", "frequency_penalty": -3}),
+    ("repetition_penalty zero", COMP, {"prompt": "hi", "repetition_penalty": 0}),
+    ("logit_bias key not a token id", CHAT, {"messages": MSG, "logit_bias": {"abc": 1}}),
+    ("logit_bias beyond 100", CHAT, {"messages": MSG, "logit_bias": {"5": 101}}),
+    ("logit_bias token beyond vocab", COMP, {"prompt": "hi", "logit_bias": {"999999999": 1}}),
     ("chat_template_kwargs not a dict", CHAT, {"messages": MSG, "chat_template_kwargs": [1]}),
     ("prompt plus max_tokens beyond context", CHAT, {"messages": MSG, "max_tokens": 10**6}),
     ("missing prompt", COMP, {"model": "m"}),
@@ -56,7 +67,7 @@ MALFORMED: list[tuple[str, str, Any]] = [
     ("negative token id", COMP, {"prompt": [1, -2]}),
     ("prompt of wrong type", COMP, {"prompt": {"text": "hi"}}),
     ("prompt too long for the context", COMP, {"prompt": [11] * 5000, "max_tokens": 1}),
-    ("echo", COMP, {"prompt": "hi", "echo": True}),
+    ("max_tokens zero without echo", COMP, {"prompt": "hi", "max_tokens": 0}),
 ]  # fmt: skip
 
 
@@ -102,7 +113,7 @@ def test_error_details_and_still_serving(server: ServerProcess, client: openai.O
     assert "context" in err["message"]
     _assert_openai_error(httpx.get(f"{server.url}/v1/nothing-here"), 404)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="m", messages=MSG, n=3)  # type: ignore[arg-type]
+        client.chat.completions.create(model="m", messages=MSG, n=1000)  # type: ignore[arg-type]
     r = client.chat.completions.create(model="m", messages=MSG, max_tokens=2)  # type: ignore[arg-type]
     assert r.choices[0].finish_reason in ("length", "stop")
     assert httpx.get(f"{server.url}/health").status_code == 200

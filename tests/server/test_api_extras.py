@@ -126,3 +126,23 @@ def test_fields_we_cannot_honour_are_refused(server: ServerProcess) -> None:
         timeout=30,
     )
     assert ok.status_code == 200
+
+
+def test_batched_prompts_with_n_and_logprobs(client: openai.OpenAI) -> None:
+    """A list of prompts with n: choice index = prompt * n + sample, sample i seeded seed + i
+    (like one prompt with n), and each choice carries its own logprobs."""
+    prompts = ["The sky is", "Once upon a time"]
+    singles = [
+        client.completions.create(
+            model="m", prompt=p, n=2, max_tokens=5, temperature=1.0, seed=11
+        ).choices
+        for p in prompts
+    ]
+    batch = client.completions.create(
+        model="m", prompt=prompts, n=2, max_tokens=5, temperature=1.0, seed=11, logprobs=1
+    )
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [c.text for s in singles for c in s]
+    for c in batch.choices:
+        assert c.logprobs is not None and c.logprobs.tokens
+        assert c.logprobs.top_logprobs is not None and len(c.logprobs.top_logprobs[0]) >= 1

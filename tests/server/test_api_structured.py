@@ -397,3 +397,48 @@ def test_thinking_off_is_all_answer(client: openai.OpenAI) -> None:
     )
     msg = reply.choices[0].message
     assert msg.content and getattr(msg, "reasoning_content", None) is None
+
+
+def test_grammar_and_tool_calls_per_choice_with_n(client: openai.OpenAI) -> None:
+    """n > 1: every sample walks its own grammar and its own tool-call parser."""
+    pick = client.chat.completions.create(
+        model="m",
+        messages=MSG,
+        n=3,
+        temperature=1.0,
+        seed=5,
+        max_tokens=20,
+        extra_body={"guided_choice": ["sunny", "rainy", "cloudy"]},
+    )
+    assert [c.index for c in pick.choices] == [0, 1, 2]
+    assert all(c.message.content in ("sunny", "rainy", "cloudy") for c in pick.choices)
+    messages: list[Any] = [{"role": "user", "content": "Weather in Paris, and the time?"}]
+    kwargs: dict[str, Any] = {
+        "model": "m",
+        "messages": messages,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "temperature": 1.0,
+        "seed": 21,
+        "max_tokens": 200,
+        "parallel_tool_calls": False,
+        "n": 2,
+    }
+    whole = client.chat.completions.create(**kwargs)
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for c in whole.choices:
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+        for call in c.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    for c in whole.choices:
+        mine = [
+            ch.model_copy(update={"choices": [x for x in ch.choices if x.index == c.index]})
+            for ch in chunks
+        ]
+        content, calls, reason = _reassemble(mine)
+        assert reason == "tool_calls" and content == ""
+        assert c.message.tool_calls is not None
+        assert [(x["name"], x["arguments"]) for x in calls] == [
+            (t.function.name, t.function.arguments) for t in c.message.tool_calls
+        ]

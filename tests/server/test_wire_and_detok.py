@@ -128,3 +128,34 @@ def test_exactly_one_final_reply_per_request(hf_tokenizer: Any) -> None:
     # Late outputs and the scheduler's abort confirmation produce nothing more.
     assert detok.handle(TokenBatch([TokenOutput("r", [1], True, "length", 5, 0, 9)])) == ([], [])
     assert detok.handle(RequestEnded("r", "abort")) == ([], [])
+
+
+def test_samples_end_one_by_one_with_token_text_logprobs(hf_tokenizer: Any) -> None:
+    from minisgl.logprobs import TokenLogprobs
+
+    detok = Detokenizer(hf_tokenizer)
+    ids = hf_tokenizer.encode("one two three")
+    detok.handle(RequestRegistered("r", ["two"], [], True, 5, n=2, echo_ids=[ids[0]]))
+    lp = TokenLogprobs([ids[0]], [-0.5], [[ids[0], ids[1]]], [[-0.5, -1.5]])
+    replies, aborts = detok.handle(
+        TokenBatch([TokenOutput("r", [ids[0]], False, None, 5, 0, 1, 0.1, 0, lp, lp)])
+    )
+    first = replies[0].outputs[0]
+    assert first.index == 0 and first.prompt_text == "one" and first.prompt_logprobs is not None
+    assert first.logprobs is not None and first.logprobs.tokens == ["one"]
+    assert (
+        first.logprobs.top_tokens == [["one", " two"]] and first.logprobs.top_bytes[0][1] == b" two"
+    )
+    # Sample 1 hits the stop string: only it ends, and only it is aborted in the scheduler.
+    replies, aborts = detok.handle(
+        TokenBatch([TokenOutput("r", ids[:2], False, None, 5, 0, 2, index=1)])
+    )
+    assert [(o.index, o.finished, o.finish_reason) for o in replies[0].outputs] == [
+        (1, True, "stop")
+    ]
+    assert aborts == [AbortRequest("r", 1)]
+    assert detok.handle(RequestEnded("r", "abort", index=1)) == ([], [])
+    # A whole-request abort ends the sample still going, and nothing else.
+    replies, _ = detok.handle(RequestEnded("r", "abort"))
+    assert [(o.index, o.finish_reason) for o in replies[0].outputs] == [(0, "abort")]
+    assert detok.decoders == {}

@@ -617,3 +617,78 @@ def test_random_workloads_keep_every_invariant(seed: int, enable_prefix_cache: b
             assert EOS not in r.output_ids or r.params.ignore_eos
     st_ = s.stats()
     assert st_.num_pages_used == 0 and st_.num_pages_free + st_.num_pages_cached == s.num_pages
+
+
+# ---- samples of one prompt, prompt scoring -------------------------------------------------
+
+
+def group(prompt: list[int], n: int, max_tokens: int = 4) -> list[Request]:
+    base = f"g{next(_rid)}"
+    params = SamplingParams(max_tokens=max_tokens)
+    return [Request(f"{base}#{i}", prompt, params, group=base, index=i) for i in range(n)]
+
+
+def test_samples_wait_for_the_first_prefill_then_share_its_pages() -> None:
+    s, eng = make(max_prefill_tokens=8), FakeEngine()
+    prompt = list(range(100, 122))  # 22 tokens: 5 full pages of 4, and 2 more
+    reqs = group(prompt, 3)
+    s.add_group(reqs)
+    assert s.num_waiting == 3 and [r.status for r in reqs] == ["waiting", "parked", "parked"]
+    while reqs[0].num_computed < len(prompt):
+        batch, _ = step(s, eng)
+        assert all(seq.req is reqs[0] for seq in batch.seqs)  # siblings stay parked
+    batch, _ = step(s, eng)
+    siblings = [seq for seq in batch.seqs if seq.req is not reqs[0]]
+    # Each sibling reuses the 5 cached pages and computes only the last partial page.
+    assert [(seq.start, len(seq.token_ids)) for seq in siblings] == [(20, 2), (20, 2)]
+    assert s.prefix_cache_hit_tokens_total == 40
+    run_all(s, eng)
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 4 for r in reqs)
+    assert s.num_live == 0
+
+
+def test_aborting_a_parked_sample_or_the_first_one() -> None:
+    s, eng = make(), FakeEngine()
+    reqs = group(list(range(200, 230)), 3)
+    s.add_group(reqs)
+    assert s.abort_request(reqs[2].rid) is reqs[2] and s.num_waiting == 2
+    assert s.abort_request(reqs[0].rid) is reqs[0]  # before its prefill: the rest go on
+    assert reqs[1].status == "waiting"
+    run_all(s, eng)
+    assert reqs[1].finish_reason == "length" and reqs[2].finish_reason == "abort"
+    assert s.num_live == 0 and s.num_waiting == 0
+
+
+def test_prompt_scoring_recomputes_cached_positions_it_has_not_scored() -> None:
+    s, eng = make(), FakeEngine()
+    prompt = list(range(300, 340))
+    s.add_request(Request("warm", prompt + [1], SamplingParams(max_tokens=1)))
+    run_all(s, eng)
+    scorer = Request("score", prompt + [2], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    s.add_request(scorer)
+    batch, _ = step(s, eng)
+    assert batch.seqs[0].start == 0  # the cached 40 tokens are recomputed: logits needed
+    # Its prefill still fills the cache for everyone else.
+    plain = Request("plain", prompt + [3], SamplingParams(max_tokens=1))
+    s.add_request(plain)
+    batch, _ = step(s, eng)
+    assert batch.seqs[0].start == 40
+
+
+def test_max_tokens_zero_finishes_after_the_prefill_with_no_token() -> None:
+    s, eng = make(), FakeEngine()
+    r = Request("z", list(range(400, 410)), SamplingParams(max_tokens=0, prompt_logprobs=0))
+    s.add_request(r)
+    run_all(s, eng)
+    assert r.finish_reason == "length" and r.output_ids == [] and s.num_live == 0
+
+
+def test_a_preempted_request_reuses_cached_pages_of_its_outputs_too() -> None:
+    s, eng = make(), FakeEngine()
+    r = req(6, max_tokens=20)
+    s.add_request(r)
+    for _ in range(12):  # prefill + 11 decodes: 17 tokens computed, 4 full pages
+        step(s, eng)
+    s._preempt(r)
+    batch, _ = step(s, eng)
+    assert batch.seqs[0].start == 16  # all four full pages, beyond the 6 prompt tokens
