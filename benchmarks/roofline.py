@@ -9,6 +9,7 @@ relevant flags, these two measurements, and each result as a fraction of what th
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,6 +76,13 @@ def _matmul_peak(
             run(x, w, packed, None)
             best = min(best, (clock() - t0, name))
     return 2.0 * m * n * k / best[0], best[1]
+
+
+def cpu_description() -> str:
+    """The CPU model, its flags of note and the thread counts: printed next to every figure."""
+    model, flags = cpu_build.cpu_info()
+    noted = " ".join(f for f in FLAGS_OF_NOTE if f in flags) or "no AVX2"
+    return f"{model}; flags: {noted}; {os.cpu_count()} logical CPUs, torch threads {torch.get_num_threads()}"
 
 
 def measure(

@@ -16,8 +16,6 @@ keeps the plain rows' sampling path.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import random
 import statistics
 import sys
@@ -25,26 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-INTERESTING_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16")
-
-
-def cpu_description() -> str:
-    model, flags = platform.processor() or "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    except OSError:
-        pass
-    shown = " ".join(f for f in INTERESTING_FLAGS if f in flags) or "-"
-    threads = torch.get_num_threads()
-    return f"{model}; flags: {shown}; {os.cpu_count()} logical CPUs, torch threads {threads}"
+from roofline import cpu_description
 
 
 def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import sys
 import tempfile
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from roofline import cpu_description
 
 SCHEMA = {
     "type": "array",
@@ -38,26 +38,10 @@ SCHEMA = {
     },
     "minItems": 500,  # never closed within the run: the batch keeps its size
 }
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 
 
 def log(msg: str) -> None:
     print(msg, flush=True)
-
-
-def cpu_description() -> str:
-    model, flags = platform.processor() or "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
-    have = [f for f in FLAGS if f in flags]
-    return f"{model}; flags: {' '.join(have) or '-'}; torch threads {torch.get_num_threads()}"
 
 
 def main(argv: list[str] | None = None) -> int:
