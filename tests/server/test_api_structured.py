@@ -277,7 +277,7 @@ def _reassemble(chunks: list[Any]) -> tuple[str, list[dict[str, str]], str | Non
 )
 def test_tool_call_round_trip(client: openai.OpenAI, choice: Any) -> None:
     messages: list[Any] = [{"role": "user", "content": "Weather in Paris, and the time?"}]
-    first = client.chat.completions.create(
+    request: dict[str, Any] = dict(
         model="m",
         messages=messages,
         tools=TOOLS,
@@ -287,6 +287,7 @@ def test_tool_call_round_trip(client: openai.OpenAI, choice: Any) -> None:
         max_tokens=200,
         parallel_tool_calls=False,  # a random model would go on
     )
+    first = client.chat.completions.create(**request)
     msg = first.choices[0].message
     assert first.choices[0].finish_reason == "tool_calls"
     assert msg.tool_calls and not msg.content
@@ -297,17 +298,7 @@ def test_tool_call_round_trip(client: openai.OpenAI, choice: Any) -> None:
     if isinstance(choice, dict):
         assert [c.function.name for c in msg.tool_calls] == ["get_time"]
     # The stream of the same seeded request reassembles to the same calls.
-    stream = client.chat.completions.create(
-        model="m",
-        messages=messages,
-        tools=TOOLS,
-        tool_choice=choice,
-        temperature=1.0,
-        seed=21,
-        max_tokens=200,
-        parallel_tool_calls=False,
-        stream=True,
-    )
+    stream = client.chat.completions.create(**request, stream=True)
     content, calls, reason = _reassemble(list(stream))
     assert reason == "tool_calls" and content == ""
     assert [(c["name"], c["arguments"]) for c in calls] == [
