@@ -342,7 +342,8 @@ def _finish_reason(reason: str, called: bool) -> str:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-def _sse(obj: Any) -> str:
+def sse_event(obj: Any) -> str:
+    """One server-sent event carrying `obj` as compact JSON."""
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
@@ -395,13 +396,13 @@ async def _stream(
     try:
         if kind == "chat":
             for c in choices.choices:
-                yield _sse(chunk(c.index, {"role": "assistant", "content": ""}, None))
+                yield sse_event(chunk(c.index, {"role": "assistant", "content": ""}, None))
         while True:
             if isinstance(reply, ErrorReply):
                 # A worker failed mid-stream: the status is sent already, so say it in-band.
                 ctx.manager.release(tracker.rid)
                 tracker.finish(ctx, "error")
-                yield _sse(
+                yield sse_event(
                     {
                         "error": {
                             "message": reply.message,
@@ -418,24 +419,24 @@ async def _stream(
             if not pieces and logprobs is not None:
                 pieces = [{} if kind == "chat" else ""]  # logprobs of tokens with no text yet
             for i, delta in enumerate(pieces):
-                yield _sse(chunk(reply.index, delta, None, logprobs if i == 0 else None))
+                yield sse_event(chunk(reply.index, delta, None, logprobs if i == 0 else None))
                 if timeline.enabled():
                     timeline.mark(tracker.rid, "token" if tracker.first_byte else "first_byte")
                     tracker.first_byte = True
             if reply.finished:
                 for delta in deltas(reply.index, "", True):
-                    yield _sse(chunk(reply.index, delta, None))
+                    yield sse_event(chunk(reply.index, delta, None))
                 reason = choices.choices[reply.index].finish_reason or "stop"
                 if outputs is not None:
                     reason = _finish_reason(reason, bool(outputs[reply.index].calls))
-                yield _sse(chunk(reply.index, {} if kind == "chat" else "", reason))
+                yield sse_event(chunk(reply.index, {} if kind == "chat" else "", reason))
             if choices.all_done:
                 break
             reply = await state.queue.get()
         ctx.manager.release(tracker.rid)
         tracker.finish(ctx, choices.choices[0].finish_reason or "stop")
         if include_usage:
-            yield _sse(
+            yield sse_event(
                 {
                     "id": tracker.rid,
                     "object": obj,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -26,7 +25,7 @@ from minisgl.sampling_params import SamplingParams
 from minisgl.server.choices import Choices
 from minisgl.server.context import ServerContext
 from minisgl.server.errors import APIError, error_response
-from minisgl.server.handlers import Tracker, admit, sampling_params
+from minisgl.server.handlers import Tracker, admit, sampling_params, sse_event
 from minisgl.server.manager import RequestState
 from minisgl.server.protocol import CompletionRequest
 
@@ -40,10 +39,6 @@ class Choice:
     state: RequestState
     out: Choices  # its text, echo and logprobs (one sample: the engine sees n=1)
     finish_reason: str | None = None
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 async def serve_prompts(
@@ -222,7 +217,7 @@ async def _stream(
         }
         if include_usage:
             out["usage"] = _usage(choices) if continuous else None
-        return _sse(out)
+        return sse_event(out)
 
     left = len(choices)
     try:
@@ -233,7 +228,7 @@ async def _stream(
                 choice.tracker.finish(ctx, "error")
                 _abort_all(ctx, choices)
                 error = {"message": reply.message, "type": "server_error", "code": reply.status}
-                yield _sse({"error": {**error, "param": None}})
+                yield sse_event({"error": {**error, "param": None}})
                 return
             done, text, logprobs = _on_reply(ctx, choice, reply)
             if text or logprobs is not None:
@@ -242,7 +237,7 @@ async def _stream(
                 left -= 1
                 yield chunk(choice, "", choice.finish_reason)
         if include_usage:
-            yield _sse(
+            yield sse_event(
                 {
                     "id": base,
                     "object": "text_completion",
