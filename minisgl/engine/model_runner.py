@@ -16,8 +16,14 @@ from minisgl.engine.memory import default_num_pages
 from minisgl.kvcache.kv_pool import KVPool
 from minisgl.layers.attention import create_attention_backend
 from minisgl.layers.attention.base import BatchLayout
-from minisgl.layers.logprobs import pick, prompt_logprobs
-from minisgl.layers.penalties import PenaltyBatch, PenaltyState, apply_penalties
+from minisgl.layers.logprobs import pick, prompt_logprobs, row_stats
+from minisgl.layers.penalties import (
+    PenaltyBatch,
+    PenaltyState,
+    PenaltyUndo,
+    apply_penalties,
+    undo_penalties,
+)
 from minisgl.layers.sampling import SamplingBatch, sample
 from minisgl.logprobs import TokenLogprobs
 from minisgl.models.config import ModelConfig
@@ -167,14 +173,15 @@ class ModelRunner:
     def _sample(
         self, logits: torch.Tensor, inp: ForwardInput, prompt: list[TokenLogprobs]
     ) -> ForwardOutput:
-        # Log-probabilities come from the raw logits: taken before any adjustment.
+        # Log-probabilities come from the raw logits: their stats are taken before any
+        # adjustment, and the penalties' changes undone after the draw (the grammar mask never
+        # touches a token that can be drawn), so the drawn tokens' raw logits are read in place.
         lp_rows = [i for i, p in enumerate(inp.sample_params) if p.logprobs is not None]
-        lsm = None
-        if lp_rows:
-            rows = logits if len(lp_rows) == len(inp.sample_rows) else logits[lp_rows]
-            lsm = torch.log_softmax(rows, dim=-1)
+        ks = [inp.sample_params[i].logprobs or 0 for i in lp_rows]
+        stats = row_stats(logits, lp_rows, max(ks)) if lp_rows else None
+        undo = None
         if inp.sample_states is not None:
-            self._apply_penalties(logits, inp.sample_states)
+            undo = self._apply_penalties(logits, inp.sample_states)
         # The grammar mask goes last, so no penalty or bias can revive a disallowed token.
         if inp.grammar_rows:
             apply_grammar_mask(logits, inp.grammar_bitmask, inp.grammar_rows)
@@ -183,17 +190,20 @@ class ModelRunner:
         )
         tokens_t = sample(logits, batch)
         logprobs: list[TokenLogprobs | None] = [None] * len(inp.sample_rows)
-        if lsm is not None:
-            ks = [inp.sample_params[i].logprobs or 0 for i in lp_rows]
-            found = pick(lsm, tokens_t[lp_rows], ks).rows()
-            for i, one in zip(lp_rows, found, strict=True):
+        if stats is not None:
+            if undo is not None:
+                undo_penalties(logits, undo)
+            drawn = tokens_t[lp_rows].clamp(min=0)  # no draw: that request ends with an error
+            for i, one in zip(lp_rows, pick(logits, lp_rows, stats, drawn, ks).rows(), strict=True):
                 logprobs[i] = one
         return ForwardOutput(tokens_t.tolist(), logprobs, prompt)
 
-    def _apply_penalties(self, logits: torch.Tensor, states: Sequence[SampleState]) -> None:
+    def _apply_penalties(
+        self, logits: torch.Tensor, states: Sequence[SampleState]
+    ) -> PenaltyUndo | None:
         rows = [i for i, s in enumerate(states) if s.params.has_penalties]
         if not rows:
-            return
+            return None
         picked = [states[i] for i in rows]
         for s in picked:
             if s.penalty_state is None:
@@ -202,7 +212,7 @@ class ModelRunner:
         batch = PenaltyBatch.build(
             rows, [s.params for s in picked], [s.penalty_state for s in picked], self.device
         )
-        apply_penalties(logits, batch)
+        return apply_penalties(logits, batch)
 
     def _score_prompts(
         self, hidden: torch.Tensor, entries: list[PromptRows]

@@ -77,6 +77,12 @@ class _Lib:
             fn.argtypes = [ptr, ptr, i64, i64]
             fn.restype = None
         self.silu_mul_bf16, self.silu_mul_f32 = lib.silu_mul_bf16, lib.silu_mul_f32
+        lib.rows_argmax.argtypes = [ptr, i64, i64, ptr, ptr]
+        lib.rows_argmax.restype = None
+        self.rows_argmax = lib.rows_argmax
+        lib.rows_logprob.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr]
+        lib.rows_logprob.restype = None
+        self.rows_logprob = lib.rows_logprob
         lib.stream_read.argtypes = [ptr, i64]
         lib.stream_read.restype = ctypes.c_float
         self.stream_read = lib.stream_read
@@ -183,6 +189,56 @@ def gemv512(
     fn = lib.gemv512_bf16 if weight.dtype == torch.bfloat16 else lib.gemv512_f32
     fn(xc.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, int(out_dtype == torch.bfloat16))
     return y
+
+
+def rows_supported(x: torch.Tensor) -> bool:
+    """Row reductions take contiguous fp32 [R, V] on the CPU."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.dim() == 2
+        and x.is_contiguous()
+        and load() is not None
+    )
+
+
+def rows_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, first index of it) of each row of x [R, V], as torch.max(x, dim=-1); a row with
+    a NaN gets a NaN max."""
+    lib = load()
+    assert lib is not None
+    r, v = x.shape
+    top = torch.empty(r, dtype=torch.float32)
+    best = torch.empty(r, dtype=torch.int64)
+    lib.rows_argmax(x.data_ptr(), r, v, top.data_ptr(), best.data_ptr())
+    return top, best
+
+
+def rows_logprob(
+    x: torch.Tensor, rows: list[int] | None, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logsumexp [R], top-k values [R, k], their ids [R, k]) of rows `rows` of x [*, V] (all
+    when None), read in place; the top-k sorted descending, the lower id first among equals."""
+    lib = load()
+    assert lib is not None
+    v = x.shape[1]
+    idx = torch.tensor(rows, dtype=torch.int64) if rows is not None else None
+    r = len(rows) if rows is not None else x.shape[0]
+    k = min(k, v)
+    lse = torch.empty(r, dtype=torch.float32)
+    values = torch.empty(r, max(k, 1), dtype=torch.float32)
+    ids = torch.empty(r, max(k, 1), dtype=torch.int64)
+    lib.rows_logprob(
+        x.data_ptr(),
+        idx.data_ptr() if idx is not None else None,
+        r,
+        v,
+        k,
+        lse.data_ptr(),
+        values.data_ptr(),
+        ids.data_ptr(),
+    )
+    return lse, values[:, :k], ids[:, :k]
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float | None:

@@ -8,9 +8,11 @@ are produced a block of rows at a time, so a long prompt never holds [tokens, vo
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from minisgl.layers import cpu_kernels
 from minisgl.logprobs import TokenLogprobs
 
 # Rows of logits materialised at once when scoring a prompt (~64 MiB of float32 logits for a
@@ -18,21 +20,46 @@ from minisgl.logprobs import TokenLogprobs
 PROMPT_BLOCK_BYTES = 64 << 20
 
 
+@dataclass
+class RowStats:
+    """What log-probabilities need of raw logits rows [R, V]: each row's log-normaliser and
+    its k best logits (descending) with their ids."""
+
+    lse: torch.Tensor  # [R] float32
+    top_values: torch.Tensor  # [R, k] float32 (raw logits, not yet normalised)
+    top_ids: torch.Tensor  # [R, k] long
+
+
+def row_stats(logits: torch.Tensor, rows: list[int] | None, k: int) -> RowStats:
+    """Stats of rows `rows` of `logits` [B, V] (all when None): one pass over each row, in
+    place, on the CPU (C kernel); logsumexp + topk elsewhere. Neither builds a [R, V]
+    log_softmax: only k + 1 numbers per row are ever read from it."""
+    if cpu_kernels.rows_supported(logits):
+        return RowStats(*cpu_kernels.rows_logprob(logits, rows, k))
+    x = (logits if rows is None else logits[rows]).float()
+    k = min(k, x.shape[-1])
+    values, ids = x.topk(k, dim=-1) if k > 0 else (x[:, :0], x[:, :0].long())
+    return RowStats(torch.logsumexp(x, dim=-1), values, ids)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> TokenLogprobs:
     """Log-probabilities of `tokens` [R] under `logits` [R, V], with the top ks[r] of row r."""
-    # log_softmax, not logits - logsumexp: on CPU it is one fused pass, logsumexp several.
-    return pick(torch.log_softmax(logits.float(), dim=-1), tokens, ks)
+    return pick(logits, None, row_stats(logits, None, max(ks, default=0)), tokens, ks)
 
 
-def pick(lsm: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> TokenLogprobs:
-    """As token_logprobs, from log-probabilities [R, V] already computed."""
-    chosen = lsm.gather(1, tokens[:, None]).squeeze(1).tolist()
-    kmax = max(ks, default=0)
-    top_v: list[list[float]] = [[] for _ in ks]
-    top_i: list[list[int]] = [[] for _ in ks]
-    if kmax > 0:
-        values, ids = lsm.topk(min(kmax, lsm.shape[-1]), dim=-1)
-        top_v, top_i = values.tolist(), ids.tolist()
+def pick(
+    logits: torch.Tensor,
+    rows: list[int] | None,
+    stats: RowStats,
+    tokens: torch.Tensor,
+    ks: list[int],
+) -> TokenLogprobs:
+    """As token_logprobs, from the stats of rows `rows` (all when None) already computed;
+    `logits` must hold the raw values at (row, token)."""
+    at = torch.arange(logits.shape[0], device=logits.device) if rows is None else rows
+    chosen = (logits[at, tokens].float() - stats.lse).tolist()
+    top_v = (stats.top_values - stats.lse[:, None]).tolist()
+    top_i = stats.top_ids.tolist()
     out = TokenLogprobs()
     for r, k in enumerate(ks):
         out.append(int(tokens[r]), chosen[r], top_i[r][:k], top_v[r][:k])

@@ -111,15 +111,30 @@ class PenaltyBatch:
         )
 
 
-def apply_penalties(logits: torch.Tensor, batch: PenaltyBatch) -> None:
-    """Adjust the penalised rows of `logits` [B, V] (contiguous) in place."""
+@dataclass
+class PenaltyUndo:
+    """The flat positions apply_penalties changed and their values before."""
+
+    flat: torch.Tensor
+    raw: torch.Tensor
+
+
+def apply_penalties(logits: torch.Tensor, batch: PenaltyBatch) -> PenaltyUndo | None:
+    """Adjust the penalised rows of `logits` [B, V] (contiguous) in place; returns what
+    undo_penalties needs to restore the raw values (None: nothing changed)."""
     if batch.tokens.numel() == 0:
-        return
+        return None
     flat = batch.rows * logits.shape[1] + batch.tokens
     view = logits.view(-1)
-    x = view.index_select(0, flat)
+    raw = view.index_select(0, flat)
     bias, seen, count, rep, freq, pres = batch.values.unbind(1)
-    x = x + bias
+    x = raw + bias
     x = torch.where(seen > 0, torch.where(x > 0, x / rep, x * rep), x)
     x = x - freq * count - pres * (count > 0).to(x.dtype)
     view.index_copy_(0, flat, x)
+    return PenaltyUndo(flat, raw)
+
+
+def undo_penalties(logits: torch.Tensor, undo: PenaltyUndo) -> None:
+    """Put back the raw logits apply_penalties changed (log-probabilities report those)."""
+    logits.view(-1).index_copy_(0, undo.flat, undo.raw)

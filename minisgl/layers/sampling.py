@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.layers import cpu_kernels
 from minisgl.sampling_params import SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -131,9 +132,17 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return probs
 
 
+def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.max(logits, dim=-1), by the C kernel on the CPU: torch's max-with-index over a
+    150k vocabulary is not vectorised there (~2.5 ms for 16 rows, against ~0.3)."""
+    if cpu_kernels.rows_supported(logits):
+        return cpu_kernels.rows_argmax(logits)
+    return logits.max(dim=-1)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """One token per row of `logits` [B, V] (float32) -> [B] long (INVALID_TOKEN: no draw)."""
-    top, best = logits.max(dim=-1)  # NaN propagates into `top`
+    top, best = row_max(logits)  # NaN propagates into `top`
     valid = torch.isfinite(top)
     if batch.all_greedy:
         return torch.where(valid, best, INVALID_TOKEN)

@@ -1,0 +1,131 @@
+/* Per-row reductions over a batch's fp32 logits [R, V], one pass each, rows split across
+   threads: the best token (greedy decoding, and the NaN/inf check of every row), and the
+   log-normaliser plus the top-k (log-probabilities). torch's max-with-index reduction over a
+   150k vocabulary is not vectorised (~10x slower than this), and log_softmax + topk write
+   and re-read a [R, V] tensor that is never needed. */
+#include "common.h"
+
+/* The first index of the largest value of row[0..V): a NaN anywhere makes the value NaN (so
+   the caller sees a row with no distribution), as torch.max does. */
+static void argmax_row(const float* row, int64_t V, float* vmax, int64_t* imax) {
+    __m256 best = _mm256_set1_ps(-INFINITY);
+    __m256i best_i = _mm256_set1_epi32(0);
+    __m256 nan = _mm256_setzero_ps();
+    __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i eight = _mm256_set1_epi32(8);
+    int64_t v = 0;
+    for (; v + 8 <= V; v += 8) {
+        __m256 x = _mm256_loadu_ps(row + v);
+        __m256 gt = _mm256_cmp_ps(x, best, _CMP_GT_OQ); /* strict: the first index wins ties */
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+        best = _mm256_blendv_ps(best, x, gt);
+        best_i = _mm256_castps_si256(
+            _mm256_blendv_ps(_mm256_castsi256_ps(best_i), _mm256_castsi256_ps(idx), gt));
+        idx = _mm256_add_epi32(idx, eight);
+    }
+    float bv[8];
+    int32_t bi[8];
+    _mm256_storeu_ps(bv, best);
+    _mm256_storeu_si256((__m256i*)bi, best_i);
+    float m = -INFINITY;
+    int64_t at = 0;
+    int seen = 0;
+    for (int l = 0; l < 8 && v > 0; l++) {
+        if (!seen || bv[l] > m || (bv[l] == m && bi[l] < at)) {
+            m = bv[l];
+            at = bi[l];
+            seen = 1;
+        }
+    }
+    int any_nan = _mm256_movemask_ps(nan) != 0;
+    for (; v < V; v++) {
+        if (row[v] != row[v]) any_nan = 1;
+        if (!seen || row[v] > m) {
+            m = row[v];
+            at = v;
+            seen = 1;
+        }
+    }
+    *vmax = any_nan ? NAN : m;
+    *imax = at;
+}
+
+void rows_argmax(const float* x, int64_t R, int64_t V, float* vmax, int64_t* imax) {
+    #pragma omp parallel for schedule(static) if (R > 1)
+    for (int64_t r = 0; r < R; r++) argmax_row(x + r * V, V, vmax + r, imax + r);
+}
+
+/* Insert (value, index) into the descending list of the k best so far (k >= 1). */
+static void topk_insert(float* tv, int64_t* ti, int k, int* n, float value, int64_t index) {
+    int pos = *n < k ? (*n)++ : k - 1;
+    while (pos > 0 && tv[pos - 1] < value) {
+        tv[pos] = tv[pos - 1];
+        ti[pos] = ti[pos - 1];
+        pos--;
+    }
+    tv[pos] = value;
+    ti[pos] = index;
+}
+
+/* log(sum(exp(row))) and the k largest (value, index), in descending value order with the
+   lower index first among equals. The sum is kept in double: 150k fp32 terms summed in fp32
+   would lose ~1e-4 of the total. */
+static void logprob_row(const float* row, int64_t V, int k, float* lse, float* tv, int64_t* ti) {
+    int n = 0;
+    float threshold = -INFINITY; /* the k-th best once k are known */
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    int64_t v = 0;
+    for (; v + 8 <= V; v += 8) {
+        __m256 x = _mm256_loadu_ps(row + v);
+        mx = _mm256_max_ps(mx, x);
+        if (k > 0) {
+            int mask = _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(threshold), _CMP_GT_OQ));
+            if (n < k) mask = 0xFF; /* still filling: every value is a candidate */
+            while (mask) {
+                int l = __builtin_ctz(mask);
+                mask &= mask - 1;
+                float value = row[v + l];
+                if (n < k || value > threshold) {
+                    topk_insert(tv, ti, k, &n, value, v + l);
+                    if (n == k) threshold = tv[k - 1];
+                }
+            }
+        }
+    }
+    float m = -INFINITY;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mx);
+    for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+    for (int64_t t = v; t < V; t++) {
+        m = row[t] > m ? row[t] : m;
+        if (k > 0 && (n < k || row[t] > threshold)) {
+            topk_insert(tv, ti, k, &n, row[t], t);
+            if (n == k) threshold = tv[k - 1];
+        }
+    }
+    if (!(m > -INFINITY) || m == INFINITY) { /* nothing finite, or +inf: no distribution */
+        *lse = m == INFINITY ? INFINITY : NAN;
+        return;
+    }
+    __m256 shift = _mm256_set1_ps(m);
+    __m256d s0 = _mm256_setzero_pd(), s1 = s0;
+    for (v = 0; v + 8 <= V; v += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + v), shift));
+        s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+        s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    }
+    double parts[4];
+    _mm256_storeu_pd(parts, _mm256_add_pd(s0, s1));
+    double sum = parts[0] + parts[1] + parts[2] + parts[3];
+    for (; v < V; v++) sum += exp((double)row[v] - m);
+    *lse = (float)((double)m + log(sum));
+}
+
+/* Rows `rows[0..R)` of x [*, V] (or the first R rows when `rows` is NULL). */
+void rows_logprob(const float* x, const int64_t* rows, int64_t R, int64_t V, int k, float* lse,
+                  float* topv, int64_t* topi) {
+    int64_t kk = k > 0 ? k : 1;
+    #pragma omp parallel for schedule(static) if (R > 1)
+    for (int64_t r = 0; r < R; r++)
+        logprob_row(x + (rows ? rows[r] : r) * V, V, k, lse + r, topv + r * kk, topi + r * kk);
+}

@@ -1,0 +1,98 @@
+"""The per-row reductions of the sampler and of log-probabilities (C kernels on the CPU, torch
+elsewhere) against torch's own max, log_softmax and topk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl.layers import cpu_kernels
+from minisgl.layers.logprobs import pick, row_stats, token_logprobs
+from minisgl.layers.penalties import PenaltyBatch, PenaltyState, apply_penalties, undo_penalties
+from minisgl.layers.sampling import row_max
+from minisgl.sampling_params import SamplingParams
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2 kernels here")
+
+
+@needs_kernels
+@pytest.mark.parametrize("vocab", [1, 7, 8, 50, 151_936])
+def test_argmax_is_torch_max(vocab: int) -> None:
+    torch.manual_seed(vocab)
+    x = torch.randn(5, vocab)
+    top, best = cpu_kernels.rows_argmax(x)
+    ref_top, ref_best = x.max(dim=-1)
+    assert torch.equal(best, ref_best) and torch.equal(top, ref_top)
+
+
+@needs_kernels
+def test_argmax_ties_take_the_first_index_and_nan_poisons_the_row() -> None:
+    x = torch.zeros(4, 40)
+    x[0, [3, 11, 30]] = 2.0  # ties in different lanes and blocks
+    x[1, [9, 1]] = 5.0  # the later lane holds the lower index
+    x[2, 17] = float("nan")
+    x[3] = float("-inf")
+    top, best = cpu_kernels.rows_argmax(x)
+    assert best[:2].tolist() == [3, 1]
+    assert torch.isnan(top[2]) and top[3] == float("-inf")
+    x[2, 38] = float("nan")  # in the scalar tail too
+    assert torch.isnan(cpu_kernels.rows_argmax(x[:, :39].contiguous())[0][2])
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("vocab", [3, 29, 151_936])
+def test_token_logprobs_match_log_softmax(
+    kernels: bool, vocab: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if kernels and cpu_kernels.load() is None:
+        pytest.skip("no AVX2 kernels here")
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "rows_supported", lambda x: False)
+    torch.manual_seed(vocab)
+    x = torch.randn(6, vocab) * 4
+    tokens = torch.randint(0, vocab, (6,))
+    ks = [0, 1, 5, 20, 2, 20]
+    got = token_logprobs(x, tokens, ks)
+    ref = torch.log_softmax(x.double(), dim=-1)
+    for r, k in enumerate(ks):
+        assert got.token_ids[r] == int(tokens[r])
+        assert got.logprobs[r] == pytest.approx(float(ref[r, tokens[r]]), abs=1e-5)
+        k = min(k, vocab)
+        values, ids = ref[r].topk(k)
+        assert got.top_ids[r] == ids.tolist()
+        assert got.top_logprobs[r] == pytest.approx(values.tolist(), abs=1e-5)
+
+
+@needs_kernels
+def test_top_k_ties_keep_the_lower_id_and_rows_are_read_in_place() -> None:
+    x = torch.full((3, 64), -1.0)
+    x[1, [40, 5, 22, 63]] = 3.0
+    stats = row_stats(x, [1, 2], 3)
+    assert stats.top_ids[0].tolist() == [5, 22, 40]
+    assert stats.top_ids[1].tolist() == [0, 1, 2]
+    expected = torch.logsumexp(x[1:].double(), dim=-1)
+    assert torch.allclose(stats.lse.double(), expected, atol=1e-6)
+
+
+def test_penalties_undone_leave_the_raw_logits_for_logprobs() -> None:
+    torch.manual_seed(0)
+    raw = torch.randn(2, 50)
+    logits = raw.clone()
+    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.7, logit_bias={4: -100})
+    state = PenaltyState.create(params, [1, 2, 3])
+    state.catch_up([4, 4, 9])
+    undo = apply_penalties(logits, PenaltyBatch.build([1], [params], [state], "cpu"))
+    assert undo is not None and not torch.equal(logits, raw)
+    stats = row_stats(raw, [1], 2)  # taken before the penalties, as the runner does
+    undo_penalties(logits, undo)
+    assert torch.equal(logits, raw)
+    got = pick(logits, [1], stats, torch.tensor([4]), [2])
+    assert got.logprobs[0] == pytest.approx(float(torch.log_softmax(raw[1], -1)[4]), abs=1e-6)
+
+
+@needs_kernels
+def test_row_max_uses_the_kernel_only_where_it_can() -> None:
+    x = torch.randn(3, 100)
+    assert torch.equal(row_max(x)[1], x.argmax(-1))
+    t = x.t().contiguous().t()  # not contiguous: torch's path
+    assert torch.equal(row_max(t)[1], x.argmax(-1))
