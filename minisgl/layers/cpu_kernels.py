@@ -83,6 +83,9 @@ class _Lib:
         lib.rows_logprob.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr]
         lib.rows_logprob.restype = None
         self.rows_logprob = lib.rows_logprob
+        lib.rows_nucleus_cutoff.argtypes = [ptr, i64, i64, ptr, ptr]
+        lib.rows_nucleus_cutoff.restype = None
+        self.rows_nucleus_cutoff = lib.rows_nucleus_cutoff
         lib.stream_read.argtypes = [ptr, i64]
         lib.stream_read.restype = ctypes.c_float
         self.stream_read = lib.stream_read
@@ -239,6 +242,19 @@ def rows_logprob(
         ids.data_ptr(),
     )
     return lse, values[:, :k], ids[:, :k]
+
+
+def nucleus_cutoff(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row of probs [R, V] (non-negative, contiguous fp32): the smallest probability of the
+    top-p nucleus (its k best for the least k whose mass reaches top_p[r]; 0 where top_p[r] >=
+    1), so the nucleus is `probs >= cutoff`."""
+    lib = load()
+    assert lib is not None
+    r, v = probs.shape
+    tp = top_p.to(torch.float32).contiguous()
+    out = torch.empty(r, dtype=torch.float32)
+    lib.rows_nucleus_cutoff(probs.data_ptr(), r, v, tp.data_ptr(), out.data_ptr())
+    return out
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float | None:

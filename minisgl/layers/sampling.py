@@ -17,8 +17,9 @@ from minisgl.layers import cpu_kernels
 from minisgl.sampling_params import SamplingParams
 
 _M32 = 0xFFFFFFFF
-# Rows asking for top-p first look for their nucleus among this many top candidates (a partial
-# sort); only when it is not inside do they pay for a full sort of the vocabulary.
+# Without the CPU kernels, rows asking for top-p alone first look for their nucleus among this
+# many top candidates (a partial sort); only when it is not inside do they pay for a full sort
+# of the vocabulary. With them, a radix select finds each such row's cutoff without a sort.
 NUCLEUS_CANDIDATES = 1024
 # Returned for a row whose logits hold NaN or +inf (or nothing finite): it has no distribution
 # to draw from, so its request must end with an error, never with an arbitrary token id.
@@ -36,6 +37,7 @@ class SamplingBatch:
     min_p: torch.Tensor | None  # [B] float32; None: none set
     keys: torch.Tensor  # [B] int64: 32-bit hash of (seed, step)
     candidates: int = 0  # top candidates that hold every filtered row's kept set (see below)
+    top_k_max: int = 0  # the largest top_k asked (0: none)
 
     @classmethod
     def build(
@@ -72,6 +74,7 @@ class SamplingBatch:
             min_p=dev(min_p, torch.float32) if any(m > 0.0 for m in min_p) else None,
             keys=keys,
             candidates=candidates,
+            top_k_max=max(top_k),
         )
 
 
@@ -108,28 +111,46 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         top_k = batch.top_k if batch.top_k is not None else torch.zeros_like(batch.temperature)
         top_k = torch.where(top_k > 0, top_k, vocab).long()
         top_p = batch.top_p if batch.top_p is not None else torch.ones_like(batch.temperature)
-        # Enough candidates for every row: its top_k, or (top-p only) a guess checked here.
-        k = min(vocab, batch.candidates)
-        values, ids = probs.topk(k, dim=-1)  # sorted, descending
-        mass_before = values.cumsum(dim=-1) - values
         p_only = (top_k == vocab) & (top_p < 1.0)
-        if k < vocab and bool((p_only & (mass_before[:, -1] + values[:, -1] < top_p)).any()):
-            values, ids = probs.sort(dim=-1, descending=True)
-            mass_before = values.cumsum(dim=-1) - values
-            k = vocab
-        # Keep the top_k best, and the smallest prefix whose mass reaches top_p (a token is
-        # dropped when the mass strictly before it already does; the best is always kept).
-        rank = torch.arange(k, device=probs.device)[None, :]
-        # rank 0 is kept outright: a top_p that rounds to 0 in float32 (5e-324) must still
-        # leave the best token, not an empty distribution.
-        keep = (rank < top_k[:, None]) & ((mass_before < top_p[:, None]) | (rank == 0))
-        filtered = torch.zeros_like(probs).scatter_(-1, ids, values * keep)
         active = (top_k < vocab) | (top_p < 1.0)
+        filtered = probs
+        if batch.top_p is not None and cpu_kernels.rows_supported(probs):
+            # Top-p alone: each row's cutoff by radix select (no sort); rows with a top_k go
+            # through their top_k best below.
+            cutoff = cpu_kernels.nucleus_cutoff(probs, torch.where(p_only, top_p, 1.0))
+            filtered = torch.where(probs >= cutoff[:, None], probs, 0.0)
+            if batch.top_k_max:
+                ranked = _ranked_filter(probs, top_k, top_p, min(vocab, batch.top_k_max))
+                filtered = torch.where(p_only[:, None], filtered, ranked)
+        else:
+            filtered = _ranked_filter(probs, top_k, top_p, min(vocab, batch.candidates))
         probs = torch.where(active[:, None], filtered, probs)
     if batch.min_p is not None:
         top = probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < batch.min_p[:, None] * top, 0.0)
     return probs
+
+
+def _ranked_filter(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, k: int
+) -> torch.Tensor:
+    """Top-k and top-p by rank among the k best of each row (k >= every row's top_k; a top-p
+    row whose nucleus is not inside them makes the whole batch sort the vocabulary)."""
+    vocab = probs.shape[-1]
+    values, ids = probs.topk(k, dim=-1)  # sorted, descending
+    mass_before = values.cumsum(dim=-1) - values
+    p_only = (top_k == vocab) & (top_p < 1.0)
+    if k < vocab and bool((p_only & (mass_before[:, -1] + values[:, -1] < top_p)).any()):
+        values, ids = probs.sort(dim=-1, descending=True)
+        mass_before = values.cumsum(dim=-1) - values
+        k = vocab
+    # Keep the top_k best, and the smallest prefix whose mass reaches top_p (a token is
+    # dropped when the mass strictly before it already does; the best is always kept).
+    rank = torch.arange(k, device=probs.device)[None, :]
+    # rank 0 is kept outright: a top_p that rounds to 0 in float32 (5e-324) must still
+    # leave the best token, not an empty distribution.
+    keep = (rank < top_k[:, None]) & ((mass_before < top_p[:, None]) | (rank == 0))
+    return torch.zeros_like(probs).scatter_(-1, ids, values * keep)
 
 
 def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

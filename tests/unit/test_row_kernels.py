@@ -96,3 +96,40 @@ def test_row_max_uses_the_kernel_only_where_it_can() -> None:
     assert torch.equal(row_max(x)[1], x.argmax(-1))
     t = x.t().contiguous().t()  # not contiguous: torch's path
     assert torch.equal(row_max(t)[1], x.argmax(-1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])  # flat to peaked distributions
+def test_nucleus_cutoff_keeps_what_the_sorted_prefix_keeps(scale: float) -> None:
+    torch.manual_seed(int(scale * 10))
+    probs = torch.softmax(torch.randn(6, 30_000) * scale, dim=-1)
+    top_p = torch.tensor([0.95, 0.5, 0.999, 1e-30, 1.0, 0.3])
+    cutoff = cpu_kernels.nucleus_cutoff(probs, top_p)
+    values, _ = probs.double().sort(dim=-1, descending=True)
+    before = values.cumsum(dim=-1) - values
+    for r in range(6):
+        want = max(1, int((before[r] < top_p[r]).sum())) if top_p[r] < 1 else probs.shape[1]
+        assert int((probs[r] >= cutoff[r]).sum()) == want, r
+
+
+@needs_kernels
+def test_sampled_filters_agree_with_and_without_the_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from minisgl.layers.sampling import SamplingBatch, filtered_probs
+
+    torch.manual_seed(5)
+    logits = torch.randn(5, 5000) * 2
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=1.0, top_p=0.6, top_k=50),
+        SamplingParams(temperature=0.7, top_k=7),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.2, top_p=0.99, min_p=0.01),
+    ]
+    batch = SamplingBatch.build(params, [0] * 5, list(range(5)), "cpu")
+    fast = filtered_probs(logits, batch)
+    monkeypatch.setattr(cpu_kernels, "rows_supported", lambda x: False)
+    slow = filtered_probs(logits, batch)
+    assert torch.equal(fast > 0, slow > 0)
+    torch.testing.assert_close(fast, slow)

@@ -129,3 +129,50 @@ void rows_logprob(const float* x, const int64_t* rows, int64_t R, int64_t V, int
     for (int64_t r = 0; r < R; r++)
         logprob_row(x + (rows ? rows[r] : r) * V, V, k, lse + r, topv + r * kk, topi + r * kk);
 }
+
+/* Top-p without a sort. The cutoff of a row is the smallest probability the nucleus keeps: the
+   k-th largest, for the smallest k whose k best reach `top_p` of the mass. Probabilities are
+   non-negative floats, whose bit patterns sort as integers, so the cutoff is found by a radix
+   select: mass histograms over 12, then 10, then 10 bits of the pattern, each pass walking
+   from the top bucket down until the mass reaches top_p and refining only the bucket where
+   it did. Three passes over the row instead of sorting 150k values (~100x faster). Ties at the
+   cutoff are all kept. Rows with top_p >= 1 get 0 (keep everything). */
+static float nucleus_row(const float* p, int64_t V, double top_p) {
+    static const int shift[3] = {20, 10, 0};
+    static const int width[3] = {4096, 1024, 1024};
+    double mass[4096];
+    double before = 0.0; /* mass of every bucket above the one being refined */
+    uint32_t prefix = 0;
+    const uint32_t* bits = (const uint32_t*)p;
+    for (int level = 0; level < 3; level++) {
+        int n = width[level];
+        for (int b = 0; b < n; b++) mass[b] = 0.0;
+        uint32_t high = level == 0 ? 0 : prefix >> shift[level - 1];
+        for (int64_t v = 0; v < V; v++) {
+            uint32_t u = bits[v];
+            if (level > 0 && (u >> shift[level - 1]) != high) continue;
+            mass[(u >> shift[level]) & (uint32_t)(n - 1)] += p[v];
+        }
+        int found = -1, lowest = -1;
+        for (int b = n - 1; b >= 0; b--) {
+            if (mass[b] <= 0.0) continue;
+            lowest = b;
+            if (before + mass[b] >= top_p) {
+                found = b;
+                break;
+            }
+            before += mass[b];
+        }
+        if (found < 0) found = lowest < 0 ? 0 : lowest; /* rounding left top_p unreached */
+        prefix |= (uint32_t)found << shift[level];
+    }
+    float cutoff;
+    __builtin_memcpy(&cutoff, &prefix, 4);
+    return cutoff;
+}
+
+void rows_nucleus_cutoff(const float* p, int64_t R, int64_t V, const float* top_p, float* out) {
+    #pragma omp parallel for schedule(dynamic, 1) if (R > 1)
+    for (int64_t r = 0; r < R; r++)
+        out[r] = top_p[r] < 1.0f ? nucleus_row(p + r * V, V, top_p[r]) : 0.0f;
+}
