@@ -108,8 +108,9 @@ _RUN: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
-def available(weight: torch.Tensor, x_dtype: torch.dtype) -> list[str]:
-    """The candidates that can compute x @ weight.T here (in CANDIDATES' order)."""
+def available(weight: torch.Tensor, x_dtype: torch.dtype, copies: bool = True) -> list[str]:
+    """The candidates that can compute x @ weight.T here (in CANDIDATES' order); `copies`:
+    whether one that keeps a second copy of the weight (oneDNN's layout) may be among them."""
     ours = cpu_kernels.supports(weight)
     out = []
     if ours:
@@ -120,7 +121,12 @@ def available(weight: torch.Tensor, x_dtype: torch.dtype) -> list[str]:
     out.append("torch")
     # oneDNN probed on a few rows of the weight (packing all of a large one takes a while).
     probe = weight.detach()[: min(weight.shape[0], 64)]
-    if x_dtype == weight.dtype and onednn_gemm_enabled() and _onednn_pack(probe) is not None:
+    if (
+        copies
+        and x_dtype == weight.dtype
+        and onednn_gemm_enabled()
+        and _onednn_pack(probe) is not None
+    ):
         out.append("onednn")
     return out
 
@@ -218,8 +224,10 @@ def choose(
     x_dtype: torch.dtype,
     out_dtype: torch.dtype | None,
     tuning: str,
+    copies: bool = True,
 ) -> tuple[ShapeKey, tuple[str, ...] | None, str]:
-    """(shape, picks per bucket or None for plain F.linear everywhere, how they were found)."""
+    """(shape, picks per bucket or None for plain F.linear everywhere, how they were found);
+    `copies`: as for `available` (a mixture's experts are never copied: twice their memory)."""
     if tuning not in kernel_choice.MODES:
         raise ValueError(f"cpu_kernel_tuning must be one of {kernel_choice.MODES}, not {tuning!r}")
     first = weights[0]
@@ -230,7 +238,7 @@ def choose(
         str(x_dtype).removeprefix("torch."),
         str(out_dtype or x_dtype).removeprefix("torch."),
     )
-    avail = available(first, x_dtype)
+    avail = available(first, x_dtype, copies)
     forced = os.environ.get("MINISGL_CPU_LINEAR")
     if forced:
         picks, source = (
@@ -333,6 +341,28 @@ def measure(
         if spreads is not None:
             spreads += [worst[n] / best[n] for n in live if best[n] > 0]
     return timings
+
+
+def row_runner(
+    weights: Sequence[torch.Tensor], tuning: str = "cached"
+) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, str]:
+    """For many same-shaped weights used one at a time (a mixture's experts): run(x, w) -> x @
+    w.T by the copy-free candidate measured fastest for x's row count (None where plain
+    F.linear wins everywhere or nothing else runs here), and a one-line summary of the picks."""
+    first = weights[0]
+    if first.device.type != "cpu" or first.dtype not in (torch.float32, torch.bfloat16):
+        return None, ""
+    if not prepack_enabled():
+        return None, ""
+    shape, picks, source = choose(weights, first.dtype, None, tuning, copies=False)
+    if picks is None:
+        return None, ""
+    table = [_RUN[name] for name in kernel_choice.row_table(picks)]
+
+    def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return table[kernel_choice.table_index(x.shape[0])](x, w, None, None)
+
+    return run, kernel_choice.summary({shape: picks}, source)
 
 
 def prepack_modules(modules: Sequence[Any], tuning: str = "cached") -> None:

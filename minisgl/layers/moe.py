@@ -15,13 +15,14 @@ single-stream MoE decode near the memory roofline of the *active* parameters.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minisgl import distributed
-from minisgl.layers import cpu_kernels
+from minisgl.layers import cpu_kernels, cpu_linear
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.cpu_linear import native_bf16, onednn_gemm_enabled
 
@@ -43,9 +44,14 @@ def route(
     return weights, ids
 
 
+# An expert's matmul: run(x [M, K], w [N, K]) -> x @ w.T.
+MatMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def _matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w.T for one expert's contiguous [N, K] weight, by the policy the dense layers
-    follow (cpu_linear.py): the CPU GEMV for decode-sized inputs (it streams bf16 weights at
+    """x [M, K] @ w.T for one expert's contiguous [N, K] weight where nothing was measured
+    (FusedMoE.prepare_cpu_kernels not run, or tuning off), by the untuned policy of the dense
+    layers (cpu_linear.py): the CPU GEMV for decode-sized inputs (it streams bf16 weights at
     memory speed); for more rows our fp32-compute GEMM, except bf16 on CPUs that multiply bf16
     natively, where oneDNN's bf16 GEMM behind F.linear does twice the FLOPs per instruction
     (measured ~3x faster at 60-256 rows on Zen 4); F.linear elsewhere (CUDA, fp16)."""
@@ -68,8 +74,11 @@ def fused_moe(
     w2: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    mm13: MatMul = _matmul,
+    mm2: MatMul = _matmul,
 ) -> torch.Tensor:
-    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t -> [T, H] in x's dtype.
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t -> [T, H] in x's dtype;
+    `mm13`/`mm2` multiply by one expert's w13/w2 (the kernels measured fastest per row count).
 
     The per-expert work is just the two matmuls and the activation; gathering, weighting and
     the scatter back are one op each per layer, not per expert (on a busy 2-core CPU every
@@ -77,7 +86,7 @@ def fused_moe(
     t, k = ids.shape
     flat = ids.reshape(-1)
     if t == 1:  # decode at batch 1: k distinct experts, no sort or gather needed
-        outs = [_expert(x, w13, w2, e) for e in flat.tolist()]
+        outs = [_expert(x, w13, w2, e, mm13, mm2) for e in flat.tolist()]
         ys = torch.cat(outs).float() * weights.reshape(-1, 1).float()
         return ys.sum(0, keepdim=True).to(x.dtype)
     # (token, slot) pairs sorted by expert, stable so each expert's tokens stay in order.
@@ -87,7 +96,7 @@ def fused_moe(
     outs, start = [], 0
     for e, n in enumerate(counts):
         if n:
-            outs.append(_expert(xs[start : start + n], w13, w2, e))
+            outs.append(_expert(xs[start : start + n], w13, w2, e, mm13, mm2))
             start += n
     # Accumulate in fp32: one rounding at the end instead of one per expert.
     ys = torch.cat(outs).float() * weights.reshape(-1, 1)[order].float()
@@ -95,9 +104,11 @@ def fused_moe(
     return unsorted.view(t, k, -1).sum(1).to(x.dtype)
 
 
-def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, e: int) -> torch.Tensor:
+def _expert(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, e: int, mm13: MatMul, mm2: MatMul
+) -> torch.Tensor:
     """Expert e's SwiGLU MLP over the rows x [n, H] that chose it."""
-    return _matmul(silu_and_mul(_matmul(x, w13[e])), w2[e])
+    return mm2(silu_and_mul(mm13(x, w13[e])), w2[e])
 
 
 class FusedMoE(nn.Module):
@@ -126,9 +137,25 @@ class FusedMoE(nn.Module):
         i, h = self.inter, hidden_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * i, h), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, h, i), requires_grad=False)
+        self.mm13: MatMul = _matmul
+        self.mm2: MatMul = _matmul
+
+    def prepare_cpu_kernels(self, tuning: str = "cached") -> list[str]:
+        """Measure (or read from the tuning cache) the fastest copy-free matmul per row count
+        for this layer's expert shapes, as the dense layers do; the summary lines of the picks
+        (none where nothing was measured: CPU kernels off, another device)."""
+        if tuning == "off":
+            return []
+        lines = []
+        for name, w in (("mm13", self.w13), ("mm2", self.w2)):
+            run, line = cpu_linear.row_runner(list(w.detach().unbind(0)), tuning)
+            if run is not None:
+                setattr(self, name, run)
+                lines.append(line)
+        return lines
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        y = fused_moe(x, self.w13, self.w2, weights, ids)
+        y = fused_moe(x, self.w13, self.w2, weights, ids, self.mm13, self.mm2)
         if self.tp_size > 1:
             distributed.all_reduce(y)
         return y

@@ -10,6 +10,7 @@ differ in `AttentionOptions` (q/k norm, biases) and in the MLP a layer gets (`ma
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol, cast
@@ -27,9 +28,12 @@ from minisgl.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from minisgl.layers.moe import FusedMoE
 from minisgl.layers.norm import RMSNorm, head_rms_norm_rotary
 from minisgl.layers.rotary import RotaryEmbedding, apply_rotary
 from minisgl.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -355,3 +359,10 @@ class Qwen3ForCausalLM(nn.Module):
         """Give CPU matmuls the fastest kernel per row count, measured (see cpu_linear.py)."""
         mods = [m for m in self.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
         cpu_linear.prepack_modules(mods, tuning)
+        # A mixture's experts: every layer's experts share two shapes, measured once each.
+        lines: list[str] = []
+        for m in self.modules():
+            if isinstance(m, FusedMoE):
+                lines += m.prepare_cpu_kernels(tuning)
+        for line in dict.fromkeys(lines):
+            logger.info("experts: %s", line)

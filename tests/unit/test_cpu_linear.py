@@ -247,3 +247,35 @@ def test_timings_from_a_busy_machine_give_the_defaults_and_are_not_cached(
     monkeypatch.setattr(cpu_linear, "_MEMO", {})  # a restart measures again
     cpu_linear.CpuLinearKernel.create(w)
     assert timings.calls == 2
+
+
+def test_experts_run_the_measured_copy_free_pick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixture's experts go through the chooser too, but never through a candidate that keeps
+    a second copy of the weights (oneDNN's layout): that would double the experts' memory."""
+    from minisgl.layers.moe import FusedMoE, fused_moe
+
+    moe = FusedMoE(num_experts=4, hidden_size=64, intermediate_size=32)
+    g = torch.Generator().manual_seed(1)
+    moe.w13.data = torch.randn(4, 64, 64, generator=g)
+    moe.w2.data = torch.randn(4, 64, 32, generator=g)
+    seen: list[Sequence[str]] = []
+
+    def timings(weights, x_dtype, out_dtype, avail, spreads=None):  # noqa: ANN001, ANN202
+        seen.append(list(avail))
+        return Timings(["torch"] + [avail[0]] * (len(BUCKETS) - 1))(
+            weights, x_dtype, out_dtype, avail, spreads
+        )
+
+    monkeypatch.setattr(cpu_linear, "measure", timings)
+    calls = spy(monkeypatch)
+    lines = moe.prepare_cpu_kernels()
+    assert seen and all("onednn" not in a for a in seen)
+    assert len(lines) == 2 and all("64x" in line for line in lines)
+    x = torch.randn(6, 64, generator=g)
+    ids = torch.tensor([[0, 1], [1, 2], [0, 3], [2, 1], [3, 0], [0, 2]])
+    weights = torch.full((6, 2), 0.5)
+    want = fused_moe(x, moe.w13, moe.w2, weights, ids)  # the untuned policy
+    torch.testing.assert_close(moe(x, weights, ids), want, rtol=1e-5, atol=1e-4)
+    # Experts 1 and 2 got 3 rows each (bucket 2-4): they ran the measured pick.
+    assert (seen[0][0], 3) in calls
+    assert moe.prepare_cpu_kernels("off") == []
