@@ -172,6 +172,8 @@ def run_peer(peer: Peer, args: argparse.Namespace, port: int, workdir: Path) -> 
             log(server_log.read_text(errors="replace")[-2000:])
             return {}
         for name, (num, conc, out_len, in_len) in WORKLOADS.items():
+            if name not in args.workloads:
+                continue
             in_len = in_len or args.input_len
             if args.quick:
                 num, conc, out_len = min(num, 8), min(conc, 8), min(out_len, 8)
@@ -276,8 +278,16 @@ def main() -> int:
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--output-file", default=None, help="all results as JSON")
     p.add_argument("--quick", action="store_true", help="smoke run: at most 8 x 8 tokens each")
+    p.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated subset of: {', '.join(WORKLOADS)}",
+    )
     args = p.parse_args()
     args.peers = args.peers.split(",")
+    args.workloads = [w.strip() for w in args.workloads.split(",")]
+    if unknown := set(args.workloads) - set(WORKLOADS):
+        p.error(f"unknown workloads {sorted(unknown)}; known: {', '.join(WORKLOADS)}")
     with tempfile.TemporaryDirectory(prefix="compare-serving-") as tmp:
         workdir = Path(tmp)
         if args.model:
