@@ -200,6 +200,9 @@ def run_scheduler_worker(
     log = setup_logging(log_level, "scheduler")
     life = WorkerLife()
     start = time.perf_counter()
+    # Before the model loads: the compute threads created from here on inherit it.
+    if args.scheduler_nice > 0:
+        os.nice(args.scheduler_nice)
     try:
         from tqdm import tqdm
 

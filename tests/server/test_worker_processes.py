@@ -56,3 +56,21 @@ print(sys.modules.get("torch", "absent"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "None", out.stdout  # blocked, never loaded
+
+
+def _nice(pid: int, tid: int) -> int:
+    """A thread's nice value (field 19 of its stat line, after the parenthesised name)."""
+    stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[16])
+
+
+def test_scheduler_threads_yield_to_the_api_server(server: ServerProcess) -> None:
+    """The scheduler worker and every compute thread it started run at --scheduler-nice (5 by
+    default), so the API server, tokenizer and detokenizer (nice 0) get a core at once when a
+    reply or a request wakes them."""
+    pids = server.stats()["workers"]
+    tids = [int(t.name) for t in Path(f"/proc/{pids['scheduler']}/task").iterdir()]
+    assert len(tids) > 1  # torch's compute threads are there too
+    assert {_nice(pids["scheduler"], t) for t in tids} == {5}
+    for name in ("tokenizer", "detokenizer"):
+        assert _nice(pids[name], pids[name]) == 0, name
