@@ -9,12 +9,14 @@ The forward groups the batch's (token, expert) pairs by expert and runs one SwiG
 expert that at least one token chose, over that expert's contiguous weights, then scatters the
 results back weighted by the router. Experts no token chose are never read: a batch-1 decode
 step streams k of E experts per layer (8 of 128 for Qwen3-30B-A3B), which is what puts
-single-stream MoE decode near the memory roofline of the *active* parameters.
+single-stream MoE decode near the memory roofline of the *active* parameters. On CUDA the
+same is two grouped GEMMs (grouped_moe) where torch's kernel takes the operands.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -25,6 +27,8 @@ from minisgl import distributed
 from minisgl.layers import cpu_kernels, cpu_linear
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.cpu_linear import native_bf16, onednn_gemm_enabled
+
+logger = logging.getLogger(__name__)
 
 
 def route(
@@ -61,6 +65,23 @@ def _matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if not (w.dtype == torch.bfloat16 and _native_bf16_gemm()):
             return cpu_kernels.gemm(x, w)
     return F.linear(x, w)
+
+
+def _grouped_gemm_works(x: torch.Tensor, w13: torch.Tensor) -> bool:
+    """Whether this device runs the grouped GEMM path: CUDA only, and only where torch's
+    kernel takes these operands (bf16 on recent GPUs; elsewhere it raises, and the
+    per-expert loop is used)."""
+    if x.device.type != "cuda":
+        return False
+    try:
+        e, n, k = w13.shape
+        probe = torch.zeros(e, k, dtype=x.dtype, device=x.device)
+        offs = torch.arange(1, e + 1, dtype=torch.int32, device=x.device)
+        torch._grouped_mm(probe, w13.transpose(1, 2), offs=offs)
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        logger.info("grouped GEMM unavailable here (%s): experts run one by one", exc)
+        return False
+    return True
 
 
 @functools.cache
@@ -104,6 +125,30 @@ def fused_moe(
     return unsorted.view(t, k, -1).sum(1).to(x.dtype)
 
 
+def grouped_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """fused_moe's result by two grouped GEMMs (torch._grouped_mm: one kernel launch for all
+    the experts, cuBLAS/CUTLASS grouped GEMM on CUDA) and no host sync: the per-expert row
+    counts stay on the device as the groups' offsets. The path for GPUs; on the CPU torch runs
+    it as a loop of matmuls, so there fused_moe (our kernels, chosen by measurement) is used."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
+    xs = x.index_select(0, order // k)
+    # [E, N, K] weights as [E, K, N] views: column-major per expert, as the kernel wants.
+    h = silu_and_mul(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs))
+    ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    ys = ys.float() * weights.reshape(-1, 1)[order].float()
+    unsorted = torch.empty_like(ys).index_copy_(0, order, ys)
+    return unsorted.view(t, k, -1).sum(1).to(x.dtype)
+
+
 def _expert(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, e: int, mm13: MatMul, mm2: MatMul
 ) -> torch.Tensor:
@@ -139,6 +184,7 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, h, i), requires_grad=False)
         self.mm13: MatMul = _matmul
         self.mm2: MatMul = _matmul
+        self.grouped: bool | None = None  # grouped GEMM path; decided on the first forward
 
     def prepare_cpu_kernels(self, tuning: str = "cached") -> list[str]:
         """Measure (or read from the tuning cache) the fastest copy-free matmul per row count
@@ -155,7 +201,12 @@ class FusedMoE(nn.Module):
         return lines
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        y = fused_moe(x, self.w13, self.w2, weights, ids, self.mm13, self.mm2)
+        if self.grouped is None:
+            self.grouped = _grouped_gemm_works(x, self.w13)
+        if self.grouped:
+            y = grouped_moe(x, self.w13, self.w2, weights, ids)
+        else:
+            y = fused_moe(x, self.w13, self.w2, weights, ids, self.mm13, self.mm2)
         if self.tp_size > 1:
             distributed.all_reduce(y)
         return y

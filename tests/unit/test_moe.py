@@ -144,3 +144,34 @@ def test_sparse_layers_follow_step_and_mlp_only_layers() -> None:
     assert config.architecture == "Qwen3MoeForCausalLM"
     dense = ModelConfig.from_dict({**raw, "num_experts": 0})
     assert not any(dense.is_moe_layer(n) for n in range(6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_grouped_gemm_path_matches_the_per_expert_loop(tokens: int, dtype: torch.dtype) -> None:
+    """The GPU path (two grouped GEMMs, no host sync) computes what the per-expert loop does;
+    torch runs the same operator on the CPU, so it is checked here."""
+    from minisgl.layers.moe import grouped_moe
+
+    g = torch.Generator().manual_seed(tokens)
+    e, h, i, k = 16, 64, 32, 4
+    x = torch.randn(tokens, h, generator=g).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) / 8).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=g) / 8).to(dtype)
+    weights, ids = route(torch.randn(tokens, e, generator=g), k, True)
+    want = ref_moe(x.float(), w13.float(), w2.float(), weights, ids)
+    got = grouped_moe(x, w13, w2, weights.to(dtype), ids)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_cpu_layers_keep_the_measured_kernels_not_the_grouped_path() -> None:
+    from minisgl.layers.moe import FusedMoE
+
+    moe = FusedMoE(num_experts=4, hidden_size=16, intermediate_size=8)
+    moe.w13.data.normal_()
+    moe.w2.data.normal_()
+    x = torch.randn(3, 16)
+    weights, ids = route(torch.randn(3, 4), 2, True)
+    moe(x, weights, ids)
+    assert moe.grouped is False
