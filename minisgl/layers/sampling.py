@@ -120,7 +120,10 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             cutoff = cpu_kernels.nucleus_cutoff(probs, torch.where(p_only, top_p, 1.0))
             filtered = torch.where(probs >= cutoff[:, None], probs, 0.0)
             if batch.top_k_max:
-                ranked = _ranked_filter(probs, top_k, top_p, min(vocab, batch.top_k_max))
+                # top-p rows are done: hidden from the ranked filter, or a nucleus wider than
+                # the largest top_k would make it sort the vocabulary for nothing.
+                rest_p = torch.where(p_only, 1.0, top_p)
+                ranked = _ranked_filter(probs, top_k, rest_p, min(vocab, batch.top_k_max))
                 filtered = torch.where(p_only[:, None], filtered, ranked)
         else:
             filtered = _ranked_filter(probs, top_k, top_p, min(vocab, batch.candidates))

@@ -133,3 +133,19 @@ def test_sampled_filters_agree_with_and_without_the_kernels(
     slow = filtered_probs(logits, batch)
     assert torch.equal(fast > 0, slow > 0)
     torch.testing.assert_close(fast, slow)
+
+
+@needs_kernels
+def test_a_wide_nucleus_beside_a_top_k_row_sorts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from minisgl.layers.sampling import SamplingBatch, filtered_probs
+
+    def no_sort(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the vocabulary was sorted")
+
+    torch.manual_seed(3)
+    logits = torch.randn(2, 20_000) * 0.1  # flat: the nucleus holds most of the vocabulary
+    params = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_k=5)]
+    batch = SamplingBatch.build(params, [0, 0], [1, 2], "cpu")
+    monkeypatch.setattr(torch.Tensor, "sort", no_sort)
+    probs = filtered_probs(logits, batch)
+    assert int((probs[0] > 0).sum()) > 10_000 and int((probs[1] > 0).sum()) == 5
