@@ -119,10 +119,7 @@ def fused_moe(
         if n:
             outs.append(_expert(xs[start : start + n], w13, w2, e, mm13, mm2))
             start += n
-    # Accumulate in fp32: one rounding at the end instead of one per expert.
-    ys = torch.cat(outs).float() * weights.reshape(-1, 1)[order].float()
-    unsorted = torch.empty_like(ys).index_copy_(0, order, ys)
-    return unsorted.view(t, k, -1).sum(1).to(x.dtype)
+    return _combine(torch.cat(outs), weights, order, x.dtype)
 
 
 def grouped_moe(
@@ -136,17 +133,26 @@ def grouped_moe(
     the experts, cuBLAS/CUTLASS grouped GEMM on CUDA) and no host sync: the per-expert row
     counts stay on the device as the groups' offsets. The path for GPUs; on the CPU torch runs
     it as a loop of matmuls, so there fused_moe (our kernels, chosen by measurement) is used."""
-    t, k = ids.shape
+    k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     offs = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
     xs = x.index_select(0, order // k)
     # [E, N, K] weights as [E, K, N] views: column-major per expert, as the kernel wants.
     h = silu_and_mul(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs))
-    ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    return _combine(torch._grouped_mm(h, w2.transpose(1, 2), offs=offs), weights, order, x.dtype)
+
+
+def _combine(
+    ys: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Expert outputs ys [T * k, H], in expert-sorted (token, slot) `order`, weighted by the
+    router and summed back per token -> [T, H]. In fp32: one rounding at the end instead of
+    one per expert."""
+    t, k = weights.shape
     ys = ys.float() * weights.reshape(-1, 1)[order].float()
     unsorted = torch.empty_like(ys).index_copy_(0, order, ys)
-    return unsorted.view(t, k, -1).sum(1).to(x.dtype)
+    return unsorted.view(t, k, -1).sum(1).to(dtype)
 
 
 def _expert(

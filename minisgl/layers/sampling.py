@@ -113,7 +113,6 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         top_p = batch.top_p if batch.top_p is not None else torch.ones_like(batch.temperature)
         p_only = (top_k == vocab) & (top_p < 1.0)
         active = (top_k < vocab) | (top_p < 1.0)
-        filtered = probs
         if batch.top_p is not None and cpu_kernels.rows_supported(probs):
             # Top-p alone: each row's cutoff by radix select (no sort); rows with a top_k go
             # through their top_k best below.

@@ -45,20 +45,34 @@ def load_tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(model)
 
 
+def render_chat(
+    tokenizer: Any,
+    messages: Any,
+    template_kwargs: Any,
+    tools: Any,
+    add_generation_prompt: bool,
+) -> str:
+    """Chat messages (and tools) through the model's own template. Raises ValueError with a
+    user-facing message: jinja errors and bad kwargs are the request's fault."""
+    kwargs = dict(template_kwargs)
+    if tools:
+        kwargs["tools"] = tools
+    try:
+        return str(
+            tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        )
+    except Exception as exc:
+        raise ValueError(f"cannot apply the chat template: {exc}") from exc
+
+
 def tokenize(tokenizer: Any, req: TokenizeRequest) -> list[int]:
     """Token ids of the request's prompt. Raises ValueError with a user-facing message."""
     if req.prompt_ids is not None:
         return list(req.prompt_ids)
     if req.messages is not None:
-        kwargs = dict(req.chat_template_kwargs)
-        if req.tools:
-            kwargs["tools"] = req.tools
-        try:
-            text = tokenizer.apply_chat_template(
-                req.messages, tokenize=False, add_generation_prompt=True, **kwargs
-            )
-        except Exception as exc:  # jinja errors, bad kwargs: the request's fault
-            raise ValueError(f"cannot apply the chat template: {exc}") from exc
+        text = render_chat(tokenizer, req.messages, req.chat_template_kwargs, req.tools, True)
         return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(req.prompt_text or "", add_special_tokens=False))
 
@@ -66,18 +80,9 @@ def tokenize(tokenizer: Any, req: TokenizeRequest) -> list[int]:
 def tokenize_only(tokenizer: Any, req: TokenizeOnly) -> TokenizerReply:
     """POST /tokenize: the ids of a prompt, or of chat messages through the template."""
     if req.messages is not None:
-        kwargs = dict(req.chat_template_kwargs)
-        if req.tools:
-            kwargs["tools"] = req.tools
-        try:
-            text = tokenizer.apply_chat_template(
-                req.messages,
-                tokenize=False,
-                add_generation_prompt=req.add_generation_prompt,
-                **kwargs,
-            )
-        except Exception as exc:
-            raise ValueError(f"cannot apply the chat template: {exc}") from exc
+        text = render_chat(
+            tokenizer, req.messages, req.chat_template_kwargs, req.tools, req.add_generation_prompt
+        )
     else:
         text = req.prompt or ""
     ids = list(tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
