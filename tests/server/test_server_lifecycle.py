@@ -77,24 +77,35 @@ def _wait_for(condition: Any, srv: ServerProcess, within: float = 60.0) -> None:
 def test_full_waiting_queue_answers_503(guarded: ServerProcess) -> None:
     url = f"{guarded.url}/v1/completions"
     long = {"prompt": "x", "max_tokens": 3000, "ignore_eos": True}
-    results: list[int] = []
+    codes: list[int] = []
 
-    def hold() -> None:  # occupies the single running slot until the client times out
-        try:
-            httpx.post(url, json=long, headers=guarded.headers, timeout=4.0)
-        except httpx.ReadTimeout:
-            results.append(0)
+    def hold() -> None:
+        r = httpx.post(url, json=long, headers=guarded.headers, timeout=120.0)
+        codes.append(r.status_code)
 
+    # The scheduler is paused (SIGSTOP) once the first request runs, so neither request can
+    # finish while the third arrives: on a fast CPU 3000 tiny-model tokens take only seconds.
+    scheduler = guarded.stats()["workers"]["scheduler"]
     threads = [threading.Thread(target=hold) for _ in range(2)]
     threads[0].start()
-    _wait_for(lambda: guarded.stats()["scheduler"]["num_running"] == 1, guarded)
-    threads[1].start()  # waits in the queue: the queue is now full
-    _wait_for(lambda: guarded.stats()["waiting_at_api"] >= 1, guarded)
-    r = httpx.post(url, json={**long, "max_tokens": 4}, headers=guarded.headers, timeout=10)
+
+    def first_runs() -> bool:  # one snapshot: accepted and already producing output
+        stats = guarded.stats()
+        return stats["in_flight"] == 1 and stats["waiting_at_api"] == 0
+
+    _wait_for(first_runs, guarded)
+    os.kill(scheduler, signal.SIGSTOP)
+    try:
+        threads[1].start()  # accepted, gets no output: the one waiting place is now taken
+        _wait_for(lambda: guarded.stats()["waiting_at_api"] >= 1, guarded)
+        r = httpx.post(url, json={**long, "max_tokens": 4}, headers=guarded.headers, timeout=10)
+    finally:
+        os.kill(scheduler, signal.SIGCONT)
     assert r.status_code == 503, r.text
     assert r.headers["retry-after"] and r.json()["error"]["type"] == "service_unavailable_error"
     for t in threads:
         t.join()
+    assert codes == [200, 200]  # both held requests still finish once the scheduler resumes
     guarded.wait_idle()
     ok = httpx.post(url, json={**long, "max_tokens": 4}, headers=guarded.headers, timeout=30)
     assert ok.status_code == 200
