@@ -117,3 +117,30 @@ def test_head_norm_with_rotary_matches_two_steps(dtype: torch.dtype) -> None:
     want = apply_rotary(head_rms_norm(x, w, 1e-6), cos, sin)
     assert got.dtype == dtype
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [64, 44])  # 8-lane body only; body and a scalar tail
+def test_norm_kernel_matches_eager(dtype: torch.dtype, d: int) -> None:
+    from minisgl.layers.norm import rms_normalize
+    from minisgl.layers.rotary import RotaryEmbedding, apply_rotary
+
+    torch.manual_seed(0)
+    x, res = (torch.randn(11, d) * 3).to(dtype), torch.randn(11, d).to(dtype)
+    w = torch.randn(d).to(dtype)
+    out, summed = cpu_kernels.rms_norm(x, w, 1e-6, res)
+    assert summed is not None
+    torch.testing.assert_close(summed, x + res, rtol=0, atol=0)  # the add rounds as torch's
+
+    def same(got: torch.Tensor, want: torch.Tensor) -> None:
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:  # the sum of squares' order may move a bf16 ulp, rarely
+            assert (got != want).float().mean() < 0.02
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+    same(out, w * rms_normalize(x + res, 1e-6))
+    heads = x.view(11, 1, d)
+    cos, sin = RotaryEmbedding(d, 10000.0, None, 64).cos_sin(torch.arange(11), dtype)
+    roped = cpu_kernels.rms_norm(heads, w, 1e-6, rope=(cos, sin))[0]
+    same(roped, apply_rotary(w * rms_normalize(heads, 1e-6), cos, sin))

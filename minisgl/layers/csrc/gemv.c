@@ -1,6 +1,22 @@
 /* GEMV for decode-sized inputs (a few rows against a large weight), AVX2. */
 #include "common.h"
 
+/* Spreads the prefetch of the next blocks over every pass a block takes: with several input
+   rows the block is read from L1 once per pair of rows, and prefetching only during the first
+   pass would leave the memory idle for the others (measured: M=8 took memory time plus FMA
+   time). Each k-step of any pass earns `lines` credits, a line costs `steps` (the k-steps of
+   all passes), so the block's lines are all issued by its last step. */
+typedef struct {
+    const char* base;
+    int64_t lines, steps, issued, credit;
+} Prefetch;
+
+static inline void prefetch_step(Prefetch* p) { /* no division: this runs every k-step */
+    if (!p->base) return;
+    for (p->credit += p->lines; p->credit >= p->steps; p->credit -= p->steps)
+        _mm_prefetch(p->base + 64 * p->issued++, _MM_HINT_T0);
+}
+
 /* Four weight rows against one or two input rows; K % 8 == 0. */
 #define GEMV(NAME, WT, LOAD)                                                                  \
 void NAME(const float* x, const WT* w, void* y, int64_t M, int64_t N, int64_t K,            \
@@ -14,7 +30,9 @@ void NAME(const float* x, const WT* w, void* y, int64_t M, int64_t N, int64_t K,
         const WT* w1 = rows > 1 ? w0 + K : w0;                                              \
         const WT* w2 = rows > 2 ? w0 + 2 * K : w0;                                          \
         const WT* w3 = rows > 3 ? w0 + 3 * K : w0;                                          \
-        const char* pf = ahead(w0, 4 * K * (int64_t)sizeof(WT), n0 + 4 * PF_BLOCKS < N);      \
+        int64_t block_bytes = 4 * K * (int64_t)sizeof(WT);                                  \
+        Prefetch pf = {ahead(w0, block_bytes, n0 + 4 * PF_BLOCKS < N), block_bytes / 64,    \
+                       K / 8 * ((M + 1) / 2), 0, 0};                                        \
         for (int64_t m = 0; m < M; m += 2) {                                                \
             const float* x0 = x + m * K;                                                    \
             float r[2][4];                                                                  \
@@ -23,7 +41,7 @@ void NAME(const float* x, const WT* w, void* y, int64_t M, int64_t N, int64_t K,
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                 \
                 __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;                                  \
                 for (int64_t k = 0; k < K; k += 8) {                                        \
-                    if (m == 0 && pf) prefetch_lines(pf, k * 4 * (int64_t)sizeof(WT), 2);    \
+                    prefetch_step(&pf);                                                     \
                     __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k);        \
                     __m256 c0 = LOAD(w0 + k), c1 = LOAD(w1 + k);                            \
                     __m256 c2 = LOAD(w2 + k), c3 = LOAD(w3 + k);                            \
@@ -38,7 +56,7 @@ void NAME(const float* x, const WT* w, void* y, int64_t M, int64_t N, int64_t K,
             } else {                                                                        \
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                 \
                 for (int64_t k = 0; k < K; k += 8) {                                        \
-                    if (m == 0 && pf) prefetch_lines(pf, k * 4 * (int64_t)sizeof(WT), 2);    \
+                    prefetch_step(&pf);                                                     \
                     __m256 u = _mm256_loadu_ps(x0 + k);                                     \
                     a0 = _mm256_fmadd_ps(LOAD(w0 + k), u, a0);                              \
                     a1 = _mm256_fmadd_ps(LOAD(w1 + k), u, a1);                              \
@@ -59,15 +77,19 @@ GEMV(gemv_f32, float, load_f32)
 
 /* bf16 weights: 16 at a time with one load, no shuffle: a 32-bit lane holds two bf16; shifting
    left by 16 gives the even element as fp32, masking the low half gives the odd one. x is
-   pre-split into even/odd halves per 16-block to match. K % 16 == 0. */
-void gemv_bf16(const float* x, const uint16_t* w, void* y, int64_t M, int64_t N, int64_t K,
-               int out_bf16) {
+   pre-split into even/odd halves per 16-block to match. K % 16 == 0. x is fp32, or bf16 where
+   x_bf16 (converted in the split: no separate pass over x). */
+void gemv_bf16(const void* x, const uint16_t* w, void* y, int64_t M, int64_t N, int64_t K,
+               int out_bf16, int x_bf16) {
     float* xs = (float*)malloc(sizeof(float) * M * K);
+    const float* xf = (const float*)x;
+    const uint16_t* xb = (const uint16_t*)x;
     for (int64_t m = 0; m < M; m++)
         for (int64_t k = 0; k < K; k += 16)
             for (int j = 0; j < 8; j++) {
-                xs[m * K + k + j] = x[m * K + k + 2 * j];
-                xs[m * K + k + 8 + j] = x[m * K + k + 2 * j + 1];
+                int64_t e = m * K + k + 2 * j;
+                xs[m * K + k + j] = x_bf16 ? bf16_to_f32(xb[e]) : xf[e];
+                xs[m * K + k + 8 + j] = x_bf16 ? bf16_to_f32(xb[e + 1]) : xf[e + 1];
             }
     const __m256i hi_mask = _mm256_set1_epi32((int)0xFFFF0000u);
     int64_t blocks = (N + 3) / 4;
@@ -77,7 +99,8 @@ void gemv_bf16(const float* x, const uint16_t* w, void* y, int64_t M, int64_t N,
         int rows = N - n0 < 4 ? (int)(N - n0) : 4;
         const uint16_t* wr[4];
         for (int j = 0; j < 4; j++) wr[j] = w + (n0 + (j < rows ? j : 0)) * K;
-        const char* pf = ahead(w + n0 * K, 4 * K * 2, n0 + 4 * PF_BLOCKS < N);
+        Prefetch pf = {ahead(w + n0 * K, 4 * K * 2, n0 + 4 * PF_BLOCKS < N), K / 8,
+                       K / 16 * ((M + 1) / 2), 0, 0};
         /* Two input rows per pass: each weight vector is converted once for both. Even and
            odd halves share an accumulator (x is pre-split to match). */
         int64_t m = 0;
@@ -87,7 +110,7 @@ void gemv_bf16(const float* x, const uint16_t* w, void* y, int64_t M, int64_t N,
             __m256 a[4], c[4];
             for (int j = 0; j < 4; j++) a[j] = c[j] = _mm256_setzero_ps();
             for (int64_t k = 0; k < K; k += 16) {
-                if (m == 0 && pf) prefetch_lines(pf, k * 8, 2);
+                prefetch_step(&pf);
                 for (int j = 0; j < 4; j++) {
                     __m256i v = _mm256_loadu_si256((const __m256i*)(wr[j] + k));
                     __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -108,7 +131,7 @@ void gemv_bf16(const float* x, const uint16_t* w, void* y, int64_t M, int64_t N,
             __m256 a[4], c[4];
             for (int j = 0; j < 4; j++) a[j] = c[j] = _mm256_setzero_ps();
             for (int64_t k = 0; k < K; k += 16) {
-                if (m == 0 && pf) prefetch_lines(pf, k * 8, 2);
+                prefetch_step(&pf);
                 __m256 xe = _mm256_loadu_ps(xm + k), xo = _mm256_loadu_ps(xm + k + 8);
                 for (int j = 0; j < 4; j++) {
                     __m256i v = _mm256_loadu_si256((const __m256i*)(wr[j] + k));
@@ -124,4 +147,3 @@ void gemv_bf16(const float* x, const uint16_t* w, void* y, int64_t M, int64_t N,
     }
     free(xs);
 }
-
