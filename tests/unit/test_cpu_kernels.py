@@ -29,6 +29,9 @@ def test_matmul_matches_reference(wdtype: torch.dtype, rows: int) -> None:
         yb = f(x.bfloat16(), w, torch.bfloat16)
         assert yb.dtype == torch.bfloat16
         assert torch.equal(yb, f(x.bfloat16(), w).to(torch.bfloat16))
+        # bf16 x (the GEMV converts it itself): the same sums as from its fp32 copy
+        xb = x.bfloat16()
+        assert torch.equal(f(xb, w, torch.float32), f(xb.float(), w))
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
