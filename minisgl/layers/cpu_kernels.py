@@ -56,8 +56,9 @@ class _Lib:
         lib = ctypes.CDLL(str(path))
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         args: list[Any] = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        lib.gemv_f32.argtypes = args
+        lib.gemv_bf16.argtypes = args + [ctypes.c_int]  # + whether x is bf16
         for fn in (lib.gemv_bf16, lib.gemv_f32):
-            fn.argtypes = args + ([ctypes.c_int] if fn is lib.gemv_bf16 else [])
             fn.restype = None
         self.bf16, self.f32 = lib.gemv_bf16, lib.gemv_f32
         attn_args: list[Any] = [ptr] * 5 + [i64, ptr, i64, i64, i64, i64, ctypes.c_float]
@@ -160,21 +161,20 @@ def gemv(
     x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) @ weight.T -> [M, N] in `out_dtype` (default x's dtype)."""
+    lib = load()
+    assert lib is not None
     out_dtype = out_dtype or x.dtype
     out_bf16 = int(out_dtype == torch.bfloat16)
-    m, k = x.shape
-    n = weight.shape[0]
-    if weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16:
-        # The kernel converts bf16 rows itself: no fp32 copy of x per call (113 a decode step).
-        lib = load()
-        assert lib is not None
-        xc, y = x.contiguous(), torch.empty(m, n, dtype=out_dtype)
-        lib.bf16(xc.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, out_bf16, 1)
-        return y
-    lib, xf, y, out_dtype = _matmul_operands(x, weight, out_dtype)
+    (m, k), n = x.shape, weight.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype)
     if weight.dtype == torch.bfloat16:
-        lib.bf16(xf.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, out_bf16, 0)
+        # bf16 x goes in as it is (the kernel converts it in its even/odd split): no fp32 copy
+        # of x per call, 113 calls a decode step.
+        x_bf16 = x.dtype == torch.bfloat16
+        xc = x.contiguous() if x_bf16 else x.contiguous().float()
+        lib.bf16(xc.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, out_bf16, int(x_bf16))
     else:
+        xf = x.contiguous().float()
         lib.f32(xf.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, out_bf16)
     return y
 

@@ -1,22 +1,6 @@
 /* GEMV for decode-sized inputs (a few rows against a large weight), AVX2. */
 #include "common.h"
 
-/* Spreads the prefetch of the next blocks over every pass a block takes: with several input
-   rows the block is read from L1 once per pair of rows, and prefetching only during the first
-   pass would leave the memory idle for the others (measured: M=8 took memory time plus FMA
-   time). Each k-step of any pass earns `lines` credits, a line costs `steps` (the k-steps of
-   all passes), so the block's lines are all issued by its last step. */
-typedef struct {
-    const char* base;
-    int64_t lines, steps, issued, credit;
-} Prefetch;
-
-static inline void prefetch_step(Prefetch* p) { /* no division: this runs every k-step */
-    if (!p->base) return;
-    for (p->credit += p->lines; p->credit >= p->steps; p->credit -= p->steps)
-        _mm_prefetch(p->base + 64 * p->issued++, _MM_HINT_T0);
-}
-
 /* Four weight rows against one or two input rows; K % 8 == 0. */
 #define GEMV(NAME, WT, LOAD)                                                                  \
 void NAME(const float* x, const WT* w, void* y, int64_t M, int64_t N, int64_t K,            \
