@@ -69,6 +69,9 @@ def prefill_input(total: int, length: int) -> ForwardInput:
     )
 
 
+_MATMULS = ("gemv", "gemv512", "gemm", "panel")
+
+
 def _label_kernels() -> None:
     """Make the C kernels (called through ctypes, invisible to the profiler) show up by name."""
     from torch.profiler import record_function
@@ -77,13 +80,13 @@ def _label_kernels() -> None:
 
     def labelled(name: str, fn):  # noqa: ANN001, ANN202
         def run(*a, **kw):  # noqa: ANN002, ANN003, ANN202
-            rows = a[0].shape[0] if name in ("gemv", "gemv512", "gemm") else 0
-            with record_function(f"minisgl::{name}" + (f"[N={a[1].shape[0]}]" if rows else "")):
+            n = getattr(a[1], "n", None) or a[1].shape[0] if name in _MATMULS else 0
+            with record_function(f"minisgl::{name}" + (f"[N={n}]" if n else "")):
                 return fn(*a, **kw)
 
         return run
 
-    for name in ("gemv", "gemv512", "gemm", "decode_attention", "rms_norm", "silu_mul"):
+    for name in (*_MATMULS, "decode_attention", "rms_norm", "silu_mul"):
         setattr(cpu_kernels, name, labelled(name, getattr(cpu_kernels, name)))
 
 

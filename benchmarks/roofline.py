@@ -68,7 +68,7 @@ def _matmul_peak(
     x = torch.randn(m, k).to(dtype)
     best: tuple[float, str] = (float("inf"), "")
     for name in cpu_linear.available(w, dtype):
-        packed = cpu_linear._onednn_pack(w) if name == "onednn" else None
+        packed = cpu_linear.pack(name, w)
         run = cpu_linear._RUN[name]
         run(x, w, packed, None)
         for _ in range(3):

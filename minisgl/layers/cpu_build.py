@@ -25,7 +25,15 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-COMMON_SOURCES = ("gemv.c", "gemm.c", "attention.c", "elementwise.c", "rows.c", "stream.c")
+COMMON_SOURCES = (
+    "gemv.c",
+    "gemm.c",
+    "panel.c",
+    "attention.c",
+    "elementwise.c",
+    "rows.c",
+    "stream.c",
+)
 AVX512_NEEDS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 
 

@@ -12,6 +12,9 @@
   16-row panel at a time, then a 6x16 register-blocked micro-kernel. torch's bf16 matmul on
   AVX2 (no native bf16) runs ~7 GFLOP/s; this one runs at torch's fp32 speed (~75 per core)
   without an fp32 copy of the weights.
+- panel: the same product for any M from bf16 weights repacked once into 16-column panels
+  (csrc/panel.c): one contiguous stream per thread and a 6x16 register tile with no per-call
+  conversion; a second copy of the weight, so it is kept only where it is measured fastest.
 - decode attention: one query per request straight over the paged pool (slot indices, no
   gather copy), scores/softmax/weighted sum in fp32. torch's CPU SDPA spends ~0.5 ms per call
   on a single query, more than the layer's matmuls.
@@ -29,6 +32,7 @@ import ctypes
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +73,11 @@ class _Lib:
         lib.gemm.argtypes = [ptr, ptr, ctypes.c_int, ptr, i64, i64, i64, ctypes.c_int]
         lib.gemm.restype = None
         self.gemm = lib.gemm
+        lib.panel_pack_bf16.argtypes = [ptr, ptr, i64, i64]
+        lib.panel_bf16.argtypes = args + [ctypes.c_int]  # + whether x is bf16
+        for fn in (lib.panel_pack_bf16, lib.panel_bf16):
+            fn.restype = None
+        self.panel_pack, self.panel = lib.panel_pack_bf16, lib.panel_bf16
         norm_args: list[Any] = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, ctypes.c_float]
         for fn in (lib.rmsnorm_bf16, lib.rmsnorm_f32):
             fn.argtypes = norm_args + [ptr, ptr]
@@ -202,6 +211,45 @@ def gemv512(
     y = torch.empty(m, n, dtype=out_dtype)
     fn = lib.gemv512_bf16 if weight.dtype == torch.bfloat16 else lib.gemv512_f32
     fn(xc.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, int(out_dtype == torch.bfloat16))
+    return y
+
+
+@dataclass(frozen=True)
+class PanelWeight:
+    """A bf16 weight [n, k] repacked for `panel`: [ceil(n / 16), k, 16]."""
+
+    data: torch.Tensor
+    n: int
+
+
+def supports_panel(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.bfloat16 and supports(weight)
+
+
+def panel_pack(weight: torch.Tensor) -> PanelWeight:
+    lib = load()
+    assert lib is not None and supports_panel(weight)
+    n, k = weight.shape
+    data = torch.empty(-(-n // 16), k, 16, dtype=torch.bfloat16)
+    lib.panel_pack(weight.data_ptr(), data.data_ptr(), n, k)
+    return PanelWeight(data, n)
+
+
+def panel(
+    x: torch.Tensor, packed: PanelWeight, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """x [M, K] @ W.T from W's panels -> [M, N] in `out_dtype` (default x's dtype), any M."""
+    lib = load()
+    assert lib is not None
+    out_dtype = out_dtype or x.dtype
+    x_bf16 = x.dtype == torch.bfloat16
+    xc = x.contiguous() if x_bf16 else x.contiguous().float()
+    m, k = xc.shape
+    y = torch.empty(m, packed.n, dtype=out_dtype)
+    out_bf16 = int(out_dtype == torch.bfloat16)
+    lib.panel(
+        xc.data_ptr(), packed.data.data_ptr(), y.data_ptr(), m, packed.n, k, out_bf16, int(x_bf16)
+    )
     return y
 
 

@@ -9,6 +9,8 @@ the candidates
 - "gemv512": our AVX-512 GEMV (native bf16 dot products where the CPU has them);
 - "gemm": our blocked GEMM (fp32 compute from bf16 or fp32 weights, no weight copy);
 - "torch": plain F.linear (MKL for fp32);
+- "panel": our matmul from bf16 weights repacked into 16-column panels (a second copy of the
+  weight, kept only where it wins some row count);
 - "onednn": oneDNN with the weight reordered once into its blocked layout (a second copy of
   the weight, kept only where it wins some row count);
 are timed per distinct weight shape and dtype for each row-count bucket at start-up, and a
@@ -31,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,7 +45,7 @@ from minisgl.layers.kernel_choice import BUCKETS, TIMED_ROWS, MachineKey, ShapeK
 logger = logging.getLogger(__name__)
 
 # Listed with the copy-free ones first: ties go to the earlier one.
-CANDIDATES = ("gemv", "gemv512", "gemm", "torch", "onednn")
+CANDIDATES = ("gemv", "gemv512", "gemm", "torch", "panel", "onednn")
 # Timing: at least this many bytes of distinct weights per pass (more than a last-level cache,
 # so each pass reads from memory as a decode step does), at most this many FLOPs per pass.
 _COLD_BYTES = 48 << 20
@@ -104,8 +106,23 @@ _RUN: dict[str, Callable[..., torch.Tensor]] = {
     ),
     "gemm": lambda x, w, p, o: cpu_kernels.gemm(x, w, o),
     "torch": lambda x, w, p, o: _cast(F.linear(x.to(w.dtype), w), o),
+    "panel": lambda x, w, p, o: cpu_kernels.panel(x, p, o),
     "onednn": lambda x, w, p, o: _cast(_onednn_linear(x.to(w.dtype), p), o),
 }
+# The candidate whose copy alone computes the product: where it serves every row count, the
+# layer's original weight is dropped (prepack_modules) and the copy is the only one.
+SELF_CONTAINED = "panel"
+# The candidates that run on a second copy of the weight in their own layout, and how it is made.
+_COPY: dict[str, Callable[[torch.Tensor], Any]] = {
+    "panel": lambda w: cpu_kernels.panel_pack(w),
+    "onednn": lambda w: _onednn_pack(w),
+}
+
+
+def pack(name: str, weight: torch.Tensor) -> Any:
+    """Candidate `name`'s copy of `weight` (None for those that use the weight as it is)."""
+    make = _COPY.get(name)
+    return make(weight.detach().contiguous()) if make is not None else None
 
 
 def available(weight: torch.Tensor, x_dtype: torch.dtype, copies: bool = True) -> list[str]:
@@ -119,6 +136,8 @@ def available(weight: torch.Tensor, x_dtype: torch.dtype, copies: bool = True) -
             out.append("gemv512")
         out.append("gemm")
     out.append("torch")
+    if copies and ours and cpu_kernels.supports_panel(weight):
+        out.append("panel")
     # oneDNN probed on a few rows of the weight (packing all of a large one takes a while).
     probe = weight.detach()[: min(weight.shape[0], 64)]
     if (
@@ -153,18 +172,21 @@ def tuning_cache() -> kernel_choice.TuningCache:
 
 
 class CpuLinearKernel:
-    """y = x @ weight.T (in `out_dtype`, default x's dtype), by the pick for x's row count."""
+    """y = x @ weight.T (in `out_dtype`, default x's dtype), by the pick for x's row count.
+    `weight` is None where no pick reads it (every one runs on its own copy)."""
 
     def __init__(
         self,
         weight: torch.Tensor,
         picks: Sequence[str],
-        packed: torch.Tensor | None,
+        packed: Mapping[str, Any],
         out_dtype: torch.dtype | None,
     ) -> None:
-        self.weight, self.packed, self.out_dtype = weight, packed, out_dtype
         self.picks = tuple(picks)
-        runs = {name: _bind(name, weight, packed, out_dtype) for name in set(self.picks)}
+        needed = any(name != SELF_CONTAINED for name in self.picks)
+        self.weight: torch.Tensor | None = weight if needed else None
+        self.packed, self.out_dtype = packed, out_dtype
+        runs = {name: _bind(name, self.weight, packed.get(name), out_dtype) for name in set(picks)}
         self._table = [runs[name] for name in kernel_choice.row_table(self.picks)]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -179,7 +201,7 @@ class CpuLinearKernel:
 
 
 def _bind(
-    name: str, weight: torch.Tensor, packed: torch.Tensor | None, out_dtype: torch.dtype | None
+    name: str, weight: torch.Tensor | None, packed: Any, out_dtype: torch.dtype | None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     run = _RUN[name]
     return lambda x: run(x, weight, packed, out_dtype)
@@ -214,7 +236,7 @@ def _create_group(
     out: list[CpuLinearKernel | None] = []
     for w in weights:
         w = w.detach()
-        packed = _onednn_pack(w) if "onednn" in picks else None
+        packed = {name: pack(name, w) for name in set(picks) if name in _COPY}
         out.append(CpuLinearKernel(w, picks, packed, out_dtype))
     return out, shape, source
 
@@ -258,6 +280,7 @@ def choose(
             spreads: list[float] = []
             timings = measure(weights, x_dtype, out_dtype, avail, spreads=spreads)
             picks = kernel_choice.pick(timings, default_picks(avail, first.dtype))
+            picks = kernel_choice.one_layout(picks, timings, SELF_CONTAINED)
             source = "measured"
             if kernel_choice.disturbed(spreads):
                 # Bursts of other work decide such timings more than the kernels do.
@@ -304,7 +327,7 @@ def measure(
     run again. The best pass counts (other work only ever adds time). `spreads` collects each
     repeated candidate's slowest pass over its fastest."""
     timings: dict[str, list[float | None]] = {name: [] for name in CANDIDATES}
-    packs: dict[tuple[int, int], Any] = {}
+    packs: dict[tuple[str, int, int], Any] = {}
     for rows in TIMED_ROWS:
         group = _timing_set(weights, rows)
         x = torch.randn(rows, group[0].shape[1]).to(x_dtype)
@@ -312,11 +335,10 @@ def measure(
         for name in CANDIDATES:
             if name not in avail:
                 continue
-            packed: list[Any] = [None] * len(group)
-            if name == "onednn":
-                packed = [
-                    packs.setdefault((i, w.shape[0]), _onednn_pack(w)) for i, w in enumerate(group)
-                ]
+            for i, w in enumerate(group):
+                if (name, i, w.shape[0]) not in packs:
+                    packs[(name, i, w.shape[0])] = pack(name, w)
+            packed = [packs[(name, i, w.shape[0])] for i, w in enumerate(group)]
             live[name] = (_RUN[name], packed)
             _RUN[name](x, group[0], packed[0], out_dtype)  # warm-up: first-call set-up
         best = {name: float("inf") for name in live}
@@ -365,23 +387,43 @@ def row_runner(
     return run, kernel_choice.summary({shape: picks}, source)
 
 
-def prepack_modules(modules: Sequence[Any], tuning: str = "cached") -> None:
+def prepack_modules(
+    modules: Sequence[Any], tuning: str = "cached", shared: Collection[int] = ()
+) -> None:
     """Set `m.kernel` for CPU matmul modules (each has `weight` and `kernel_out_dtype`), tuning
-    once per distinct shape and dtype, and log one line of what was picked."""
+    once per distinct shape and dtype, and log one line of what was picked. A module whose
+    kernel never reads its weight gets a weight on the meta device (shape and dtype, no memory)
+    unless the weight's id is in `shared` (read elsewhere too, e.g. a tied embedding)."""
     groups: dict[tuple[Any, ...], list[Any]] = {}
     for m in modules:
         w = m.weight
         groups.setdefault((tuple(w.shape), w.dtype, m.kernel_out_dtype), []).append(m)
     chosen: dict[ShapeKey, tuple[str, ...]] = {}
     sources: set[str] = set()
+    extra = 0
     t0 = time.perf_counter()
     for (_, _, out_dtype), mods in groups.items():
         kernels, shape, source = _create_group([m.weight for m in mods], out_dtype, tuning, None)
         for m, kernel in zip(mods, kernels):
             m.kernel = kernel
+            if kernel is None:
+                continue
+            if kernel.weight is None and id(m.weight) not in shared:
+                m.weight = torch.nn.Parameter(m.weight.to("meta"), requires_grad=False)
+            else:
+                extra += sum(_nbytes(p) for p in kernel.packed.values())
         if kernels[0] is not None and shape is not None:
             chosen[shape] = kernels[0].picks
             sources.add(source)
     if chosen:
         how = "/".join(sorted(sources)) + f", {time.perf_counter() - t0:.1f} s"
-        logger.info(kernel_choice.summary(chosen, how))
+        copies = f"; weight copies beside the originals: {extra / 2**20:.0f} MiB" if extra else ""
+        logger.info(kernel_choice.summary(chosen, how) + copies)
+
+
+def _nbytes(packed: Any) -> int:
+    data = getattr(packed, "data", packed)  # a PanelWeight, or oneDNN's tensor
+    try:
+        return int(data.numel() * data.element_size())
+    except (AttributeError, RuntimeError):  # an opaque layout that does not say
+        return 0

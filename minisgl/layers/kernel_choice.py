@@ -87,6 +87,24 @@ def pick(
     return tuple(out)
 
 
+def one_layout(
+    picks: Sequence[str], timings: Mapping[str, Sequence[float | None]], alone: str
+) -> tuple[str, ...]:
+    """`picks` with every bucket moved to `alone` (a candidate that computes from its own copy
+    of the weight, so the original can be dropped) where it is within MARGIN of the pick: a
+    layer whose buckets mix it with candidates that read the original keeps both copies, which
+    is only worth it where the original's candidates are clearly faster."""
+    if alone not in picks:
+        return tuple(picks)
+    times = timings.get(alone)
+    out = list(picks)
+    for b, name in enumerate(picks):
+        t, best = (times[b] if times else None), timings[name][b]
+        if t is not None and best is not None and t <= best * (1 + MARGIN):
+            out[b] = alone
+    return tuple(out) if all(p == alone for p in out) else tuple(picks)
+
+
 def disturbed(spreads: Sequence[float], limit: float = 1.5) -> bool:
     """Whether timings were taken while other work held the cores: `spreads` are each
     candidate's slowest pass over its fastest; on a quiet machine they stay near 1. Picks from

@@ -358,7 +358,14 @@ class Qwen3ForCausalLM(nn.Module):
     def prepack(self, tuning: str = "cached") -> None:
         """Give CPU matmuls the fastest kernel per row count, measured (see cpu_linear.py)."""
         mods = [m for m in self.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
-        cpu_linear.prepack_modules(mods, tuning)
+        # Weights other modules read too (a tied embedding) keep their row-major original.
+        shared = {
+            id(p)
+            for m in self.modules()
+            if not isinstance(m, (LinearBase, ParallelLMHead))
+            for p in m.parameters(recurse=False)
+        }
+        cpu_linear.prepack_modules(mods, tuning, shared)
         # A mixture's experts: every layer's experts share two shapes, measured once each.
         lines: list[str] = []
         for m in self.modules():

@@ -34,6 +34,31 @@ def test_matmul_matches_reference(wdtype: torch.dtype, rows: int) -> None:
         assert torch.equal(f(xb, w, torch.float32), f(xb.float(), w))
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 96, 100])
+@pytest.mark.parametrize("k", [96, 528])  # one short K chunk; two full chunks and a short one
+def test_panel_matmul_matches_reference(rows: int, k: int) -> None:
+    """bf16 weights repacked into 16-column panels, every row tile (6, 4, 2, 1) and the pass
+    boundary at 96 rows, N not a multiple of the panel; bf16 or fp32 x, either output."""
+    torch.manual_seed(rows + k)
+    n = 37
+    w = torch.randn(n, k).bfloat16()
+    packed = cpu_kernels.panel_pack(w)
+    assert packed.data.shape == (3, k, 16) and packed.n == n
+    x = torch.randn(rows, k)
+    ref = F.linear(x.double(), w.double())
+    y = cpu_kernels.panel(x, packed)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+    xb = x.bfloat16()
+    assert torch.equal(
+        cpu_kernels.panel(xb, packed, torch.float32), cpu_kernels.panel(xb.float(), packed)
+    )
+    yb = cpu_kernels.panel(xb, packed)
+    assert yb.dtype == torch.bfloat16 and torch.equal(
+        yb, cpu_kernels.panel(xb, packed, torch.float32).bfloat16()
+    )
+
+
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17, 70])
 def test_avx512_gemv_matches_reference(wdtype: torch.dtype, rows: int) -> None:

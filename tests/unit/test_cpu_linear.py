@@ -149,16 +149,67 @@ def test_onednn_copy_only_where_a_pick_needs_it(monkeypatch: pytest.MonkeyPatch)
     ours = [n for n in avail if n != "onednn"]
     monkeypatch.setattr(cpu_linear, "measure", Timings([ours[0]] * len(BUCKETS)))
     kernel = cpu_linear.CpuLinearKernel.create(w)
-    assert kernel is not None and kernel.packed is None
+    assert kernel is not None and not kernel.packed
     monkeypatch.setattr(cpu_linear, "_MEMO", {})
     monkeypatch.setattr(cpu_linear, "measure", Timings([ours[0]] * 5 + ["onednn"]))
     kernel = cpu_linear.CpuLinearKernel.create(w, tuning="full")
-    assert kernel is not None and kernel.packed is not None
+    assert kernel is not None and set(kernel.packed) == {"onednn"}
     x = torch.randn(100, 64).bfloat16()
     torch.testing.assert_close(kernel(x).float(), F.linear(x, w).float(), rtol=2e-2, atol=0.1)
     # MINISGL_CPU_ONEDNN_GEMM=0: never a second copy, whatever the timings say.
     monkeypatch.setenv("MINISGL_CPU_ONEDNN_GEMM", "0")
     assert "onednn" not in cpu_linear.available(w, w.dtype)
+
+
+def test_panel_copy_only_where_a_pick_needs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = weight()
+    avail = cpu_linear.available(w, w.dtype)
+    if "panel" not in avail:  # no kernels here
+        return
+    assert "panel" not in cpu_linear.available(w, w.dtype, copies=False)
+    assert "panel" not in cpu_linear.available(weight(torch.float32), torch.float32)
+    monkeypatch.setattr(cpu_linear, "measure", Timings(["panel"] * 4 + ["gemm"] * 2))
+    kernel = cpu_linear.CpuLinearKernel.create(w)
+    assert kernel is not None and set(kernel.packed) == {"panel"}
+    calls = spy(monkeypatch)
+    kernel = cpu_linear.CpuLinearKernel.create(w)  # from the memo, on the spied runs
+    assert kernel is not None
+    for rows in (1, 8, 16, 100):
+        x = torch.randn(rows, 64).bfloat16()
+        want = F.linear(x.double(), w.double())
+        torch.testing.assert_close(kernel(x).double(), want, rtol=2e-2, atol=0.1)
+    assert [name for name, _ in calls] == ["panel", "panel", "panel", "gemm"]
+
+
+class Layer:
+    def __init__(self, w: torch.Tensor, out: torch.dtype | None = None) -> None:
+        self.weight, self.kernel_out_dtype, self.kernel = w, out, None
+
+
+def test_a_weight_no_pick_reads_is_dropped_unless_shared(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """All panel: the panels are the only copy (the weight keeps its shape and dtype on the meta
+    device), except where another module reads the weight too; mixed picks keep both, and the
+    one-line summary says how much the second copies take."""
+    if "panel" not in cpu_linear.available(weight(), torch.bfloat16):
+        return
+    alone, tied = Layer(weight()), Layer(weight() + 1)
+    monkeypatch.setattr(cpu_linear, "measure", Timings(["panel"] * len(BUCKETS)))
+    want = F.linear(torch.ones(3, 64).double(), alone.weight.double())
+    cpu_linear.prepack_modules([alone, tied], "cached", shared={id(tied.weight)})
+    assert alone.weight.device.type == "meta" and alone.weight.shape == (48, 64)
+    assert alone.weight.dtype == torch.bfloat16
+    assert tied.weight.device.type == "cpu"
+    got = alone.kernel(torch.ones(3, 64).bfloat16())
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=0.1)
+
+    mixed = Layer(torch.randn(32, 64).bfloat16())
+    monkeypatch.setattr(cpu_linear, "measure", Timings(["gemv"] + ["panel"] * 5))
+    with caplog.at_level(logging.INFO, logger="minisgl.layers.cpu_linear"):
+        cpu_linear.prepack_modules([mixed], "cached")
+    assert mixed.weight.device.type == "cpu" and mixed.kernel.weight is not None
+    assert "weight copies beside the originals: 0 MiB" in caplog.text  # 4 KiB rounds to 0
 
 
 def test_all_plain_linear_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -198,10 +249,6 @@ def test_real_measurement_times_every_available_candidate_per_bucket() -> None:
 def test_prepack_logs_one_line_per_model(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    class Layer:
-        def __init__(self, w: torch.Tensor, out: torch.dtype | None) -> None:
-            self.weight, self.kernel_out_dtype, self.kernel = w, out, None
-
     layers = [
         Layer(weight(), None),
         Layer(weight() * 2, None),
@@ -225,7 +272,7 @@ def test_an_input_in_another_dtype_still_multiplies(
     a layer that keeps activations in fp32) still gets x @ W.T."""
     w = weight()
     if name not in cpu_linear.available(w, w.dtype):
-        assert name in ("gemv", "gemv512", "gemm", "onednn")  # only torch is always there
+        assert name in ("gemv", "gemv512", "gemm", "panel", "onednn")  # only torch is always there
         return
     monkeypatch.setenv("MINISGL_CPU_LINEAR", name)
     kernel = cpu_linear.CpuLinearKernel.create(w, out_dtype=torch.float32)

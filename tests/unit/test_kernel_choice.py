@@ -63,6 +63,23 @@ def test_the_default_is_the_incumbent() -> None:
     assert kc.pick(timings) == ("onednn",) * 6
 
 
+def test_one_layout_where_the_other_copy_saves_too_little() -> None:
+    """A candidate on its own copy of the weight takes the buckets it nearly wins when that
+    lets it take them all (the original is then dropped); a clear win elsewhere keeps both."""
+    picks = ("gemv", "panel", "panel", "panel", "panel", "gemm")
+    close = {
+        "gemv": [1.0, 2.0, 4.0, 8.0, 30.0, 100.0],
+        "gemm": [5.0, 5.0, 5.0, 5.0, 6.0, 20.0],
+        "panel": [1.04, 1.0, 1.0, 1.0, 5.0, 20.9],
+    }
+    assert kc.one_layout(picks, close, "panel") == ("panel",) * 6
+    clear = dict(close, panel=[1.04, 1.0, 1.0, 1.0, 5.0, 22.0])  # gemm 9% ahead at >64 rows
+    assert kc.one_layout(picks, clear, "panel") == picks
+    assert kc.one_layout(("gemv",) * 6, close, "panel") == ("gemv",) * 6  # not picked anywhere
+    cannot = dict(close, panel=[None, 1.0, 1.0, 1.0, 5.0, 20.0])
+    assert kc.one_layout(picks, cannot, "panel") == picks
+
+
 def test_a_disturbed_run_is_recognised() -> None:
     assert not kc.disturbed([1.02, 1.1, 1.05, 3.0])  # one burst does not make a run noisy
     assert kc.disturbed([2.0, 1.8, 1.1, 4.0])
