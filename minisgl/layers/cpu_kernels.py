@@ -235,6 +235,15 @@ def panel_pack(weight: torch.Tensor) -> PanelWeight:
     return PanelWeight(data, n)
 
 
+def panel_rows(packed: PanelWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (any shape) of the weight the panels hold -> [*ids.shape, k]: an embedding
+    lookup straight from a tied LM head's panels."""
+    flat = ids.reshape(-1)
+    col = flat % 16
+    lane = torch.where(col < 8, 2 * col, 2 * col - 15)  # the lane order of panel_pack_bf16
+    return packed.data[flat // 16, :, lane].reshape(*ids.shape, packed.data.shape[1])
+
+
 def panel(
     x: torch.Tensor, packed: PanelWeight, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl import distributed
+from minisgl.layers import cpu_kernels
+from minisgl.layers.cpu_kernels import PanelWeight
 from minisgl.layers.cpu_linear import CpuLinearKernel
 
 
@@ -26,6 +28,18 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp_rank * self.rows
         self.end = min(self.start + self.rows, vocab_size)
         self.weight = nn.Parameter(torch.empty(self.rows, hidden_size), requires_grad=False)
+        # Set where a tied LM head's panels are the only copy of the table (see use_panels).
+        self.panels: PanelWeight | None = None
+
+    def use_panels(self, panels: PanelWeight) -> None:
+        """Look rows up in `panels` (the tied LM head's copy) and drop the row-major table."""
+        self.panels = panels
+        self.weight = nn.Parameter(self.weight.to("meta"), requires_grad=False)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return cpu_kernels.panel_rows(self.panels, ids)
+        return F.embedding(ids, self.weight)
 
     def load(self, full: torch.Tensor) -> None:
         n = self.end - self.start
@@ -34,10 +48,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         owned = (input_ids >= self.start) & (input_ids < self.end)
         local = torch.where(owned, input_ids - self.start, 0)
-        out = F.embedding(local, self.weight) * owned.unsqueeze(-1).to(self.weight.dtype)
+        out = self._lookup(local) * owned.unsqueeze(-1).to(self.weight.dtype)
         return distributed.all_reduce(out)
 
 

@@ -87,20 +87,25 @@ def pick(
     return tuple(out)
 
 
+# What a second copy of a layer's weights must save in some bucket to be kept (twice the memory
+# for less would be a poor trade; also above the few percent a shared machine's timings jitter).
+COPY_WORTH = 0.10
+
+
 def one_layout(
     picks: Sequence[str], timings: Mapping[str, Sequence[float | None]], alone: str
 ) -> tuple[str, ...]:
     """`picks` with every bucket moved to `alone` (a candidate that computes from its own copy
-    of the weight, so the original can be dropped) where it is within MARGIN of the pick: a
-    layer whose buckets mix it with candidates that read the original keeps both copies, which
-    is only worth it where the original's candidates are clearly faster."""
+    of the weight, so the original can be dropped) where it is within COPY_WORTH of the pick:
+    a layer whose buckets mix it with candidates that read the original keeps both copies, twice
+    the memory, which is only worth it where the original's candidates are clearly faster."""
     if alone not in picks:
         return tuple(picks)
     times = timings.get(alone)
     out = list(picks)
     for b, name in enumerate(picks):
         t, best = (times[b] if times else None), timings[name][b]
-        if t is not None and best is not None and t <= best * (1 + MARGIN):
+        if t is not None and best is not None and t <= best * (1 + COPY_WORTH):
             out[b] = alone
     return tuple(out) if all(p == alone for p in out) else tuple(picks)
 

@@ -358,14 +358,19 @@ class Qwen3ForCausalLM(nn.Module):
     def prepack(self, tuning: str = "cached") -> None:
         """Give CPU matmuls the fastest kernel per row count, measured (see cpu_linear.py)."""
         mods = [m for m in self.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
-        # Weights other modules read too (a tied embedding) keep their row-major original.
+        embed, head = self.model.embed_tokens, self.lm_head
+        tied = head.weight is embed.weight
+        # Weights other modules read too keep their row-major original; a tied embedding is the
+        # exception: it can read its rows from the head's panels.
         shared = {
             id(p)
             for m in self.modules()
-            if not isinstance(m, (LinearBase, ParallelLMHead))
+            if not isinstance(m, (LinearBase, ParallelLMHead)) and not (tied and m is embed)
             for p in m.parameters(recurse=False)
         }
         cpu_linear.prepack_modules(mods, tuning, shared)
+        if tied and head.weight.device.type == "meta" and head.kernel is not None:
+            embed.use_panels(head.kernel.packed[cpu_linear.SELF_CONTAINED])
         # A mixture's experts: every layer's experts share two shapes, measured once each.
         lines: list[str] = []
         for m in self.modules():

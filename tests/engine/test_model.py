@@ -194,6 +194,42 @@ def test_cpu_fast_path_agrees_with_pure_pytorch(
         torch.testing.assert_close(a, b, atol=tol * b.abs().max().item(), rtol=tol)
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_panel_layout_leaves_one_copy_of_each_weight(
+    tmp_path: Path, tie: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where every row count runs on the panels, they are the only copy of a layer's weight
+    (the original keeps its shape on the meta device), a tied embedding looks its rows up in
+    the head's panels, and the logits still match the plain path."""
+    from minisgl.layers import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("no CPU kernels here")
+    monkeypatch.setenv("MINISGL_CPU_LINEAR", "panel")
+    write_hf_model(tmp_path, tie=tie)
+    config = ModelConfig.from_dir(tmp_path)
+    model = load(tmp_path, torch.bfloat16)
+    embed = model.model.embed_tokens
+    matmuls = [m for m in model.modules() if hasattr(m, "kernel_out_dtype")]
+    assert matmuls and all(m.weight.device.type == "meta" for m in matmuls)
+    assert (embed.weight.device.type == "meta") is tie and (embed.panels is not None) is tie
+    ids = torch.tensor([[0, 15, 16, 17], [VOCAB - 1, 3, 8, 7]])
+    if tie:
+        rows = cpu_kernels.panel_rows(embed.panels, ids)
+        assert rows.shape == (2, 4, 64)
+    seqs = prompts([7, 12])
+    schedule = [[5, 9], [1, 1], [1, 1], [0, 1]]
+    fast = Runner(model, config, torch.bfloat16).run(seqs, schedule)
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels, "load", lambda: None)
+        plain_model = load(tmp_path, torch.bfloat16)
+        plain = Runner(plain_model, config, torch.bfloat16).run(seqs, schedule)
+    if tie:
+        torch.testing.assert_close(rows, plain_model.model.embed_tokens.weight[ids])
+    for a, b in zip(fast, plain, strict=True):
+        torch.testing.assert_close(a, b, atol=5e-2 * b.abs().max().item(), rtol=5e-2)
+
+
 @pytest.mark.parametrize(
     "scaling",
     [
