@@ -87,27 +87,33 @@ def pick(
     return tuple(out)
 
 
-# What a second copy of a layer's weights must save in some bucket to be kept (twice the memory
-# for less would be a poor trade; also above the few percent a shared machine's timings jitter).
+# What a second copy of a layer's weights must save to be kept: twice the memory for less is a
+# poor trade, and single buckets of a shared machine's timings jitter by more than the few
+# percent MARGIN allows for, so the average over the buckets decides, with a cap for one bucket.
 COPY_WORTH = 0.10
+COPY_WORTH_ONE_BUCKET = 0.25
 
 
 def one_layout(
     picks: Sequence[str], timings: Mapping[str, Sequence[float | None]], alone: str
 ) -> tuple[str, ...]:
-    """`picks` with every bucket moved to `alone` (a candidate that computes from its own copy
-    of the weight, so the original can be dropped) where it is within COPY_WORTH of the pick:
-    a layer whose buckets mix it with candidates that read the original keeps both copies, twice
-    the memory, which is only worth it where the original's candidates are clearly faster."""
-    if alone not in picks:
-        return tuple(picks)
+    """Every bucket on `alone` (a candidate that computes from its own copy of the weight, so
+    the original can be dropped) where `picks` use it somewhere and the others' picks are not
+    worth keeping the original for: on average over the buckets at most COPY_WORTH faster than
+    `alone`, and nowhere more than COPY_WORTH_ONE_BUCKET. Otherwise `picks` as they are (both
+    copies kept)."""
     times = timings.get(alone)
-    out = list(picks)
+    if alone not in picks or times is None:
+        return tuple(picks)
+    ratios = []
     for b, name in enumerate(picks):
-        t, best = (times[b] if times else None), timings[name][b]
-        if t is not None and best is not None and t <= best * (1 + COPY_WORTH):
-            out[b] = alone
-    return tuple(out) if all(p == alone for p in out) else tuple(picks)
+        t, best = times[b], timings[name][b]
+        if t is None or best is None:
+            return tuple(picks)
+        ratios.append(t / best if best > 0 else 1.0)
+    if sum(ratios) / len(ratios) > 1 + COPY_WORTH or max(ratios) > 1 + COPY_WORTH_ONE_BUCKET:
+        return tuple(picks)
+    return tuple(alone for _ in picks)
 
 
 def disturbed(spreads: Sequence[float], limit: float = 1.5) -> bool:
