@@ -15,9 +15,7 @@
 #include "common.h"
 
 #define KC 256
-#ifndef PF_CHUNKS
 #define PF_CHUNKS 2
-#endif
 #define MB 96 /* input rows per pass over the weights: their accumulators fit on the stack */
 
 void panel_pack_bf16(const uint16_t* w, uint16_t* p, int64_t N, int64_t K) {
@@ -38,11 +36,8 @@ void panel_pack_bf16(const uint16_t* w, uint16_t* p, int64_t N, int64_t K) {
     __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));                            \
     __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
 /* One line of the chunk ahead per two k (a k step reads 32 bytes). */
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
-#endif
 #define PREFETCH(k) \
-    if (pf && ((k) & 1) == 0) _mm_prefetch(pf + (k) * 32, PF_HINT);
+    if (pf && ((k) & 1) == 0) _mm_prefetch(pf + (k) * 32, _MM_HINT_T0);
 
 /* R rows (4 or 6) x 16 columns: acc[i * 16 + c] += x[i, k] * W[c, k] over the chunk. */
 #define TILE(R)                                                                             \
