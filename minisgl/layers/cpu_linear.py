@@ -164,7 +164,8 @@ def default_picks(avail: Sequence[str], weight_dtype: torch.dtype) -> tuple[str,
 def machine_key() -> MachineKey:
     model, flags = cpu_build.cpu_info()
     kernels = cpu_kernels.build_id() or "none"
-    return MachineKey.of(model, flags, torch.__version__, torch.get_num_threads(), kernels)
+    rules = kernel_choice.policy(CANDIDATES)
+    return MachineKey.of(model, flags, torch.__version__, torch.get_num_threads(), kernels, rules)
 
 
 def tuning_cache() -> kernel_choice.TuningCache:

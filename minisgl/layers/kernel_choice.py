@@ -94,6 +94,11 @@ COPY_WORTH = 0.10
 COPY_WORTH_ONE_BUCKET = 0.25
 
 
+def policy(candidates: Sequence[str]) -> str:
+    """The rules picks are made by, for the cache key: a change to them re-measures."""
+    return f"{','.join(candidates)};margin={MARGIN};copy={COPY_WORTH}/{COPY_WORTH_ONE_BUCKET}"
+
+
 def one_layout(
     picks: Sequence[str], timings: Mapping[str, Sequence[float | None]], alone: str
 ) -> tuple[str, ...]:
@@ -147,19 +152,27 @@ class ShapeKey:
 
 @dataclass(frozen=True)
 class MachineKey:
-    """What makes timings from one run valid for another."""
+    """What makes picks from one run valid for another: the machine and software the timings
+    came from, and the rules that turned timings into picks."""
 
     cpu_model: str
     cpu_flags: str  # sorted, space-separated
     torch_version: str
     threads: int
     kernels: str  # the C kernels' build ("avx512-<digest>") or "none"
+    policy: str = ""  # the candidates and margins (policy()): new rules re-measure
 
     @staticmethod
     def of(
-        cpu_model: str, flags: frozenset[str], torch_version: str, threads: int, kernels: str
+        cpu_model: str,
+        flags: frozenset[str],
+        torch_version: str,
+        threads: int,
+        kernels: str,
+        policy: str = "",
     ) -> MachineKey:
-        return MachineKey(cpu_model, " ".join(sorted(flags)), torch_version, threads, kernels)
+        flat = " ".join(sorted(flags))
+        return MachineKey(cpu_model, flat, torch_version, threads, kernels, policy)
 
     def as_dict(self) -> dict[str, str | int]:
         return {
@@ -168,6 +181,7 @@ class MachineKey:
             "torch_version": self.torch_version,
             "threads": self.threads,
             "kernels": self.kernels,
+            "policy": self.policy,
         }
 
     def digest(self) -> str:

@@ -20,6 +20,7 @@ def key(**over: object) -> kc.MachineKey:
         torch_version="2.13.0",
         threads=2,
         kernels="avx512-abc",
+        policy=kc.policy(["gemv", "gemm"]),
     )
     base.update(over)
     return kc.MachineKey.of(**base)
@@ -122,6 +123,7 @@ def test_cache_round_trip_and_merge(tmp_path: Path) -> None:
         {"torch_version": "2.14.0"},
         {"threads": 4},
         {"kernels": "avx512-def"},
+        {"policy": kc.policy(["gemv", "panel"])},  # new candidates or margins re-measure
     ],
 )
 def test_cache_is_keyed_by_machine_torch_threads_and_kernels(tmp_path: Path, change: dict) -> None:
