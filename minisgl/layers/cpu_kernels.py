@@ -14,7 +14,7 @@
   without an fp32 copy of the weights.
 - panel: the same product for any M from bf16 weights repacked once into 16-column panels
   (csrc/panel.c): one contiguous stream per thread and a 6x16 register tile with no per-call
-  conversion; a second copy of the weight, so it is kept only where it is measured fastest.
+  conversion. Where it is measured fastest for every row count the panels replace the weight.
 - decode attention: one query per request straight over the paged pool (slot indices, no
   gather copy), scores/softmax/weighted sum in fp32. torch's CPU SDPA spends ~0.5 ms per call
   on a single query, more than the layer's matmuls.

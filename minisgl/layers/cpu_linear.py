@@ -9,8 +9,8 @@ the candidates
 - "gemv512": our AVX-512 GEMV (native bf16 dot products where the CPU has them);
 - "gemm": our blocked GEMM (fp32 compute from bf16 or fp32 weights, no weight copy);
 - "torch": plain F.linear (MKL for fp32);
-- "panel": our matmul from bf16 weights repacked into 16-column panels (a second copy of the
-  weight, kept only where it wins some row count);
+- "panel": our matmul from bf16 weights repacked into 16-column panels (its own copy of the
+  weight: where it serves every row count the original is dropped, else both are kept);
 - "onednn": oneDNN with the weight reordered once into its blocked layout (a second copy of
   the weight, kept only where it wins some row count);
 are timed per distinct weight shape and dtype for each row-count bucket at start-up, and a
