@@ -107,8 +107,11 @@ _RUN: dict[str, Callable[..., torch.Tensor]] = {
     "gemm": lambda x, w, p, o: cpu_kernels.gemm(x, w, o),
     "torch": lambda x, w, p, o: _cast(F.linear(x.to(w.dtype), w), o),
     "panel": lambda x, w, p, o: cpu_kernels.panel(x, p, o),
-    "onednn": lambda x, w, p, o: _cast(_onednn_linear(x.to(w.dtype), p), o),
+    "onednn": lambda x, w, p, o: _cast(_onednn_linear(x.to(p.dtype), p), o),
 }
+# The candidates that read the weight as it is (the others run on their own copy alone): a
+# layer none of whose picks is one of them needs no row-major weight.
+_READ_WEIGHT = frozenset({"gemv", "gemv512", "gemm", "torch"})
 # The candidate whose copy alone computes the product: where it serves every row count, the
 # layer's original weight is dropped (prepack_modules) and the copy is the only one.
 SELF_CONTAINED = "panel"
@@ -184,7 +187,7 @@ class CpuLinearKernel:
         out_dtype: torch.dtype | None,
     ) -> None:
         self.picks = tuple(picks)
-        needed = any(name != SELF_CONTAINED for name in self.picks)
+        needed = any(name in _READ_WEIGHT for name in self.picks)
         self.weight: torch.Tensor | None = weight if needed else None
         self.packed, self.out_dtype = packed, out_dtype
         runs = {name: _bind(name, self.weight, packed.get(name), out_dtype) for name in set(picks)}
@@ -409,16 +412,16 @@ def prepack_modules(
             m.kernel = kernel
             if kernel is None:
                 continue
+            extra += sum(_nbytes(p) for p in kernel.packed.values())
             if kernel.weight is None and id(m.weight) not in shared:
+                extra -= _nbytes(m.weight)
                 m.weight = torch.nn.Parameter(m.weight.to("meta"), requires_grad=False)
-            else:
-                extra += sum(_nbytes(p) for p in kernel.packed.values())
         if kernels[0] is not None and shape is not None:
             chosen[shape] = kernels[0].picks
             sources.add(source)
     if chosen:
         how = "/".join(sorted(sources)) + f", {time.perf_counter() - t0:.1f} s"
-        copies = f"; weight copies beside the originals: {extra / 2**20:.0f} MiB" if extra else ""
+        copies = f"; second weight copies: {extra / 2**20:.0f} MiB" if extra > 2**20 else ""
         logger.info(kernel_choice.summary(chosen, how) + copies)
 
 

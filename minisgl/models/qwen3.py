@@ -369,8 +369,12 @@ class Qwen3ForCausalLM(nn.Module):
             for p in m.parameters(recurse=False)
         }
         cpu_linear.prepack_modules(mods, tuning, shared)
-        if tied and head.weight.device.type == "meta" and head.kernel is not None:
-            embed.use_panels(head.kernel.packed[cpu_linear.SELF_CONTAINED])
+        if tied and head.weight.device.type == "meta":
+            panels = head.kernel.packed.get(cpu_linear.SELF_CONTAINED) if head.kernel else None
+            if panels is not None:
+                embed.use_panels(panels)
+            else:  # e.g. all oneDNN: a layout no lookup reads, so the table stays, shared again
+                head.weight = embed.weight
         # A mixture's experts: every layer's experts share two shapes, measured once each.
         lines: list[str] = []
         for m in self.modules():

@@ -206,10 +206,11 @@ def test_a_weight_no_pick_reads_is_dropped_unless_shared(
 
     mixed = Layer(torch.randn(32, 64).bfloat16())
     monkeypatch.setattr(cpu_linear, "measure", Timings(["gemv"] + ["panel"] * 5))
+    big = Layer(torch.randn(4096, 256).bfloat16())  # 2 MiB: the log line says so
     with caplog.at_level(logging.INFO, logger="minisgl.layers.cpu_linear"):
-        cpu_linear.prepack_modules([mixed], "cached")
+        cpu_linear.prepack_modules([mixed, big], "cached")
     assert mixed.weight.device.type == "cpu" and mixed.kernel.weight is not None
-    assert "weight copies beside the originals: 0 MiB" in caplog.text  # 4 KiB rounds to 0
+    assert "second weight copies: 2 MiB" in caplog.text
 
 
 def test_all_plain_linear_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
