@@ -39,11 +39,17 @@ void panel_pack_bf16(const uint16_t* w, uint16_t* p, int64_t N, int64_t K) {
 #define PREFETCH(k) \
     if (pf && ((k) & 1) == 0) _mm_prefetch(pf + (k) * 32, _MM_HINT_T0);
 
-/* R rows (4 or 6) x 16 columns: acc[i * 16 + c] += x[i, k] * W[c, k] over the chunk. */
-#define TILE(R)                                                                             \
-static inline void tile##R(const float* x, int64_t ldx, int64_t kc, const uint16_t* pw,      \
-                           float* acc, const char* pf) {                                    \
+/* A chunk already converted to fp32 ([kc][16]): two loads, no conversion. */
+#define WEIGHTS_F32(k)                                                                    \
+    __m256 we = _mm256_loadu_ps(pw + (k) * 16), wo = _mm256_loadu_ps(pw + (k) * 16 + 8);
+
+/* R rows x 16 columns: acc[i * 16 + c] += x[i, k] * W[c, k] over the chunk, the weights of a
+   k step made by LOAD (WEIGHTS from bf16 panels, WEIGHTS_F32 from a converted chunk). */
+#define TILE(NAME, R, WT, LOAD)                                                             \
+static inline void NAME(const float* x, int64_t ldx, int64_t kc, const WT* pw, float* acc,   \
+                        const char* pf) {                                                   \
     const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);                                 \
+    (void)hi;                                                                               \
     __m256 e[R], o[R];                                                                      \
     for (int i = 0; i < R; i++) {                                                           \
         e[i] = _mm256_loadu_ps(acc + 16 * i);                                               \
@@ -51,7 +57,7 @@ static inline void tile##R(const float* x, int64_t ldx, int64_t kc, const uint16
     }                                                                                       \
     _Pragma("GCC unroll 4") for (int64_t k = 0; k < kc; k++) {                             \
         PREFETCH(k)                                                                         \
-        WEIGHTS(k)                                                                          \
+        LOAD(k)                                                                             \
         _Pragma("GCC unroll 6") for (int i = 0; i < R; i++) {                               \
             __m256 a = _mm256_broadcast_ss(x + i * ldx + k);                                \
             e[i] = _mm256_fmadd_ps(a, we, e[i]);                                            \
@@ -63,35 +69,12 @@ static inline void tile##R(const float* x, int64_t ldx, int64_t kc, const uint16
         _mm256_storeu_ps(acc + 16 * i + 8, o[i]);                                           \
     }                                                                                       \
 }
-TILE(6)
-TILE(4)
-
-/* The same tiles over a chunk already converted to fp32 ([kc][16]): two loads, no conversion. */
-#define TILE_F32(R)                                                                         \
-static inline void tile##R##_f32(const float* x, int64_t ldx, int64_t kc, const float* pw,   \
-                                 float* acc) {                                              \
-    __m256 e[R], o[R];                                                                      \
-    for (int i = 0; i < R; i++) {                                                           \
-        e[i] = _mm256_loadu_ps(acc + 16 * i);                                               \
-        o[i] = _mm256_loadu_ps(acc + 16 * i + 8);                                           \
-    }                                                                                       \
-    _Pragma("GCC unroll 4") for (int64_t k = 0; k < kc; k++) {                             \
-        __m256 we = _mm256_loadu_ps(pw + k * 16), wo = _mm256_loadu_ps(pw + k * 16 + 8);    \
-        _Pragma("GCC unroll 6") for (int i = 0; i < R; i++) {                               \
-            __m256 a = _mm256_broadcast_ss(x + i * ldx + k);                                \
-            e[i] = _mm256_fmadd_ps(a, we, e[i]);                                            \
-            o[i] = _mm256_fmadd_ps(a, wo, o[i]);                                            \
-        }                                                                                   \
-    }                                                                                       \
-    for (int i = 0; i < R; i++) {                                                           \
-        _mm256_storeu_ps(acc + 16 * i, e[i]);                                               \
-        _mm256_storeu_ps(acc + 16 * i + 8, o[i]);                                           \
-    }                                                                                       \
-}
-TILE_F32(6)
-TILE_F32(4)
-TILE_F32(2)
-TILE_F32(1)
+TILE(tile6, 6, uint16_t, WEIGHTS)
+TILE(tile4, 4, uint16_t, WEIGHTS)
+TILE(tile6_f32, 6, float, WEIGHTS_F32)
+TILE(tile4_f32, 4, float, WEIGHTS_F32)
+TILE(tile2_f32, 2, float, WEIGHTS_F32)
+TILE(tile1_f32, 1, float, WEIGHTS_F32)
 
 /* Chunk kc of a panel to fp32 [kc][16] (columns in order), prefetching `pf` as it goes. */
 static inline void convert_chunk(const uint16_t* pw, int64_t kc, float* out, const char* pf) {
@@ -177,10 +160,10 @@ static void panel_rows(const float* x, int64_t K, int64_t mb, const uint16_t* pq
                 int64_t left = mb - m;
                 const float* xm = x + m * K + k0;
                 float* am = acc + m * 16;
-                if (left >= 6) { tile6_f32(xm, K, kc, wf, am); m += 6; }
-                else if (left >= 4) { tile4_f32(xm, K, kc, wf, am); m += 4; }
-                else if (left >= 2) { tile2_f32(xm, K, kc, wf, am); m += 2; }
-                else { tile1_f32(xm, K, kc, wf, am); m += 1; }
+                if (left >= 6) { tile6_f32(xm, K, kc, wf, am, 0); m += 6; }
+                else if (left >= 4) { tile4_f32(xm, K, kc, wf, am, 0); m += 4; }
+                else if (left >= 2) { tile2_f32(xm, K, kc, wf, am, 0); m += 2; }
+                else { tile1_f32(xm, K, kc, wf, am, 0); m += 1; }
             }
             continue;
         }
