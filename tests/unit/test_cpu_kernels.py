@@ -95,7 +95,8 @@ def test_decode_attention_matches_sdpa(dtype: torch.dtype, hq: int, hkv: int, d:
     # Requests split into several key chunks (up to 128 each) and merged, or kept whole.
     lens = torch.tensor([1, 7, 30, 129, 600], dtype=torch.int64)
     table = torch.stack([torch.randperm(slots)[:600] for _ in range(5)])  # scattered slots
-    q = torch.randn(5, hq, d).to(dtype)
+    # q as the model passes it: the query heads of a [T, Hq + Hkv, D] tensor (not contiguous).
+    q = torch.randn(5, hq + hkv, d).to(dtype)[:, :hq]
     out = cpu_kernels.decode_attention(q, k_pool, v_pool, table, lens, d**-0.5)
     assert out.shape == (5, hq * d) and out.dtype == dtype
     # Alone, a request is split differently (chunks follow the batch's total): same answer.

@@ -19,8 +19,9 @@ static float softmax_partial(float* s, int64_t n, int64_t n4, float* mx_out) {
     return total;
 }
 
-/* Decode attention: q [B, Hq, D] fp32; k/v pool [S, Hkv, D]; slots [B, kmax]; lens [B];
-   out [B, Hq, D] fp32. Query head h reads KV head h / (Hq / Hkv); D % 8 == 0.
+/* Decode attention: q [B, Hq, D] (bf16 or fp32; tokens q_stride values apart, a token's
+   heads packed); k/v pool [S, Hkv, D]; slots [B, kmax]; lens [B]; out [B, Hq, D] (bf16 or
+   fp32, packed). Query head h reads KV head h / (Hq / Hkv); D % 8 == 0, D <= 1024.
    A slot's K (or V) for all heads is one contiguous row, and a page's slots are adjacent, so a
    task takes a request's keys in a chunk of up to 128 with all heads at once: memory is read
    front to back (reading one head's 256-byte piece of every row instead ran at half the
@@ -28,10 +29,31 @@ static float softmax_partial(float* s, int64_t n, int64_t n4, float* mx_out) {
    each chunk leaves its softmax max, sum and unnormalised output, merged per request at the end
    (the split-K "flash decoding" merge). Scores: four keys at a time, two query heads per pass
    (one combined horizontal sum). Values: four keys at a time into the chunk's [Hq, D]
-   accumulator, which stays in L1. Rows PF_KEYS keys ahead are prefetched by hand. */
+   accumulator, which stays in L1. Rows PF_KEYS keys ahead are prefetched by hand.
+   bf16 keys and values are read 16 at a time: one 32-byte load, a shift gives the 8 even values
+   and a mask the 8 odd ones as fp32 (no widening shuffle: half the conversion work of 8-value
+   loads). q and the accumulators are kept in that order (per 16 values: the even, then the
+   odd; `perm`), so the dot products and sums are the same; the merge writes out in order.
+   q is read and the output written in the model's dtype here, not converted around the call. */
 #define PF_KEYS 8
 static inline void prefetch_row(const void* row, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)row + o, _MM_HINT_T0);
+}
+static inline void load16_bf16(const uint16_t* p, __m256* even, __m256* odd) {
+    __m256i v = _mm256_loadu_si256((const __m256i*)p);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+static inline void load16_f32(const float* p, __m256* lo, __m256* hi) {
+    *lo = _mm256_loadu_ps(p);
+    *hi = _mm256_loadu_ps(p + 8);
+}
+/* Where value s of a head's stored order sits in the head: per 16 (all but a tail of 8), the
+   even then the odd where `perm` (bf16 keys), else in order. */
+static inline int64_t perm_index(int64_t s, int64_t D, int perm) {
+    int64_t base = s & ~(int64_t)15, r = s & 15;
+    if (!perm || base + 16 > D) return s;
+    return base + (r < 8 ? 2 * r : 2 * (r - 8) + 1);
 }
 
 /* In a chunk function: the pool rows of keys i..i+3 (past n: key i's, which the caller weighs
@@ -46,11 +68,13 @@ static inline void prefetch_row(const void* row, int64_t bytes) {
     for (int j = 0; j < 4; j++)                                                             \
         if (AHEAD[j]) prefetch_row(AHEAD[j] + (hk) * D, D * (int64_t)sizeof(*AHEAD[j]))
 
-#define ATTN(NAME, KT, LOAD)                                                                  \
+/* LOAD16: 16 keys' values as two fp32 vectors in the stored order; LOAD8: 8 in order (the
+   tail of a head); PERM: whether LOAD16 reorders. */
+#define ATTN(NAME, KT, LOAD16, LOAD8, PERM)                                                   \
 static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int64_t* sl,     \
                          int64_t n, int64_t Hq, int64_t Hkv, int64_t D, float scale,        \
                          float* sc, float* po) {                                            \
-    int64_t group = Hq / Hkv, row = Hkv * D, n4 = (n + 3) & ~(int64_t)3;                    \
+    int64_t group = Hq / Hkv, row = Hkv * D, n4 = (n + 3) & ~(int64_t)3, D16 = D & ~15;     \
     float* pm = po + Hq * D;                                                                \
     float* pl = pm + Hq;                                                                    \
     __m128 s4 = _mm_set1_ps(scale);                                                         \
@@ -63,20 +87,30 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
                 int64_t ha = hk * group + g0, hb = g0 + 1 < group ? ha + 1 : ha;            \
                 const float* qa = qb + ha * D;                                              \
                 const float* qw = qb + hb * D;                                              \
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                 \
-                __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;                                  \
-                for (int64_t d = 0; d < D; d += 8) {                                        \
+                __m256 a[4], b[4];                                                          \
+                for (int j = 0; j < 4; j++) a[j] = b[j] = _mm256_setzero_ps();              \
+                for (int64_t d = 0; d < D16; d += 16) {                                     \
                     int64_t o = hk * D + d;                                                 \
-                    __m256 x = _mm256_loadu_ps(qa + d), y = _mm256_loadu_ps(qw + d);        \
-                    __m256 k0 = LOAD(kr[0] + o), k1 = LOAD(kr[1] + o);                      \
-                    __m256 k2 = LOAD(kr[2] + o), k3 = LOAD(kr[3] + o);                      \
-                    a0 = _mm256_fmadd_ps(k0, x, a0); b0 = _mm256_fmadd_ps(k0, y, b0);       \
-                    a1 = _mm256_fmadd_ps(k1, x, a1); b1 = _mm256_fmadd_ps(k1, y, b1);       \
-                    a2 = _mm256_fmadd_ps(k2, x, a2); b2 = _mm256_fmadd_ps(k2, y, b2);       \
-                    a3 = _mm256_fmadd_ps(k3, x, a3); b3 = _mm256_fmadd_ps(k3, y, b3);       \
+                    __m256 xe = _mm256_loadu_ps(qa + d), xo = _mm256_loadu_ps(qa + d + 8);  \
+                    __m256 ye = _mm256_loadu_ps(qw + d), yo = _mm256_loadu_ps(qw + d + 8);  \
+                    for (int j = 0; j < 4; j++) {                                           \
+                        __m256 ke, ko;                                                      \
+                        LOAD16(kr[j] + o, &ke, &ko);                                        \
+                        a[j] = _mm256_fmadd_ps(ko, xo, _mm256_fmadd_ps(ke, xe, a[j]));      \
+                        b[j] = _mm256_fmadd_ps(ko, yo, _mm256_fmadd_ps(ke, ye, b[j]));      \
+                    }                                                                       \
                 }                                                                           \
-                _mm_storeu_ps(sc + hb * n4 + i, _mm_mul_ps(hsum4(b0, b1, b2, b3), s4));     \
-                _mm_storeu_ps(sc + ha * n4 + i, _mm_mul_ps(hsum4(a0, a1, a2, a3), s4));     \
+                if (D16 < D) {                                                              \
+                    int64_t o = hk * D + D16;                                               \
+                    __m256 x = _mm256_loadu_ps(qa + D16), y = _mm256_loadu_ps(qw + D16);    \
+                    for (int j = 0; j < 4; j++) {                                           \
+                        __m256 k8 = LOAD8(kr[j] + o);                                       \
+                        a[j] = _mm256_fmadd_ps(k8, x, a[j]);                                \
+                        b[j] = _mm256_fmadd_ps(k8, y, b[j]);                                \
+                    }                                                                       \
+                }                                                                           \
+                _mm_storeu_ps(sc + hb * n4 + i, _mm_mul_ps(hsum4(b[0], b[1], b[2], b[3]), s4)); \
+                _mm_storeu_ps(sc + ha * n4 + i, _mm_mul_ps(hsum4(a[0], a[1], a[2], a[3]), s4)); \
             }                                                                               \
         }                                                                                   \
     }                                                                                       \
@@ -92,51 +126,128 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
                 int two = g0 + 1 < group;                                                   \
                 const float* pa = sc + ha * n4 + i;                                         \
                 const float* pb = two ? pa + n4 : pa; /* padded keys weigh 0 */             \
-                __m256 wa0 = _mm256_set1_ps(pa[0]), wa1 = _mm256_set1_ps(pa[1]);            \
-                __m256 wa2 = _mm256_set1_ps(pa[2]), wa3 = _mm256_set1_ps(pa[3]);            \
-                __m256 wb0 = _mm256_set1_ps(pb[0]), wb1 = _mm256_set1_ps(pb[1]);            \
-                __m256 wb2 = _mm256_set1_ps(pb[2]), wb3 = _mm256_set1_ps(pb[3]);            \
+                __m256 wa[4], wb[4];                                                        \
+                for (int j = 0; j < 4; j++) {                                               \
+                    wa[j] = _mm256_set1_ps(pa[j]);                                          \
+                    wb[j] = _mm256_set1_ps(pb[j]);                                          \
+                }                                                                           \
                 float* oa = po + ha * D;                                                    \
                 float* ob = two ? oa + D : 0;                                               \
-                for (int64_t d = 0; d < D; d += 8) {                                        \
+                for (int64_t d = 0; d < D16; d += 16) {                                     \
                     int64_t o = hk * D + d;                                                 \
-                    __m256 v0 = LOAD(vr[0] + o), v1 = LOAD(vr[1] + o);                      \
-                    __m256 v2 = LOAD(vr[2] + o), v3 = LOAD(vr[3] + o);                      \
-                    __m256 x = _mm256_loadu_ps(oa + d);                                     \
-                    x = _mm256_fmadd_ps(wa0, v0, x); x = _mm256_fmadd_ps(wa1, v1, x);       \
-                    x = _mm256_fmadd_ps(wa2, v2, x); x = _mm256_fmadd_ps(wa3, v3, x);       \
-                    _mm256_storeu_ps(oa + d, x);                                            \
+                    __m256 ve[4], vo[4];                                                    \
+                    for (int j = 0; j < 4; j++) LOAD16(vr[j] + o, &ve[j], &vo[j]);          \
+                    __m256 xe = _mm256_loadu_ps(oa + d), xo = _mm256_loadu_ps(oa + d + 8);  \
+                    for (int j = 0; j < 4; j++) {                                           \
+                        xe = _mm256_fmadd_ps(wa[j], ve[j], xe);                             \
+                        xo = _mm256_fmadd_ps(wa[j], vo[j], xo);                             \
+                    }                                                                       \
+                    _mm256_storeu_ps(oa + d, xe);                                           \
+                    _mm256_storeu_ps(oa + d + 8, xo);                                       \
                     if (ob) {                                                               \
-                        __m256 y = _mm256_loadu_ps(ob + d);                                 \
-                        y = _mm256_fmadd_ps(wb0, v0, y); y = _mm256_fmadd_ps(wb1, v1, y);   \
-                        y = _mm256_fmadd_ps(wb2, v2, y); y = _mm256_fmadd_ps(wb3, v3, y);   \
-                        _mm256_storeu_ps(ob + d, y);                                        \
+                        __m256 ye = _mm256_loadu_ps(ob + d), yo = _mm256_loadu_ps(ob + d + 8); \
+                        for (int j = 0; j < 4; j++) {                                       \
+                            ye = _mm256_fmadd_ps(wb[j], ve[j], ye);                         \
+                            yo = _mm256_fmadd_ps(wb[j], vo[j], yo);                         \
+                        }                                                                   \
+                        _mm256_storeu_ps(ob + d, ye);                                       \
+                        _mm256_storeu_ps(ob + d + 8, yo);                                   \
+                    }                                                                       \
+                }                                                                           \
+                if (D16 < D) {                                                              \
+                    int64_t o = hk * D + D16;                                               \
+                    __m256 v8[4];                                                           \
+                    for (int j = 0; j < 4; j++) v8[j] = LOAD8(vr[j] + o);                   \
+                    __m256 x = _mm256_loadu_ps(oa + D16);                                   \
+                    for (int j = 0; j < 4; j++) x = _mm256_fmadd_ps(wa[j], v8[j], x);       \
+                    _mm256_storeu_ps(oa + D16, x);                                          \
+                    if (ob) {                                                               \
+                        __m256 y = _mm256_loadu_ps(ob + D16);                               \
+                        for (int j = 0; j < 4; j++) y = _mm256_fmadd_ps(wb[j], v8[j], y);   \
+                        _mm256_storeu_ps(ob + D16, y);                                      \
                     }                                                                       \
                 }                                                                           \
             }                                                                               \
         }                                                                                   \
     }                                                                                       \
 }                                                                                           \
-void NAME(const float* q, const KT* kp, const KT* vp, const int64_t* slots,                  \
-          const int64_t* lens, int64_t kmax, float* out, int64_t B, int64_t Hq,             \
-          int64_t Hkv, int64_t D, float scale) {                                            \
+void NAME(const void* q, int64_t q_stride, int q_bf16, const KT* kp, const KT* vp,          \
+          const int64_t* slots, const int64_t* lens, int64_t kmax, void* out, int out_bf16, \
+          int64_t B, int64_t Hq, int64_t Hkv, int64_t D, float scale) {                     \
     int64_t chunk, T, *first, *owner;                                                       \
     float* part = plan_chunks(lens, B, Hq, D, &chunk, &T, &first, &owner);                  \
+    float* qf = (float*)malloc(sizeof(float) * B * Hq * D);                                 \
     int64_t stride = Hq * (D + 2);                                                          \
     _Pragma("omp parallel")                                                                 \
     {                                                                                       \
+        gather_queries(q, q_stride, q_bf16, B, Hq, D, PERM, qf);                            \
         float* sc = (float*)malloc(sizeof(float) * Hq * chunk);                             \
         _Pragma("omp for schedule(dynamic)")                                                \
         for (int64_t t = 0; t < T; t++) {                                                   \
             int64_t b = owner[t], c0 = (t - first[b]) * chunk;                              \
             int64_t n = lens[b] - c0 < chunk ? lens[b] - c0 : chunk;                        \
-            NAME##_chunk(q + b * Hq * D, kp, vp, slots + b * kmax + c0, n, Hq, Hkv, D,      \
+            NAME##_chunk(qf + b * Hq * D, kp, vp, slots + b * kmax + c0, n, Hq, Hkv, D,     \
                          scale, sc, part + t * stride);                                     \
         }                                                                                   \
         free(sc);                                                                           \
-        merge_chunks(part, first, B, Hq, D, out);                                           \
+        merge_chunks(part, first, B, Hq, D, PERM, out, out_bf16);                           \
     }                                                                                       \
-    free(part); free(first); free(owner);                                                   \
+    free(part); free(first); free(owner); free(qf);                                         \
+}
+
+/* One head of q (D values) to fp32 in the stored order. */
+static inline void gather_head(const void* q, int64_t src, int q_bf16, int64_t D, int perm,
+                               float* dst) {
+    int64_t s = 0;
+    if (q_bf16 && perm)
+        for (; s + 16 <= D; s += 16) {
+            __m256 e, o;
+            load16_bf16((const uint16_t*)q + src + s, &e, &o);
+            _mm256_storeu_ps(dst + s, e);
+            _mm256_storeu_ps(dst + s + 8, o);
+        }
+    else if (!perm)
+        for (; s + 8 <= D; s += 8)
+            _mm256_storeu_ps(dst + s, q_bf16 ? load_bf16((const uint16_t*)q + src + s)
+                                             : _mm256_loadu_ps((const float*)q + src + s));
+    for (; s < D; s++) {
+        int64_t e = src + perm_index(s, D, perm);
+        dst[s] = q_bf16 ? bf16_to_f32(((const uint16_t*)q)[e]) : ((const float*)q)[e];
+    }
+}
+
+/* q [B, Hq, D] (tokens q_stride apart) to fp32 in the kernel's stored order (inside a parallel
+   region: the requests are shared among its threads). */
+static void gather_queries(const void* q, int64_t q_stride, int q_bf16, int64_t B, int64_t Hq,
+                           int64_t D, int perm, float* qf) {
+    #pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < Hq; h++)
+            gather_head(q, b * q_stride + h * D, q_bf16, D, perm, qf + (b * Hq + h) * D);
+}
+
+/* o (D values in the stored order) times `scale`, written in order at out + base. bf16 from
+   the even/odd order: each pair's two rounded values are one 32-bit word (odd high, even low). */
+static inline void write_head(const float* o, float scale, int64_t D, int perm, void* out,
+                              int64_t base, int out_bf16) {
+    __m256 sc = _mm256_set1_ps(scale);
+    const __m256i round = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+    const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
+    int64_t s = 0;
+    if (out_bf16 && perm)
+        for (; s + 16 <= D; s += 16) {
+            __m256i e = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(o + s), sc));
+            __m256i d = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(o + s + 8), sc));
+            /* round to nearest even: + 0x7FFF + the kept part's lowest bit */
+            e = _mm256_add_epi32(e, _mm256_add_epi32(round, _mm256_and_si256(_mm256_srli_epi32(e, 16), one)));
+            d = _mm256_add_epi32(d, _mm256_add_epi32(round, _mm256_and_si256(_mm256_srli_epi32(d, 16), one)));
+            __m256i pair = _mm256_or_si256(_mm256_and_si256(d, hi), _mm256_srli_epi32(e, 16));
+            _mm256_storeu_si256((__m256i*)((uint16_t*)out + base + s), pair);
+        }
+    else if (!out_bf16 && !perm)
+        for (; s + 8 <= D; s += 8)
+            _mm256_storeu_ps((float*)out + base + s, _mm256_mul_ps(_mm256_loadu_ps(o + s), sc));
+    for (; s < D; s++) store(out, base + perm_index(s, D, perm), o[s] * scale, out_bf16);
 }
 
 /* Chunk length (a multiple of 4, 16..128: enough tasks for every thread, few merges), the
@@ -161,32 +272,40 @@ static float* plan_chunks(const int64_t* lens, int64_t B, int64_t Hq, int64_t D,
     return (float*)malloc(sizeof(float) * *T * Hq * (D + 2));
 }
 
-/* Per request and head: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c (inside a parallel
-   region: the requests are shared among its threads). */
+/* Per request and head: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, back in the
+   head's order (inside a parallel region: the requests are shared among its threads). */
 static void merge_chunks(const float* part, const int64_t* first, int64_t B, int64_t Hq,
-                         int64_t D, float* out) {
+                         int64_t D, int perm, void* out, int out_bf16) {
     int64_t stride = Hq * (D + 2);
+    float o[1024]; /* D <= 1024: checked by the caller */
     #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < Hq; h++) {
+            int64_t t0 = first[b], t1 = first[b + 1], base = (b * Hq + h) * D;
+            if (t1 - t0 == 1) { /* one chunk: its output over its sum */
+                const float* p = part + t0 * stride;
+                write_head(p + h * D, 1.f / p[Hq * D + Hq + h], D, perm, out, base, out_bf16);
+                continue;
+            }
             float mx = -INFINITY, total = 0.f;
-            for (int64_t t = first[b]; t < first[b + 1]; t++) {
+            for (int64_t t = t0; t < t1; t++) {
                 float m = part[t * stride + Hq * D + h];
                 mx = m > mx ? m : mx;
             }
-            float* o = out + (b * Hq + h) * D;
-            for (int64_t d = 0; d < D; d++) o[d] = 0.f;
-            for (int64_t t = first[b]; t < first[b + 1]; t++) {
+            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
+            for (int64_t t = t0; t < t1; t++) {
                 const float* p = part + t * stride;
                 float w = expf(p[Hq * D + h] - mx);
                 total += w * p[Hq * D + Hq + h];
-                for (int64_t d = 0; d < D; d++) o[d] += w * p[h * D + d];
+                __m256 w8 = _mm256_set1_ps(w);
+                for (int64_t d = 0; d < D; d += 8)
+                    _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w8, _mm256_loadu_ps(p + h * D + d),
+                                                            _mm256_loadu_ps(o + d)));
             }
-            float inv = 1.f / total;
-            for (int64_t d = 0; d < D; d++) o[d] *= inv;
+            write_head(o, 1.f / total, D, perm, out, base, out_bf16);
         }
     }
 }
 
-ATTN(decode_attn_bf16, uint16_t, load_bf16)
-ATTN(decode_attn_f32, float, load_f32)
+ATTN(decode_attn_bf16, uint16_t, load16_bf16, load_bf16, 1)
+ATTN(decode_attn_f32, float, load16_f32, load_f32, 0)
