@@ -8,6 +8,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* Elementwise kernels split their rows over the threads from this many values (measured on a
+   2-core Zen 3 at B=8, Qwen3-0.6B: q/k norm + rotary 38 -> 25 us, SiLU 33 -> 21 us; at 1 token,
+   1-3K values, the fork would cost about what it saves). */
+#ifndef PARALLEL_MIN
+#define PARALLEL_MIN 4096
+#endif
+
 static inline __m256 load_bf16(const uint16_t* p) {
     __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));

@@ -28,7 +28,7 @@ void NAME(const T* x, int64_t x_group, int64_t x_stride, const T* res_in, T* res
           int64_t w_rows, T* out, int64_t M, int64_t D, float eps, const T* cos,            \
           const T* sin) {                                                                   \
     int64_t D8 = D / 8 * 8;                                                                 \
-    _Pragma("omp parallel for schedule(static) if (M * D > 65536)")                         \
+    _Pragma("omp parallel for schedule(static) if (M * D >= PARALLEL_MIN)")                         \
     for (int64_t i = 0; i < M; i++) {                                                       \
         const T* xr = x + (i / x_group) * x_stride + (i % x_group) * D;                     \
         const T* wr = w + (i % w_rows) * D;                                                 \
@@ -93,7 +93,7 @@ static inline __m256 silu8(__m256 a) {
     return _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.f), e));
 }
 void silu_mul_f32(const float* x, float* out, int64_t M, int64_t I) {
-    #pragma omp parallel for schedule(static) if (M * I > 65536)
+    #pragma omp parallel for schedule(static) if (M * I >= PARALLEL_MIN)
     for (int64_t t = 0; t < M; t++) {
         const float* g = x + t * 2 * I;
         const float* u = g + I;
@@ -107,7 +107,7 @@ void silu_mul_f32(const float* x, float* out, int64_t M, int64_t I) {
 }
 
 void silu_mul_bf16(const uint16_t* x, uint16_t* out, int64_t M, int64_t I) {
-    #pragma omp parallel for schedule(static) if (M * I > 65536)
+    #pragma omp parallel for schedule(static) if (M * I >= PARALLEL_MIN)
     for (int64_t t = 0; t < M; t++) {
         const uint16_t* g = x + t * 2 * I;
         const uint16_t* u = g + I;
