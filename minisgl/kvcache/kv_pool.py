@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from minisgl import hugepages
+
 
 class KVPool:
     def __init__(
@@ -30,9 +32,10 @@ class KVPool:
         self.device = torch.device(device)
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         # Zeroed, not empty: a padded gather may read a never-written slot (it is masked out,
-        # but NaN garbage times a zero weight would still poison the sum).
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # but NaN garbage times a zero weight would still poison the sum). On the CPU on huge
+        # pages: decode attention streams every layer's buffers each step.
+        self.k_buffers = [hugepages.zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v_buffers = [hugepages.zeros(shape, dtype, device) for _ in range(num_layers)]
 
     @property
     def num_slots(self) -> int:

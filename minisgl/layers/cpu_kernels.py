@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from minisgl import hugepages
 from minisgl.layers import cpu_build
 
 logger = logging.getLogger(__name__)
@@ -231,7 +232,8 @@ def panel_pack(weight: torch.Tensor) -> PanelWeight:
     lib = load()
     assert lib is not None and supports_panel(weight)
     n, k = weight.shape
-    data = torch.empty(-(-n // 16), k, 16, dtype=torch.bfloat16)
+    # On huge pages: a decode step streams every panel once (hugepages.py).
+    data = hugepages.empty(-(-n // 16), k, 16, dtype=torch.bfloat16)
     lib.panel_pack(weight.data_ptr(), data.data_ptr(), n, k)
     return PanelWeight(data, n)
 

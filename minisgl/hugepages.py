@@ -1,0 +1,41 @@
+"""Transparent huge pages for the large CPU buffers that every decode step streams.
+
+A decode step reads every weight once; on 4 KB pages that is a TLB miss per 4 KB and the
+hardware prefetchers stop at each page end. Linux backs a mapping with 2 MB pages where it was
+asked to (`madvise(MADV_HUGEPAGE)`, honoured where transparent huge pages are "madvise" or
+"always") before its first touch. Measured on a 2-core AMD EPYC (Zen 3, avx2), Qwen3-0.6B bf16
+panel weights: decode step ~3-4% faster at B=1 and B=8. Elsewhere (no THP, not Linux) these are
+plain tensors: the advice is only advice.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+_HUGE = 2 << 20
+_ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)
+
+
+def empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty on the CPU, on huge pages where the system gives them: from 2 MB up, a fresh
+    anonymous mapping of its own (memory the allocator hands back was often touched before,
+    already on small pages, where the advice comes too late)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    size = numel * torch.empty((), dtype=dtype).element_size()
+    if size < _HUGE or _ADVICE is None:
+        return torch.empty(*shape, dtype=dtype)
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(_ADVICE)
+    # The tensor keeps the mapping alive (frombuffer holds a reference); unmapped with it.
+    return torch.frombuffer(region, dtype=dtype, count=numel).view(*shape)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.zeros, on huge pages where it lands in CPU memory."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return empty(*shape, dtype=dtype).zero_()

@@ -1,0 +1,59 @@
+"""Huge pages under the big CPU buffers (panel weights, KV cache): asked for, and harmless."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from minisgl import hugepages
+from minisgl.kvcache.kv_pool import KVPool
+from minisgl.layers import cpu_kernels
+
+
+def _thp_mode() -> str:
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    text = path.read_text() if path.exists() else ""
+    return text.split("[")[1].split("]")[0] if "[" in text else "none"
+
+
+def _huge_kb_under(addr: int) -> int:
+    """AnonHugePages of the mapping holding `addr`, from /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_buffers_behave_like_torch_ones() -> None:
+    z = hugepages.zeros((3, 5, 7), torch.bfloat16, "cpu")
+    assert z.shape == (3, 5, 7) and z.dtype == torch.bfloat16 and not z.any()
+    e = hugepages.empty(4, 6, dtype=torch.float32)
+    assert e.shape == (4, 6) and e.dtype == torch.float32
+    assert hugepages.empty(0, dtype=torch.float32).numel() == 0
+
+
+def test_large_buffers_get_huge_pages_where_the_system_offers_them() -> None:
+    t = hugepages.empty(64 << 20, dtype=torch.uint8)
+    t.fill_(1)  # the first touch: where the kernel places the pages
+    if _thp_mode() in ("always", "madvise"):
+        assert _huge_kb_under(t.data_ptr() + (32 << 20)) >= 2048
+    assert int(t[::4096].sum()) == t[::4096].numel()
+
+
+def test_kv_pool_and_panel_weights_use_them() -> None:
+    pool = KVPool(2, 256, 16, 8, 128, torch.bfloat16, "cpu")  # 8 MiB per buffer
+    assert not pool.k_buffers[0].any()
+    if not cpu_kernels.load():
+        return
+    w = torch.randn(4096, 1024, dtype=torch.bfloat16)
+    packed = cpu_kernels.panel_pack(w)
+    if _thp_mode() in ("always", "madvise"):
+        for t in (pool.k_buffers[1], packed.data):
+            middle = t.data_ptr() + t.numel() * t.element_size() // 2
+            assert _huge_kb_under(middle) >= 2048
