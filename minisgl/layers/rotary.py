@@ -99,7 +99,7 @@ class RotaryEmbedding:
             head_dim, theta, scaling, max_position_embeddings
         )
         self.max_positions = max_position_embeddings
-        self._table: torch.Tensor | None = None  # [max_positions, 2, head_dim]
+        self._table: torch.Tensor | None = None  # [2, max_positions, head_dim]: cos, signed sin
 
     def _build(self, device: torch.device, need: int) -> torch.Tensor:
         n = max(self.max_positions, need)
@@ -109,7 +109,7 @@ class RotaryEmbedding:
         cos, sin = emb.cos() * self.attn_factor, emb.sin() * self.attn_factor
         half = self.head_dim // 2
         # The rotate-half sign lives in the sin table: [-sin, sin] (see apply_rotary).
-        table = torch.stack((cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)), dim=1)
+        table = torch.stack((cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)))
         self._table = table
         return table
 
@@ -119,8 +119,10 @@ class RotaryEmbedding:
         table = self._table
         if table is None or table.device != positions.device:
             table = self._build(positions.device, int(positions.max().item()) + 1)
-        cs = table[positions].to(dtype)
-        return cs[:, 0:1], cs[:, 1:2]
+        # One gather; each half is contiguous [T, 1, D] (a [T, 2, D] gather's halves are not,
+        # and every layer's fused norm + rotary would copy them).
+        cs = table[:, positions].to(dtype)
+        return cs[0].unsqueeze(1), cs[1].unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

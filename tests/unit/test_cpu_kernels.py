@@ -142,6 +142,8 @@ def test_head_norm_with_rotary_matches_two_steps(dtype: torch.dtype) -> None:
     x = qkv[:, : h * d].view(t, h, d)  # strided rows, as in the model
     w = torch.randn(h, d).to(dtype)
     cos, sin = RotaryEmbedding(d, 10000.0, None, 128).cos_sin(torch.arange(3, 3 + t), dtype)
+    # Shared by every layer of a step: contiguous, so the kernel reads them without a copy.
+    assert cos.is_contiguous() and sin.is_contiguous()
     got = head_rms_norm_rotary(x, w, 1e-6, cos, sin)
     want = apply_rotary(head_rms_norm(x, w, 1e-6), cos, sin)
     assert got.dtype == dtype
