@@ -374,8 +374,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query per request: q [B, Hq, D] (bf16 or fp32, any token stride) over the pool rows
     `slots` [B, kmax] (int64, the first lens[b] valid) of k/v_pool [S, Hkv, D] -> [B, Hq * D]
-    in q's dtype. The kernel reads q where it lies and writes the output in its dtype (no
-    conversions around the call: 85 of these a step at B=8 cost ~3 ms)."""
+    in q's dtype. The kernel reads q where it lies (a view of the q/k tensor) and writes the
+    output in that dtype: no torch copies or conversions around the call."""
     lib = load()
     assert lib is not None
     b, hq, d = q.shape

@@ -227,21 +227,17 @@ static void gather_queries(const void* q, int64_t q_stride, int q_bf16, int64_t 
 }
 
 /* o (D values in the stored order) times `scale`, written in order at out + base. bf16 from
-   the even/odd order: each pair's two rounded values are one 32-bit word (odd high, even low). */
+   the even/odd order: a pair's two rounded values make one 32-bit word (odd high, even low). */
 static inline void write_head(const float* o, float scale, int64_t D, int perm, void* out,
                               int64_t base, int out_bf16) {
     __m256 sc = _mm256_set1_ps(scale);
-    const __m256i round = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
-    const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
     int64_t s = 0;
     if (out_bf16 && perm)
         for (; s + 16 <= D; s += 16) {
-            __m256i e = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(o + s), sc));
-            __m256i d = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(o + s + 8), sc));
-            /* round to nearest even: + 0x7FFF + the kept part's lowest bit */
-            e = _mm256_add_epi32(e, _mm256_add_epi32(round, _mm256_and_si256(_mm256_srli_epi32(e, 16), one)));
-            d = _mm256_add_epi32(d, _mm256_add_epi32(round, _mm256_and_si256(_mm256_srli_epi32(d, 16), one)));
-            __m256i pair = _mm256_or_si256(_mm256_and_si256(d, hi), _mm256_srli_epi32(e, 16));
+            __m256 e = round8_bf16(_mm256_mul_ps(_mm256_loadu_ps(o + s), sc));
+            __m256 d = round8_bf16(_mm256_mul_ps(_mm256_loadu_ps(o + s + 8), sc));
+            __m256i pair = _mm256_or_si256(_mm256_castps_si256(d),
+                                           _mm256_srli_epi32(_mm256_castps_si256(e), 16));
             _mm256_storeu_si256((__m256i*)((uint16_t*)out + base + s), pair);
         }
     else if (!out_bf16 && !perm)

@@ -20,6 +20,12 @@ static inline __m256 load_bf16(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 static inline __m256 load_f32(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 round8_bf16(__m256 v) { /* to the nearest bf16, ties to even */
+    __m256i b = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    b = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+    return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -1,12 +1,6 @@
 /* Fused elementwise kernels: residual add + RMSNorm (+ rotary), SiLU x up. */
 #include "common.h"
 
-static inline __m256 round8_bf16(__m256 v) { /* to the nearest bf16, ties to even */
-    __m256i b = _mm256_castps_si256(v);
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    b = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
-    return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xFFFF0000u)));
-}
 static inline void store8_bf16(uint16_t* p, __m256 rounded) {
     __m256i b = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
     __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
@@ -28,7 +22,7 @@ void NAME(const T* x, int64_t x_group, int64_t x_stride, const T* res_in, T* res
           int64_t w_rows, T* out, int64_t M, int64_t D, float eps, const T* cos,            \
           const T* sin) {                                                                   \
     int64_t D8 = D / 8 * 8;                                                                 \
-    _Pragma("omp parallel for schedule(static) if (M * D >= PARALLEL_MIN)")                         \
+    _Pragma("omp parallel for schedule(static) if (M * D >= PARALLEL_MIN)")                 \
     for (int64_t i = 0; i < M; i++) {                                                       \
         const T* xr = x + (i / x_group) * x_stride + (i % x_group) * D;                     \
         const T* wr = w + (i % w_rows) * D;                                                 \
