@@ -10,6 +10,7 @@ plain tensors: the advice is only advice.
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -22,10 +23,8 @@ def empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     """torch.empty on the CPU, on huge pages where the system gives them: from 2 MB up, a fresh
     anonymous mapping of its own (memory the allocator hands back was often touched before,
     already on small pages, where the advice comes too late)."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    size = numel * torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(shape)
+    size = numel * dtype.itemsize
     if size < _HUGE or _ADVICE is None:
         return torch.empty(*shape, dtype=dtype)
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

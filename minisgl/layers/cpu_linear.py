@@ -109,13 +109,11 @@ _RUN: dict[str, Callable[..., torch.Tensor]] = {
     "panel": lambda x, w, p, o: cpu_kernels.panel(x, p, o),
     "onednn": lambda x, w, p, o: _cast(_onednn_linear(x.to(p.dtype), p), o),
 }
-# The candidates that read the weight as it is (the others run on their own copy alone): a
-# layer none of whose picks is one of them needs no row-major weight.
-_READ_WEIGHT = frozenset({"gemv", "gemv512", "gemm", "torch"})
-# The candidate whose copy alone computes the product: where it serves every row count, the
-# layer's original weight is dropped (prepack_modules) and the copy is the only one.
+# The layout a layer may keep alone (kernel_choice.one_layout), and that a tied embedding can
+# read its rows from: where it serves every row count, the original weight is dropped.
 SELF_CONTAINED = "panel"
-# The candidates that run on a second copy of the weight in their own layout, and how it is made.
+# The candidates that run on their own copy of the weight alone, and how it is made (the others
+# read the weight as it is: a layer none of whose picks does needs no row-major weight).
 _COPY: dict[str, Callable[[torch.Tensor], Any]] = {
     "panel": lambda w: cpu_kernels.panel_pack(w),
     "onednn": lambda w: _onednn_pack(w),
@@ -187,7 +185,7 @@ class CpuLinearKernel:
         out_dtype: torch.dtype | None,
     ) -> None:
         self.picks = tuple(picks)
-        needed = any(name in _READ_WEIGHT for name in self.picks)
+        needed = any(name not in _COPY for name in self.picks)
         self.weight: torch.Tensor | None = weight if needed else None
         self.packed, self.out_dtype = packed, out_dtype
         runs = {name: _bind(name, self.weight, packed.get(name), out_dtype) for name in set(picks)}

@@ -56,6 +56,24 @@ static inline int64_t perm_index(int64_t s, int64_t D, int perm) {
     return base + (r < 8 ? 2 * r : 2 * (r - 8) + 1);
 }
 
+/* A head's accumulator (16 values in the stored order, or the 8 of a tail) plus four keys'
+   values weighed by their probabilities w. */
+static inline void add_values16(float* acc, const __m256 w[4], const __m256 ve[4],
+                                const __m256 vo[4]) {
+    __m256 xe = _mm256_loadu_ps(acc), xo = _mm256_loadu_ps(acc + 8);
+    for (int j = 0; j < 4; j++) {
+        xe = _mm256_fmadd_ps(w[j], ve[j], xe);
+        xo = _mm256_fmadd_ps(w[j], vo[j], xo);
+    }
+    _mm256_storeu_ps(acc, xe);
+    _mm256_storeu_ps(acc + 8, xo);
+}
+static inline void add_values8(float* acc, const __m256 w[4], const __m256 v[4]) {
+    __m256 x = _mm256_loadu_ps(acc);
+    for (int j = 0; j < 4; j++) x = _mm256_fmadd_ps(w[j], v[j], x);
+    _mm256_storeu_ps(acc, x);
+}
+
 /* In a chunk function: the pool rows of keys i..i+3 (past n: key i's, which the caller weighs
    0) and of the keys PF_KEYS later (0 past n); then head hk's piece of the latter prefetched,
    one head at a time (a burst of whole rows would stall on full miss queues). */
@@ -134,38 +152,16 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
                 float* oa = po + ha * D;                                                    \
                 float* ob = two ? oa + D : 0;                                               \
                 for (int64_t d = 0; d < D16; d += 16) {                                     \
-                    int64_t o = hk * D + d;                                                 \
                     __m256 ve[4], vo[4];                                                    \
-                    for (int j = 0; j < 4; j++) LOAD16(vr[j] + o, &ve[j], &vo[j]);          \
-                    __m256 xe = _mm256_loadu_ps(oa + d), xo = _mm256_loadu_ps(oa + d + 8);  \
-                    for (int j = 0; j < 4; j++) {                                           \
-                        xe = _mm256_fmadd_ps(wa[j], ve[j], xe);                             \
-                        xo = _mm256_fmadd_ps(wa[j], vo[j], xo);                             \
-                    }                                                                       \
-                    _mm256_storeu_ps(oa + d, xe);                                           \
-                    _mm256_storeu_ps(oa + d + 8, xo);                                       \
-                    if (ob) {                                                               \
-                        __m256 ye = _mm256_loadu_ps(ob + d), yo = _mm256_loadu_ps(ob + d + 8); \
-                        for (int j = 0; j < 4; j++) {                                       \
-                            ye = _mm256_fmadd_ps(wb[j], ve[j], ye);                         \
-                            yo = _mm256_fmadd_ps(wb[j], vo[j], yo);                         \
-                        }                                                                   \
-                        _mm256_storeu_ps(ob + d, ye);                                       \
-                        _mm256_storeu_ps(ob + d + 8, yo);                                   \
-                    }                                                                       \
+                    for (int j = 0; j < 4; j++) LOAD16(vr[j] + hk * D + d, &ve[j], &vo[j]); \
+                    add_values16(oa + d, wa, ve, vo);                                       \
+                    if (ob) add_values16(ob + d, wb, ve, vo);                               \
                 }                                                                           \
                 if (D16 < D) {                                                              \
-                    int64_t o = hk * D + D16;                                               \
                     __m256 v8[4];                                                           \
-                    for (int j = 0; j < 4; j++) v8[j] = LOAD8(vr[j] + o);                   \
-                    __m256 x = _mm256_loadu_ps(oa + D16);                                   \
-                    for (int j = 0; j < 4; j++) x = _mm256_fmadd_ps(wa[j], v8[j], x);       \
-                    _mm256_storeu_ps(oa + D16, x);                                          \
-                    if (ob) {                                                               \
-                        __m256 y = _mm256_loadu_ps(ob + D16);                               \
-                        for (int j = 0; j < 4; j++) y = _mm256_fmadd_ps(wb[j], v8[j], y);   \
-                        _mm256_storeu_ps(ob + D16, y);                                      \
-                    }                                                                       \
+                    for (int j = 0; j < 4; j++) v8[j] = LOAD8(vr[j] + hk * D + D16);        \
+                    add_values8(oa + D16, wa, v8);                                          \
+                    if (ob) add_values8(ob + D16, wb, v8);                                  \
                 }                                                                           \
             }                                                                               \
         }                                                                                   \
