@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from bench_models import MODEL_SHAPES, decode_bytes_per_token
 from bench_models import fixture as shape_fixture
-from roofline import linear_weights
+from roofline import Machine, linear_weights
 from roofline import measure as measure_machine
 
 from minisgl.config import EngineArgs
@@ -199,7 +199,32 @@ def main(argv: list[str] | None = None) -> int:
             f"{tokens / best:8.1f} tok/s (best)  roofline {floor * 1e3:7.1f} ms ({bound}): "
             f"{floor / best:4.0%}"
         )
+    print(batch_ratios(cases, times, machine, args.dtype))
     return 0
+
+
+def batch_ratios(
+    cases: dict[str, tuple[ForwardInput, int, float, float]],
+    times: dict[str, list[float]],
+    machine: Machine,
+    dtype: str,
+) -> str:
+    """Each decode batch's best step over the smallest batch's, next to the same ratio of their
+    roofline floors: how much of a larger batch's cost this machine's bandwidth and FMA rate
+    make unavoidable."""
+    decodes = [name for name in cases if name.startswith("decode ")]
+    if len(decodes) < 2:
+        return ""
+    first = decodes[0]
+    base_floor = machine.floor_s(cases[first][2], cases[first][3], dtype)[0]
+    lines = []
+    for name in decodes[1:]:
+        floor = machine.floor_s(cases[name][2], cases[name][3], dtype)[0]
+        lines.append(
+            f"{name} / {first}: {min(times[name]) / min(times[first]):.2f}x "
+            f"(their roofline floors: {floor / base_floor:.2f}x)"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@ A figure in tokens/s means little without the machine it came from (CPUs seen so
 AVX2-only at ~28 GB/s to AVX-512 + AMX at ~2 TFLOP/s bf16), so the benchmarks print the CPU, its
 relevant flags, these two measurements, and each result as a fraction of what they allow:
 - memory bound: bytes a step must read (weights once, plus the KV cache) / read bandwidth;
-- compute bound: FLOPs of the step / the best matmul rate any of our candidates reaches here.
+- compute bound: FLOPs of the step / the higher of the best matmul rate any of our candidates
+  reaches here and the rate the FMA units issue fp32 multiply-adds (a ceiling no fp32 kernel
+  passes: where a batch of B rows needs more than that, a B-row step cannot cost what a 1-row
+  step does, however good the kernel).
 """
 
 from __future__ import annotations
@@ -29,21 +32,29 @@ class Machine:
     read_bytes_per_s: float
     matmul_flops: dict[str, float]  # dtype -> FLOP/s (best candidate, prefill-sized)
     matmul_by: dict[str, str]  # dtype -> which candidate reached it
+    fma_flops: float | None = None  # fp32 FMA issue rate at the kernels' vector width
 
     def describe(self) -> str:
         peaks = ", ".join(
             f"{d} matmul {f / 1e9:.0f} GFLOP/s ({self.matmul_by[d]})"
             for d, f in self.matmul_flops.items()
         )
+        if self.fma_flops:
+            peaks += f", fp32 FMA issue {self.fma_flops / 1e9:.0f} GFLOP/s"
         return (
             f"CPU: {self.cpu} [{self.flags}], {self.threads} threads; measured: read "
             f"{self.read_bytes_per_s / 1e9:.1f} GB/s, {peaks}"
         )
 
+    def compute_flops(self, dtype: str) -> float:
+        """The compute ceiling: the best matmul measured, or the FMA units' issue rate where
+        that is higher (a kernel that multiplies in fp32 can reach it; none can pass it)."""
+        return max(self.matmul_flops[dtype], self.fma_flops or 0.0)
+
     def floor_s(self, read_bytes: float, flops: float, dtype: str) -> tuple[float, str]:
         """The least time a step of this many bytes and FLOPs can take, and what bounds it."""
         mem = read_bytes / self.read_bytes_per_s
-        comp = flops / self.matmul_flops[dtype]
+        comp = flops / self.compute_flops(dtype)
         return (mem, "memory") if mem >= comp else (comp, "compute")
 
 
@@ -94,7 +105,10 @@ def measure(
     peaks, by = {}, {}
     for d in dtypes:
         peaks[d], by[d] = _matmul_peak(getattr(torch, d), clock)
-    return Machine(model, noted, torch.get_num_threads(), _read_bandwidth(clock), peaks, by)
+    bandwidth = _read_bandwidth(clock)
+    return Machine(
+        model, noted, torch.get_num_threads(), bandwidth, peaks, by, cpu_kernels.fma_flops()
+    )
 
 
 def linear_weights(model: torch.nn.Module) -> tuple[int, int]:

@@ -101,6 +101,9 @@ class _Lib:
         lib.stream_read.argtypes = [ptr, i64]
         lib.stream_read.restype = ctypes.c_float
         self.stream_read = lib.stream_read
+        lib.fma_peak.argtypes = [i64, ptr]
+        lib.fma_peak.restype = i64
+        self.fma_peak = lib.fma_peak
         # The AVX-512 GEMV exists in that build only.
         self.gemv512_bf16: Any = getattr(lib, "gemv512_bf16", None)
         self.gemv512_f32: Any = getattr(lib, "gemv512_f32", None)
@@ -341,6 +344,22 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float | None:
         lib.stream_read(buf.data_ptr(), buf.numel())
         best = min(best, time.perf_counter() - t0)
     return buf.numel() * 4 / best
+
+
+def fma_flops(iters: int = 2_000_000, repeats: int = 3) -> float | None:
+    """fp32 FLOP/s this machine's threads issue as fused multiply-adds at the kernels' vector
+    width (best of `repeats`): the compute ceiling of every matmul and attention kernel here
+    that multiplies in fp32. None without kernels."""
+    lib = load()
+    if lib is None:
+        return None
+    sink = ctypes.c_float()
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        flops = lib.fma_peak(iters, ctypes.byref(sink))
+        best = max(best, flops / (time.perf_counter() - t0))
+    return best
 
 
 def gemm(

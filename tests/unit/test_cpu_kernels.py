@@ -3,6 +3,8 @@ to them (every matmul candidate, tails included) and paged decode attention with
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,6 +85,20 @@ def test_avx512_gemv_matches_reference(wdtype: torch.dtype, rows: int) -> None:
 def test_read_bandwidth_is_measured() -> None:
     bw = cpu_kernels.read_bandwidth(64 << 20, repeats=1)
     assert bw is not None and bw > 1e8
+
+
+def test_fma_issue_rate_is_measured() -> None:
+    """The compute ceiling the benchmarks print: FLOPs counted per thread and vector lane, so
+    more threads never read as less."""
+    one = cpu_kernels.fma_flops(iters=200_000, repeats=2)
+    assert one is not None and one > 1e9
+    lib = cpu_kernels.load()
+    assert lib is not None
+    sink = ctypes.c_float()
+    done = lib.fma_peak(1000, ctypes.byref(sink))
+    lanes = 16 if cpu_kernels.isa() == "avx512" else 8
+    assert done == torch.get_num_threads() * 1000 * 12 * lanes * 2
+    assert sink.value > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
