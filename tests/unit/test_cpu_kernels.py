@@ -111,6 +111,7 @@ def test_decode_attention_matches_sdpa(dtype: torch.dtype, hq: int, hkv: int, d:
     # Requests split into several key chunks (up to 128 each) and merged, or kept whole.
     lens = torch.tensor([1, 7, 30, 129, 600], dtype=torch.int64)
     table = torch.stack([torch.randperm(slots)[:600] for _ in range(5)])  # scattered slots
+    table[4] = torch.arange(600)  # and one request's keys on whole pages, in order
     # q as the model passes it: the query heads of a [T, Hq + Hkv, D] tensor (not contiguous).
     q = torch.randn(5, hq + hkv, d).to(dtype)[:, :hq]
     out = cpu_kernels.decode_attention(q, k_pool, v_pool, table, lens, d**-0.5)
