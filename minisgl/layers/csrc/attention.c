@@ -90,7 +90,7 @@ static inline void add_values8(float* acc, const __m256 w[4], const __m256 v[4])
     int BLOCK = AHEAD[3] && AHEAD[3] == AHEAD[0] + 3 * row;
 #define PREFETCH_HEAD(AHEAD, BLOCK, hk)                                                       \
     if (BLOCK)                                                                              \
-        prefetch_row(AHEAD[0] + (hk) * 4 * D, 4 * D * (int64_t)sizeof(*AHEAD[0]));           \
+        prefetch_row(AHEAD[0] + (hk) * 4 * D, 4 * D * (int64_t)sizeof(*AHEAD[0]));          \
     else                                                                                    \
         for (int j = 0; j < 4; j++)                                                         \
             if (AHEAD[j]) prefetch_row(AHEAD[j] + (hk) * D, D * (int64_t)sizeof(*AHEAD[j]))
@@ -109,7 +109,7 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
         const KT *kr[4], *ahead[4];                                                         \
         FOUR_ROWS(kp, kr, ahead, block);                                                    \
         for (int64_t hk = 0; hk < Hkv; hk++) {                                              \
-            PREFETCH_HEAD(ahead, block, hk);                                                     \
+            PREFETCH_HEAD(ahead, block, hk);                                                \
             for (int64_t g0 = 0; g0 < group; g0 += 2) {                                     \
                 int64_t ha = hk * group + g0, hb = g0 + 1 < group ? ha + 1 : ha;            \
                 const float* qa = qb + ha * D;                                              \
@@ -147,7 +147,7 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
         const KT *vr[4], *ahead[4];                                                         \
         FOUR_ROWS(vp, vr, ahead, block);                                                    \
         for (int64_t hk = 0; hk < Hkv; hk++) {                                              \
-            PREFETCH_HEAD(ahead, block, hk);                                                     \
+            PREFETCH_HEAD(ahead, block, hk);                                                \
             for (int64_t g0 = 0; g0 < group; g0 += 2) {                                     \
                 int64_t ha = hk * group + g0;                                               \
                 int two = g0 + 1 < group;                                                   \
