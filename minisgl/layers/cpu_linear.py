@@ -403,6 +403,7 @@ def prepack_modules(
     chosen: dict[ShapeKey, tuple[str, ...]] = {}
     sources: set[str] = set()
     extra = 0
+    cpu_kernels.load()  # a first start compiles the kernels here: logged on its own
     t0 = time.perf_counter()
     for (_, _, out_dtype), mods in groups.items():
         kernels, shape, source = _create_group([m.weight for m in mods], out_dtype, tuning, None)

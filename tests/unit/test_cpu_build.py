@@ -47,3 +47,14 @@ def test_every_build_this_cpu_runs_compiles(
         assert lib.gemv_bf16 and lib.decode_attn_bf16 and lib.stream_read
         assert hasattr(lib, "gemv512_bf16") == (isa == "avx512")
         assert cpu_build.build(isa, flags) == path  # cached: the same file, no rebuild
+
+
+def test_a_compiler_that_fails_means_no_kernels_not_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the sources do not compile (a broken or foreign `cc`), the build is None (the
+    PyTorch paths run) and nothing half-built is left in the cache."""
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    assert cpu_build.build("avx2", AVX2) is None
+    assert list((tmp_path / "kernels").iterdir()) == []
