@@ -67,7 +67,7 @@ class _Lib:
             fn.restype = None
         self.bf16, self.f32 = lib.gemv_bf16, lib.gemv_f32
         attn_args: list[Any] = [ptr, i64, ctypes.c_int] + [ptr] * 4 + [i64, ptr, ctypes.c_int]
-        attn_args += [i64, i64, i64, i64, ctypes.c_float]
+        attn_args += [i64, i64, i64, i64, ctypes.c_float, ptr, i64, ptr, i64, ptr]
         for fn in (lib.decode_attn_bf16, lib.decode_attn_f32):
             fn.argtypes = attn_args
             fn.restype = None
@@ -390,11 +390,14 @@ def decode_attention(
     slots: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query per request: q [B, Hq, D] (bf16 or fp32, any token stride) over the pool rows
     `slots` [B, kmax] (int64, the first lens[b] valid) of k/v_pool [S, Hkv, D] -> [B, Hq * D]
     in q's dtype. The kernel reads q where it lies (a view of the q/k tensor) and writes the
-    output in that dtype: no torch copies or conversions around the call."""
+    output in that dtype: no torch copies or conversions around the call. `new`: (k, v, slots)
+    of this step's tokens, k and v [B, Hkv, D] (see `can_write_new`), stored into the pools at
+    slots [B] (int64) before the attention reads them."""
     lib = load()
     assert lib is not None
     b, hq, d = q.shape
@@ -406,6 +409,8 @@ def decode_attention(
     q_bf16 = int(q.dtype == torch.bfloat16)
     out = torch.empty(b, hq * d, dtype=q.dtype)
     fn = lib.attn_bf16 if k_pool.dtype == torch.bfloat16 else lib.attn_f32
+    k_new, v_new, new_slots = new if new is not None else (None, None, None)
+    size = k_pool.element_size()
     fn(
         q.data_ptr(),
         q.stride(0),
@@ -422,8 +427,22 @@ def decode_attention(
         hkv,
         d,
         scale,
+        k_new.data_ptr() if k_new is not None else None,
+        k_new.stride(0) * size if k_new is not None else 0,
+        v_new.data_ptr() if v_new is not None else None,
+        v_new.stride(0) * size if v_new is not None else 0,
+        new_slots.data_ptr() if new_slots is not None else None,
     )
     return out
+
+
+def can_write_new(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether decode_attention can store these new rows ([B, Hkv, D], any token stride) into
+    `pool`'s layout itself: the pool's dtype, each token's heads packed."""
+    return all(
+        t.dtype == pool.dtype and t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+        for t in (k, v)
+    )
 
 
 def supports_decode_attention(pool: torch.Tensor, num_heads: int = 1) -> bool:

@@ -131,6 +131,35 @@ def test_decode_attention_matches_sdpa(dtype: torch.dtype, hq: int, hkv: int, d:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_attention_stores_the_new_rows_first(dtype: torch.dtype) -> None:
+    """The step's new keys and values handed to the kernel (views of the model's q/k and qkv
+    tensors, as a decode step has them) land in the pools at their slots, and the attention
+    reads them: the same answer as storing them with torch first."""
+    torch.manual_seed(1)
+    hq, hkv, d, slots = 8, 2, 32, 64
+    k_pool = torch.randn(slots, hkv, d).to(dtype)
+    v_pool = torch.randn(slots, hkv, d).to(dtype)
+    lens = torch.tensor([5, 17, 1], dtype=torch.int64)
+    table = torch.stack([torch.randperm(slots)[:20] for _ in range(3)])
+    where = torch.stack([table[b, lens[b] - 1] for b in range(3)])  # each request's new slot
+    qk = torch.randn(3, hq + hkv, d).to(dtype)
+    qkv = torch.randn(3, (hq + 2 * hkv) * d).to(dtype)
+    q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(3, hkv, d)
+    assert cpu_kernels.can_write_new(k_pool, k, v)
+    k_ref, v_ref = k_pool.clone(), v_pool.clone()
+    k_ref.index_copy_(0, where, k)
+    v_ref.index_copy_(0, where, v)
+    want = cpu_kernels.decode_attention(q, k_ref, v_ref, table, lens, d**-0.5)
+    got = cpu_kernels.decode_attention(q, k_pool, v_pool, table, lens, d**-0.5, (k, v, where))
+    assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
+    assert torch.equal(got, want)
+    # Rows the kernel cannot take as they are (another dtype, heads not packed) are refused.
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    assert not cpu_kernels.can_write_new(k_pool, k.to(other), v)
+    assert not cpu_kernels.can_write_new(k_pool, k[:, :, ::2], v)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_silu_mul_matches_eager(dtype: torch.dtype) -> None:
     from minisgl.layers.activation import silu_and_mul
 

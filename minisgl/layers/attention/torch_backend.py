@@ -216,6 +216,13 @@ class TorchAttentionBackend(AttentionBackend):
         assert isinstance(meta, TorchMetadata)
         k_buf = self.kv_pool.k_buffers[layer_id]
         v_buf = self.kv_pool.v_buffers[layer_id]
+        only = meta.groups[0] if len(meta.groups) == 1 else None
+        if only is not None and self._decode_in_place(only, k_buf, k, v):
+            # A plain decode step on CPU: the kernel stores the new rows itself.
+            new = (k, v, meta.out_loc)
+            return cpu_kernels.decode_attention(
+                q, k_buf, v_buf, only.k_slots, only.lens, self.scale, new
+            )
         k_buf.index_copy_(0, meta.out_loc, k)
         v_buf.index_copy_(0, meta.out_loc, v)
         width = self.num_heads * self.head_dim
@@ -231,6 +238,21 @@ class TorchAttentionBackend(AttentionBackend):
             out[grp.out_rows] = o
         assert out is not None
         return out
+
+    def _decode_in_place(
+        self, grp: _Group, k_buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> bool:
+        """Whether this step is one query per request, every row in order, for the CPU kernel
+        with rows it can store itself."""
+        return (
+            self.cpu_decode
+            and grp.pieces is None
+            and grp.shape[1] == 1
+            and grp.q_rows is None
+            and grp.out_rows is None
+            and grp.valid is None
+            and cpu_kernels.can_write_new(k_buf, k, v)
+        )
 
     def _attend(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, grp: _Group

@@ -21,7 +21,9 @@ static float softmax_partial(float* s, int64_t n, int64_t n4, float* mx_out) {
 
 /* Decode attention: q [B, Hq, D] (bf16 or fp32; tokens q_stride values apart, a token's
    heads packed); k/v pool [S, Hkv, D]; slots [B, kmax]; lens [B]; out [B, Hq, D] (bf16 or
-   fp32, packed). Query head h reads KV head h / (Hq / Hkv); D % 8 == 0, D <= 1024.
+   fp32, packed). Query head h reads KV head h / (Hq / Hkv); D % 8 == 0, D <= 1024. Where
+   k_new is given, each request's new key and value row (in the pool's type, heads packed) is
+   stored at new_slots[b] first (the decode step's KV write, otherwise a torch call per pool).
    A slot's K (or V) for all heads is one contiguous row, and a page's slots are adjacent, so a
    task takes a request's keys in a chunk of up to 128 with all heads at once: memory is read
    front to back (reading one head's 256-byte piece of every row instead ran at half the
@@ -176,10 +178,13 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
         }                                                                                   \
     }                                                                                       \
 }                                                                                           \
-void NAME(const void* q, int64_t q_stride, int q_bf16, const KT* kp, const KT* vp,          \
+void NAME(const void* q, int64_t q_stride, int q_bf16, KT* kp, KT* vp,                      \
           const int64_t* slots, const int64_t* lens, int64_t kmax, void* out, int out_bf16, \
-          int64_t B, int64_t Hq, int64_t Hkv, int64_t D, float scale) {                     \
-    int64_t chunk, T, *first, *owner;                                                       \
+          int64_t B, int64_t Hq, int64_t Hkv, int64_t D, float scale,                       \
+          const KT* k_new, int64_t k_stride, const KT* v_new, int64_t v_stride,              \
+          const int64_t* new_slots) {                                                       \
+    int64_t chunk, T, *first, *owner, row_bytes = Hkv * D * (int64_t)sizeof(KT);            \
+    if (k_new) write_new(kp, vp, k_new, k_stride, v_new, v_stride, new_slots, B, row_bytes); \
     float* part = plan_chunks(lens, B, Hq, D, &chunk, &T, &first, &owner);                  \
     float* qf = (float*)malloc(sizeof(float) * B * Hq * D);                                 \
     int64_t stride = Hq * (D + 2);                                                          \
@@ -198,6 +203,19 @@ void NAME(const void* q, int64_t q_stride, int q_bf16, const KT* kp, const KT* v
         merge_chunks(part, first, B, Hq, D, PERM, out, out_bf16);                           \
     }                                                                                       \
     free(part); free(first); free(owner); free(qf);                                         \
+}
+
+/* The step's new keys and values into the pool before they are attended: one row of
+   `row_bytes` per request, the requests' rows k_stride (v_stride) bytes apart in k_new (v_new).
+   The store needs no call of its own. */
+static void write_new(void* kp, void* vp, const void* k_new, int64_t k_stride, const void* v_new,
+                      int64_t v_stride, const int64_t* new_slots, int64_t B, int64_t row_bytes) {
+    for (int64_t b = 0; b < B; b++) {
+        __builtin_memcpy((char*)kp + new_slots[b] * row_bytes, (const char*)k_new + b * k_stride,
+                         (size_t)row_bytes);
+        __builtin_memcpy((char*)vp + new_slots[b] * row_bytes, (const char*)v_new + b * v_stride,
+                         (size_t)row_bytes);
+    }
 }
 
 /* One head of q (D values) to fp32 in the stored order. */
