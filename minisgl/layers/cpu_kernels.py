@@ -346,10 +346,11 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float | None:
     return buf.numel() * 4 / best
 
 
-def fma_flops(iters: int = 25_000_000, repeats: int = 3) -> float | None:
+def fma_flops(iters: int = 10_000_000, repeats: int = 6) -> float | None:
     """fp32 FLOP/s this machine's threads issue as fused multiply-adds at the kernels' vector
-    width (best of `repeats`): the compute ceiling of every matmul and attention kernel here
-    that multiplies in fp32. None without kernels."""
+    width (best of `repeats` short passes: a pass that another task shared a core with reads
+    as one thread's rate): the compute ceiling of every matmul and attention kernel here that
+    multiplies in fp32. None without kernels."""
     lib = load()
     if lib is None:
         return None
