@@ -216,19 +216,15 @@ class TorchAttentionBackend(AttentionBackend):
         assert isinstance(meta, TorchMetadata)
         k_buf = self.kv_pool.k_buffers[layer_id]
         v_buf = self.kv_pool.v_buffers[layer_id]
-        only = meta.groups[0] if len(meta.groups) == 1 else None
-        if only is not None and self._decode_in_place(only, k_buf, k, v):
-            # A plain decode step on CPU: the kernel stores the new rows itself.
-            new = (k, v, meta.out_loc)
-            return cpu_kernels.decode_attention(
-                q, k_buf, v_buf, only.k_slots, only.lens, self.scale, new
-            )
-        k_buf.index_copy_(0, meta.out_loc, k)
-        v_buf.index_copy_(0, meta.out_loc, v)
+        # A plain decode step on CPU: the kernel stores the new rows itself.
+        new = (k, v, meta.out_loc) if self._decode_in_place(meta, k_buf, k, v) else None
+        if new is None:
+            k_buf.index_copy_(0, meta.out_loc, k)
+            v_buf.index_copy_(0, meta.out_loc, v)
         width = self.num_heads * self.head_dim
         out: torch.Tensor | None = None
         for grp in meta.groups:
-            o = self._attend(q, k_buf, v_buf, grp)  # [G * Q, Hq * D]
+            o = self._attend(q, k_buf, v_buf, grp, new)  # [G * Q, Hq * D]
             if grp.valid is not None:
                 o = o[grp.valid]
             if grp.out_rows is None:
@@ -240,13 +236,15 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _decode_in_place(
-        self, grp: _Group, k_buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, meta: TorchMetadata, k_buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> bool:
         """Whether this step is one query per request, every row in order, for the CPU kernel
         with rows it can store itself."""
+        if not self.cpu_decode or len(meta.groups) != 1:
+            return False
+        grp = meta.groups[0]
         return (
-            self.cpu_decode
-            and grp.pieces is None
+            grp.pieces is None
             and grp.shape[1] == 1
             and grp.q_rows is None
             and grp.out_rows is None
@@ -255,14 +253,22 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
     def _attend(
-        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, grp: _Group
+        self,
+        q: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        grp: _Group,
+        new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`new`: the step's rows for the CPU decode kernel to store (see _decode_in_place)."""
         if grp.pieces is not None:
             return torch.cat([self._attend_one(q, k_buf, v_buf, p) for p in grp.pieces])
         g, qn = grp.shape
         if qn == 1 and self.cpu_decode:
             qd = q if grp.q_rows is None else q[grp.q_rows[:, 0]]
-            return cpu_kernels.decode_attention(qd, k_buf, v_buf, grp.k_slots, grp.lens, self.scale)
+            return cpu_kernels.decode_attention(
+                qd, k_buf, v_buf, grp.k_slots, grp.lens, self.scale, new
+            )
         if grp.q_rows is None:
             qg = q.view(g, qn, self.num_heads, self.head_dim).transpose(1, 2)  # [G, Hq, Q, D]
         else:
