@@ -11,6 +11,7 @@
 
 TORCH_VERSION=2.13.0
 TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+MIN_PYTHON=3.10 # pyproject.toml's requires-python (a test keeps the two equal)
 # Debian packages the test suite uses, and why (printed before anything is installed).
 APT_PACKAGES=(
   "prometheus:promtool and a real Prometheus server for the metrics tests"
@@ -108,13 +109,72 @@ install_apt_packages() {
       echo "  - $name: ${entry#*:}"
     fi
   done
-  # shellcheck disable=SC2086
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null) ||
-    echo "warning: apt-get failed; tests that need these packages will skip" >&2
+  if ! apt-get update -qq; then
+    echo "warning: apt-get update failed; trying the package lists already on this machine" >&2
+  fi
+  # One package per call: a package this distribution lacks must not take the others with it.
+  local failed=()
+  for name in $missing; do
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$name" >/dev/null; then
+      echo "warning: apt-get could not install $name; the tests that need it will skip" >&2
+      failed+=("$name")
+    fi
+  done
+  if [ "${#failed[@]}" -gt 0 ]; then
+    echo "Not installed: ${failed[*]} (install by hand for the tests that need them)"
+  fi
+}
+
+# Checks, before anything is created, that python3 is new enough and can make a virtual
+# environment with pip in it; otherwise says what to install and returns 1. Debian and
+# Ubuntu ship venv's pip bootstrap (ensurepip) apart from Python, in python3-venv.
+check_python() {
+  if ! command -v python3 >/dev/null 2>&1; then
+    echo "error: python3 not found: install Python >= $MIN_PYTHON (Debian/Ubuntu: apt-get install python3 python3-venv)" >&2
+    return 1
+  fi
+  local report version can_venv
+  # Prints the version, then "venv" if a virtual environment with pip can be made.
+  report="$(
+    python3 - 2>/dev/null <<'PY'
+import sys
+
+print("%d.%d" % sys.version_info[:2])
+try:
+    import ensurepip
+    import venv
+
+    ensurepip.version()  # finds the bundled pip wheel, as venv will
+    print("venv")
+except Exception:
+    print("no-venv")
+PY
+  )" || true
+  { read -r version || true; read -r can_venv || true; } <<<"$report"
+  if ! [[ "$version" =~ ^[0-9]+\.[0-9]+$ ]]; then
+    echo "error: could not run python3 ($(command -v python3)) to read its version: install Python >= $MIN_PYTHON" >&2
+    return 1
+  fi
+  if ! version_at_least "$version" "$MIN_PYTHON"; then
+    echo "error: Python >= $MIN_PYTHON needed, found $version ($(command -v python3)): install a newer python3 and put it first on PATH" >&2
+    return 1
+  fi
+  if [ "$can_venv" != venv ]; then
+    echo "error: python3 $version cannot create a virtual environment with pip (no venv/ensurepip module): on Debian/Ubuntu run apt-get install python3-venv (or python$version-venv)" >&2
+    return 1
+  fi
+  echo "python3 $version ($(command -v python3)) with venv"
+}
+
+# version_at_least A B: is the MAJOR.MINOR version A >= B?
+version_at_least() {
+  local a_major="${1%%.*}" a_minor="${1#*.}" b_major="${2%%.*}" b_minor="${2#*.}"
+  [ "$a_major" -gt "$b_major" ] || { [ "$a_major" -eq "$b_major" ] && [ "$a_minor" -ge "$b_minor" ]; }
 }
 
 main() {
   cd "$(dirname "${BASH_SOURCE[0]}")/.."
+  check_python
   local choice
   choice="$(torch_choice)"
   mapfile -t torch_args < <(torch_pip_args "$choice")

@@ -4,8 +4,11 @@ or downloaded."""
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,7 +120,21 @@ def test_apt_packages_are_announced_before_they_are_installed(tmp_path: Path) ->
     assert "Installing Debian packages with apt-get (set MINISGL_NO_APT=1 to skip)" in out
     assert "- prometheus: " in out and "- chromium: a headless browser" in out
     calls = (tmp_path / "apt.log").read_text().splitlines()
-    assert calls[0] == "update -qq" and calls[1] == "install -y -qq prometheus chromium"
+    assert calls == ["update -qq", "install -y -qq prometheus", "install -y -qq chromium"]
+
+
+def test_a_package_the_distribution_lacks_does_not_stop_the_others(tmp_path: Path) -> None:
+    log = tmp_path / "apt.log"
+    apt = (
+        f'echo "$@" >> {log}\n'
+        'case "$*" in *"install -y -qq prometheus"*)\n'
+        '  echo "E: Unable to locate package prometheus" >&2; exit 100;;\nesac'
+    )
+    done = _run(tmp_path, "install_apt_packages", {"apt-get": apt, "id": "echo 0"})
+    assert done.returncode == 0, done.stderr
+    assert "install -y -qq chromium" in log.read_text().splitlines()
+    assert "could not install prometheus" in done.stderr
+    assert "Not installed: prometheus" in done.stdout and "chromium" not in done.stderr
 
 
 def test_no_apt_skips_system_packages(tmp_path: Path) -> None:
@@ -131,3 +148,67 @@ def test_sourcing_installs_nothing(tmp_path: Path) -> None:
     done = _run(tmp_path, "true", _apt_fakes(tmp_path))
     assert done.returncode == 0 and done.stdout == "" and not (tmp_path / "apt.log").exists()
     assert not (tmp_path / ".venv").exists()
+
+
+def _real_python() -> str:
+    """This interpreter's own binary (not the venv's launcher), to wrap in a fake python3."""
+    return os.path.realpath(sys.executable)
+
+
+def test_python_check_passes_a_python_that_can_make_a_venv(tmp_path: Path) -> None:
+    done = _run(tmp_path, "check_python", {"python3": f'exec {_real_python()} "$@"'})
+    assert done.returncode == 0, done.stderr
+    assert f"python3 {sys.version_info[0]}.{sys.version_info[1]} " in done.stdout
+
+
+def test_python_without_ensurepip_is_told_to_install_python3_venv(tmp_path: Path) -> None:
+    # Debian/Ubuntu without python3-venv: the stdlib's ensurepip is missing.
+    shadow = tmp_path / "shadow" / "ensurepip"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'ensurepip'\")\n")
+    fake = f'PYTHONPATH={shadow.parent} exec {_real_python()} "$@"'
+    done = _run(tmp_path, "check_python", {"python3": fake})
+    assert done.returncode == 1
+    assert "apt-get install python3-venv" in done.stderr, done.stderr
+    assert "cannot create a virtual environment" in done.stderr
+
+
+def test_old_python_is_named_with_the_version_needed(tmp_path: Path) -> None:
+    done = _run(tmp_path, "check_python", {"python3": OLD_PYTHON})
+    assert done.returncode == 1
+    assert "Python >= 3.10 needed, found 3.8" in done.stderr, done.stderr
+
+
+def test_missing_python3_says_what_to_install(tmp_path: Path) -> None:
+    done = _run(tmp_path, "check_python", {})
+    assert done.returncode == 1 and "python3 not found" in done.stderr, done.stderr
+
+
+OLD_PYTHON = "cat >/dev/null; echo 3.8; echo venv"  # answers the check's script as 3.8 would
+
+
+def test_install_stops_before_making_anything_when_python_is_unfit(tmp_path: Path) -> None:
+    """Run as a script (set -e, as users and CI run it) from a scratch copy: the check comes
+    first, so nothing is created and the one message is the check's."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(SCRIPT, tmp_path / "scripts" / "install.sh")
+    bash = shutil.which("bash")
+    assert bash is not None
+    path = _bin(tmp_path, {"python3": OLD_PYTHON})
+    done = subprocess.run(
+        [bash, str(tmp_path / "scripts" / "install.sh")],
+        capture_output=True,
+        text=True,
+        env={"PATH": str(path), "HOME": str(tmp_path)},
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "Python >= 3.10 needed, found 3.8" in done.stderr, done.stderr
+    assert not (tmp_path / ".venv").exists() and "pip install" not in done.stdout
+
+
+def test_minimum_python_matches_pyproject() -> None:
+    pyproject = (SCRIPT.parents[1] / "pyproject.toml").read_text()
+    wanted = re.search(r'^requires-python = ">=([0-9.]+)"$', pyproject, re.M)
+    assert wanted is not None
+    assert f"MIN_PYTHON={wanted[1]} " in SCRIPT.read_text()
