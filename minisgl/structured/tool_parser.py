@@ -1,13 +1,18 @@
 """Qwen3's tool calls: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` blocks.
 
 A whole text and a stream follow one rule, so the streamed deltas reassemble to the
-non-streaming answer: text outside the blocks is content (a block's tags never leak into
-it); each well-formed block is a call whose `arguments` is the model's own JSON text of the
-arguments object, byte for byte. A block that is not a JSON object with a string `name` stays
-content, as the model wrote it.
+non-streaming answer, whatever the chunking: text outside the blocks is content (a block's
+tags never leak into it). A block is a call once its body names the function and opens the
+`arguments` value with `{` or `"` (Qwen3 writes the name first); its `arguments` is then a
+function of the body alone: the model's own JSON text of the arguments object, byte for byte,
+up to where that value ends (keys after it are not arguments); for arguments written as a JSON
+string, the string's text when it holds a JSON object. A block cut short (max_tokens) is a
+call with what was written. Other blocks are calls when the whole body is a JSON object with a
+string `name` and object `arguments`; else they stay content, as the model wrote them.
 
 Streaming emits OpenAI's `delta.tool_calls` shape: the first delta of a call carries its index,
-id, type and name (with empty arguments), later ones argument fragments only.
+id, type and name (with empty arguments), later ones argument fragments only, each a piece of
+the final `arguments` (text that may still change, such as trailing whitespace, is held back).
 """
 
 from __future__ import annotations
@@ -54,7 +59,6 @@ def _name_and_args_start(body: str) -> tuple[str, int] | None:
         return None
     pos = start + 1
     name: str | None = None
-    args_at = -1
     while True:
         while pos < len(body) and body[pos] in " \t\r\n,":
             pos += 1
@@ -74,8 +78,9 @@ def _name_and_args_start(body: str) -> tuple[str, int] | None:
         if key == "arguments":
             if name is None:
                 return None  # Qwen3 writes the name first; anything else is not a call
-            args_at = pos
-            return (name, args_at) if pos < len(body) else None
+            if pos >= len(body) or body[pos] not in '{"':
+                return None  # not started yet, or not an object: the whole body decides
+            return name, pos
         try:
             value, pos = _DECODER.raw_decode(body, pos)
         except ValueError:
@@ -86,22 +91,72 @@ def _name_and_args_start(body: str) -> tuple[str, int] | None:
             name = value
 
 
+def _value_end(body: str, at: int) -> int | None:
+    """Where the JSON object or string starting at body[at] ends, or None if it has not yet.
+
+    Only brackets and strings are tracked: the end is where the value closes, whether or not
+    the text in between is valid JSON (the model's text is passed on as written).
+    """
+    depth = 0
+    in_string = False
+    escaped = False
+    for i in range(at, len(body)):
+        ch = body[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                if depth == 0:
+                    return i + 1
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _string_arguments(raw: str) -> str:
+    """Arguments written as a JSON string: its text when that is a JSON object, else as is."""
+    try:
+        text = json.loads(raw)
+        return text if isinstance(json.loads(text), dict) else raw
+    except ValueError:
+        return raw
+
+
+def arguments_text(body: str, at: int) -> str:
+    """The `arguments` of a call whose arguments value starts at body[at] ({ or ")."""
+    end = _value_end(body, at)
+    if end is None:  # cut short: what was written
+        return body[at:].rstrip()
+    if body[at] == '"':
+        return _string_arguments(body[at:end])
+    return body[at:end]
+
+
 def parse_call(body: str) -> tuple[str, str] | None:
-    """(name, raw arguments JSON) of one complete block body, or None when malformed."""
+    """(name, arguments JSON) of one complete block body, or None when it is not a call."""
+    head = _name_and_args_start(body)
+    if head is not None:
+        name, at = head
+        return name, arguments_text(body, at)
     try:
         obj = json.loads(body)
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    if not isinstance(obj.get("arguments", {}), dict):
+    args = obj.get("arguments", {})
+    if not isinstance(args, dict):
         return None
-    head = _name_and_args_start(body)
-    if head is None:
-        return obj["name"], "{}" if "arguments" not in obj else json.dumps(obj["arguments"])
-    name, at = head
-    _, end = _DECODER.raw_decode(body, at)
-    return name, body[at:end]
+    return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
 @dataclass
@@ -110,7 +165,7 @@ class _OpenCall:
     id: str = ""
     name: str | None = None
     args_at: int = -1
-    sent_args: int = 0  # chars of the arguments text already streamed
+    sent: str = ""  # the arguments text streamed so far: always a prefix of the final one
 
 
 @dataclass
@@ -170,7 +225,8 @@ class Qwen3ToolParser:
     def _stream_partial(self, out: ToolDelta) -> None:
         call = self.open
         assert call is not None
-        body = self.buffer
+        # What may be the start of </tool_call> is not part of the body yet.
+        body = self.buffer[: len(self.buffer) - partial_marker_len(self.buffer, (CALL_END,))]
         if call.name is None:
             head = _name_and_args_start(body)
             if head is None:
@@ -178,12 +234,15 @@ class Qwen3ToolParser:
             call.name, call.args_at = head
             call.id = new_call_id()
             out.calls.append(_first_delta(call.index, call.id, call.name))
-        # Hold back what may be the start of </tool_call>, then the closing of the outer object.
-        body = body[: len(body) - partial_marker_len(body, (CALL_END,))]
-        safe = body.rstrip(" \t\r\n}")
-        frag = safe[call.args_at + call.sent_args :]
+        at = call.args_at
+        if body[at] == '"':
+            return  # arguments as a JSON string: known once the string closes
+        end = _value_end(body, at)
+        # Unclosed, trailing whitespace may yet be the end of a reply cut short.
+        stable = body[at:end] if end is not None else body[at:].rstrip()
+        frag = stable[len(call.sent) :]
         if frag:
-            call.sent_args += len(frag)
+            call.sent += frag
             out.calls.append({"index": call.index, "function": {"arguments": frag}})
 
     def _close(self, body: str, out: ToolDelta, *, closed: bool) -> None:
@@ -192,20 +251,17 @@ class Qwen3ToolParser:
         self.open = None
         self.in_call = False
         parsed = parse_call(body)
-        if parsed is None and call.name is None:  # nothing was streamed as a call: content
+        if parsed is None:  # not a call (nothing was streamed as one: see the module doc)
+            assert call.name is None
             out.content += self.gap + CALL_START + body + (CALL_END if closed else "")
             return
-        if parsed is None:
-            # Cut short (max_tokens) or malformed after its name: a call with what was written.
-            assert call.name is not None
-            parsed = call.name, body[call.args_at :].rstrip()
         self.after_call = True
         name, args = parsed
         if call.name is None:
             call.id = new_call_id()
             out.calls.append(_first_delta(call.index, call.id, name))
-        sent = body[call.args_at : call.args_at + call.sent_args] if call.args_at >= 0 else ""
-        rest = args[len(sent) :] if args.startswith(sent) else ""
+        assert args.startswith(call.sent), (args, call.sent)
+        rest = args[len(call.sent) :]
         if rest:
             out.calls.append({"index": call.index, "function": {"arguments": rest}})
         self.calls.append(ToolCall(call.id, name, args))
