@@ -39,7 +39,8 @@ PRINTER_COLUMNS = [
 ]
 
 ROOT = obj(
-    "A model served by minisgl behind an OpenAI-compatible API.",
+    f"A model served by minisgl behind an OpenAI-compatible API. Its name (at most "
+    f"{MAX_NAME_LEN} characters) names every child object.",
     {
         "apiVersion": string(
             "Versioned schema of this object: minisgl.io/v1alpha1. "
@@ -49,11 +50,8 @@ ROOT = obj(
             "ModelServer. https://git.k8s.io/community/contributors/devel/sig-architecture/"
             "api-conventions.md#types-kinds"
         ),
-        "metadata": Node(
-            f"Standard object metadata; the name (at most {MAX_NAME_LEN} characters) names "
-            "every child object.",
-            {"type": "object"},
-        ),
+        # The API server owns metadata's schema: a CRD may declare nothing there but the type.
+        "metadata": Node("", {"type": "object"}),
         "spec": SPEC,
         "status": STATUS,
     },

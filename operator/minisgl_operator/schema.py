@@ -62,14 +62,27 @@ class Node:
                 node = node.items
         return node
 
+    @property
+    def full_default(self) -> Any:
+        """The default as the CRD declares it: an object's default carries its fields' own
+        defaults. The API server checks a default, CEL rules included, as written (it does not
+        default inside it), so `engine: {}` would fail `tensorParallelSize % nodes == 0`."""
+        if not isinstance(self.default, dict):
+            return self.default
+        inner = {k: v.full_default for k, v in self.properties.items() if v.default is not None}
+        return {**inner, **self.default}
+
     def openapi(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if "type" in self.keywords:
             out["type"] = self.keywords["type"]
-        out["description"] = self.description
+        if self.description:  # metadata's schema may hold nothing but its type
+            out["description"] = self.description
         if self.default not in (None, {}):  # the default is stated once: here
             out["description"] += f" Default: {json.dumps(self.default)}."
         out.update({k: v for k, v in self.keywords.items() if k != "type"})
+        if self.default is not None:
+            out["default"] = self.full_default
         if self.required:
             out["required"] = list(self.required)
         if self.rules:

@@ -256,7 +256,8 @@ def _fields(node: dict[str, Any], where: str):
 
 def test_every_spec_and_status_field_has_a_description() -> None:
     root = crd_schema()
-    fields = list(_fields(root, ""))
+    # metadata is the API server's own (it forbids a schema there beyond its type).
+    fields = [f for f in _fields(root, "") if f[0] != ".metadata"]
     missing = [where for where, sub in fields if not str(sub.get("description", "")).strip()]
     assert not missing, f"fields without a description (kubectl explain): {missing}"
     assert len([w for w in fields if w[0].startswith(".spec.")]) >= 50
@@ -343,3 +344,36 @@ def test_multi_node_name_rule_agrees_with_the_operator() -> None:
         spec.parse_spec(long_name, "ns", multi)
     assert cel_failures(ms(multi, "q" * 45)) == []
     assert cel_failures(ms({"model": "m"}, "q" * 57)) == []
+
+
+# --- what only a real API server enforced until it was tested against one (issue 23)
+
+
+def test_metadata_schema_is_only_its_type() -> None:
+    # A real API server rejects the CRD otherwise ("must not specify anything other than name
+    # and generateName").
+    assert crd_schema()["properties"]["metadata"] == {"type": "object"}
+
+
+def _defaults_with_rules(node: dict[str, Any], where: str = ""):
+    if "default" in node and node.get("x-kubernetes-validations"):
+        yield where, node
+    for key, sub in (node.get("properties") or {}).items():
+        yield from _defaults_with_rules(sub, f"{where}.{key}")
+
+
+def test_declared_defaults_satisfy_their_own_cel_rules() -> None:
+    """The API server evaluates an object's CEL rules against its declared default as written
+    (nested defaults are not applied inside it) and rejects the CRD if one fails."""
+    found = list(_defaults_with_rules(crd_schema()))
+    assert [where for where, _ in found] == [".spec.engine", ".spec.autoscaling.targets"]
+    env = celpy.Environment()
+    for where, node in found:
+        for rule in node["x-kubernetes-validations"]:
+            program = env.program(env.compile(rule["rule"]))
+            value = celpy.json_to_cel(node["default"])
+            try:
+                ok = bool(program.evaluate({"self": value}))
+            except celpy.CELEvalError as e:  # e.g. "no such key", as the API server says
+                raise AssertionError(f"{where}: {rule['rule']} on its default: {e}") from e
+            assert ok, f"{where}: {rule['rule']} fails on its default {node['default']}"
