@@ -20,6 +20,10 @@ ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 OUTPUT_PARSERS = ("auto", "qwen3", "none")
 CPU_KERNEL_TUNING = ("cached", "full", "off")
+# Multi-node: the shared secret, when --node-secret-file is not given (never a flag: a command
+# line is visible to every user of the machine).
+NODE_SECRET_ENV = "MINISGL_NODE_SECRET"
+MIN_NODE_SECRET_CHARS = 16
 
 
 def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
@@ -54,6 +58,12 @@ class EngineArgs:
     nnodes: int = _f(1, "nodes the --tp-size ranks are split over, evenly (multi-node)")
     node_rank: int = _f(
         0, "this node's index: node 0 serves the API and rank 0, the others their ranks and /health"
+    )
+    node_secret_file: str | None = _f(
+        None,
+        "file holding the secret every node of a multi-node group shares (at least "
+        f"{MIN_NODE_SECRET_CHARS} characters): the ports next to --dist-init-addr admit only "
+        f"peers that prove they hold it; default: the {NODE_SECRET_ENV} environment variable",
     )
     seed: int = _f(0, "seed of the unseeded random sampling stream")
     cpu_kernel_tuning: str = _f(

@@ -19,6 +19,7 @@ from multiprocessing.process import BaseProcess
 
 from minisgl.config import ServerArgs
 from minisgl.engine.multinode import BEAT_INTERVAL_S, SILENCE_LIMIT_S, exit_group, local_ranks
+from minisgl.engine.node_auth import NodeAuthError, connect_handshake
 from minisgl.engine.tp_engine import Rendezvous, follower_main
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,14 @@ def run_node(args: ServerArgs) -> int:
         if stopping.is_set():
             exit_group("stopped before node 0 was reached", procs)
         exit_group(f"cannot reach node 0 at {rdv.host}:{rdv.link_port}: {e}", procs)
+    try:
+        connect_handshake(conn, bytes.fromhex(rdv.secret))
+    except (NodeAuthError, OSError) as e:
+        exit_group(
+            f"node link to {rdv.host}:{rdv.link_port}: {e}; every node of a group needs the "
+            "same secret (--node-secret-file or MINISGL_NODE_SECRET)",
+            procs,
+        )
     linked.set()
     heard = last_beat = time.monotonic()
     while not stopping.is_set():

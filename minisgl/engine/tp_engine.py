@@ -9,6 +9,10 @@ Before the first real message, rank 0 repeats a hello on the PUB socket until ev
 confirmed (over a PUSH socket back to rank 0) that it received one: a SUB socket that connects
 late silently misses what was published before (the slow-joiner problem).
 
+Every socket is authenticated with the group's secret (`curve`): a process without it
+receives no step and delivers no message. A malformed message from a peer that does hold it is
+logged and dropped, never a crash.
+
 Start-up never waits on a rank that is gone: each follower checks in (over the same PUSH
 socket) before it joins torch.distributed, whose rendezvous would otherwise wait for a dead
 rank for its whole timeout; a follower that fails reports its error there, and one that dies
@@ -31,8 +35,10 @@ import msgpack
 import zmq
 
 from minisgl.config import EngineArgs
+from minisgl.engine import curve
 from minisgl.engine.engine import Engine, StepOutput
-from minisgl.engine.multinode import NodeLink, check_args, exit_group, local_ranks
+from minisgl.engine.multinode import NodeLink, bind_address, check_args, exit_group, local_ranks
+from minisgl.engine.node_auth import group_secret
 from minisgl.engine.startup import spawn_main_problem
 from minisgl.process import freeze_startup_objects
 from minisgl.sampling_params import SamplingParams
@@ -67,15 +73,16 @@ class Rendezvous:
     pub_port: int  # rank 0's PUB socket
     ack_port: int  # followers' PUSH back to rank 0 (handshake)
     link_port: int = 0  # multi-node: the nodes' link to node 0 (multinode.NodeLink)
-    bind_host: str = ""  # where rank 0 binds: the host, or every interface when multi-node
+    secret: str = dataclasses.field(default="", repr=False)  # hex: see node_auth.group_secret
 
     @classmethod
     def for_args(cls, args: EngineArgs) -> Rendezvous:
         host, port = split_host_port(args.dist_init_addr)
+        secret = group_secret(args).hex()
         if args.nnodes > 1:
             # Fixed ports next to the rendezvous: every node must know them in advance.
-            return cls(host, port, port + 1, port + 2, port + 3, bind_host="*")
-        return cls(host, port or free_port(host), free_port(host), free_port(host), 0, host)
+            return cls(host, port, port + 1, port + 2, port + 3, secret)
+        return cls(host, port or free_port(host), free_port(host), free_port(host), 0, secret)
 
 
 def _init_distributed(args: EngineArgs, rank: int, rdv: Rendezvous) -> None:
@@ -105,15 +112,25 @@ class TPEngine:
         self._closed_sockets = False
         check_args(args)
         self.rdv = Rendezvous.for_args(args)
-        bind = self.rdv.bind_host
+        secret = bytes.fromhex(self.rdv.secret)
+        # Multi-node: only where the other nodes reach node 0, never every interface.
+        bind = bind_address(self.rdv.host) if args.nnodes > 1 else self.rdv.host
         self._num_followers = args.tp_size - 1  # on every node
         self._ctx = zmq.Context()
+        self._guard = curve.PortGuard(self._ctx, secret)
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 1000)
-        self._pub.bind(_zmq_addr(bind, self.rdv.pub_port))
         self._ack = self._ctx.socket(zmq.PULL)
         self._ack.setsockopt(zmq.LINGER, 0)
-        self._ack.bind(_zmq_addr(bind, self.rdv.ack_port))
+        for sock, port, what in (
+            (self._pub, self.rdv.pub_port, "step broadcast"),
+            (self._ack, self.rdv.ack_port, "acks"),
+        ):
+            curve.serve(sock, secret)
+            sock.setsockopt(zmq.IPV6, ":" in bind)
+            sock.bind(_zmq_addr(bind, port))
+            self._guard.watch(sock, f"tensor-parallel {what} port {port}")
+        self._guard.start()
         self._link: NodeLink | None = None
         spawn = mp.get_context("spawn")
         self._procs = [
@@ -131,7 +148,7 @@ class TPEngine:
         if args.nnodes > 1:
             procs = self._procs
             self._link = NodeLink(
-                self.rdv.link_port, args.nnodes, lambda why: exit_group(why, procs)
+                bind, self.rdv.link_port, args.nnodes, secret, lambda why: exit_group(why, procs)
             )
         try:
             self._wait_checked_in()
@@ -210,9 +227,11 @@ class TPEngine:
             if time.monotonic() > deadline:
                 raise TimeoutError("tensor-parallel ranks did not report their stats")
             if self._ack.poll(100):
-                msg = msgpack.unpackb(self._ack.recv())
+                msg = _decode(self._ack.recv())
                 if isinstance(msg, list):  # [rank, stats]; late handshake acks are ints
-                    replies[msg[0]] = SchedulerStats(**msg[1])
+                    rank, stats = _rank_stats(msg)
+                    if rank is not None and stats is not None:
+                        replies[rank] = stats
         return [self.engine.stats()] + [replies[r] for r in sorted(replies)]
 
     def step(self) -> list[StepOutput]:
@@ -233,6 +252,7 @@ class TPEngine:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        self._guard.close()
         self._pub.close()
         self._ack.close()
         self._closed_sockets = True
@@ -255,8 +275,8 @@ class TPEngine:
             if time.monotonic() > deadline:
                 raise TPRankError("tensor-parallel ranks did not start in time")
             msg = self._recv_start_message(50)
-            if msg is not None and msg[0] == _UP:
-                up.add(int(msg[1]))
+            if isinstance(msg, list) and msg[0] == _UP and 0 < msg[1] <= self._num_followers:
+                up.add(msg[1])
 
     def _handshake(self, num_followers: int) -> None:
         confirmed: set[int] = set()
@@ -267,7 +287,7 @@ class TPEngine:
                 raise TimeoutError("tensor-parallel followers did not subscribe in time")
             self._pub.send(msgpack.packb([_HELLO, []]))
             msg = self._recv_start_message(50)
-            if isinstance(msg, int):
+            if isinstance(msg, int) and 0 < msg <= num_followers:
                 confirmed.add(msg)
         logger.info("tensor parallel: %d follower rank(s) subscribed", num_followers)
 
@@ -275,19 +295,19 @@ class TPEngine:
         """The next start-up message from a follower, None if none came; a failure raises."""
         if not self._ack.poll(timeout_ms):
             return None
-        msg = msgpack.unpackb(self._ack.recv())
-        if isinstance(msg, list) and msg and msg[0] == _FAILED:
-            self._failures[int(msg[1])] = str(msg[2])
-            raise TPRankError(self._follower_failure() or str(msg[2]))
+        msg = _start_message(_decode(self._ack.recv()))
+        if isinstance(msg, list) and msg[0] == _FAILED:
+            self._failures[msg[1]] = msg[2]
+            raise TPRankError(self._follower_failure() or msg[2])
         return msg
 
     def _follower_failure(self) -> str | None:
         """What went wrong with the followers, in words: their own reports, else their exits."""
         with contextlib.suppress(zmq.ZMQError):
             while not self._closed_sockets and self._ack.poll(0):
-                msg = msgpack.unpackb(self._ack.recv())
-                if isinstance(msg, list) and msg and msg[0] == _FAILED:
-                    self._failures[int(msg[1])] = str(msg[2])
+                msg = _start_message(_decode(self._ack.recv()))
+                if isinstance(msg, list) and msg[0] == _FAILED:
+                    self._failures[msg[1]] = msg[2]
         if self._failures:
             return "; ".join(
                 f"tensor-parallel rank {r} failed during start-up: {e}"
@@ -312,6 +332,50 @@ class TPEngine:
             for p in self._procs:
                 p.join(timeout=1)  # let a failing rank's report arrive before its exit code
             raise TPRankError(self._follower_failure() or "a tensor-parallel rank died")
+
+
+_DROPPED = object()  # a message that was logged and dropped
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        return msgpack.unpackb(raw)
+    except Exception as e:  # msgpack raises several kinds on bad input
+        logger.warning("tensor-parallel acks: dropped a message that is not msgpack (%s)", e)
+        return _DROPPED
+
+
+def _start_message(msg: Any) -> Any:
+    """A follower's start-up message as rank 0 reads it: a rank (subscribed), [up, rank, ""]
+    or [failed, rank, error]; anything else is logged and dropped."""
+    if msg is _DROPPED:
+        return None
+    if isinstance(msg, int) and not isinstance(msg, bool):
+        return msg
+    if (
+        isinstance(msg, list)
+        and len(msg) == 3
+        and msg[0] in (_UP, _FAILED)
+        and isinstance(msg[1], int)
+        and isinstance(msg[2], str)
+    ):
+        return msg
+    if isinstance(msg, list) and len(msg) == 2:
+        return None  # a late stats reply: nobody waits for it
+    logger.warning("tensor-parallel acks: dropped a malformed start-up message %.200r", msg)
+    return None
+
+
+def _rank_stats(msg: list[Any]) -> tuple[int | None, SchedulerStats | None]:
+    """A follower's [rank, stats] reply; (None, None) after logging when it is not one."""
+    try:
+        rank, fields = msg
+        if not isinstance(rank, int) or not isinstance(fields, dict):
+            raise TypeError("not [rank, {stats}]")
+        return rank, SchedulerStats(**fields)
+    except (TypeError, ValueError) as e:
+        logger.warning("tensor-parallel acks: dropped a malformed stats reply %.200r (%s)", msg, e)
+        return None, None
 
 
 def apply_ops(engine: Engine, ops: list[list[Any]]) -> None:
@@ -344,7 +408,7 @@ def follower_main(args_dict: dict, rank: int, rdv_dict: dict, parent_pid: int) -
     ctx = zmq.Context()
     ack = ctx.socket(zmq.PUSH)
     ack.setsockopt(zmq.LINGER, 1000)
-    ack.connect(_zmq_addr(rdv.host, rdv.ack_port))
+    _connect(ack, rdv, rdv.ack_port)
     try:
         sub, engine = _follower_start(args, rank, rdv, ctx, ack)
     except BaseException as exc:
@@ -356,6 +420,12 @@ def follower_main(args_dict: dict, rank: int, rdv_dict: dict, parent_pid: int) -
     _follow(engine, rank, parent_pid, ctx, sub, ack)
 
 
+def _connect(sock: zmq.Socket, rdv: Rendezvous, port: int) -> None:
+    curve.connect_as_client(sock, bytes.fromhex(rdv.secret))
+    sock.setsockopt(zmq.IPV6, 1)
+    sock.connect(_zmq_addr(rdv.host, port))
+
+
 def _follower_start(
     args: EngineArgs, rank: int, rdv: Rendezvous, ctx: zmq.Context, ack: zmq.Socket
 ) -> tuple[zmq.Socket, Engine]:
@@ -364,7 +434,7 @@ def _follower_start(
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVHWM, 0)
-    sub.connect(_zmq_addr(rdv.host, rdv.pub_port))
+    _connect(sub, rdv, rdv.pub_port)
     ack.send(msgpack.packb([_UP, rank, ""]))
     try:
         _init_distributed(args, rank, rdv)

@@ -24,6 +24,7 @@ import uvicorn
 
 from minisgl.config import ServerArgs, parse_server_args
 from minisgl.engine.multinode import check_args
+from minisgl.engine.node_auth import load_node_secret
 from minisgl.engine.startup import spawn_main_problem
 from minisgl.engine.worker import run_scheduler_worker
 from minisgl.message.endpoints import Endpoints
@@ -254,6 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_server_args(argv)
     try:
         check_args(args)
+        if args.nnodes > 1:
+            load_node_secret(args)  # every node needs it: refuse before anything starts
     except ValueError as e:
         sys.exit(f"python -m minisgl: error: {e}")
     setup_logging(args.log_level, "launcher")

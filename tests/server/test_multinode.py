@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -48,8 +49,11 @@ class Group:
     """Node 0 (the server) and node 1 (ranks + /health) of one TP=2 model."""
 
     def __init__(self, model_dir: Path, tmp: Path) -> None:
+        secret = tmp / "node-secret"
+        secret.write_text(secrets.token_hex(32) + "\n")
         base = ["--tp-size", "2", "--nnodes", "2", "--device", "cpu", "--num-pages", "64"]
         base += ["--dist-init-addr", f"127.0.0.1:{free_port_block()}"]
+        base += ["--node-secret-file", str(secret)]
         self.node0 = ServerProcess(model_dir, tmp / "node0.log", *base, "--node-rank", "0")
         self.health1 = f"http://127.0.0.1:{free_port()}"
         cmd = [sys.executable, "-m", "minisgl", "--model", str(model_dir), "--dtype", "float32"]
