@@ -134,6 +134,7 @@ class SchedulerLoop:
                 params.include_stop_str_in_output,
                 n=params.n,
                 echo_ids=list(req.prompt_ids) if req.echo else None,
+                keep_special=list(req.keep_special),
             )
         )
 

@@ -25,6 +25,8 @@ class TokenizeRequest:
     prompt_ids: list[int] | None = None
     skip_special_tokens: bool = True
     echo: bool = False  # the reply starts with the prompt's text (decoded: an ids prompt)
+    # Special tokens kept in the text even when skipping them: the tags the parsers read.
+    keep_special: list[str] = field(default_factory=list)
 
 
 @register("abort")

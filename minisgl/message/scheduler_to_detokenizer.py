@@ -23,6 +23,7 @@ class RequestRegistered:
     include_stop_str_in_output: bool = False
     n: int = 1  # samples: outputs carry their index
     echo_ids: list[int] | None = None  # prompt ids whose text the first reply carries
+    keep_special: list[str] = field(default_factory=list)  # see TokenizeRequest
 
 
 @register("token_out")

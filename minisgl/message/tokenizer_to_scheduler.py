@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from minisgl.message.api_to_tokenizer import AbortRequest, Ping
 from minisgl.message.codec import register
@@ -19,6 +19,7 @@ class TokenizedRequest:
     arrival_time: float
     skip_special_tokens: bool = True
     echo: bool = False
+    keep_special: list[str] = field(default_factory=list)  # see TokenizeRequest
 
 
 KINDS: tuple[type, ...] = (TokenizedRequest, AbortRequest, Ping)

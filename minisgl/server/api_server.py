@@ -102,14 +102,18 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
         arrival = getattr(request.state, "arrival", None) or time.time()
         validate_tools(req)
         tools = template_tools(req)
-        fields = {
+        fields: dict[str, Any] = {
             "messages": [m.template_dict() for m in req.messages],
             "chat_template_kwargs": dict(req.chat_template_kwargs),
             "tools": tools,
         }
         output = ChatOutput(
-            reasoning=ctx.reasoning_parser, tools=bool(tools) and ctx.tool_call_parser
+            reasoning=ctx.reasoning_parser,
+            tools=bool(tools) and ctx.tool_call_parser,
+            special_tags=ctx.special_tags if req.skip_special_tokens else (),
         )
+        # The parsers read their tags even where the tokenizer marks them special.
+        fields["keep_special"] = list(output.special_tags)
         return await serve_request(
             ctx, request, req, fields, "chat", arrival, chat_grammar(req), output
         )

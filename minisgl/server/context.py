@@ -28,6 +28,7 @@ class ServerContext:
     dead_worker: str | None = None
     reasoning_parser: bool = False  # chat: split <think> blocks into reasoning_content
     tool_call_parser: bool = False  # chat: parse <tool_call> blocks into tool_calls
+    special_tags: tuple[str, ...] = ()  # the parsers' tags the tokenizer marks special
 
     @property
     def model_name(self) -> str:

@@ -216,6 +216,7 @@ class Launcher(Hooks):
             template = read_chat_template(sched.get("model_path") or a.model)
             self.ctx.reasoning_parser = reasoning_on(a.reasoning_parser, template)
             self.ctx.tool_call_parser = tool_calls_on(a.tool_call_parser, template)
+            self.ctx.special_tags = tuple(infos["detokenizer"].get("special_tags") or ())
             app = build_app(self.ctx, self)
             config = uvicorn.Config(
                 app,

@@ -253,3 +253,27 @@ def qwen3_tokenizer_json(ranks_path: Path | None = None, *, use_cache: bool = Tr
         with contextlib.suppress(OSError):
             _atomic_write(cached, data)
     return data
+
+
+# The output parsers' tags: Qwen3 leaves them plain, some Qwen-family tokenizers and
+# fine-tunes mark them special (decoding with skip_special_tokens then drops them).
+PARSER_TAGS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+
+
+def mark_special(model_dir: str | Path, contents: Iterable[str] = PARSER_TAGS) -> None:
+    """Mark these added tokens special in a written tokenizer (tokenizer.json and
+    tokenizer_config.json), as such a tokenizer ships them."""
+    root = Path(model_dir)
+    wanted = set(contents)
+    tok_path = root / "tokenizer.json"
+    tok = json.loads(tok_path.read_text(encoding="utf-8"))
+    for entry in tok["added_tokens"]:
+        if entry["content"] in wanted:
+            entry["special"] = True
+    tok_path.write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
+    config_path = root / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    for entry in config.get("added_tokens_decoder", {}).values():
+        if entry["content"] in wanted:
+            entry["special"] = True
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")

@@ -38,6 +38,7 @@ from minisgl.process import (
     report_ready,
     setup_logging,
 )
+from minisgl.structured.tags import special_tags, special_token_ids
 from minisgl.tokenizer.incremental import IncrementalDecoder
 from minisgl.tokenizer.token_text import TokenTexts
 from minisgl.tokenizer.tokenizer_worker import load_tokenizer
@@ -61,6 +62,7 @@ class Detokenizer:
         self.log = log or logging.getLogger("minisgl.detokenizer")
         self.decoders: dict[str, _Live] = {}
         self.token_texts = TokenTexts(tokenizer)
+        self.special_ids = special_token_ids(tokenizer)
 
     def handle(self, msg: Any) -> tuple[list[Any], list[AbortRequest]]:
         """Messages for the API server, and aborts for the scheduler (stop string hits)."""
@@ -74,6 +76,7 @@ class Detokenizer:
                     hidden_token_ids=msg.hidden_token_ids,
                     skip_special_tokens=msg.skip_special_tokens,
                     include_stop_str_in_output=msg.include_stop_str_in_output,
+                    skip_ids=self._skip_ids(msg),
                 )
                 for i in range(msg.n)
             }
@@ -89,6 +92,13 @@ class Detokenizer:
             msg.stats["detokenizer_live_requests"] = len(self.decoders)
             return [msg], []
         return [], []
+
+    def _skip_ids(self, msg: RequestRegistered) -> frozenset[int] | None:
+        """The special tokens to skip when some are kept (None: the tokenizer's own rule)."""
+        if not msg.skip_special_tokens or not msg.keep_special:
+            return None
+        kept = {self.tokenizer.convert_tokens_to_ids(t) for t in msg.keep_special}
+        return self.special_ids - kept if kept & self.special_ids else None
 
     def _ended(self, msg: RequestEnded) -> list[Any]:
         if msg.reason == "error":
@@ -183,7 +193,9 @@ def run_detokenizer_worker(
         raise
     life.serving()
     log.info("detokenizer loaded in %s (pid %d)", elapsed(start), os.getpid())
-    report_ready(ready, pid=os.getpid())
+    # The API server learns here which parser tags are special tokens (ChatOutput drops those
+    # its parsers leave over).
+    report_ready(ready, pid=os.getpid(), special_tags=special_tags(detok.tokenizer))
     while life.alive():
         for msg in inbox.get_all(timeout=0.1):
             try:

@@ -28,6 +28,7 @@ class IncrementalDecoder:
         hidden_token_ids: list[int] | None = None,
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
+        skip_ids: frozenset[int] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         # vLLM's rule: the stop string, or the text of the stop/EOS token that ended the
@@ -37,6 +38,9 @@ class IncrementalDecoder:
         self.max_stop = max((len(s) for s in self.stop), default=0)
         self.hidden = set(hidden_token_ids or [])
         self.skip_special = skip_special_tokens
+        # Set: skip exactly these ids and decode the rest with their special tokens (skipping
+        # special tokens, but for a few kept ones, e.g. the output parsers' tags).
+        self.skip_ids = skip_ids
         self.ids: list[int] = []
         self.prefix_offset = 0  # window start: decoding from here is context-stable
         self.read_offset = 0  # ids before this are already in self.text
@@ -46,6 +50,9 @@ class IncrementalDecoder:
         self.stopped = False  # a stop string hit
 
     def _decode(self, ids: list[int]) -> str:
+        if self.skip_ids is not None:
+            kept = [i for i in ids if i not in self.skip_ids]
+            return self.tokenizer.decode(kept, skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def _advance(self, final: bool) -> None:

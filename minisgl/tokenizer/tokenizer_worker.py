@@ -158,6 +158,7 @@ def _handle(
                 msg.arrival_time,
                 msg.skip_special_tokens,
                 msg.echo,
+                msg.keep_special,
             )
         )
     elif isinstance(msg, TokenizeOnly | DetokenizeOnly):
