@@ -114,6 +114,20 @@ class ServerArgs(EngineArgs):
         "parse <tool_call> blocks into tool_calls (auto: when the chat template renders them)",
         OUTPUT_PARSERS,
     )
+    trust_request_chat_template: bool = _f(
+        False,
+        "render a chat template a request brings (chat_template, or chat_template_kwargs."
+        "chat_template) in a sandboxed, time-bounded process; off: such a request gets a 400",
+    )
+    chat_template_timeout: float = _f(
+        2.0,
+        "seconds a request's own chat template may take to render (with "
+        "--trust-request-chat-template); a longer render fails that request with a 400",
+    )
+    tokenizer_health_timeout: float = _f(
+        10.0,
+        "seconds the tokenizer worker may leave a heartbeat unanswered before /health answers 503",
+    )
 
     @property
     def model_names(self) -> list[str]:

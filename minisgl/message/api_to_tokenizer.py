@@ -47,6 +47,14 @@ class Ping:
     hops: list[str] = field(default_factory=list)
 
 
+@register("heartbeat")
+@dataclass
+class Heartbeat:
+    """API server -> tokenizer -> straight back: the tokenizer's loop is turning (/health)."""
+
+    beat_id: int
+
+
 @register("tokenize_only")
 @dataclass
 class TokenizeOnly:
@@ -71,4 +79,11 @@ class DetokenizeOnly:
     tokens: list[int]
 
 
-KINDS: tuple[type, ...] = (TokenizeRequest, AbortRequest, Ping, TokenizeOnly, DetokenizeOnly)
+KINDS: tuple[type, ...] = (
+    TokenizeRequest,
+    AbortRequest,
+    Ping,
+    Heartbeat,
+    TokenizeOnly,
+    DetokenizeOnly,
+)

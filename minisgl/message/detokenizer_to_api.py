@@ -1,10 +1,11 @@
-"""Detokenizer worker -> API server (the tokenizer also sends ErrorReply here)."""
+"""Detokenizer worker -> API server (the tokenizer also sends ErrorReply, TokenizerReply and
+Heartbeat answers here)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minisgl.message.api_to_tokenizer import Ping
+from minisgl.message.api_to_tokenizer import Heartbeat, Ping
 from minisgl.message.codec import register
 from minisgl.message.scheduler_to_detokenizer import SchedulerStatsUpdate
 
@@ -69,4 +70,11 @@ class TokenizerReply:
     text: str | None = None
 
 
-KINDS: tuple[type, ...] = (TextBatch, ErrorReply, SchedulerStatsUpdate, Ping, TokenizerReply)
+KINDS: tuple[type, ...] = (
+    TextBatch,
+    ErrorReply,
+    SchedulerStatsUpdate,
+    Ping,
+    Heartbeat,
+    TokenizerReply,
+)

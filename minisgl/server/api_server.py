@@ -37,11 +37,13 @@ from minisgl.server.structured_request import (
     template_tools,
     validate_tools,
 )
+from minisgl.structured.template_kwargs import template_kwargs_problem
 
 log = logging.getLogger("minisgl.api")
 
 READY_PING_TIMEOUT = 120.0  # the first ping waits behind nothing, but CI machines are slow
 MONITOR_INTERVAL = 0.2
+HEARTBEAT_INTERVAL = 1.0  # the tokenizer worker is asked this often whether its loop turns
 
 
 class Hooks:
@@ -104,7 +106,7 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
         tools = template_tools(req)
         fields: dict[str, Any] = {
             "messages": [m.template_dict() for m in req.messages],
-            "chat_template_kwargs": dict(req.chat_template_kwargs),
+            "chat_template_kwargs": _template_kwargs(ctx, req),
             "tools": tools,
         }
         output = ChatOutput(
@@ -162,7 +164,7 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
                 else body.messages is None
             ),
             add_generation_prompt=body.add_generation_prompt,
-            chat_template_kwargs=dict(body.chat_template_kwargs),
+            chat_template_kwargs=_template_kwargs(ctx, body),
             tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
             return_token_strs=body.return_token_strs,
         )
@@ -224,6 +226,9 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
             return error_response(503, "draining")
         if not ctx.ready:
             return error_response(503, "starting")
+        silence = ctx.manager.tokenizer_silence()
+        if silence > ctx.args.tokenizer_health_timeout:
+            return error_response(503, f"the tokenizer worker has not answered for {silence:.0f} s")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -256,6 +261,21 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
     return app
 
 
+def _template_kwargs(
+    ctx: ServerContext, body: ChatCompletionRequest | TokenizeBody
+) -> dict[str, Any]:
+    """The request's chat template kwargs, once it may pass them (a 400 otherwise)."""
+    trusted = ctx.args.trust_request_chat_template
+    problem = template_kwargs_problem(body.chat_template_kwargs, trusted=trusted)
+    if problem is None and body.chat_template is not None:
+        problem = template_kwargs_problem(
+            {"chat_template": body.chat_template}, trusted=trusted, field=""
+        )
+    if problem is not None:
+        raise APIError(400, *problem)
+    return body.template_kwargs()
+
+
 async def _become_ready(ctx: ServerContext, hooks: Hooks) -> None:
     start = time.perf_counter()
     try:
@@ -272,9 +292,22 @@ async def _become_ready(ctx: ServerContext, hooks: Hooks) -> None:
 
 
 async def _monitor(ctx: ServerContext, hooks: Hooks) -> None:
-    """A worker that dies takes the server down, so an orchestrator restarts it whole."""
+    """A worker that dies takes the server down, so an orchestrator restarts it whole; a
+    tokenizer worker that stops answering (alive, but its loop stuck) fails /health."""
+    last_beat = 0.0
+    silent = False
     while True:
         await asyncio.sleep(MONITOR_INTERVAL)
+        if time.monotonic() - last_beat >= HEARTBEAT_INTERVAL:
+            last_beat = time.monotonic()
+            ctx.manager.heartbeat()
+        silence = ctx.manager.tokenizer_silence()
+        if (silence > ctx.args.tokenizer_health_timeout) != silent:
+            silent = not silent
+            if silent:
+                log.error("the tokenizer worker has not answered for %.0f s: unhealthy", silence)
+            else:
+                log.info("the tokenizer worker answers again")
         dead = hooks.dead_worker()
         if dead is not None and ctx.dead_worker is None:
             ctx.dead_worker = dead

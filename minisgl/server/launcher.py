@@ -75,7 +75,14 @@ class Launcher(Hooks):
         spawn = mp.get_context("spawn")
         a = self.args
         targets: dict[str, tuple[Any, tuple[Any, ...]]] = {
-            "tokenizer": (run_tokenizer_worker, (a.model, self.endpoints)),
+            "tokenizer": (
+                run_tokenizer_worker,
+                (
+                    a.model,
+                    self.endpoints,
+                    a.chat_template_timeout if a.trust_request_chat_template else None,
+                ),
+            ),
             "detokenizer": (run_detokenizer_worker, (a.model, self.endpoints)),
             "scheduler": (run_scheduler_worker, (a.engine_args(), self.endpoints)),
         }

@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from minisgl.message import api_to_tokenizer, detokenizer_to_api
-from minisgl.message.api_to_tokenizer import AbortRequest, Ping, TokenizeRequest
+from minisgl.message.api_to_tokenizer import AbortRequest, Heartbeat, Ping, TokenizeRequest
 from minisgl.message.detokenizer_to_api import ErrorReply, TextBatch, TextOutput, TokenizerReply
 from minisgl.message.endpoints import Endpoints
 from minisgl.message.queue import AsyncPullQueue, PushQueue
@@ -51,6 +51,8 @@ class RequestManager:
         self.batch_steps = 0  # steps reported so far (recent_batch_sizes keeps only the tail)
         self._pings: dict[int, asyncio.Future[list[str]]] = {}
         self._ping_ids = itertools.count(1)
+        self._beat_ids = itertools.count(1)
+        self._beat_sent: dict[int, float] = {}  # heartbeats to the tokenizer not answered yet
         self._reader: asyncio.Task[None] | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -122,6 +124,19 @@ class RequestManager:
         finally:
             self._pings.pop(ping_id, None)
 
+    def heartbeat(self) -> None:
+        """Ask the tokenizer worker to answer at once (one question at a time)."""
+        if not self._beat_sent:
+            beat = next(self._beat_ids)
+            self._beat_sent[beat] = time.monotonic()
+            self.to_tokenizer.put(Heartbeat(beat))
+
+    def tokenizer_silence(self) -> float:
+        """Seconds the tokenizer worker has left a heartbeat unanswered (0: none pending)."""
+        if not self._beat_sent:
+            return 0.0
+        return time.monotonic() - min(self._beat_sent.values())
+
     # ---- replies ----------------------------------------------------------------------------
     async def _read_loop(self) -> None:
         while True:
@@ -142,6 +157,8 @@ class RequestManager:
             self._deliver(msg.rid, msg)
         elif isinstance(msg, SchedulerStatsUpdate):
             self._on_stats(msg)
+        elif isinstance(msg, Heartbeat):
+            self._beat_sent.pop(msg.beat_id, None)
         elif isinstance(msg, Ping):
             fut = self._pings.get(msg.ping_id)
             if fut is not None and not fut.done():

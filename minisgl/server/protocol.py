@@ -209,9 +209,22 @@ class SamplingFields(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+class _Templated(_Request):
+    """The chat template inputs a request may give (vLLM's fields)."""
+
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    chat_template: str | None = None  # refused unless --trust-request-chat-template
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The template's kwargs, a top-level chat_template folded in."""
+        kwargs = dict(self.chat_template_kwargs)
+        if self.chat_template is not None:
+            kwargs.setdefault("chat_template", self.chat_template)
+        return kwargs
+
+
+class ChatCompletionRequest(SamplingFields, _Templated):
+    messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -378,14 +391,13 @@ class ModelList(BaseModel):
 
 
 # ---- POST /tokenize and /detokenize (vLLM's shapes) ----
-class TokenizeBody(_Request):
+class TokenizeBody(_Templated):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     return_token_strs: bool = False
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     tools: list[ToolDef] | None = None
 
 

@@ -2,7 +2,9 @@
 
 Tokenizing a long prompt or rendering a chat template is CPU work measured in milliseconds;
 done in the API process it would stall every open stream. Here it runs in its own process,
-in arrival order, so an abort always reaches the scheduler after the request it cancels.
+in arrival order, so an abort always reaches the scheduler after the request it cancels. A
+template a request brings renders in a sandbox process under a time bound (template_sandbox);
+meanwhile this loop goes on serving, and answers the API server's heartbeats.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from minisgl.message import api_to_tokenizer, detokenizer_to_api, tokenizer_to_s
 from minisgl.message.api_to_tokenizer import (
     AbortRequest,
     DetokenizeOnly,
+    Heartbeat,
     Ping,
     TokenizeOnly,
     TokenizeRequest,
@@ -36,54 +39,31 @@ from minisgl.process import (
     report_ready,
     setup_logging,
 )
+from minisgl.structured.template_kwargs import request_template
+from minisgl.tokenizer.chat_render import load_tokenizer, render_chat
+from minisgl.tokenizer.template_sandbox import RenderError, RenderJob, TemplateSandbox
 from minisgl.tokenizer.without_torch import keep_torch_out
 
 
-def load_tokenizer(model: str) -> Any:
-    from transformers import AutoTokenizer  # heavy import: only in the worker
-
-    return AutoTokenizer.from_pretrained(model)
-
-
-def render_chat(
-    tokenizer: Any,
-    messages: Any,
-    template_kwargs: Any,
-    tools: Any,
-    add_generation_prompt: bool,
-) -> str:
-    """Chat messages (and tools) through the model's own template. Raises ValueError with a
-    user-facing message: jinja errors and bad kwargs are the request's fault."""
-    kwargs = dict(template_kwargs)
-    if tools:
-        kwargs["tools"] = tools
-    try:
-        return str(
-            tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-            )
-        )
-    except Exception as exc:
-        raise ValueError(f"cannot apply the chat template: {exc}") from exc
-
-
-def tokenize(tokenizer: Any, req: TokenizeRequest) -> list[int]:
-    """Token ids of the request's prompt. Raises ValueError with a user-facing message."""
+def tokenize(tokenizer: Any, req: TokenizeRequest, text: str | None = None) -> list[int]:
+    """Token ids of the request's prompt (`text`: its chat messages, rendered already).
+    Raises ValueError with a user-facing message."""
     if req.prompt_ids is not None:
         return list(req.prompt_ids)
     if req.messages is not None:
-        text = render_chat(tokenizer, req.messages, req.chat_template_kwargs, req.tools, True)
+        if text is None:
+            text = render_chat(tokenizer, req.messages, req.chat_template_kwargs, req.tools, True)
         return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(req.prompt_text or "", add_special_tokens=False))
 
 
-def tokenize_only(tokenizer: Any, req: TokenizeOnly) -> TokenizerReply:
+def tokenize_only(tokenizer: Any, req: TokenizeOnly, text: str | None = None) -> TokenizerReply:
     """POST /tokenize: the ids of a prompt, or of chat messages through the template."""
-    if req.messages is not None:
+    if req.messages is not None and text is None:
         text = render_chat(
             tokenizer, req.messages, req.chat_template_kwargs, req.tools, req.add_generation_prompt
         )
-    else:
+    elif req.messages is None:
         text = req.prompt or ""
     ids = list(tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
     strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
@@ -91,11 +71,11 @@ def tokenize_only(tokenizer: Any, req: TokenizeOnly) -> TokenizerReply:
 
 
 def _text_tool(
-    tokenizer: Any, msg: TokenizeOnly | DetokenizeOnly, log: logging.Logger
+    tokenizer: Any, msg: TokenizeOnly | DetokenizeOnly, log: logging.Logger, text: str | None = None
 ) -> TokenizerReply | ErrorReply:
     try:
         if isinstance(msg, TokenizeOnly):
-            return tokenize_only(tokenizer, msg)
+            return tokenize_only(tokenizer, msg, text)
         return TokenizerReply(msg.rid, text=tokenizer.decode(msg.tokens))
     except Exception as exc:  # the request's fault (bad template kwargs, odd ids)
         log.info("rid=%s rejected: %s", msg.rid, exc)
@@ -104,8 +84,14 @@ def _text_tool(
 
 
 def run_tokenizer_worker(
-    model: str, endpoints: Endpoints, ready: Connection, log_level: str
+    model: str,
+    endpoints: Endpoints,
+    template_timeout: float | None,
+    ready: Connection,
+    log_level: str,
 ) -> None:
+    """`template_timeout`: the render bound of request-supplied chat templates (None: the
+    server does not take them, so no sandbox process is started)."""
     keep_torch_out()
     log = setup_logging(log_level, "tokenizer")
     life = WorkerLife()
@@ -118,38 +104,111 @@ def run_tokenizer_worker(
             ctx, endpoints.scheduler, tokenizer_to_scheduler.KINDS
         )
         to_api: PushQueue[Any] = PushQueue(ctx, endpoints.api, detokenizer_to_api.KINDS)
+        sandbox = None if template_timeout is None else TemplateSandbox(model, template_timeout)
     except BaseException as exc:
         report_failure(ready, exc)
         raise
     life.serving()
     log.info("tokenizer loaded in %s (pid %d)", elapsed(start), os.getpid())
     report_ready(ready, pid=os.getpid())
+    worker = TokenizerLoop(tokenizer, to_scheduler, to_api, sandbox, log)
     while life.alive():
-        for msg in inbox.get_all(timeout=0.1):
-            _handle(msg, tokenizer, to_scheduler, to_api, log)
+        # A render in the sandbox is checked on often; otherwise the inbox wakes the loop.
+        for msg in inbox.get_all(timeout=0.005 if worker.rendering else 0.1):
+            worker.handle(msg)
+        worker.collect_renders()
+    if sandbox is not None:
+        sandbox.close()
     inbox.close()
     to_scheduler.close()
     to_api.close()
     exit_now()
 
 
-def _handle(
-    msg: Any, tokenizer: Any, to_scheduler: PushQueue, to_api: PushQueue, log: logging.Logger
-) -> None:
-    if isinstance(msg, TokenizeRequest):
+class TokenizerLoop:
+    """Handles the API server's messages in arrival order. A chat whose template came with the
+    request goes to the sandbox and finishes when `collect_renders` finds its text; the rest
+    (the model's own template, plain prompts) is done on the spot."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        to_scheduler: PushQueue,
+        to_api: PushQueue,
+        sandbox: TemplateSandbox | None,
+        log: logging.Logger,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.to_scheduler = to_scheduler
+        self.to_api = to_api
+        self.sandbox = sandbox
+        self.log = log
+        self.rendering: dict[str, TokenizeRequest | TokenizeOnly] = {}  # rid -> its message
+
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, TokenizeRequest | TokenizeOnly) and self._to_sandbox(msg):
+            return
+        if isinstance(msg, TokenizeRequest):
+            self._tokenized(msg, None)
+        elif isinstance(msg, TokenizeOnly | DetokenizeOnly):
+            self.to_api.put(_text_tool(self.tokenizer, msg, self.log))
+        elif isinstance(msg, AbortRequest):
+            if msg.index is None and self.rendering.pop(msg.rid, None) is not None:
+                assert self.sandbox is not None
+                self.sandbox.cancel(msg.rid)  # the scheduler never heard of it
+                self.log.info("rid=%s aborted while its template rendered", msg.rid)
+                return
+            self.to_scheduler.put(msg)
+        elif isinstance(msg, Ping):
+            msg.hops.append("tokenizer")
+            self.to_scheduler.put(msg)
+        elif isinstance(msg, Heartbeat):
+            self.to_api.put(msg)  # straight back: /health learns this loop still turns
+
+    def collect_renders(self) -> None:
+        if self.sandbox is None or not self.rendering:
+            return
+        for rid, result in self.sandbox.poll():
+            msg = self.rendering.pop(rid, None)
+            if msg is None:
+                continue
+            if isinstance(result, RenderError):
+                self.log.info("rid=%s rejected: %s", rid, result)
+                self.to_api.put(ErrorReply(rid, str(result), 400, "chat_template_kwargs"))
+            elif isinstance(msg, TokenizeRequest):
+                self._tokenized(msg, result)
+            else:
+                self.to_api.put(_text_tool(self.tokenizer, msg, self.log, result))
+
+    def _to_sandbox(self, msg: TokenizeRequest | TokenizeOnly) -> bool:
+        template = request_template(msg.chat_template_kwargs) if msg.messages else None
+        if template is None:
+            return False
+        if self.sandbox is None:  # the API server refuses these; never render one here
+            self.to_api.put(
+                ErrorReply(msg.rid, "request chat templates are off", 400, "chat_template_kwargs")
+            )
+            return True
+        add_prompt = msg.add_generation_prompt if isinstance(msg, TokenizeOnly) else True
+        job = RenderJob(msg.rid, msg.messages, msg.chat_template_kwargs, msg.tools, add_prompt)
+        self.sandbox.submit(job)
+        self.rendering[msg.rid] = msg
+        return True
+
+    def _tokenized(self, msg: TokenizeRequest, text: str | None) -> None:
         try:
-            ids = tokenize(tokenizer, msg)
+            ids = tokenize(self.tokenizer, msg, text)
         except ValueError as exc:
-            log.info("rid=%s rejected: %s", msg.rid, exc)
-            to_api.put(ErrorReply(msg.rid, str(exc), 400, "messages"))
+            self.log.info("rid=%s rejected: %s", msg.rid, exc)
+            self.to_api.put(ErrorReply(msg.rid, str(exc), 400, "messages"))
             return
         except Exception as exc:  # never let one request kill the worker
-            log.exception("rid=%s tokenization failed", msg.rid)
-            to_api.put(ErrorReply(msg.rid, f"tokenization failed: {exc}", 400, None))
+            self.log.exception("rid=%s tokenization failed", msg.rid)
+            self.to_api.put(ErrorReply(msg.rid, f"tokenization failed: {exc}", 400, None))
             return
-        log.debug("rid=%s tokenized: %d prompt tokens", msg.rid, len(ids))
+        self.log.debug("rid=%s tokenized: %d prompt tokens", msg.rid, len(ids))
         timeline.mark(msg.rid, "tokenized")
-        to_scheduler.put(
+        self.to_scheduler.put(
             TokenizedRequest(
                 msg.rid,
                 ids,
@@ -161,10 +220,3 @@ def _handle(
                 msg.keep_special,
             )
         )
-    elif isinstance(msg, TokenizeOnly | DetokenizeOnly):
-        to_api.put(_text_tool(tokenizer, msg, log))
-    elif isinstance(msg, AbortRequest):
-        to_scheduler.put(msg)
-    elif isinstance(msg, Ping):
-        msg.hops.append("tokenizer")
-        to_scheduler.put(msg)
