@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl_operator import autoscaling, network, routing, storage, workload
+from minisgl_operator import autoscaling, network, node_security, routing, storage, workload
 from minisgl_operator.launch import Launch, launch
 from minisgl_operator.meta import cache_claim_name, epp_name
 from minisgl_operator.spec import ModelServerSpec, parse_spec
@@ -35,6 +35,8 @@ HTTP_ROUTE = ChildKind(routing.GATEWAY_API_VERSION, "HTTPRoute", "httproutes")
 SERVICE_ACCOUNT = ChildKind("v1", "ServiceAccount", "serviceaccounts")
 ROLE = ChildKind("rbac.authorization.k8s.io/v1", "Role", "roles")
 ROLE_BINDING = ChildKind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings")
+SECRET = ChildKind("v1", "Secret", "secrets")
+NETWORK_POLICY = ChildKind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
 KINDS = {
     k.kind: k
     for k in (
@@ -50,10 +52,21 @@ KINDS = {
         SERVICE_ACCOUNT,
         ROLE,
         ROLE_BINDING,
+        SECRET,
+        NETWORK_POLICY,
     )
 }
 # Kinds the operator may not be granted (chart values rbac.leaderWorkerSet/inferencePool).
-OPT_IN_KINDS = (LEADER_WORKER_SET, INFERENCE_POOL, HTTP_ROUTE, SERVICE_ACCOUNT, ROLE, ROLE_BINDING)
+OPT_IN_KINDS = (
+    LEADER_WORKER_SET,
+    SECRET,
+    NETWORK_POLICY,
+    INFERENCE_POOL,
+    HTTP_ROUTE,
+    SERVICE_ACCOUNT,
+    ROLE,
+    ROLE_BINDING,
+)
 
 
 def possible_children(name: str) -> list[tuple[ChildKind, str]]:
@@ -74,6 +87,8 @@ def possible_children(name: str) -> list[tuple[ChildKind, str]]:
         (ROLE_BINDING, epp),
         (ROLE, epp),
         (SERVICE_ACCOUNT, epp),
+        (SECRET, node_security.secret_name(name)),
+        (NETWORK_POLICY, node_security.policy_name(name)),
     ]
 
 
@@ -179,11 +194,13 @@ def plan(
     cluster: Cluster,
     current_deployment: Mapping[str, Any] | None = None,
     current_claim: Mapping[str, Any] | None = None,
+    current_secret: Mapping[str, Any] | None = None,
 ) -> Plan:
     """Desired children of a ModelServer object; raises SpecError if it cannot be served.
 
     `current_deployment` is the workload of the kind the spec asks for (Deployment or
-    LeaderWorkerSet) as it runs now, or None."""
+    LeaderWorkerSet) as it runs now, or None; `current_secret` the node secret we made (a
+    multi-node group's secret is kept, never replaced)."""
     meta = owner["metadata"]
     spec = parse_spec(meta["name"], meta["namespace"], owner.get("spec"))
     run = launch(spec)
@@ -208,6 +225,9 @@ def plan(
         _autoscaler(owner, spec, cluster, problems),
         *_routing(owner, spec, run.port, cluster, problems),
     ]
+    if spec.engine.multi_node:
+        wanted.append(node_security.secret(owner, current_secret))
+        wanted.append(node_security.network_policy(owner, run.port))
     apply = [c for c in wanted if c is not None]
     present = {(c["kind"], c["metadata"]["name"]) for c in apply}
     delete = [

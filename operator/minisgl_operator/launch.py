@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minisgl.config import ServerArgs, build_parser, flag_name, to_cli_args
+from minisgl_operator.node_security import SECRET_FILE
 from minisgl_operator.spec import ModelServerSpec, SpecError
 
 LAUNCHER = ["python", "-m", "minisgl"]
@@ -92,6 +93,8 @@ def server_args(spec: ModelServerSpec) -> ServerArgs:
         "max_seq_len_override": e.max_seq_len,
         "max_running_requests": e.max_running_requests,
         "shutdown_timeout": float(e.shutdown_timeout_s) if e.shutdown_timeout_s else None,
+        # The group's secret, mounted into every pod (node_security).
+        "node_secret_file": SECRET_FILE if e.multi_node else None,
     }
     return ServerArgs(
         model=spec.model,
@@ -117,7 +120,8 @@ def _parse(argv: list[str], *, explicit_only: bool = False) -> dict[str, Any]:
 def launch(spec: ModelServerSpec) -> Launch:
     extra = list(spec.engine.extra_args)
     # What the parser resolves the extra flags to, not how they are spelled (`--tp-size=4`).
-    managed = MANAGED_FIELDS + (("dist_init_addr",) if spec.engine.multi_node else ())
+    group = ("dist_init_addr", "node_secret_file")
+    managed = MANAGED_FIELDS + (group if spec.engine.multi_node else ())
     owned = [f for f in managed if f in _parse(extra, explicit_only=True)]
     if owned:
         names = ", ".join(flag_name(f) for f in owned)

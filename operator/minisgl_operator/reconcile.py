@@ -21,6 +21,7 @@ from minisgl_operator.children import (
     LEADER_WORKER_SET,
     OPT_IN_KINDS,
     SCALED_OBJECT,
+    SECRET,
     ChildKind,
     Cluster,
     Problem,
@@ -29,6 +30,7 @@ from minisgl_operator.children import (
 )
 from minisgl_operator.kube import Kube, KubeError
 from minisgl_operator.meta import cache_claim_name
+from minisgl_operator.node_security import secret_name
 from minisgl_operator.routing import PickerConfig
 from minisgl_operator.spec import SpecError, parse_spec
 from minisgl_operator.status import compute_status
@@ -100,6 +102,8 @@ async def reconcile(owner: Mapping[str, Any], kube: Kube, config: Config) -> dic
             workloads[kind.kind] = current if current and owned_by(current, uid) else None
         claim = await kube.get(CLAIM, ns, cache_claim_name(name))
         claim = claim if claim and owned_by(claim, uid) else None
+        secret = await _get_optional(kube, SECRET, ns, secret_name(name))
+        secret = secret if secret and owned_by(secret, uid) else None
     except KubeError as e:
         problems.append(Problem("ApiError", f"reading children: {e}"))
         status = compute_status(owner, None, None, problems, now_iso())
@@ -112,7 +116,7 @@ async def reconcile(owner: Mapping[str, Any], kube: Kube, config: Config) -> dic
     # is what serves: status reports it.
     serving = current_workload or workloads[other.kind]
     try:
-        p = plan(owner, cluster, current_workload, claim)
+        p = plan(owner, cluster, current_workload, claim, secret)
     except SpecError as e:
         problems.append(Problem("InvalidSpec", str(e)))
         status = compute_status(owner, None, serving, problems, now_iso())

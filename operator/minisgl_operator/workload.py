@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from minisgl_operator import node_security
 from minisgl_operator.launch import DIST_INIT_PORT, PRESTOP_SLEEP_S, STARTUP_PROBE_PERIOD_S, Launch
 from minisgl_operator.meta import (
     cache_claim_name,
@@ -137,6 +138,12 @@ def pod_template(spec: ModelServerSpec, launch: Launch, *, serves: bool = True) 
     ports = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
     if launch.nodes > 1:
         ports.append({"name": "dist", "containerPort": DIST_INIT_PORT, "protocol": "TCP"})
+    mounts = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "cache", "mountPath": CACHE_MOUNT},
+    ]
+    if launch.nodes > 1:
+        mounts.append(node_security.volume_mount())
     container = {
         "name": "server",
         "image": spec.image,
@@ -144,10 +151,7 @@ def pod_template(spec: ModelServerSpec, launch: Launch, *, serves: bool = True) 
         "ports": ports,
         "env": _env(spec),
         "resources": _resources(spec),
-        "volumeMounts": [
-            {"name": "dshm", "mountPath": "/dev/shm"},
-            {"name": "cache", "mountPath": CACHE_MOUNT},
-        ],
+        "volumeMounts": mounts,
         # Not ready until the model is loaded; the startup probe gives loading its own,
         # long budget so liveness never kills a pod that is still downloading weights.
         "startupProbe": _probe(port, STARTUP_PROBE_PERIOD_S, launch.startup_failure_threshold),
@@ -173,6 +177,8 @@ def pod_template(spec: ModelServerSpec, launch: Launch, *, serves: bool = True) 
         },
         "enableServiceLinks": False,
     }
+    if launch.nodes > 1:
+        pod_spec["volumes"].append(node_security.volume(spec.name))
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:

@@ -127,8 +127,11 @@ def test_rbac_is_least_privilege(render) -> None:
     assert verbs[("apps", "deployments")] == {"get", "list", "watch", "create", "patch", "delete"}
     assert verbs[("keda.sh", "scaledobjects")] == {"get", "create", "patch", "delete"}
     assert verbs[("leaderworkerset.x-k8s.io", "leaderworkersets")] == verbs[("apps", "deployments")]
-    # Never secrets, pods, or anything the operator does not touch.
-    assert not any(r in ("secrets", "pods", "configmaps") for _, r in verbs)
+    # Secrets only for multi-node groups' node secrets, by name: never list or watch them.
+    assert verbs[("", "secrets")] == {"get", "create", "patch", "delete"}
+    assert verbs[("networking.k8s.io", "networkpolicies")] == {"get", "create", "patch", "delete"}
+    # Never pods, or anything the operator does not touch.
+    assert not any(r in ("pods", "configmaps") for _, r in verbs)
     assert not any(g.startswith(("inference.", "gateway.", "rbac.")) for g, _ in verbs)
 
 
@@ -147,9 +150,10 @@ def test_routing_rbac_is_opt_in_and_reads_pods_only(render) -> None:
     for kind in ("roles", "rolebindings"):
         assert "escalate" not in verbs[("rbac.authorization.k8s.io", kind)]
         assert "bind" not in verbs[("rbac.authorization.k8s.io", kind)]
-    assert not any(r in ("secrets", "configmaps") for _, r in verbs)
+    assert not any(r == "configmaps" for _, r in verbs)
     (role,) = by_kind(render({"rbac": {"leaderWorkerSet": False}}), "ClusterRole")
     assert not any(g == "leaderworkerset.x-k8s.io" for g, _ in granted(role))
+    assert not any(r in ("secrets", "networkpolicies") for _, r in granted(role))
 
 
 def test_endpoint_picker_values_become_operator_flags(render) -> None:

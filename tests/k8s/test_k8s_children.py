@@ -79,6 +79,8 @@ def test_minimal_spec_makes_deployment_and_service_owned_by_the_modelserver() ->
         ("ServiceAccount", "qwen-epp"),
         ("Role", "qwen-epp"),
         ("RoleBinding", "qwen-epp"),
+        ("Secret", "qwen-node-secret"),  # a multi-node group's, left from engine.nodes > 1
+        ("NetworkPolicy", "qwen-nodes"),
     }
 
 
