@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(args.verbose)
     picker = PickerConfig(image=args.epp_image, extra_args=tuple(args.epp_arg))
     handlers.CONFIG = Config(prometheus_url=args.prometheus_url, picker=picker)
+    handlers.WATCH_NAMESPACE = args.namespace
     kopf.run(
         clusterwide=args.namespace is None,
         namespaces=[args.namespace] if args.namespace else (),

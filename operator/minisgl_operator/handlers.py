@@ -1,10 +1,18 @@
-"""kopf handlers: thin adapters from kopf events to `reconcile` and the status timer.
+"""kopf handlers: thin adapters from kopf events to `reconcile` and the periodic resync.
 
 Run with `python -m minisgl_operator`, or `kopf run -m minisgl_operator.handlers`.
+
+No handler here makes kopf put a finalizer on a ModelServer (no deletion handlers, timers or
+daemons: a kopf timer adds one to every object it runs on). Children go with their owner through
+ownerReferences, so there is nothing to clean up, and a ModelServer deleted while the operator
+is stopped or uninstalled is gone at once instead of hanging on a finalizer nobody removes.
+kopf also removes its finalizer from ModelServers that an older operator left one on.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 from typing import Any
@@ -29,9 +37,14 @@ log = logging.getLogger("minisgl_operator")
 
 # Filled by __main__ (or the environment, for `kopf run -m`) before the operator starts.
 CONFIG = Config(prometheus_url=os.environ.get("MINISGL_OPERATOR_PROMETHEUS_URL") or None)
+# The one namespace watched (`--namespace`), or None for all.
+WATCH_NAMESPACE: str | None = None
 RESYNC_SECONDS = float(os.environ.get("MINISGL_OPERATOR_RESYNC_SECONDS", "30"))
 _kube: HttpKube | None = None
 OURS = {MANAGED_BY_LABEL: FIELD_MANAGER}
+# The ModelServers the watch has shown, by (namespace, name): what the resync loop visits.
+_known: set[tuple[str, str]] = set()
+_resync_task: asyncio.Task[None] | None = None
 
 
 def kube() -> HttpKube:
@@ -50,6 +63,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 60
+    # Watching one namespace, the operator holds a Role there and nothing cluster-wide: kopf's
+    # scans of namespaces and CRDs would be forbidden, retried for about a minute before it
+    # serves. It resolves its resources once, at start, through discovery instead.
+    settings.scanning.disabled = WATCH_NAMESPACE is not None
 
 
 @kopf.on.login()
@@ -61,8 +78,18 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return info
 
 
+@kopf.on.startup()
+async def start_resync(**_: Any) -> None:
+    global _resync_task
+    _resync_task = asyncio.create_task(_resync_forever())
+
+
 @kopf.on.cleanup()
 async def close(**_: Any) -> None:
+    if _resync_task is not None:
+        _resync_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await _resync_task
     if _kube is not None:
         await _kube.aclose()
 
@@ -74,8 +101,30 @@ async def on_change(body: kopf.Body, **_: Any) -> None:
     await reconcile(body, kube(), CONFIG)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, sharp=False)
-async def resync(body: kopf.Body, **_: Any) -> None:
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def remember(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
+    key = (body["metadata"]["namespace"], body["metadata"]["name"])
+    if event.get("type") == "DELETED":
+        _known.discard(key)
+    else:
+        _known.add(key)
+
+
+async def _resync_forever() -> None:
+    while True:
+        await asyncio.sleep(RESYNC_SECONDS)
+        if _kube is None:
+            continue
+        for namespace, name in sorted(_known):
+            try:
+                owner = await _kube.get_modelserver(namespace, name)
+                if owner is not None and not owner["metadata"].get("deletionTimestamp"):
+                    await resync(owner)
+            except Exception:  # one ModelServer's failure must not stop the others' resync
+                log.exception("resync of ModelServer %s/%s failed", namespace, name)
+
+
+async def resync(body: Any) -> None:
     """Heals drift the watches miss (e.g. a deleted Ingress) and refreshes observed SLOs."""
     await reconcile(body, kube(), CONFIG)
     url = CONFIG.prometheus_url
