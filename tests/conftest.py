@@ -26,6 +26,9 @@ if "torch" in sys.modules:  # a plugin imported it already; the env var came too
 # MINISGL_TEST_PRESET=qwen3-moe (or qwen2, llama) runs every test that uses tiny_model_dir
 # (server, metrics, engine) on that architecture instead of dense Qwen3.
 TINY_PRESET = os.environ.get("MINISGL_TEST_PRESET", "tiny")
+# MINISGL_TEST_WRITER=transformers has the installed transformers' save_pretrained write those
+# fixtures (its config.json keys) instead of the project's writer.
+WRITER = os.environ.get("MINISGL_TEST_WRITER", "minisgl")
 
 
 def _write(
@@ -33,6 +36,7 @@ def _write(
 ) -> Path:
     from minisgl.testing.fixture import write_fixture_model
 
+    kwargs.setdefault("writer", WRITER)
     return write_fixture_model(tmp_path_factory.mktemp(name), preset, **kwargs)
 
 
@@ -60,6 +64,35 @@ def llama_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _write(tmp_path_factory, "llama-tiny", "llama", tie_word_embeddings=False)
 
 
+# The same four architectures written by the installed transformers' own save_pretrained: a key
+# a new transformers release renames in config.json (Qwen3-MoE's num_experts became
+# num_local_experts in 5.x) reaches these, whatever the project's writer spells.
+@pytest.fixture(scope="session")
+def transformers_qwen3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write(tmp_path_factory, "qwen3-by-transformers", "tiny", writer="transformers")
+
+
+@pytest.fixture(scope="session")
+def transformers_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write(tmp_path_factory, "moe-by-transformers", "qwen3-moe", writer="transformers")
+
+
+@pytest.fixture(scope="session")
+def transformers_qwen2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write(tmp_path_factory, "qwen2-by-transformers", "qwen2", writer="transformers")
+
+
+@pytest.fixture(scope="session")
+def transformers_llama_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write(
+        tmp_path_factory,
+        "llama-by-transformers",
+        "llama",
+        tie_word_embeddings=False,
+        writer="transformers",
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_untied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """As tiny_model_dir but with a separate lm_head.weight."""
@@ -68,8 +101,9 @@ def tiny_untied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_sharded_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same weights as tiny_model_dir, split over two safetensors files plus an index."""
-    return _write(tmp_path_factory, "qwen3-tiny-sharded", num_shards=2)
+    """The same weights as tiny_model_dir, split over two safetensors files plus an index
+    (always the project's writer: transformers picks its own shard sizes)."""
+    return _write(tmp_path_factory, "qwen3-tiny-sharded", num_shards=2, writer="minisgl")
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,6 @@
-"""The model's shape and constants, read from a Hugging Face `config.json` (torch-free)."""
+"""The model's shape and constants, read from a Hugging Face `config.json` through
+transformers' config class for its architecture (imported when a config is read: importing
+this module stays torch-free)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minisgl.models.registry import ARCHITECTURES, supported_architecture
+from minisgl.models.registry import (
+    ARCHITECTURES,
+    config_class,
+    has_experts,
+    supported_architecture,
+)
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # rope_type values RotaryEmbedding implements ("default" and None mean plain RoPE).
@@ -72,58 +79,76 @@ class ModelConfig:
     def from_dict(
         cls, raw: dict[str, Any], generation: dict[str, Any] | None = None
     ) -> ModelConfig:
+        """Read through transformers' own config class for the architecture: whichever name a
+        transformers release writes a key under (Qwen3-MoE's expert count is `num_experts` on
+        the hub and `num_local_experts` from transformers 5 on), and whatever default it gives
+        a missing key, are what transformers itself would run the checkpoint with."""
         archs = list(raw.get("architectures") or [])
-        if supported_architecture(archs) is None:
+        arch = supported_architecture(archs)
+        if arch is None:
             raise ValueError(
                 f"unsupported model architecture {archs or raw.get('model_type')!r}; "
                 f"minisgl supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
-        theta, scaling = _rope(raw)
-        if raw.get("mlp_bias"):
+        hf = config_class(arch).from_dict(raw)
+        # A dense architecture's model has no experts, whatever MoE keys its config.json carries.
+        moe: Any = hf if has_experts(arch) else None
+        if getattr(hf, "mlp_bias", False):
             raise ValueError("unsupported model: mlp_bias=true (minisgl's MLPs have no bias)")
-        eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
+        heads = int(hf.num_attention_heads)
+        hidden = int(hf.hidden_size)
+        theta, scaling = _rope(
+            getattr(hf, "rope_parameters", None),
+            getattr(hf, "rope_scaling", None),
+            getattr(hf, "rope_theta", None),
+        )
+        eos = (generation or {}).get("eos_token_id", hf.eos_token_id)
         if eos is None:
             eos_ids: list[int] = []
         elif isinstance(eos, int):
             eos_ids = [eos]
         else:
             eos_ids = [int(e) for e in eos]
+        # transformers >= 4.56 calls it dtype (a torch.dtype once read), older ones torch_dtype;
+        # HF's default when the checkpoint names none is float32.
+        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32"
         return cls(
             architectures=archs,
-            vocab_size=int(raw["vocab_size"]),
+            vocab_size=int(hf.vocab_size),
             hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
+            intermediate_size=int(hf.intermediate_size),
+            num_hidden_layers=int(hf.num_hidden_layers),
             num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            num_key_value_heads=int(hf.num_key_value_heads or heads),
+            head_dim=int(getattr(hf, "head_dim", None) or hidden // heads),
+            rms_norm_eps=float(hf.rms_norm_eps),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # transformers >= 5 writes "dtype"; older checkpoints "torch_dtype"; HF's default
-            # when neither is present is float32.
-            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            max_position_embeddings=int(hf.max_position_embeddings),
+            tie_word_embeddings=bool(hf.tie_word_embeddings),
+            torch_dtype=str(dtype).removeprefix("torch."),
             eos_token_ids=eos_ids,
-            attention_bias=bool(raw.get("attention_bias", False)),
-            num_experts=int(raw.get("num_experts") or 0),
-            num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
-            moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-            decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
-            mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+            attention_bias=bool(getattr(hf, "attention_bias", False)),
+            # Qwen3-MoE's attribute_map makes num_experts read num_local_experts (5.x).
+            num_experts=int(getattr(moe, "num_experts", 0) or 0),
+            num_experts_per_tok=int(getattr(moe, "num_experts_per_tok", 0) or 0),
+            moe_intermediate_size=int(getattr(moe, "moe_intermediate_size", 0) or 0),
+            norm_topk_prob=bool(getattr(moe, "norm_topk_prob", False)),
+            decoder_sparse_step=int(getattr(moe, "decoder_sparse_step", 1) or 1),
+            mlp_only_layers=tuple(int(i) for i in getattr(moe, "mlp_only_layers", None) or ()),
         )
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either the classic keys or transformers 5's
-    `rope_parameters`; plain RoPE is reported as None."""
-    params = dict(raw.get("rope_parameters") or {})
-    scaling = dict(raw.get("rope_scaling") or {}) or params
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+def _rope(
+    parameters: dict[str, Any] | None,
+    rope_scaling: dict[str, Any] | None,
+    rope_theta: float | None,
+) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from transformers 5's `rope_parameters` or the classic
+    attributes of older releases; plain RoPE is reported as None."""
+    params = dict(parameters or {})
+    scaling = dict(rope_scaling or {}) or params
+    theta = float(params.get("rope_theta", rope_theta if rope_theta is not None else 10000.0))
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type in (None, "default"):
         return theta, None

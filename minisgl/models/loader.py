@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from minisgl.models.checkpoint import mismatches
 from minisgl.models.config import ModelConfig
 from minisgl.models.qwen3 import Qwen3ForCausalLM
 from minisgl.models.registry import model_class
@@ -92,6 +93,29 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape, from the safetensors headers (no data is read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            for name in h.keys():  # noqa: SIM118 - safe_open is not a mapping
+                shapes[name] = tuple(h.get_slice(name).get_shape())
+    return shapes
+
+
+def check_against_config(path: Path, files: list[Path], config: ModelConfig) -> None:
+    """Refuse, in config.json's terms, a checkpoint whose tensors do not fit its config."""
+    attn = model_class(config.architecture).attention_options(config)
+    problems = mismatches(config, attn, tensor_shapes(files))
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ValueError(
+            f"checkpoint {path} does not match its config.json: {'; '.join(problems[:3])}{more}"
+        )
+
+
 def iter_tensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
@@ -123,6 +147,7 @@ def load_model(
     MINISGL_CPU_PREPACK=0 (or pass False) to keep plain F.linear.
     """
     files = checkpoint_files(Path(path))
+    check_against_config(path, files, config)
     # Parameters are created on the meta device (no memory, no random init) and then
     # materialised uninitialised on the target: every one is overwritten from the checkpoint.
     with torch.device("meta"):
@@ -134,6 +159,7 @@ def load_model(
         progress = tp_rank == 0
     with torch.no_grad():
         loaded = model.load_weights(iter_tensors(files, progress))
+    # check_against_config found every tensor: one missing here is a loader bug, not the user's.
     missing = sorted(model.expected_weights() - loaded)
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""

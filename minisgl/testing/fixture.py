@@ -8,6 +8,10 @@ Qwen tokenizer (a random model does not care whose vocabulary it has).
 
     python -m minisgl.testing.fixture /tmp/qwen3-tiny [--preset tiny|0.6b|qwen3-moe|...]
     python -m minisgl.testing.fixture /tmp/a3b --preset 30b-a3b --num-layers 4
+    python -m minisgl.testing.fixture /tmp/moe --preset qwen3-moe --writer transformers
+
+The last has the installed transformers build the model and `save_pretrained` it, so its
+config.json keys are whatever that release writes (transformers_writer.py).
 
 Weights come from numpy (no torch import) with one generator per tensor seeded by the tensor's
 name, so the values do not depend on sharding or write order.
@@ -19,7 +23,7 @@ import argparse
 import hashlib
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from importlib import resources
 from math import prod
 from pathlib import Path
@@ -27,6 +31,16 @@ from typing import Any
 
 import numpy as np
 
+from minisgl.testing.presets import (
+    ARCHS,
+    BOS_ID,
+    DTYPES,
+    EOS_ID,
+    NORM_NOISE,
+    PRESETS,
+    VOCAB_SIZE,
+    Preset,
+)
 from minisgl.testing.safetensors_writer import TensorSpec, write_safetensors
 from minisgl.testing.tokenizer_builder import (
     QWEN3_ADDED_TOKENS,
@@ -34,106 +48,8 @@ from minisgl.testing.tokenizer_builder import (
     qwen3_tokenizer_json,
 )
 
-VOCAB_SIZE = 151936  # Qwen3's embedding rows (the tokenizer uses 151,669 of them)
-BOS_ID = added_token_id("<|endoftext|>")
-EOS_ID = added_token_id("<|im_end|>")
-DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-NORM_NOISE = 0.05  # norms stay near 1 so activations keep a sane scale
 CHUNK_ELEMENTS = 1 << 22  # bounds peak memory while generating the large tensors
-
-
-@dataclass(frozen=True)
-class Preset:
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    std: float
-    dtype: str
-    arch: str = "qwen3"  # a key of ARCHS
-    # Qwen3-MoE only (arch "qwen3_moe").
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    mlp_only_layers: tuple[int, ...] = ()
-    rope_theta: float = 1_000_000.0
-    rope_scaling: dict[str, Any] | None = None
-
-
-# arch -> (config.json architectures[0], model_type)
-ARCHS = {
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "llama": ("LlamaForCausalLM", "llama"),
-}
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 1024,
-}
-
-PRESETS: dict[str, Preset] = {
-    # GQA with head counts divisible by 2, so tensor parallel can split it. std 0.5 keeps greedy
-    # top-1/top-2 logit margins far from ties, so float reorderings cannot flip a token.
-    "tiny": Preset(64, 128, 2, 4, 2, 32, 4096, std=0.5, dtype="float32"),
-    # The real Qwen3-0.6B shape, for benchmarks.
-    "0.6b": Preset(1024, 3072, 28, 16, 8, 128, 40960, std=0.02, dtype="bfloat16"),
-    # 16 experts, top-4; layer 1 dense (mlp_only_layers), so both kinds of layer are exercised.
-    "qwen3-moe": Preset(
-        64,
-        128,
-        3,
-        4,
-        2,
-        32,
-        4096,
-        std=0.5,
-        dtype="float32",
-        arch="qwen3_moe",
-        num_experts=16,
-        num_experts_per_tok=4,
-        moe_intermediate_size=32,
-        mlp_only_layers=(1,),
-    ),
-    # Qwen2/Llama derive head_dim from hidden_size / heads: 64 / 4.
-    "qwen2": Preset(64, 128, 2, 4, 2, 16, 4096, std=0.5, dtype="float32", arch="qwen2"),
-    "llama": Preset(
-        64,
-        128,
-        2,
-        4,
-        2,
-        16,
-        4096,
-        std=0.5,
-        dtype="float32",
-        arch="llama",
-        rope_theta=500_000.0,
-        rope_scaling=LLAMA3_ROPE,
-    ),
-    # The real Qwen3-30B-A3B shape (48 layers; benchmarks take fewer with num_hidden_layers).
-    "30b-a3b": Preset(
-        2048,
-        6144,
-        48,
-        32,
-        4,
-        128,
-        40960,
-        std=0.02,
-        dtype="bfloat16",
-        arch="qwen3_moe",
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=768,
-    ),
-}
+WRITERS = ("minisgl", "transformers")
 
 
 def _is_moe_layer(p: Preset, i: int) -> bool:
@@ -355,13 +271,19 @@ def write_fixture_model(
     num_shards: int = 1,
     progress: bool | None = None,
     num_hidden_layers: int | None = None,
+    writer: str = "minisgl",
 ) -> Path:
     """Write a random Qwen3 checkpoint plus the real Qwen3 tokenizer into `out_dir`.
 
     dtype and std default to the preset's (tiny: float32, std 0.5; 0.6b: bfloat16, std 0.02).
     progress defaults to a bar for checkpoints over 100 MB. num_hidden_layers overrides the
-    preset's (a 30B-A3B shape with a few layers fits a benchmark machine). Returns the directory.
+    preset's (a 30B-A3B shape with a few layers fits a benchmark machine). writer "minisgl"
+    streams the tensors from here, with config.json spelt as the hub's checkpoints are;
+    "transformers" has the installed transformers build the model and `save_pretrained` it
+    (its own key names, one shard, its own initialisation). Returns the directory.
     """
+    if writer not in WRITERS:
+        raise ValueError(f"unknown writer {writer!r}; choose from {', '.join(WRITERS)}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     p = PRESETS[preset]
@@ -375,6 +297,14 @@ def write_fixture_model(
     # Weights left by an earlier write with another shard count would confuse loaders.
     for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)
+    if writer == "transformers":
+        if num_shards != 1:
+            raise ValueError("the transformers writer writes one shard")
+        from minisgl.testing.transformers_writer import save_random_model
+
+        save_random_model(out, p, tie_word_embeddings, dtype, seed, p.std if std is None else std)
+        write_tokenizer(out)
+        return out
 
     specs = _tensor_specs(p, tie_word_embeddings, DTYPES[dtype])
     shards = _split_shards(specs, num_shards)
@@ -424,6 +354,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-layers", type=int, default=None, help="preset default")
     parser.add_argument("--std", type=float, default=None, help="preset default")
+    parser.add_argument(
+        "--writer",
+        choices=WRITERS,
+        default="minisgl",
+        help="transformers: the installed transformers' save_pretrained writes it",
+    )
     args = parser.parse_args(argv)
     out = write_fixture_model(
         args.out_dir,
@@ -434,6 +370,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         std=args.std,
         num_shards=args.num_shards,
         num_hidden_layers=args.num_layers,
+        writer=args.writer,
     )
     print(out)
 

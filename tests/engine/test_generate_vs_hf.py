@@ -70,18 +70,39 @@ def check_identical(
     return smallest
 
 
+# The same architectures as written by the installed transformers' save_pretrained, with its
+# config.json keys (e.g. num_local_experts) rather than the project writer's.
+SAVED_BY_TRANSFORMERS = {
+    "qwen3": "transformers_qwen3_model_dir",
+    "qwen3-moe": "transformers_moe_model_dir",
+    "qwen2": "transformers_qwen2_model_dir",
+    "llama": "transformers_llama_model_dir",
+}
+
+
 @pytest.fixture(scope="module", params=list(ARCH_FIXTURES))
 def model_dir(request: pytest.FixtureRequest) -> str:
     return str(request.getfixturevalue(ARCH_FIXTURES[request.param]))
 
 
-def test_batch_of_mixed_lengths_matches_transformers(model_dir):
+def check_mixed_batch(model_dir: str, num_prompts: int = 12) -> None:
     llm = LLM(model_dir, dtype="float32", device="cpu", num_pages=512, page_size=16)
     # The registry picked the class config.json names, and transformers runs its own of it.
     arch = json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0]
     assert type(llm.engine.runner.model).__name__ == arch == type(_hf_model(model_dir)).__name__
-    margin = check_identical(model_dir, llm, mixed_prompts(12))
+    margin = check_identical(model_dir, llm, mixed_prompts(num_prompts))
     assert margin > 1e-3, "logit margins too close to ties for an exact comparison"
+
+
+def test_batch_of_mixed_lengths_matches_transformers(model_dir):
+    check_mixed_batch(model_dir)
+
+
+@pytest.mark.parametrize("arch", list(SAVED_BY_TRANSFORMERS))
+def test_checkpoint_saved_by_transformers_matches(request: pytest.FixtureRequest, arch: str):
+    # What differs from the project writer's checkpoints is how they are spelt, not what the
+    # engine does with them: a smaller batch of mixed lengths suffices.
+    check_mixed_batch(str(request.getfixturevalue(SAVED_BY_TRANSFORMERS[arch])), num_prompts=6)
 
 
 def test_prefix_cache_off_matches(model_dir):

@@ -224,6 +224,44 @@ def test_other_architecture_presets(tmp_path: Path, preset: str, arch: str, per_
         assert config["rope_scaling"]["rope_type"] == "llama3"
 
 
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [
+        ("tiny_model_dir", "transformers_qwen3_model_dir"),
+        ("moe_model_dir", "transformers_moe_model_dir"),
+        ("qwen2_model_dir", "transformers_qwen2_model_dir"),
+        ("llama_model_dir", "transformers_llama_model_dir"),
+    ],
+)
+def test_both_writers_agree_on_tensors(request: pytest.FixtureRequest, ours: str, theirs: str):
+    """The project's writer names and shapes every tensor as the installed transformers'
+    save_pretrained does: a tensor renamed in a new transformers release fails here."""
+    from safetensors import safe_open
+
+    def shapes(path: Path) -> dict[str, list[int]]:
+        with safe_open(path / "model.safetensors", "np") as f:
+            return {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118
+
+    mine = request.getfixturevalue(ours)
+    by_transformers = request.getfixturevalue(theirs)
+    assert shapes(mine) == shapes(by_transformers)
+    config = json.loads((by_transformers / "config.json").read_text())
+    assert (
+        config["architectures"] == json.loads((mine / "config.json").read_text())["architectures"]
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (by_transformers / name).is_file()
+
+
+def test_transformers_writer_writes_one_shard(tmp_path: Path) -> None:
+    from minisgl.testing.fixture import write_fixture_model
+
+    with pytest.raises(ValueError, match="one shard"):
+        write_fixture_model(tmp_path, num_shards=2, writer="transformers")
+    with pytest.raises(ValueError, match="unknown writer 'hf'"):
+        write_fixture_model(tmp_path, writer="hf")
+
+
 def test_layer_count_override(tmp_path: Path) -> None:
     from minisgl.testing.fixture import write_fixture_model
 

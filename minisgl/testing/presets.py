@@ -1,0 +1,109 @@
+"""The random test checkpoints' shapes, shared by both writers: fixture.py writes the tensors
+itself, transformers_writer.py has transformers' `save_pretrained` write them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl.testing.tokenizer_builder import added_token_id
+
+VOCAB_SIZE = 151936  # Qwen3's embedding rows (the tokenizer uses 151,669 of them)
+BOS_ID = added_token_id("<|endoftext|>")
+EOS_ID = added_token_id("<|im_end|>")
+DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+NORM_NOISE = 0.05  # norms stay near 1 so activations keep a sane scale
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    std: float
+    dtype: str
+    arch: str = "qwen3"  # a key of ARCHS
+    # Qwen3-MoE only (arch "qwen3_moe").
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    mlp_only_layers: tuple[int, ...] = ()
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict[str, Any] | None = None
+
+
+# arch -> (config.json architectures[0], model_type)
+ARCHS = {
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "llama": ("LlamaForCausalLM", "llama"),
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 1024,
+}
+
+PRESETS: dict[str, Preset] = {
+    # GQA with head counts divisible by 2, so tensor parallel can split it. std 0.5 keeps greedy
+    # top-1/top-2 logit margins far from ties, so float reorderings cannot flip a token.
+    "tiny": Preset(64, 128, 2, 4, 2, 32, 4096, std=0.5, dtype="float32"),
+    # The real Qwen3-0.6B shape, for benchmarks.
+    "0.6b": Preset(1024, 3072, 28, 16, 8, 128, 40960, std=0.02, dtype="bfloat16"),
+    # 16 experts, top-4; layer 1 dense (mlp_only_layers), so both kinds of layer are exercised.
+    "qwen3-moe": Preset(
+        64,
+        128,
+        3,
+        4,
+        2,
+        32,
+        4096,
+        std=0.5,
+        dtype="float32",
+        arch="qwen3_moe",
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        mlp_only_layers=(1,),
+    ),
+    # Qwen2/Llama derive head_dim from hidden_size / heads: 64 / 4.
+    "qwen2": Preset(64, 128, 2, 4, 2, 16, 4096, std=0.5, dtype="float32", arch="qwen2"),
+    "llama": Preset(
+        64,
+        128,
+        2,
+        4,
+        2,
+        16,
+        4096,
+        std=0.5,
+        dtype="float32",
+        arch="llama",
+        rope_theta=500_000.0,
+        rope_scaling=LLAMA3_ROPE,
+    ),
+    # The real Qwen3-30B-A3B shape (48 layers; benchmarks take fewer with num_hidden_layers).
+    "30b-a3b": Preset(
+        2048,
+        6144,
+        48,
+        32,
+        4,
+        128,
+        40960,
+        std=0.02,
+        dtype="bfloat16",
+        arch="qwen3_moe",
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    ),
+}
