@@ -109,9 +109,10 @@ class ModelConfig:
             eos_ids = [eos]
         else:
             eos_ids = [int(e) for e in eos]
-        # transformers >= 4.56 calls it dtype (a torch.dtype once read), older ones torch_dtype;
-        # HF's default when the checkpoint names none is float32.
-        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32"
+        # transformers >= 4.56 calls it dtype (a torch.dtype once read; reading torch_dtype
+        # there warns), older ones torch_dtype; with none named HF's default is float32.
+        named = hf.dtype if hasattr(hf, "dtype") else getattr(hf, "torch_dtype", None)
+        dtype = named or "float32"
         return cls(
             architectures=archs,
             vocab_size=int(hf.vocab_size),
