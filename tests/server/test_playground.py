@@ -47,6 +47,16 @@ def _wait_running(server: ServerProcess, want: float, within: float = 60.0) -> N
         time.sleep(0.1)
 
 
+def _chat_bodies(page: Any) -> list[dict[str, Any]]:
+    """The bodies of the chat requests the page sends, in order, as the browser sends them."""
+    sent: list[dict[str, Any]] = []
+    page.on(
+        "request",
+        lambda r: sent.append(json.loads(r.post_data)) if "chat/completions" in r.url else None,
+    )
+    return sent
+
+
 def _answer_text(page: Any) -> str:
     return page.locator(".message.assistant .text").last.inner_text()
 
@@ -87,11 +97,7 @@ def test_chat_streams_an_answer_and_stop_aborts_it(
 def test_finished_answer_shows_ttft_rate_and_token_counts(
     page: Any, server: ServerProcess, tmp_path: Path
 ) -> None:
-    sent: list[dict[str, Any]] = []
-    page.on(
-        "request",
-        lambda r: sent.append(json.loads(r.post_data)) if "chat/completions" in r.url else None,
-    )
+    sent = _chat_bodies(page)
     page.goto(f"{server.url}/playground")
     page.fill("#system", "You are terse.")
     page.uncheck("#thinking")
@@ -120,6 +126,75 @@ def test_finished_answer_shows_ttft_rate_and_token_counts(
         "document.querySelectorAll('.message.assistant[data-outcome]').length == 2"
     )
     assert [m["role"] for m in sent[1]["messages"]] == ["system", "user", "assistant", "user"]
+
+
+def test_clear_during_a_stream_starts_an_empty_conversation(
+    page: Any, server: ServerProcess
+) -> None:
+    sent = _chat_bodies(page)
+    page.goto(f"{server.url}/")
+    page.wait_for_function("document.querySelector('#model').options.length > 0")
+    page.uncheck("#thinking")
+    page.fill("#max_tokens", "3000")
+    page.fill("#input", "Tell me a long story about the sea.")
+    page.press("#input", "Enter")
+    page.wait_for_function(
+        "document.querySelector('.message.assistant .text')?.textContent.length > 0"
+    )
+    page.click("#clear")  # mid-stream: aborts the answer and empties the conversation
+    page.wait_for_selector("#send:enabled")
+    _wait_running(server, 0)
+    assert page.locator("#messages .message").count() == 0
+    page.fill("#max_tokens", "4")
+    page.fill("#input", "q2")
+    page.click("#send")
+    page.wait_for_selector(".message.assistant[data-outcome^='finished']")
+    # Before: [assistant: <the aborted answer>, user: q2].
+    assert sent[1]["messages"] == [{"role": "user", "content": "q2"}], sent[1]["messages"]
+
+
+def test_a_failed_request_leaves_no_turn_behind(page: Any, server: ServerProcess) -> None:
+    sent = _chat_bodies(page)
+    # The first request fails as with a wrong API key: the server's own 401 reply.
+    unauthorized = json.dumps(
+        {
+            "error": {
+                "message": "invalid or missing API key (Authorization: Bearer)",
+                "type": "authentication_error",
+                "param": None,
+                "code": None,
+            }
+        }
+    )
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(status=401, content_type="application/json", body=unauthorized),
+    )
+    page.goto(f"{server.url}/")
+    page.wait_for_function("document.querySelector('#model').options.length > 0")
+    page.fill("#max_tokens", "4")
+    page.fill("#input", "q1")
+    page.click("#send")
+    page.wait_for_selector(".message.assistant[data-outcome='error']")
+    assert "401: invalid or missing API key" in page.inner_text("#error")
+    restored = page.input_value("#input")
+    page.unroute("**/v1/chat/completions")  # the server answers from now on
+    page.fill("#input", "q2")
+    page.click("#send")
+    page.wait_for_selector(".message.assistant[data-outcome^='finished']")
+    # Before: [user: q1, assistant: '', user: q2].
+    assert sent[1]["messages"] == [{"role": "user", "content": "q2"}], sent[1]["messages"]
+    assert restored == "q1"  # the unanswered question came back into the input to retry
+    unsent = page.locator(".message.unsent")  # and stays on the page, marked as not sent
+    assert unsent.count() == 2 and unsent.first.inner_text() == "q1"
+    page.fill("#input", "q3")
+    page.click("#send")
+    page.wait_for_function(
+        "document.querySelectorAll('.message.assistant[data-outcome^=finished]').length == 2"
+    )
+    third = [(m["role"], m["content"]) for m in sent[2]["messages"]]
+    assert [role for role, _ in third] == ["user", "assistant", "user"], third
+    assert third[0] == ("user", "q2") and third[2] == ("user", "q3"), third
 
 
 def test_raw_completion_mode(page: Any, server: ServerProcess) -> None:

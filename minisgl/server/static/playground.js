@@ -203,6 +203,7 @@ function addMessage(role, text) {
   el.append(body);
   $("messages").append(el);
   el.scrollIntoView({ block: "end" });
+  return el;
 }
 
 function setRunning(running) {
@@ -257,10 +258,14 @@ async function sendChat() {
   const text = input.value.trim();
   if (!text || state.controller) return;
   input.value = "";
-  state.messages.push({ role: "user", content: text });
-  addMessage("user", text);
+  // The conversation this turn belongs to: Clear starts a new one while the answer may still
+  // be streaming, and the old answer must not land in the new conversation.
+  const conversation = state.messages;
+  const question = { role: "user", content: text };
+  conversation.push(question);
+  const questionEl = addMessage("user", text);
   const system = $("system").value.trim();
-  const messages = system ? [{ role: "system", content: system }, ...state.messages] : [...state.messages];
+  const messages = system ? [{ role: "system", content: system }, ...conversation] : [...conversation];
   const body = {
     model: $("model").value || undefined,
     messages,
@@ -271,7 +276,20 @@ async function sendChat() {
   const outcome = await stream("v1/chat/completions", body, answer);
   answer.finish(outcome);
   // Only the answer goes back into the conversation, as Qwen3's template expects.
-  state.messages.push({ role: "assistant", content: answer.parts().answer });
+  const reply = answer.parts().answer;
+  if (outcome.startsWith("finished") || (outcome === "stopped" && reply)) {
+    conversation.push({ role: "assistant", content: reply });
+    return;
+  }
+  // No answer (the request failed, or was stopped before any text): the question leaves the
+  // conversation, so the next request does not carry a question with an empty answer. It
+  // stays on the page, marked, and goes back into the input to be sent again.
+  conversation.splice(conversation.indexOf(question), 1);
+  for (const el of [questionEl, answer.el]) {
+    el.classList.add("unsent");
+    el.title = "Not part of the conversation: no answer came back";
+  }
+  if (conversation === state.messages && !input.value) input.value = text;
 }
 
 async function sendCompletion() {
