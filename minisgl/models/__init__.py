@@ -1,4 +1,5 @@
 """Qwen3 in plain PyTorch, its config and its weight loader.
 
-Import the submodules directly (`minisgl.models.config` stays torch-free).
+Import the submodules directly (importing `minisgl.models.config` stays torch-free; reading
+a config.json imports transformers' config classes, and with them torch).
 """

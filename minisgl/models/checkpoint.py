@@ -103,22 +103,14 @@ def mismatches(config: ModelConfig, attn: AttentionFlags, shapes: Shapes) -> lis
     the checkpoint fits."""
     found = _Findings()
     n = config.num_hidden_layers
-    present = {int(m.group(1)) for m in map(_LAYER.fullmatch, shapes) if m}
+    present = _layers(shapes)
     absent = [i for i in range(n) if i not in present]
-    beyond = sorted(i for i in present if i >= n)
     if absent:
         found.add(
             ("layers",),
             None,
             f"config.json declares num_hidden_layers={n}, but the checkpoint has no tensors for "
             f"layer {absent[0]} (model.layers.{absent[0]}.*): it has {len(present)} layers",
-        )
-    elif beyond:
-        found.add(
-            ("layers",),
-            None,
-            f"the checkpoint has tensors for layer {beyond[0]} (model.layers.{beyond[0]}.*), "
-            f"beyond config.json's num_hidden_layers={n}",
         )
     mlp_told: set[int] = set()
     for name, want in expected_tensors(config, attn).items():
@@ -139,6 +131,27 @@ def mismatches(config: ModelConfig, attn: AttentionFlags, shapes: Shapes) -> lis
         else:
             found.add(("missing", rest), layer, _missing_problem(config, name))
     return found.lines()
+
+
+def surplus_layers(config: ModelConfig, shapes: Shapes) -> str | None:
+    """A note when the checkpoint has layers beyond config.json's num_hidden_layers. Not an
+    error: lowering num_hidden_layers is how people cut a model down for a quick test, and
+    transformers runs such a checkpoint too (it warns of the unused tensors)."""
+    n = config.num_hidden_layers
+    beyond = sorted(i for i in _layers(shapes) if i >= n)
+    if not beyond:
+        return None
+    first, last = beyond[0], beyond[-1]
+    unused = (
+        f"layer {first} (model.layers.{first}.*) is"
+        if first == last
+        else f"layers {first}..{last} (model.layers.{first}.* to model.layers.{last}.*) are"
+    )
+    return f"config.json declares num_hidden_layers={n}; the checkpoint's {unused} not used"
+
+
+def _layers(shapes: Shapes) -> set[int]:
+    return {int(m.group(1)) for m in map(_LAYER.fullmatch, shapes) if m}
 
 
 class _Findings:

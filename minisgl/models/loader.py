@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from minisgl.models.checkpoint import mismatches
+from minisgl.models.checkpoint import mismatches, surplus_layers
 from minisgl.models.config import ModelConfig
 from minisgl.models.qwen3 import Qwen3ForCausalLM
 from minisgl.models.registry import model_class
@@ -108,7 +108,11 @@ def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
 def check_against_config(path: Path, files: list[Path], config: ModelConfig) -> None:
     """Refuse, in config.json's terms, a checkpoint whose tensors do not fit its config."""
     attn = model_class(config.architecture).attention_options(config)
-    problems = mismatches(config, attn, tensor_shapes(files))
+    shapes = tensor_shapes(files)
+    note = surplus_layers(config, shapes)
+    if note:
+        logger.warning("checkpoint %s: %s", path, note)
+    problems = mismatches(config, attn, shapes)
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise ValueError(
