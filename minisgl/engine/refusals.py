@@ -10,19 +10,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 
 class RefusalLog:
-    def __init__(self, logger: logging.Logger, interval_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        interval_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._logger = logger
         self._interval_s = interval_s
+        self._clock = clock
         self._lock = threading.Lock()
         self._last: dict[str, float] = {}  # kind -> when last logged
         self._held: dict[str, int] = {}  # kind -> refusals since, not logged
 
     def refused(self, kind: str, message: str) -> None:
         """Log `message` (a refusal of `kind`) unless one of that kind was logged lately."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             last = self._last.get(kind)
             if last is not None and now - last < self._interval_s:
