@@ -32,7 +32,7 @@ from k8s_cluster import (
     wait_for,
 )
 from k8s_support import CHART, ROOT
-from minisgl_operator import API_VERSION, GROUP, KIND, PLURAL, VERSION, spec
+from minisgl_operator import API_VERSION, GROUP, KIND, PLURAL, VERSION, node_security, spec
 from minisgl_operator.children import KINDS, Cluster, plan
 
 pytestmark = pytest.mark.k8s
@@ -386,6 +386,11 @@ def test_operator_under_its_service_account_through_a_modelservers_life(
         merge_patch(cluster, path, {"spec": {"engine": {"tensorParallelSize": 2, "nodes": 2}}})
         lws = wait_for("the LeaderWorkerSet", lambda: child("LeaderWorkerSet"))
         assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+        # The group's shared secret and the NetworkPolicy around its link.
+        node_secret = ("Secret", node_security.secret_name("qwen"))
+        node_policy = ("NetworkPolicy", node_security.policy_name("qwen"))
+        for kind, name in (node_secret, node_policy):
+            wait_for(f"the {kind}", lambda k=kind, n=name: child(k, n))
         wait_for(
             "the Deployment to go",
             lambda: cluster.get(child_path("Deployment", ns, "qwen")) is None,
@@ -408,7 +413,7 @@ def test_operator_under_its_service_account_through_a_modelservers_life(
         ] == f"InferencePool+Gateway {ns}/gateway"
 
         # Delete: the ModelServer goes, and everything it owned with it.
-        owned_paths = [child_path(k, ns, n) for k, n in picker]
+        owned_paths = [child_path(k, ns, n) for k, n in (*picker, node_secret, node_policy)]
         owned_paths += [
             child_path(k, ns, "qwen")
             for k in (
@@ -433,9 +438,17 @@ def test_a_modelserver_is_deleted_while_the_operator_is_gone(
     with namespace(cluster, "orphan") as ns:
         path = ms_path(ns, "qwen")
         with operator_as_installed(cluster, installed, tmp_path):
-            created = cluster.create(modelserver(ns, "qwen", {"model": "m"}))
+            # As an operator before this version left it: with kopf's finalizer, which this
+            # one removes.
+            old = modelserver(ns, "qwen", {"model": "m"})
+            old["metadata"]["finalizers"] = ["kopf.zalando.org/KopfFinalizerMarker"]
+            created = cluster.create(old)
             assert created.status_code == 201, created.text
             uid = created.json()["metadata"]["uid"]
+            wait_for(
+                "the finalizer to go",
+                lambda: not (cluster.get(path) or {})["metadata"].get("finalizers"),
+            )
             wait_for(
                 "the Deployment", lambda: owned(cluster, child_path("Deployment", ns, "qwen"), uid)
             )
