@@ -72,6 +72,13 @@ class EngineArgs:
         "machine), full (time again), off (fixed defaults)",
         CPU_KERNEL_TUNING,
     )
+    cpu_weight_copies_max_gb: float = _f(
+        0.0,
+        "GB of memory CPU matmuls may spend on second copies of weights (e.g. a oneDNN layout "
+        "beside our panels for prefill), given to the layers they speed up most per byte and "
+        "logged with what they buy; 0 keeps each weight once, in the layout measured best over "
+        "all row counts (the KV cache is sized from what is left)",
+    )
     scheduler_nice: int = _f(
         5,
         "niceness added to the service's scheduler worker (not to LLM): its compute threads "

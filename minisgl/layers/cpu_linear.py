@@ -9,16 +9,23 @@ the candidates
 - "gemv512": our AVX-512 GEMV (native bf16 dot products where the CPU has them);
 - "gemm": our blocked GEMM (fp32 compute from bf16 or fp32 weights, no weight copy);
 - "torch": plain F.linear (MKL for fp32);
-- "panel": our matmul from bf16 weights repacked into 16-column panels (its own copy of the
-  weight: where it serves every row count the original is dropped, else both are kept);
-- "onednn": oneDNN with the weight reordered once into its blocked layout (a second copy of
-  the weight, kept only where it wins some row count);
+- "panel": our matmul from bf16 weights repacked into 16-column panels (any row count: small
+  ones straight from the panels, prefill-sized ones a converted chunk at a time);
+- "onednn": oneDNN with the weight reordered once into its blocked layout;
 are timed per distinct weight shape and dtype for each row-count bucket at start-up, and a
 layer then dispatches on its input's row count with a list lookup.
 
+Weights once: the first four read the weight as loaded ("row" layout), panel and oneDNN read
+their own layout of it. By default a layer keeps one layout, the one whose candidates are
+least slow over all the row counts against the best of all (kernel_choice.single_layout), and
+the others are dropped: no second copy of any weight. EngineArgs.cpu_weight_copies_max_gb lets
+layers keep a second layout where it buys enough (kernel_choice.copy_worth), most speed per
+byte first, up to that many GB; the start-up log line says what the copies take and buy, or
+what they would have bought.
+
 Tuning modes (EngineArgs.cpu_kernel_tuning): "cached" (default: measure shapes the on-disk
-cache lacks), "full" (measure all again), "off" (no timing: GEMV up to 16 rows, then oneDNN
-where the CPU multiplies bf16 natively, else our GEMM).
+cache lacks), "full" (measure all again), "off" (no timing: GEMV up to 16 rows, then our
+GEMM; oneDNN instead where the CPU multiplies bf16 natively and copies are allowed).
 Switches: MINISGL_CPU_PREPACK=0: plain F.linear everywhere; MINISGL_CPU_KERNELS=0: no C
 kernels; MINISGL_CPU_ONEDNN_GEMM=0: never a oneDNN copy; MINISGL_CPU_LINEAR=<candidate>: that
 candidate for every row count where it can run (the parity tests force each in turn).
@@ -34,13 +41,23 @@ import logging
 import os
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from minisgl.layers import cpu_build, cpu_kernels, kernel_choice
-from minisgl.layers.kernel_choice import BUCKETS, TIMED_ROWS, MachineKey, ShapeKey
+from minisgl.layers.kernel_choice import (
+    BUCKETS,
+    LAYOUT,
+    LAYOUTS,
+    TIMED_ROWS,
+    CopyOption,
+    MachineKey,
+    ShapeKey,
+    Timings,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +73,8 @@ _PASS_FLOPS = 4e8
 _MIN_REPEATS = 3
 _MAX_REPEATS = 8
 
-# Picks made in this process, by (mode, shape, candidates available).
-_MEMO: dict[tuple[str, ShapeKey, tuple[str, ...]], tuple[str, ...]] = {}
+# What the chooser found in this process, by (mode, shape, candidates available).
+_MEMO: dict[tuple[str, ShapeKey, tuple[str, ...]], Plan] = {}
 
 
 def _off(name: str) -> bool:
@@ -216,31 +233,66 @@ def create_group(
     x_dtype: torch.dtype | None = None,
 ) -> list[CpuLinearKernel | None]:
     """Kernels for same-shaped, same-dtype weights (e.g. every layer's qkv), tuned once: the
-    timing passes over several of them, so they read from memory as in a real step."""
-    return _create_group(weights, out_dtype, tuning, x_dtype)[0]
-
-
-def _create_group(
-    weights: Sequence[torch.Tensor],
-    out_dtype: torch.dtype | None,
-    tuning: str,
-    x_dtype: torch.dtype | None,
-) -> tuple[list[CpuLinearKernel | None], ShapeKey | None, str]:
+    timing passes over several of them, so they read from memory as in a real step. Each
+    weight is kept in one layout (no second copy)."""
     first = weights[0].detach()
-    none: list[CpuLinearKernel | None] = [None] * len(weights)
-    if first.device.type != "cpu" or first.dtype not in (torch.float32, torch.bfloat16):
-        return none, None, ""
-    if not prepack_enabled():
-        return none, None, ""
-    shape, picks, source = choose(weights, x_dtype or first.dtype, out_dtype, tuning)
+    if not _eligible(first):
+        return [None] * len(weights)
+    plan = choose(weights, x_dtype or first.dtype, out_dtype, tuning)
+    return _kernels(weights, plan.single(), out_dtype)
+
+
+def _eligible(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and prepack_enabled()
+    )
+
+
+def _kernels(
+    weights: Sequence[torch.Tensor], picks: tuple[str, ...] | None, out_dtype: torch.dtype | None
+) -> list[CpuLinearKernel | None]:
     if picks is None:
-        return none, shape, source
+        return [None] * len(weights)
     out: list[CpuLinearKernel | None] = []
     for w in weights:
         w = w.detach()
         packed = {name: pack(name, w) for name in set(picks) if name in _COPY}
         out.append(CpuLinearKernel(w, picks, packed, out_dtype))
-    return out, shape, source
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the chooser found for one shape: its measured `timings` (None where it did not
+    measure: a forced candidate, the defaults), or else the `fallback` picks; `row_defaults`:
+    the defaults among the candidates on the row-major weight."""
+
+    shape: ShapeKey
+    source: str
+    timings: Timings | None
+    fallback: tuple[str, ...]
+    row_defaults: tuple[str, ...]
+
+    def single(self, allowed: Sequence[str] = LAYOUTS) -> tuple[str, ...] | None:
+        """Picks on one layout of the weight (among `allowed`); None: plain F.linear."""
+        if self.timings is not None:
+            picks = kernel_choice.single_layout(self.timings, self.row_defaults, allowed)
+        elif len(layouts := kernel_choice.layouts_of(self.fallback)) == 1 and layouts[0] in allowed:
+            picks = self.fallback
+        else:
+            picks = self.row_defaults
+        return None if all(p == "torch" for p in picks) else picks
+
+    def full(self) -> tuple[str, ...] | None:
+        """The fastest picks per bucket, with a second layout wherever it is worth one."""
+        if self.timings is None:
+            picks = self.fallback
+        else:
+            best = kernel_choice.pick(self.timings, self.row_defaults)
+            picks = kernel_choice.one_layout(best, self.timings, SELF_CONTAINED)
+        return None if all(p == "torch" for p in picks) else picks
 
 
 def choose(
@@ -249,9 +301,9 @@ def choose(
     out_dtype: torch.dtype | None,
     tuning: str,
     copies: bool = True,
-) -> tuple[ShapeKey, tuple[str, ...] | None, str]:
-    """(shape, picks per bucket or None for plain F.linear everywhere, how they were found);
-    `copies`: as for `available` (a mixture's experts are never copied: twice their memory)."""
+) -> Plan:
+    """Measure (or recall) the candidates for these weights' shape; `copies`: as for
+    `available` (a mixture's experts are never copied: twice their memory)."""
     if tuning not in kernel_choice.MODES:
         raise ValueError(f"cpu_kernel_tuning must be one of {kernel_choice.MODES}, not {tuning!r}")
     first = weights[0]
@@ -263,43 +315,37 @@ def choose(
         str(out_dtype or x_dtype).removeprefix("torch."),
     )
     avail = available(first, x_dtype, copies)
+    defaults = default_picks(avail, first.dtype)
+    row = default_picks([a for a in avail if LAYOUT[a] == "row"], first.dtype)
     forced = os.environ.get("MINISGL_CPU_LINEAR")
     if forced:
-        picks, source = (
-            kernel_choice.forced(forced, avail, default_picks(avail, first.dtype)),
-            "forced",
-        )
-    elif tuning == "off":
-        picks, source = default_picks(avail, first.dtype), "defaults"
-    elif (tuning, shape, tuple(avail)) in _MEMO:
-        picks, source = _MEMO[(tuning, shape, tuple(avail))], "measured"
+        return Plan(shape, "forced", None, kernel_choice.forced(forced, avail, defaults), row)
+    if tuning == "off":
+        return Plan(shape, "defaults", None, defaults, row)
+    memo = (tuning, shape, tuple(avail))
+    if memo in _MEMO:
+        return _MEMO[memo]
+    cache = tuning_cache()
+    got = cache.get(shape, avail) if tuning == "cached" else None
+    if got is not None:
+        plan = Plan(shape, "cached", got, defaults, row)
     else:
-        cache = tuning_cache()
-        got = cache.get(shape, avail) if tuning == "cached" else None
-        if got is not None:
-            picks, source = got, "cached"
+        spreads: list[float] = []
+        timings = measure(weights, x_dtype, out_dtype, avail, spreads=spreads)
+        plan = Plan(shape, "measured", timings, defaults, row)
+        if kernel_choice.disturbed(spreads):
+            # Bursts of other work decide such timings more than the kernels do.
+            plan = Plan(shape, "defaults: timings disturbed, not cached", None, defaults, row)
+            logger.warning(
+                "CPU matmul timings for %s varied by %.1fx between passes (other work on "
+                "the cores): using the defaults, measuring again next start",
+                shape,
+                sorted(spreads)[len(spreads) // 2],
+            )
         else:
-            spreads: list[float] = []
-            timings = measure(weights, x_dtype, out_dtype, avail, spreads=spreads)
-            picks = kernel_choice.pick(timings, default_picks(avail, first.dtype))
-            picks = kernel_choice.one_layout(picks, timings, SELF_CONTAINED)
-            source = "measured"
-            if kernel_choice.disturbed(spreads):
-                # Bursts of other work decide such timings more than the kernels do.
-                picks = default_picks(avail, first.dtype)
-                source = "defaults: timings disturbed, not cached"
-                logger.warning(
-                    "CPU matmul timings for %s varied by %.1fx between passes (other work on "
-                    "the cores): using the defaults, measuring again next start",
-                    shape,
-                    sorted(spreads)[len(spreads) // 2],
-                )
-            else:
-                cache.put({shape: picks})
-        _MEMO[(tuning, shape, tuple(avail))] = picks
-    if all(p == "torch" for p in picks):
-        return shape, None, source
-    return shape, picks, source
+            cache.put({shape: {n: timings[n] for n in avail}})
+    _MEMO[memo] = plan
+    return plan
 
 
 def _timing_set(weights: Sequence[torch.Tensor], rows: int) -> list[torch.Tensor]:
@@ -374,11 +420,10 @@ def row_runner(
     w.T by the copy-free candidate measured fastest for x's row count (None where plain
     F.linear wins everywhere or nothing else runs here), and a one-line summary of the picks."""
     first = weights[0]
-    if first.device.type != "cpu" or first.dtype not in (torch.float32, torch.bfloat16):
+    if not _eligible(first):
         return None, ""
-    if not prepack_enabled():
-        return None, ""
-    shape, picks, source = choose(weights, first.dtype, None, tuning, copies=False)
+    plan = choose(weights, first.dtype, None, tuning, copies=False)
+    picks = plan.single()
     if picks is None:
         return None, ""
     table = [_RUN[name] for name in kernel_choice.row_table(picks)]
@@ -386,42 +431,121 @@ def row_runner(
     def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return table[kernel_choice.table_index(x.shape[0])](x, w, None, None)
 
-    return run, kernel_choice.summary({shape: picks}, source)
+    return run, kernel_choice.summary({plan.shape: picks}, plan.source)
 
 
 def prepack_modules(
-    modules: Sequence[Any], tuning: str = "cached", shared: Collection[int] = ()
+    modules: Sequence[Any],
+    tuning: str = "cached",
+    shared: Collection[int] = (),
+    lookup: Collection[int] = (),
+    copies_max_bytes: int = 0,
 ) -> None:
     """Set `m.kernel` for CPU matmul modules (each has `weight` and `kernel_out_dtype`), tuning
-    once per distinct shape and dtype, and log one line of what was picked. A module whose
-    kernel never reads its weight gets a weight on the meta device (shape and dtype, no memory)
-    unless the weight's id is in `shared` (read elsewhere too, e.g. a tied embedding)."""
+    once per distinct shape and dtype, and log one line of what was picked.
+
+    Each weight is kept in one layout, the one whose candidates are measured best over the
+    row counts, unless `copies_max_bytes` allows second layouts: they go to the shapes they
+    speed up most per byte, while they fit. A module whose kernel never reads its weight gets a
+    weight on the meta device (shape and dtype, no memory) unless the weight's id is in
+    `shared` (read elsewhere too, so its row-major layout stays and is the one kept); a weight
+    in `lookup` (a tied embedding reads rows of it) is kept in a layout rows can be read from
+    (row-major or panels)."""
     groups: dict[tuple[Any, ...], list[Any]] = {}
     for m in modules:
         w = m.weight
-        groups.setdefault((tuple(w.shape), w.dtype, m.kernel_out_dtype), []).append(m)
+        # The layouts it may be kept in alone: a weight read elsewhere keeps its row-major
+        # one, which is then the one; rows are read from the row-major weight or the panels.
+        allowed = ("row",) if id(w) in shared else ("row", "panel") if id(w) in lookup else LAYOUTS
+        key = (tuple(w.shape), w.dtype, m.kernel_out_dtype, allowed)
+        groups.setdefault(key, []).append(m)
+    cpu_kernels.load()  # a first start compiles the kernels here: logged on its own
+    t0 = time.perf_counter()
+    plans: list[tuple[list[Any], Plan | None]] = []
+    options: list[CopyOption] = []
+    for (_, _, out_dtype, allowed), mods in groups.items():
+        first = mods[0].weight.detach()
+        plan = (
+            choose([m.weight for m in mods], first.dtype, out_dtype, tuning)
+            if _eligible(first)
+            else None
+        )
+        plans.append((mods, plan))
+        options.append(_copy_option(mods, plan, allowed))
+    granted = kernel_choice.allot_copies(options, copies_max_bytes)
     chosen: dict[ShapeKey, tuple[str, ...]] = {}
     sources: set[str] = set()
     extra = 0
-    cpu_kernels.load()  # a first start compiles the kernels here: logged on its own
-    t0 = time.perf_counter()
-    for (_, _, out_dtype), mods in groups.items():
-        kernels, shape, source = _create_group([m.weight for m in mods], out_dtype, tuning, None)
+    for (mods, plan), option, copy in zip(plans, options, granted):
+        picks = option.full if copy else option.single
+        if plan is None or not picks:
+            for m in mods:
+                m.kernel = None
+            continue
+        kernels = _kernels([m.weight for m in mods], picks, mods[0].kernel_out_dtype)
         for m, kernel in zip(mods, kernels):
             m.kernel = kernel
-            if kernel is None:
-                continue
+            assert kernel is not None
             extra += sum(_nbytes(p) for p in kernel.packed.values())
             if kernel.weight is None and id(m.weight) not in shared:
                 extra -= _nbytes(m.weight)
                 m.weight = torch.nn.Parameter(m.weight.to("meta"), requires_grad=False)
-        if kernels[0] is not None and shape is not None:
-            chosen[shape] = kernels[0].picks
-            sources.add(source)
+        chosen[plan.shape] = picks
+        sources.add(plan.source)
     if chosen:
         how = "/".join(sorted(sources)) + f", {time.perf_counter() - t0:.1f} s"
-        copies = f"; second weight copies: {extra / 2**20:.0f} MiB" if extra > 2**20 else ""
-        logger.info(kernel_choice.summary(chosen, how) + copies)
+        logger.info(
+            kernel_choice.summary(chosen, how)
+            + _copies_note(plans, options, granted, extra, copies_max_bytes)
+        )
+
+
+def _copy_option(mods: Sequence[Any], plan: Plan | None, allowed: Sequence[str]) -> CopyOption:
+    """Picks on one layout (among `allowed`) and with copies for a group of same-shaped
+    modules, and what the second layouts would cost and buy."""
+    if plan is None:
+        return CopyOption((), (), 0, 0.0)
+    single, full = plan.single(allowed), plan.full()
+    if single is None or full is None or full == single:
+        return CopyOption(single or (), single or (), 0, 0.0)
+    kept = set(kernel_choice.layouts_of(full))
+    if not kept & set(allowed):  # e.g. all oneDNN for a tied head: its table stays too
+        kept.add("row")
+    extra = (len(kept) - 1) * _nbytes(mods[0].weight) * len(mods)
+    if plan.timings is None:  # the defaults (or a forced candidate): kept where they fit
+        return CopyOption(single, full, extra, 1e-9)
+    if not kernel_choice.copy_worth(single, full, plan.timings):
+        return CopyOption(single, single, 0, 0.0)
+    gain = kernel_choice.slowdown(single, plan.timings) - kernel_choice.slowdown(full, plan.timings)
+    return CopyOption(single, full, extra, gain)
+
+
+def _copies_note(
+    plans: Sequence[tuple[list[Any], Plan | None]],
+    options: Sequence[CopyOption],
+    granted: Sequence[bool],
+    extra: int,
+    budget: int,
+) -> str:
+    """What second weight copies take and buy, or what they would have bought."""
+    kept: list[str] = []
+    left: list[str] = []
+    for (_, plan), option, copy in zip(plans, options, granted):
+        if plan is None or option.extra_bytes == 0 or option.full == option.single:
+            continue
+        what = f"{plan.shape.n}x{plan.shape.k} {option.extra_bytes / 2**20:.0f} MiB"
+        if plan.timings is not None:
+            what += f" ({kernel_choice.speedups(option.single, option.full, plan.timings)})"
+        (kept if copy else left).append(what)
+    cap = f"--cpu-weight-copies-max-gb {budget / 2**30:g}"
+    note = ""
+    if extra > 2**20:
+        note += f"; second weight copies: {extra / 2**20:.0f} MiB"
+    if kept:
+        note += f" for {', '.join(kept)}"
+    if left:
+        note += f"; one layout per weight ({cap}): copies not kept: {', '.join(left)}"
+    return note
 
 
 def _nbytes(packed: Any) -> int:

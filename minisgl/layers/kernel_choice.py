@@ -5,10 +5,16 @@ kernels, bandwidth vs FLOPs), so nothing here is a tuned constant: cpu_linear.py
 candidates on the running machine and this module
 - splits row counts into buckets (1, 2-4, 5-8, 9-16, 17-64, >64) and names the row count timed
   for each;
-- picks the fastest candidate per bucket from measured (or, in tests, injected) timings;
-- keys the results by what decides them (CPU model and flags, torch version, threads, the
-  kernels' build) and keeps them in a JSON file in the cache directory, so a restart does not
-  re-tune, and a different machine, torch or kernel build never reads another's picks;
+- picks the fastest candidate per bucket from measured (or, in tests, injected) timings, either
+  among those that run on one layout of the weight (the default: the weights in memory once) or
+  with a second layout kept where the user allows memory for it and it buys enough;
+- shares a memory allowance for second copies out between the layers, most speed per byte
+  first;
+- keys the timings by what decides them (CPU model and flags, torch version, threads, the
+  kernels' build, the candidates) and keeps them in a JSON file in the cache directory, so a
+  restart does not re-tune, and a different machine, torch or kernel build never reads
+  another's. The timings are cached, not the picks: picks follow from them under whatever copy
+  allowance a start is given, so a new allowance needs no new measurement;
 - says in one line what was picked.
 """
 
@@ -95,8 +101,9 @@ COPY_WORTH_ONE_BUCKET = 0.25
 
 
 def policy(candidates: Sequence[str]) -> str:
-    """The rules picks are made by, for the cache key: a change to them re-measures."""
-    return f"{','.join(candidates)};margin={MARGIN};copy={COPY_WORTH}/{COPY_WORTH_ONE_BUCKET}"
+    """What the cached timings cover, for the cache key: new candidates re-measure. (Margins
+    and the copy allowance only turn timings into picks, at every start.)"""
+    return f"{','.join(candidates)};timings"
 
 
 def one_layout(
@@ -119,6 +126,116 @@ def one_layout(
     if sum(ratios) / len(ratios) > 1 + COPY_WORTH or max(ratios) > 1 + COPY_WORTH_ONE_BUCKET:
         return tuple(picks)
     return tuple(alone for _ in picks)
+
+
+# The layout of the weight each candidate computes from: the weight as loaded ("row"), or a copy
+# made once in a layout of its own. A layer keeps the layouts its picks read, and no others.
+LAYOUT = {
+    "gemv": "row",
+    "gemv512": "row",
+    "gemm": "row",
+    "torch": "row",
+    "panel": "panel",
+    "onednn": "onednn",
+}
+# The order layouts are tried in: an earlier one keeps a near tie (the row-major weight needs
+# no repacking at start).
+LAYOUTS = ("row", "panel", "onednn")
+
+Timings = Mapping[str, Sequence[float | None]]
+
+
+def layouts_of(picks: Sequence[str]) -> tuple[str, ...]:
+    """The layouts `picks` read, in LAYOUTS' order."""
+    used = {LAYOUT[p] for p in picks}
+    return tuple(layout for layout in LAYOUTS if layout in used)
+
+
+def slowdown(picks: Sequence[str], timings: Timings) -> float:
+    """How much slower `picks` are than the fastest candidate of each bucket, on average over
+    the buckets (1.0: the fastest everywhere): the cost of a restriction, as one number."""
+    ratios = []
+    for b, name in enumerate(picks):
+        t = timings[name][b]
+        best = min((x for ts in timings.values() if (x := ts[b]) is not None), default=None)
+        if t is None or best is None or best <= 0:
+            ratios.append(1.0)
+        else:
+            ratios.append(t / best)
+    return sum(ratios) / len(ratios)
+
+
+def single_layout(
+    timings: Timings, prefer: Sequence[str] | None = None, allowed: Sequence[str] = LAYOUTS
+) -> tuple[str, ...]:
+    """The picks for a layer that keeps one layout of its weight: per layout (among `allowed`)
+    whose candidates ran in every bucket, its fastest per bucket (as `pick`); of those, the one
+    least slow against the fastest of all per bucket (`slowdown`). A later layout must be more
+    than MARGIN less slow to replace an earlier one."""
+    best: tuple[float, tuple[str, ...]] | None = None
+    for layout in LAYOUTS:
+        if layout not in allowed:
+            continue
+        own = {n: ts for n, ts in timings.items() if LAYOUT.get(n) == layout}
+        if not own or any(all(ts[b] is None for ts in own.values()) for b in range(len(BUCKETS))):
+            continue
+        picks = pick(own, prefer)
+        cost = slowdown(picks, timings)
+        if best is None or cost < best[0] * (1 - MARGIN):
+            best = (cost, picks)
+    if best is None:
+        raise ValueError(f"no layout among {list(allowed)} runs every row count")
+    return best[1]
+
+
+def copy_worth(single: Sequence[str], full: Sequence[str], timings: Timings) -> bool:
+    """Whether `full` (picks on two layouts) is worth a second copy of the weight over `single`:
+    on average over the buckets more than COPY_WORTH faster, or in one bucket more than
+    COPY_WORTH_ONE_BUCKET (the same rule that decides whether the row-major weight is kept
+    beside panels, see one_layout)."""
+    ratios = []
+    for b, (a, f) in enumerate(zip(single, full)):
+        ta, tf = timings[a][b], timings[f][b]
+        ratios.append(ta / tf if ta is not None and tf is not None and tf > 0 else 1.0)
+    return sum(ratios) / len(ratios) > 1 + COPY_WORTH or max(ratios) > 1 + COPY_WORTH_ONE_BUCKET
+
+
+def speedups(single: Sequence[str], full: Sequence[str], timings: Timings) -> str:
+    """Where `full` is faster than `single`, by how much: "rows 17-64 1.8x, >64 2.0x faster"."""
+    parts = []
+    for b, (a, f) in enumerate(zip(single, full)):
+        ta, tf = timings[a][b], timings[f][b]
+        if ta is not None and tf is not None and tf > 0 and ta > tf * (1 + MARGIN):
+            parts.append(f"{BUCKET_NAMES[b]} {ta / tf:.2f}x")
+    return f"rows {', '.join(parts)} faster" if parts else "no row count faster"
+
+
+@dataclass(frozen=True)
+class CopyOption:
+    """One layer shape's choice: `single` keeps one layout of each weight, `full` keeps
+    `extra_bytes` more (over all the layers of that shape) and is `gain` less slow (`slowdown`
+    of single minus that of full)."""
+
+    single: tuple[str, ...]
+    full: tuple[str, ...]
+    extra_bytes: int
+    gain: float
+
+
+def allot_copies(options: Sequence[CopyOption], budget_bytes: int) -> list[bool]:
+    """Which options get their second copies within `budget_bytes` in all: those that gain
+    something, most gain per byte first, each only if it still fits whole."""
+    granted = [False] * len(options)
+    order = sorted(
+        (i for i, o in enumerate(options) if o.gain > 0 and o.extra_bytes > 0),
+        key=lambda i: -options[i].gain / options[i].extra_bytes,
+    )
+    left = budget_bytes
+    for i in order:
+        if options[i].extra_bytes <= left:
+            granted[i] = True
+            left -= options[i].extra_bytes
+    return granted
 
 
 def disturbed(spreads: Sequence[float], limit: float = 1.5) -> bool:
@@ -189,46 +306,54 @@ class MachineKey:
 
 
 class TuningCache:
-    """Picks per shape for one MachineKey, in `root`/cpu-linear-<digest>.json. A file whose
-    stored key differs from ours (a hash collision, a hand edit) is ignored, as is a pick naming
-    a candidate that does not exist here any more."""
+    """Timings per shape for one MachineKey, in `root`/cpu-linear-<digest>.json. A file whose
+    stored key differs from ours (a hash collision, a hand edit) is ignored, as is an entry that
+    lacks a candidate available here or is malformed."""
 
     def __init__(self, root: Path, key: MachineKey) -> None:
         self.key = key
         self.path = Path(root) / f"cpu-linear-{key.digest()}.json"
 
-    def load(self) -> dict[str, tuple[str, ...]]:
+    def load(self) -> dict[str, dict[str, list[float | None]]]:
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return {}
         if not isinstance(data, dict) or data.get("key") != self.key.as_dict():
             return {}
-        picks = data.get("picks")
-        if not isinstance(picks, dict):
+        entries = data.get("timings")
+        if not isinstance(entries, dict):
             return {}
-        return {
-            k: tuple(v)
-            for k, v in picks.items()
-            if isinstance(v, list) and len(v) == len(BUCKETS) and all(isinstance(s, str) for s in v)
-        }
+        return {k: v for k, v in entries.items() if _well_formed(v)}
 
-    def get(self, shape: ShapeKey, available: Sequence[str]) -> tuple[str, ...] | None:
+    def get(
+        self, shape: ShapeKey, available: Sequence[str]
+    ) -> dict[str, list[float | None]] | None:
+        """The timings of every candidate in `available` for `shape`, or None where any lacks."""
         got = self.load().get(str(shape))
-        if got is None or any(name not in available for name in got):
+        if got is None or any(name not in got for name in available):
             return None
-        return got
+        return {name: got[name] for name in available}
 
-    def put(self, entries: Mapping[ShapeKey, Sequence[str]]) -> None:
+    def put(self, entries: Mapping[ShapeKey, Timings]) -> None:
         """Merge `entries` into the file (atomically: TP ranks may write at once)."""
-        picks = {k: list(v) for k, v in self.load().items()}
-        picks.update({str(k): list(v) for k, v in entries.items()})
+        timings = self.load()
+        timings.update({str(k): {n: list(t) for n, t in v.items()} for k, v in entries.items()})
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        body = json.dumps({"key": self.key.as_dict(), "picks": picks}, indent=1, sort_keys=True)
+        body = json.dumps({"key": self.key.as_dict(), "timings": timings}, indent=1, sort_keys=True)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             f.write(body)
         os.replace(tmp, self.path)
+
+
+def _well_formed(entry: object) -> bool:
+    return isinstance(entry, dict) and all(
+        isinstance(ts, list)
+        and len(ts) == len(BUCKETS)
+        and all(t is None or (isinstance(t, (int, float)) and t >= 0) for t in ts)
+        for ts in entry.values()
+    )
 
 
 def summary(choices: Mapping[ShapeKey, Sequence[str]], source: str) -> str:

@@ -142,6 +142,7 @@ def load_model(
     progress: bool | None = None,
     prepack: bool = True,
     cpu_kernel_tuning: str = "cached",
+    cpu_weight_copies_max_gb: float = 0.0,
 ) -> Qwen3ForCausalLM:
     """Build the model for this rank on `device` (its class picked by config.json's
     `architectures`, see registry.py) and fill it from the checkpoint at `path`.
@@ -149,7 +150,11 @@ def load_model(
     `prepack` (CPU only) gives each matmul the kernel measured fastest here for its shape and
     row count (`cpu_kernel_tuning`: cached, full or off; see cpu_linear.py); set
     MINISGL_CPU_PREPACK=0 (or pass False) to keep plain F.linear.
+    Each weight is kept once (in the layout measured best over all row counts) unless
+    `cpu_weight_copies_max_gb` allows second layouts.
     """
+    if cpu_weight_copies_max_gb < 0:
+        raise ValueError(f"cpu_weight_copies_max_gb must be >= 0, not {cpu_weight_copies_max_gb}")
     files = checkpoint_files(Path(path))
     check_against_config(path, files, config)
     # Parameters are created on the meta device (no memory, no random init) and then
@@ -170,5 +175,5 @@ def load_model(
         raise FileNotFoundError(f"checkpoint {path} has no tensor {missing[0]!r}{more}")
     model.eval()
     if prepack and device.type == "cpu":
-        model.prepack(cpu_kernel_tuning)
+        model.prepack(cpu_kernel_tuning, int(cpu_weight_copies_max_gb * 2**30))
     return model

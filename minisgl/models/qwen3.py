@@ -355,8 +355,9 @@ class Qwen3ForCausalLM(nn.Module):
             norms[rest].weight.data.copy_(t)
         return True
 
-    def prepack(self, tuning: str = "cached") -> None:
-        """Give CPU matmuls the fastest kernel per row count, measured (see cpu_linear.py)."""
+    def prepack(self, tuning: str = "cached", copies_max_bytes: int = 0) -> None:
+        """Give CPU matmuls the fastest kernel per row count, measured (see cpu_linear.py):
+        each weight in one layout unless `copies_max_bytes` allows second ones."""
         mods = [m for m in self.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
         embed, head = self.model.embed_tokens, self.lm_head
         tied = head.weight is embed.weight
@@ -368,7 +369,8 @@ class Qwen3ForCausalLM(nn.Module):
             if not isinstance(m, (LinearBase, ParallelLMHead)) and not (tied and m is embed)
             for p in m.parameters(recurse=False)
         }
-        cpu_linear.prepack_modules(mods, tuning, shared)
+        lookup = {id(head.weight)} if tied else set()
+        cpu_linear.prepack_modules(mods, tuning, shared, lookup, copies_max_bytes)
         if tied and head.weight.device.type == "meta":
             panels = head.kernel.packed.get(cpu_linear.SELF_CONTAINED) if head.kernel else None
             if panels is not None:

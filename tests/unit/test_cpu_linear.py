@@ -1,6 +1,7 @@
 """The CPU matmul chooser driven by injected timings: a layer runs the candidate that was
-fastest for its row count, the timings are cached per machine and reused, extra weight copies
-exist only where a pick needs them, and every candidate computes the same product."""
+fastest for its row count among those on the one layout of its weight it keeps, the timings are
+cached per machine and reused, a second weight copy exists only where the user allowed memory
+for it and a pick needs it, and every candidate computes the same product."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.layers import cpu_linear
-from minisgl.layers.kernel_choice import BUCKETS, TIMED_ROWS
+from minisgl.layers.kernel_choice import BUCKETS, LAYOUT, TIMED_ROWS
 
 
 @pytest.fixture(autouse=True)
@@ -63,9 +64,16 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     return calls
 
 
+class Layer:
+    def __init__(self, w: torch.Tensor, out: torch.dtype | None = None) -> None:
+        self.weight, self.kernel_out_dtype, self.kernel = w, out, None
+
+
 def winners_from(avail: Sequence[str]) -> list[str]:
-    """A different candidate per bucket, cycling through what this machine can run."""
-    return [avail[(b + 1) % len(avail)] for b in range(len(BUCKETS))]
+    """A different candidate per bucket, cycling through what this machine can run on the
+    row-major weight."""
+    row = [a for a in avail if LAYOUT[a] == "row"]
+    return [row[(b + 1) % len(row)] for b in range(len(BUCKETS))]
 
 
 def test_each_row_count_runs_the_fastest_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,7 +160,9 @@ def test_onednn_copy_only_where_a_pick_needs_it(monkeypatch: pytest.MonkeyPatch)
     assert kernel is not None and not kernel.packed
     monkeypatch.setattr(cpu_linear, "_MEMO", {})
     monkeypatch.setattr(cpu_linear, "measure", Timings([ours[0]] * 5 + ["onednn"]))
-    kernel = cpu_linear.CpuLinearKernel.create(w, tuning="full")
+    layer = Layer(w)
+    cpu_linear.prepack_modules([layer], "full", copies_max_bytes=1 << 30)
+    kernel = layer.kernel
     assert kernel is not None and set(kernel.packed) == {"onednn"}
     x = torch.randn(100, 64).bfloat16()
     torch.testing.assert_close(kernel(x).float(), F.linear(x, w).float(), rtol=2e-2, atol=0.1)
@@ -169,21 +179,23 @@ def test_panel_copy_only_where_a_pick_needs_it(monkeypatch: pytest.MonkeyPatch) 
     assert "panel" not in cpu_linear.available(w, w.dtype, copies=False)
     assert "panel" not in cpu_linear.available(weight(torch.float32), torch.float32)
     monkeypatch.setattr(cpu_linear, "measure", Timings(["panel"] * 4 + ["gemm"] * 2))
+    # One layout by default: the panels, which won more of the row counts, serve them all.
     kernel = cpu_linear.CpuLinearKernel.create(w)
-    assert kernel is not None and set(kernel.packed) == {"panel"}
+    assert kernel is not None and kernel.picks == ("panel",) * 6 and kernel.weight is None
+    layer = Layer(w)
+    cpu_linear.prepack_modules([layer], copies_max_bytes=1 << 30)
+    kernel = layer.kernel
+    assert kernel is not None and set(kernel.packed) == {"panel"} and kernel.weight is not None
     calls = spy(monkeypatch)
-    kernel = cpu_linear.CpuLinearKernel.create(w)  # from the memo, on the spied runs
+    layer = Layer(w)
+    cpu_linear.prepack_modules([layer], copies_max_bytes=1 << 30)  # on the spied runs
+    kernel = layer.kernel
     assert kernel is not None
     for rows in (1, 8, 16, 100):
         x = torch.randn(rows, 64).bfloat16()
         want = F.linear(x.double(), w.double())
         torch.testing.assert_close(kernel(x).double(), want, rtol=2e-2, atol=0.1)
     assert [name for name, _ in calls] == ["panel", "panel", "panel", "gemm"]
-
-
-class Layer:
-    def __init__(self, w: torch.Tensor, out: torch.dtype | None = None) -> None:
-        self.weight, self.kernel_out_dtype, self.kernel = w, out, None
 
 
 def test_a_weight_no_pick_reads_is_dropped_unless_shared(
@@ -208,7 +220,7 @@ def test_a_weight_no_pick_reads_is_dropped_unless_shared(
     monkeypatch.setattr(cpu_linear, "measure", Timings(["gemv"] + ["panel"] * 5))
     big = Layer(torch.randn(4096, 256).bfloat16())  # 2 MiB: the log line says so
     with caplog.at_level(logging.INFO, logger="minisgl.layers.cpu_linear"):
-        cpu_linear.prepack_modules([mixed, big], "cached")
+        cpu_linear.prepack_modules([mixed, big], "cached", copies_max_bytes=1 << 30)
     assert mixed.weight.device.type == "cpu" and mixed.kernel.weight is not None
     assert "second weight copies: 2 MiB" in caplog.text
 
@@ -327,3 +339,49 @@ def test_experts_run_the_measured_copy_free_pick(monkeypatch: pytest.MonkeyPatch
     # Experts 1 and 2 got 3 rows each (bucket 2-4): they ran the measured pick.
     assert (seen[0][0], 3) in calls
     assert moe.prepare_cpu_kernels("off") == []
+
+
+def layouts_held(layer: Layer) -> int:
+    """How many copies of its weight a layer keeps: the row-major one (unless on the meta
+    device) and each packed layout."""
+    kernel = layer.kernel
+    packed = len(kernel.packed) if kernel is not None else 0
+    return int(layer.weight.device.type != "meta") + packed
+
+
+def test_no_second_copy_is_kept_unless_asked_for(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Timings where the panels win prefill and the GEMV decode: by default each weight is
+    kept once (and the log says what a copy would buy); with memory allowed for copies, both
+    layouts, most gain per byte first, only as far as the allowance goes."""
+    if "panel" not in cpu_linear.available(weight(), torch.bfloat16):
+        return
+    mixed = ["gemv"] * 4 + ["panel"] * 2
+
+    def model() -> list[Layer]:
+        return [Layer(weight()), Layer(weight() * 2), Layer(torch.randn(32, 64).bfloat16())]
+
+    monkeypatch.setattr(cpu_linear, "measure", Timings(mixed))
+    layers = model()
+    w0 = layers[0].weight
+    with caplog.at_level(logging.INFO, logger="minisgl.layers.cpu_linear"):
+        cpu_linear.prepack_modules(layers)
+    assert [layouts_held(m) for m in layers] == [1, 1, 1]
+    line = next(r.getMessage() for r in caplog.records if "CPU matmul kernels" in r.getMessage())
+    assert "second weight copies" not in line
+    assert "--cpu-weight-copies-max-gb 0): copies not kept: 48x64" in line
+    assert "rows 17-64 10.00x, >64 10.00x faster" in line
+    for rows in (1, 100):  # one layout still serves every row count
+        x = torch.randn(rows, 64).bfloat16()
+        want = F.linear(x.double(), w0.double())
+        torch.testing.assert_close(layers[0].kernel(x).double(), want, rtol=2e-2, atol=0.1)
+
+    # Room for the 32x64 group's copy (4 KiB) but not the 48x64 pair's (12 KiB): the small
+    # one gains as much per layer for fewer bytes.
+    layers = model()
+    cpu_linear.prepack_modules(layers, copies_max_bytes=8 << 10)
+    assert [layouts_held(m) for m in layers] == [1, 1, 2]
+    layers = model()
+    cpu_linear.prepack_modules(layers, copies_max_bytes=1 << 30)
+    assert [layouts_held(m) for m in layers] == [2, 2, 2]

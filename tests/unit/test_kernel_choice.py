@@ -102,17 +102,23 @@ def test_forced_candidate_applies_where_available() -> None:
     assert kc.forced("onednn", ["gemv", "gemm"], default) == default
 
 
+def timings_of(winner: str, names: tuple[str, ...] = ("gemv", "gemm", "onednn")) -> dict:
+    return {n: [1.0 if n == winner else 2.0] * 6 for n in names}
+
+
 def test_cache_round_trip_and_merge(tmp_path: Path) -> None:
+    """The cache keeps timings (picks follow from them under each start's copy allowance)."""
     cache = kc.TuningCache(tmp_path, key())
     avail = ["gemv", "gemm", "onednn"]
     assert cache.get(SHAPE, avail) is None
-    picks = ("gemv",) * 4 + ("onednn",) * 2
-    cache.put({SHAPE: picks})
+    timings = {"gemv": [1.0] * 5 + [None], "gemm": [2.0] * 6, "onednn": [3.0] * 6}
+    cache.put({SHAPE: timings})
     other = kc.ShapeKey(1024, 3072, "bfloat16", "bfloat16", "bfloat16")
-    cache.put({other: ("gemm",) * 6})  # a second shape joins, the first stays
+    cache.put({other: timings_of("gemm")})  # a second shape joins, the first stays
     again = kc.TuningCache(tmp_path, key())
-    assert again.get(SHAPE, avail) == picks
-    assert again.get(other, avail) == ("gemm",) * 6
+    assert again.get(SHAPE, avail) == timings
+    assert again.get(other, avail) == timings_of("gemm")
+    assert again.get(SHAPE, ["gemm"]) == {"gemm": [2.0] * 6}  # fewer candidates: a subset
 
 
 @pytest.mark.parametrize(
@@ -123,27 +129,77 @@ def test_cache_round_trip_and_merge(tmp_path: Path) -> None:
         {"torch_version": "2.14.0"},
         {"threads": 4},
         {"kernels": "avx512-def"},
-        {"policy": kc.policy(["gemv", "panel"])},  # new candidates or margins re-measure
+        {"policy": kc.policy(["gemv", "panel"])},  # new candidates re-measure
     ],
 )
 def test_cache_is_keyed_by_machine_torch_threads_and_kernels(tmp_path: Path, change: dict) -> None:
-    kc.TuningCache(tmp_path, key()).put({SHAPE: ("gemv",) * 6})
+    kc.TuningCache(tmp_path, key()).put({SHAPE: timings_of("gemv", ("gemv",))})
     assert kc.TuningCache(tmp_path, key(**change)).get(SHAPE, ["gemv"]) is None
-    assert kc.TuningCache(tmp_path, key()).get(SHAPE, ["gemv"]) == ("gemv",) * 6
+    assert kc.TuningCache(tmp_path, key()).get(SHAPE, ["gemv"]) == timings_of("gemv", ("gemv",))
 
 
 def test_cache_entries_that_no_longer_apply_are_ignored(tmp_path: Path) -> None:
     cache = kc.TuningCache(tmp_path, key())
-    cache.put({SHAPE: ("gemv512",) * 6})
-    # The candidate is gone (e.g. MINISGL_CPU_ISA=avx2): measure again.
+    cache.put({SHAPE: timings_of("gemv512", ("gemv512",))})
+    # A candidate available now was never timed (e.g. a build with new kernels): measure again.
     assert cache.get(SHAPE, ["gemv", "gemm"]) is None
     # A file whose stored key is not ours (edited, or a digest collision) is not trusted.
     data = json.loads(cache.path.read_text())
     data["key"]["threads"] = 64
     cache.path.write_text(json.dumps(data))
     assert cache.get(SHAPE, ["gemv512"]) is None
+    # Malformed entries are dropped, well-formed ones kept.
+    data["key"]["threads"] = 2
+    data["timings"]["bad"] = {"gemv": [1.0, "x"]}
+    cache.path.write_text(json.dumps(data))
+    assert set(cache.load()) == {str(SHAPE)}
     cache.path.write_text("{not json")
     assert cache.load() == {}
+
+
+def test_single_layout_takes_the_layout_least_slow_over_all_buckets() -> None:
+    """One layout of the weight: each layout's own best per bucket, and of those the one
+    closest to the best of all on average (not the one winning most buckets)."""
+    timings = {
+        "gemv": [1.0, 1.0, 1.0, 1.0, 4.0, 8.0],
+        "gemm": [3.0, 3.0, 3.0, 3.0, 3.0, 6.0],
+        "panel": [1.1, 1.1, 1.1, 1.1, 2.0, 3.0],
+        "onednn": [5.0, 5.0, 5.0, 5.0, 1.0, 1.0],
+    }
+    # row: 1,1,1,1,3/1,6/1 -> 2.17; panel: 1.1 x4, 2, 3 -> 1.57; onednn: 5 x4, 1, 1 -> 3.67
+    assert kc.single_layout(timings) == ("panel",) * 6
+    assert kc.single_layout(timings, allowed=("row",)) == ("gemv",) * 4 + ("gemm",) * 2
+    assert kc.single_layout(timings, allowed=("row", "onednn")) == ("gemv",) * 4 + ("gemm",) * 2
+    # A near tie stays with the earlier layout (the row-major weight needs no repacking).
+    tie = {"gemv": [1.0] * 6, "panel": [0.97] * 6}
+    assert kc.single_layout(tie) == ("gemv",) * 6
+    # A layout that cannot run some bucket is no single layout.
+    gap = {"gemv": [1.0] * 6, "onednn": [0.1] * 5 + [None]}
+    assert kc.single_layout(gap) == ("gemv",) * 6
+    with pytest.raises(ValueError, match="no layout"):
+        kc.single_layout(gap, allowed=("onednn",))
+
+
+def test_copies_are_allotted_most_gain_per_byte_first_within_the_budget() -> None:
+    row, mixed = ("gemv",) * 6, ("gemv",) * 4 + ("onednn",) * 2
+    small = kc.CopyOption(row, mixed, extra_bytes=100, gain=0.5)  # 0.005 per byte
+    big = kc.CopyOption(row, mixed, extra_bytes=1000, gain=2.0)  # 0.002 per byte
+    nothing = kc.CopyOption(row, row, extra_bytes=0, gain=0.0)
+    assert kc.allot_copies([small, big, nothing], 0) == [False, False, False]
+    assert kc.allot_copies([small, big, nothing], 1000) == [True, False, False]
+    assert kc.allot_copies([big, small], 1000) == [False, True]
+    assert kc.allot_copies([small, big], 1100) == [True, True]
+
+
+def test_a_copy_must_buy_enough_and_says_what_it_buys() -> None:
+    timings = {"gemv": [1.0] * 4 + [3.0, 6.0], "onednn": [4.0] * 4 + [1.0, 2.0]}
+    row, mixed = ("gemv",) * 6, ("gemv",) * 4 + ("onednn",) * 2
+    assert kc.copy_worth(row, mixed, timings)
+    assert kc.speedups(row, mixed, timings) == "rows 17-64 3.00x, >64 3.00x faster"
+    close = {"gemv": [1.0] * 6, "onednn": [4.0] * 4 + [0.96, 0.96]}
+    assert not kc.copy_worth(row, mixed, close)
+    assert kc.slowdown(row, timings) == pytest.approx((4 + 3 + 3) / 6)
+    assert kc.layouts_of(mixed) == ("row", "onednn")
 
 
 def test_summary_is_one_line_with_merged_runs() -> None:
