@@ -17,6 +17,7 @@ from torch import nn
 
 from minisgl import distributed
 from minisgl.layers.cpu_linear import CpuLinearKernel
+from minisgl.quant.weight import QuantWeight
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -43,6 +44,8 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel(x)
+        if isinstance(self.weight, QuantWeight):  # quantized (minisgl/quant/)
+            return self.weight.matmul(x)
         return F.linear(x, self.weight)
 
     def matmul_bias(self, x: torch.Tensor) -> torch.Tensor:

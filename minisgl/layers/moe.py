@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ from minisgl import distributed
 from minisgl.layers import cpu_kernels, cpu_linear
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.cpu_linear import native_bf16, onednn_gemm_enabled
+from minisgl.quant.weight import QuantWeight, expert_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +50,11 @@ def route(
     return weights, ids
 
 
-# An expert's matmul: run(x [M, K], w [N, K]) -> x @ w.T.
-MatMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# An expert's matmul: run(x [M, K], w [N, K]) -> x @ w.T (w a tensor, or a QTensor view of
+# quantized experts).
+MatMul = Callable[[torch.Tensor, Any], torch.Tensor]
+# Stacked experts' weights [E, N, K]: float, or quantized (minisgl/quant/).
+Experts = torch.Tensor | QuantWeight
 
 
 def _matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -91,8 +96,8 @@ def _native_bf16_gemm() -> bool:
 
 def fused_moe(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: Experts,
+    w2: Experts,
     weights: torch.Tensor,
     ids: torch.Tensor,
     mm13: MatMul = _matmul,
@@ -156,7 +161,7 @@ def _combine(
 
 
 def _expert(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, e: int, mm13: MatMul, mm2: MatMul
+    x: torch.Tensor, w13: Experts, w2: Experts, e: int, mm13: MatMul, mm2: MatMul
 ) -> torch.Tensor:
     """Expert e's SwiGLU MLP over the rows x [n, H] that chose it."""
     return mm2(silu_and_mul(mm13(x, w13[e])), w2[e])
@@ -196,7 +201,7 @@ class FusedMoE(nn.Module):
         """Measure (or read from the tuning cache) the fastest copy-free matmul per row count
         for this layer's expert shapes, as the dense layers do; the summary lines of the picks
         (none where nothing was measured: CPU kernels off, another device)."""
-        if tuning == "off":
+        if tuning == "off" or isinstance(self.w13, QuantWeight):
             return []
         lines = []
         for name, w in (("mm13", self.w13), ("mm2", self.w2)):
@@ -207,12 +212,15 @@ class FusedMoE(nn.Module):
         return lines
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if self.grouped is None:
-            self.grouped = _grouped_gemm_works(x, self.w13)
-        if self.grouped:
-            y = grouped_moe(x, self.w13, self.w2, weights, ids)
+        if isinstance(self.w13, QuantWeight):  # quantized experts (minisgl/quant/)
+            y = fused_moe(x, self.w13, self.w2, weights, ids, expert_matmul, expert_matmul)
         else:
-            y = fused_moe(x, self.w13, self.w2, weights, ids, self.mm13, self.mm2)
+            if self.grouped is None:
+                self.grouped = _grouped_gemm_works(x, self.w13)
+            if self.grouped:
+                y = grouped_moe(x, self.w13, self.w2, weights, ids)
+            else:
+                y = fused_moe(x, self.w13, self.w2, weights, ids, self.mm13, self.mm2)
         if self.tp_size > 1:
             distributed.all_reduce(y)
         return y

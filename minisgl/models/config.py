@@ -15,6 +15,7 @@ from minisgl.models.registry import (
     has_experts,
     supported_architecture,
 )
+from minisgl.quant.scheme import QuantScheme, parse_quantization_config
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # rope_type values RotaryEmbedding implements ("default" and None mean plain RoPE).
@@ -47,6 +48,8 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # config.json's quantization_config (None: float weights); see minisgl/quant/scheme.py.
+    quantization: QuantScheme | None = None
 
     @property
     def architecture(self) -> str:
@@ -137,6 +140,7 @@ class ModelConfig:
             norm_topk_prob=bool(getattr(moe, "norm_topk_prob", False)),
             decoder_sparse_step=int(getattr(moe, "decoder_sparse_step", 1) or 1),
             mlp_only_layers=tuple(int(i) for i in getattr(moe, "mlp_only_layers", None) or ()),
+            quantization=parse_quantization_config(raw.get("quantization_config")),
         )
 
 

@@ -15,6 +15,7 @@ from minisgl.models.checkpoint import mismatches, surplus_layers
 from minisgl.models.config import ModelConfig
 from minisgl.models.qwen3 import Qwen3ForCausalLM
 from minisgl.models.registry import model_class
+from minisgl.quant import loading as quant_loading
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +106,16 @@ def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_against_config(path: Path, files: list[Path], config: ModelConfig) -> None:
-    """Refuse, in config.json's terms, a checkpoint whose tensors do not fit its config."""
+def check_against_config(
+    path: Path,
+    files: list[Path],
+    config: ModelConfig,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+) -> None:
+    """Refuse, in config.json's terms, a checkpoint whose tensors do not fit its config
+    (`shapes`: a quantized checkpoint's, with each quantized linear as its float weight)."""
     attn = model_class(config.architecture).attention_options(config)
-    shapes = tensor_shapes(files)
+    shapes = tensor_shapes(files) if shapes is None else shapes
     note = surplus_layers(config, shapes)
     if note:
         logger.warning("checkpoint %s: %s", path, note)
@@ -142,6 +149,7 @@ def load_model(
     progress: bool | None = None,
     prepack: bool = True,
     cpu_kernel_tuning: str = "cached",
+    quantization: str | None = None,
     cpu_weight_copies_max_gb: float = 0.0,
 ) -> Qwen3ForCausalLM:
     """Build the model for this rank on `device` (its class picked by config.json's
@@ -150,30 +158,38 @@ def load_model(
     `prepack` (CPU only) gives each matmul the kernel measured fastest here for its shape and
     row count (`cpu_kernel_tuning`: cached, full or off; see cpu_linear.py); set
     MINISGL_CPU_PREPACK=0 (or pass False) to keep plain F.linear.
+    A quantized checkpoint (config.json's quantization_config) loads as it is; `quantization`
+    (int8, int4, fp8) quantizes a float one as it streams in (see minisgl/quant/).
     Each weight is kept once (in the layout measured best over all row counts) unless
     `cpu_weight_copies_max_gb` allows second layouts.
     """
     if cpu_weight_copies_max_gb < 0:
         raise ValueError(f"cpu_weight_copies_max_gb must be >= 0, not {cpu_weight_copies_max_gb}")
     files = checkpoint_files(Path(path))
-    check_against_config(path, files, config)
+    layout = quant_loading.checkpoint_layout(files, config, quantization)
+    check_against_config(path, files, config, layout.shapes)
     # Parameters are created on the meta device (no memory, no random init) and then
     # materialised uninitialised on the target: every one is overwritten from the checkpoint.
     with torch.device("meta"):
         model: Qwen3ForCausalLM = model_class(config.architecture)(config, tp_rank, tp_size)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    quant_loading.attach(model, layout)  # quantized layers: no float weight allocated
+    model = model.to_empty(device=device)
+    quant_loading.after_materialise(model)
     if config.tie_word_embeddings:
         model.lm_head.tie(model.model.embed_tokens)  # to_empty re-creates the tensors
     if progress is None:
         progress = tp_rank == 0
     with torch.no_grad():
-        loaded = model.load_weights(iter_tensors(files, progress))
+        loaded = model.load_weights(quant_loading.assemble(iter_tensors(files, progress), layout))
     # check_against_config found every tensor: one missing here is a loader bug, not the user's.
     missing = sorted(model.expected_weights() - loaded)
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise FileNotFoundError(f"checkpoint {path} has no tensor {missing[0]!r}{more}")
     model.eval()
+    if tp_rank == 0:
+        logger.info(quant_loading.summary(model, layout.scheme))
     if prepack and device.type == "cpu":
         model.prepack(cpu_kernel_tuning, int(cpu_weight_copies_max_gb * 2**30))
     return model

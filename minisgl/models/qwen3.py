@@ -32,6 +32,7 @@ from minisgl.layers.moe import FusedMoE
 from minisgl.layers.norm import RMSNorm, head_rms_norm_rotary
 from minisgl.layers.rotary import RotaryEmbedding, apply_rotary
 from minisgl.models.config import ModelConfig
+from minisgl.quant.weight import QuantWeight
 
 logger = logging.getLogger(__name__)
 
@@ -358,7 +359,12 @@ class Qwen3ForCausalLM(nn.Module):
     def prepack(self, tuning: str = "cached", copies_max_bytes: int = 0) -> None:
         """Give CPU matmuls the fastest kernel per row count, measured (see cpu_linear.py):
         each weight in one layout unless `copies_max_bytes` allows second ones."""
-        mods = [m for m in self.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
+        # Quantized layers multiply through their own path (minisgl/quant/).
+        mods = [
+            m
+            for m in self.modules()
+            if isinstance(m, (LinearBase, ParallelLMHead)) and not isinstance(m.weight, QuantWeight)
+        ]
         embed, head = self.model.embed_tokens, self.lm_head
         tied = head.weight is embed.weight
         # Weights other modules read too keep their row-major original; a tied embedding is the

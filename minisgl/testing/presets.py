@@ -90,6 +90,25 @@ PRESETS: dict[str, Preset] = {
         rope_theta=500_000.0,
         rope_scaling=LLAMA3_ROPE,
     ),
+    # Quantized-checkpoint tests: every matmul dimension a multiple of 128 (the published
+    # layouts' block and group sizes), otherwise tiny. q 256, kv 128, MLP 256.
+    "quant": Preset(128, 256, 2, 4, 2, 64, 4096, std=0.5, dtype="float32"),
+    "quant-moe": Preset(
+        128,
+        256,
+        2,
+        4,
+        2,
+        64,
+        4096,
+        std=0.5,
+        dtype="float32",
+        arch="qwen3_moe",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        mlp_only_layers=(1,),
+    ),
     # The real Qwen3-30B-A3B shape (48 layers; benchmarks take fewer with num_hidden_layers).
     "30b-a3b": Preset(
         2048,

@@ -1,0 +1,119 @@
+"""Give the model's quantized layers QuantWeight buffers in place of their float weights, before
+the model is materialised (so no float copy of a quantized layer is ever allocated), and say
+what the model holds in one line."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from minisgl.layers.linear import LinearBase, RowParallelLinear
+from minisgl.layers.moe import FusedMoE
+from minisgl.quant.layout import CheckpointLayout
+from minisgl.quant.scheme import QuantScheme
+from minisgl.quant.weight import QuantWeight
+
+# minisgl's fused projections -> the checkpoint's modules they hold, in order.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _hf_modules(name: str) -> list[str]:
+    parent, _, last = name.rpartition(".")
+    return [f"{parent}.{p}" for p in FUSED[last]] if last in FUSED else [name]
+
+
+def _holder(
+    scheme: QuantScheme, n: int, k: int, k_full: int, split_k: bool, experts: int = 0
+) -> QuantWeight:
+    g = scheme.group_size
+    if split_k and k != k_full:
+        if g and not scheme.desc_act and k % g:
+            raise ValueError(
+                f"tensor parallelism splits {k_full} input features into {k}, which is not a "
+                f"whole number of the checkpoint's quantization groups of {g}"
+            )
+        if scheme.bits == 4 and k % 2:
+            raise ValueError("tensor parallelism would split a 4-bit weight inside a byte")
+    if scheme.desc_act:
+        groups = -(-k_full // g)
+    else:
+        groups = -(-k // g) if g else 1
+    return QuantWeight(
+        n,
+        k,
+        bits=scheme.bits,
+        fp8=scheme.method == "fp8",
+        group_size=g,
+        groups=groups,
+        scattered_groups=scheme.desc_act,
+        experts=experts,
+    )
+
+
+def _all_or_none(name: str, modules: list[str], layout: CheckpointLayout) -> bool:
+    quantized = [m in layout.quantized for m in modules]
+    if any(quantized) and not all(quantized):
+        plain = next(m for m, q in zip(modules, quantized, strict=True) if not q)
+        raise ValueError(
+            f"{plain} is unquantized in the checkpoint but the other projections minisgl runs "
+            f"fused with it in {name} are quantized; minisgl needs them alike"
+        )
+    return all(quantized)
+
+
+def attach(model: nn.Module, layout: CheckpointLayout) -> int:
+    """Swap in QuantWeight buffers for every linear the layout has quantized; returns how many
+    layers (a mixture's experts count as two: w13 and w2) now hold quantized weights."""
+    scheme = layout.scheme
+    if scheme is None or not layout.quantized:
+        return 0
+    count = 0
+    for name, m in list(model.named_modules()):
+        if isinstance(m, LinearBase):
+            if not _all_or_none(name, _hf_modules(name), layout):
+                continue
+            n, k = m.weight.shape
+            split_k = isinstance(m, RowParallelLinear)
+            k_full = k * m.tp_size if split_k else k
+            del m.weight
+            m.weight = _holder(scheme, n, k, k_full, split_k)  # type: ignore[assignment]
+            count += 1
+        elif isinstance(m, FusedMoE):
+            experts = range(m.num_experts)
+            up = [f"{name}.{e}.{p}" for e in experts for p in ("gate_proj", "up_proj")]
+            down = [f"{name}.{e}.down_proj" for e in experts]
+            if not _all_or_none(name, up + down, layout):
+                continue
+            e, n13, h = m.w13.shape
+            _, _, i = m.w2.shape
+            del m.w13, m.w2
+            m.w13 = _holder(scheme, n13, h, h, False, e)  # type: ignore[assignment]
+            m.w2 = _holder(scheme, h, i, i * m.tp_size, True, e)  # type: ignore[assignment]
+            count += 2
+    return count
+
+
+def after_materialise(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, QuantWeight):
+            m.reset()
+
+
+def summary(model: nn.Module, scheme: QuantScheme | None) -> str:
+    """'<format>: X MiB quantized weights in N layers + Y MiB unquantized' for the log."""
+    quant = [m for m in model.modules() if isinstance(m, QuantWeight)]
+    qbytes = sum(m.nbytes() for m in quant)
+    seen: set[int] = set()
+    fbytes = 0
+    for m in model.modules():
+        if isinstance(m, QuantWeight):
+            continue
+        for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
+            if id(t) not in seen and t.device.type != "meta":
+                seen.add(id(t))
+                fbytes += t.numel() * t.element_size()
+    mib = 1 << 20
+    what = scheme.describe() if scheme is not None and quant else "unquantized"
+    return (
+        f"weights: {what}; {qbytes / mib:.1f} MiB quantized in {len(quant)} weights + "
+        f"{fbytes / mib:.1f} MiB float (embeddings, norms, LM head, routers)"
+    )

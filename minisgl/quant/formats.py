@@ -1,0 +1,150 @@
+"""The published checkpoint layouts, read into minisgl's one layout (qtensor.py).
+
+- fp8 (Qwen's and DeepSeek's FP8 releases): `weight` float8_e4m3fn [N, K] and
+  `weight_scale_inv` float32 [ceil(N/b), ceil(K/b)], one per b x b block;
+  weight = code * scale. compressed-tensors FP8 has the same codes with `weight_scale`
+  [1] (tensor), [N, 1] (channel) or [ceil(N/b), ceil(K/b)] (block).
+- awq (AutoAWQ's GEMM version): `qweight` int32 [K, N/8], eight 4-bit codes of one input
+  feature per word, output features in the interleaved order 0 2 4 6 1 3 5 7 (nibble i of
+  word c holds output feature 8c + (0, 2, 4, 6, 1, 3, 5, 7)[i]); `qzeros` int32 [K/g, N/8]
+  packed the same way; `scales` float16 [K/g, N]; weight = (code - zero) * scale.
+- gptq: `qweight` int32 [K * bits / 32, N], the 32/bits codes of word i of column n being
+  input features i * 32/bits + j at bit j * bits; `qzeros` int32 [G, N * bits / 32] packed in
+  the same order along the output features; `scales` float16 [G, N]; `g_idx` int32 [K], the
+  group of each input feature (k // g unless desc_act reordered them). checkpoint_format gptq
+  stores each zero point minus one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.quant.qtensor import FP8, QTensor, pack_nibbles
+from minisgl.quant.scheme import QuantScheme
+
+# Nibble i of an AWQ word holds output feature AWQ_ORDER[i] of its eight.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def parts(scheme: QuantScheme) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(required, optional) tensor suffixes of one quantized linear in the checkpoint."""
+    if scheme.source == "load":
+        return ("weight",), ()
+    if scheme.method == "fp8":
+        return ("weight", scheme.fp8_scale_name), ()
+    if scheme.method == "awq":
+        return ("qweight", "qzeros", "scales"), ()
+    if scheme.desc_act:
+        return ("qweight", "qzeros", "scales", "g_idx"), ()
+    return ("qweight", "qzeros", "scales"), ("g_idx",)
+
+
+def logical_shape(scheme: QuantScheme, shapes: dict[str, tuple[int, ...]]) -> tuple[int, int]:
+    """[out, in] of the float weight a quantized linear stands for (suffix -> shape)."""
+    if scheme.method == "fp8":
+        n, k = shapes["weight"]
+        return n, k
+    if scheme.method == "awq":
+        k, n8 = shapes["qweight"]
+        return n8 * 8, k
+    kp, n = shapes["qweight"]
+    return n, kp * 32 // scheme.bits
+
+
+def _groups(k: int, group_size: int) -> int:
+    return -(-k // group_size) if group_size else 1
+
+
+def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], why: str) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} is {list(t.shape)}, but {why} needs {list(shape)}")
+
+
+def _unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [..., W] -> [..., W, 32/bits] codes, code j of a word from bits j*bits upward."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    return (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+
+
+def read_linear(prefix: str, got: dict[str, torch.Tensor], scheme: QuantScheme) -> QTensor:
+    """One linear's checkpoint tensors (suffix -> tensor) -> QTensor."""
+    if scheme.method == "fp8":
+        return _fp8(prefix, got["weight"], got[scheme.fp8_scale_name], scheme)
+    if scheme.method == "awq":
+        return _awq(prefix, got, scheme)
+    return _gptq(prefix, got, scheme)
+
+
+def _fp8(prefix: str, w: torch.Tensor, scale: torch.Tensor, scheme: QuantScheme) -> QTensor:
+    if w.dtype != FP8:
+        raise ValueError(f"{prefix}.weight is {w.dtype}, but an fp8 checkpoint's is float8_e4m3fn")
+    n, k = w.shape
+    name = f"{prefix}.{scheme.fp8_scale_name}"
+    scale = scale.float()
+    if scheme.fp8_scales == "block":
+        b = scheme.group_size
+        _expect(name, scale, (-(-n // b), -(-k // b)), f"a {n}x{k} weight in {b}x{b} blocks")
+        rows = scale.repeat_interleave(b, dim=0)[:n].contiguous()
+        return QTensor(w, rows, None, None, 8, b, k)
+    if scheme.fp8_scales == "channel":
+        if scale.numel() != n:
+            raise ValueError(f"{name} has {scale.numel()} values, one per output row ({n}) wanted")
+        return QTensor(w, scale.reshape(n, 1), None, None, 8, 0, k)
+    if scale.numel() != 1:
+        raise ValueError(f"{name} has {scale.numel()} values, a per-tensor scale has one")
+    return QTensor(w, scale.reshape(1, 1).expand(n, 1).contiguous(), None, None, 8, 0, k)
+
+
+def _awq(prefix: str, got: dict[str, torch.Tensor], scheme: QuantScheme) -> QTensor:
+    qweight, qzeros, scales = got["qweight"], got["qzeros"], got["scales"]
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    g = scheme.group_size
+    if k % g:
+        raise ValueError(f"{prefix}: {k} input features are not a whole number of groups of {g}")
+    why = f"awq with group_size {g} on a {n}x{k} weight"
+    _expect(f"{prefix}.qzeros", qzeros, (k // g, n // 8), why)
+    _expect(f"{prefix}.scales", scales, (k // g, n), why)
+    back = [AWQ_ORDER.index(j) for j in range(8)]  # nibble holding output feature j
+
+    def unpack(words: torch.Tensor) -> torch.Tensor:  # [R, N/8] -> [R, N]
+        return _unpack_words(words, 4)[..., back].flatten(-2)
+
+    codes = unpack(qweight).t()  # [N, K]
+    zeros = unpack(qzeros).t().to(torch.uint8).contiguous()
+    return QTensor(pack_nibbles(codes), scales.float().t().contiguous(), zeros, None, 4, g, k)
+
+
+def _gptq(prefix: str, got: dict[str, torch.Tensor], scheme: QuantScheme) -> QTensor:
+    bits, g = scheme.bits, scheme.group_size
+    qweight, qzeros, scales = got["qweight"], got["qzeros"], got["scales"]
+    per_word = 32 // bits
+    k, n = qweight.shape[0] * per_word, qweight.shape[1]
+    groups = _groups(k, g)
+    why = f"gptq {bits}-bit, group_size {g or -1} on a {n}x{k} weight"
+    _expect(f"{prefix}.qzeros", qzeros, (groups, n // per_word), why)
+    _expect(f"{prefix}.scales", scales, (groups, n), why)
+    codes = _unpack_words(qweight, bits).transpose(1, 2).reshape(k, n).t()  # [N, K]
+    zeros = _unpack_words(qzeros, bits).flatten(-2).t()  # [N, G]
+    if scheme.zeros_minus_one:
+        zeros = zeros + 1
+    regular = torch.arange(k, dtype=torch.int32) // g if g else torch.zeros(k, dtype=torch.int32)
+    g_idx = got.get("g_idx")
+    if g_idx is not None:
+        _expect(f"{prefix}.g_idx", g_idx, (k,), why)
+        g_idx = g_idx.to(torch.int32)
+        if int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
+            raise ValueError(f"{prefix}.g_idx names groups outside 0..{groups - 1}")
+        if not scheme.desc_act and not torch.equal(g_idx, regular):
+            raise ValueError(
+                f"{prefix}.g_idx reorders the input features, but config.json says "
+                "desc_act false (set it true, or the checkpoint is not what its config says)"
+            )
+    if scheme.desc_act:
+        assert g_idx is not None
+    else:
+        g_idx = None
+    packed = pack_nibbles(codes) if bits == 4 else codes.to(torch.uint8).contiguous()
+    return QTensor(
+        packed, scales.float().t().contiguous(), zeros.to(torch.uint8).contiguous(), g_idx,
+        bits, g, k,
+    )  # fmt: skip

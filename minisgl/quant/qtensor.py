@@ -1,0 +1,179 @@
+"""A quantized linear weight as minisgl holds it, whatever file format it came from.
+
+One layout for every scheme, so one dequantizer (and later one kernel per code width) serves
+FP8, AWQ, GPTQ and the formats made at load:
+
+    codes   [N, K/2] uint8  4-bit codes, input feature 2j in the low nibble, 2j+1 in the high
+            [N, K]   uint8  8-bit integer codes
+            [N, K]   float8_e4m3fn
+    scales  [N, G]   float32, one per output row and group of input features
+    zeros   [N, G]   uint8 zero points of integer codes (symmetric formats store the midpoint)
+    g_idx   [K]      int32 group of each input feature, only where groups are not contiguous
+                     (GPTQ desc_act); otherwise input feature k is in group k // group_size
+
+    weight[n, k] = (code[n, k] - zero[n, g(k)]) * scale[n, g(k)]    (fp8: code * scale)
+
+`QTensor` is that set of tensors (a full checkpoint tensor, or a view into a layer's buffers);
+`narrow` cuts a tensor-parallel shard out of it and `copy_` fills a layer's buffers from it,
+so the tensor-parallel linear layers load quantized weights with the code they load float
+weights with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+# Elements of weight dequantized at once per matmul call: bounds the transient memory
+# (16 MiB of fp32) while keeping each F.linear large enough to run at full speed.
+CHUNK_ELEMENTS = 1 << 22
+
+
+@dataclass
+class QTensor:
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    g_idx: torch.Tensor | None
+    bits: int
+    group_size: int  # input features per group; 0: the whole row is one group
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.codes.shape[0], self.in_features)
+
+    def dim(self) -> int:
+        return 2
+
+    def nbytes(self) -> int:
+        parts = (self.codes, self.scales, self.zeros, self.g_idx)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def narrow(self, dim: int, start: int, length: int) -> QTensor:
+        """Rows (dim 0) or input features (dim 1) [start, start + length)."""
+        if dim == 0:
+            zeros = self.zeros.narrow(0, start, length) if self.zeros is not None else None
+            return QTensor(
+                self.codes.narrow(0, start, length),
+                self.scales.narrow(0, start, length),
+                zeros,
+                self.g_idx,
+                self.bits,
+                self.group_size,
+                self.in_features,
+            )
+        per_byte = 2 if self.codes.dtype == torch.uint8 and self.bits == 4 else 1
+        if start % per_byte or length % per_byte:
+            raise ValueError("a 4-bit weight splits only at even input features")
+        codes = self.codes.narrow(1, start // per_byte, length // per_byte)
+        if self.g_idx is not None:  # groups are scattered: keep every group's scale
+            return QTensor(
+                codes,
+                self.scales,
+                self.zeros,
+                self.g_idx.narrow(0, start, length),
+                self.bits,
+                self.group_size,
+                length,
+            )
+        scales, zeros = self.scales, self.zeros
+        if self.group_size:
+            if start % self.group_size:
+                raise ValueError(
+                    f"input features split at {start}, inside a quantization group of "
+                    f"{self.group_size}: choose a tensor-parallel size that splits on groups"
+                )
+            g0 = start // self.group_size
+            count = -(-length // self.group_size)
+            scales = scales.narrow(1, g0, count)
+            zeros = zeros.narrow(1, g0, count) if zeros is not None else None
+        return QTensor(codes, scales, zeros, None, self.bits, self.group_size, length)
+
+    def copy_(self, src: QTensor) -> QTensor:
+        """Fill these (buffer view) tensors from `src`, checking it has the same layout."""
+        if (src.bits, src.group_size, src.in_features) != (
+            self.bits,
+            self.group_size,
+            self.in_features,
+        ):
+            raise ValueError(
+                f"quantized weight of {src.bits} bits, group {src.group_size}, "
+                f"{src.in_features} inputs where {self.bits} bits, group {self.group_size}, "
+                f"{self.in_features} inputs are expected"
+            )
+        _copy("codes", self.codes, src.codes)
+        _copy("scales", self.scales, src.scales.float())
+        if self.zeros is not None:
+            assert src.zeros is not None, "integer codes without zero points"
+            _copy("zero points", self.zeros, src.zeros)
+        if self.g_idx is not None:
+            if src.g_idx is None:
+                raise ValueError("a weight without g_idx where desc_act needs one")
+            if bool((self.g_idx < 0).all()):
+                self.g_idx.copy_(src.g_idx)
+            elif not torch.equal(self.g_idx, src.g_idx.to(self.g_idx.device)):
+                # Fused projections (q/k/v, gate/up) share one input order; GPTQ gives them
+                # the same g_idx since their inputs (and Hessians) are the same.
+                raise ValueError("fused projections with different g_idx (desc_act order)")
+        return self
+
+
+def _copy(what: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(
+            f"quantized weight's {what} are {list(src.shape)}, expected {list(dst.shape)}"
+        )
+    dst.copy_(src)
+
+
+def unpack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] uint8 -> [..., K] uint8 (low nibble first)."""
+    return torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[..., K] integers in 0..15 -> [..., K/2] uint8 (input feature 2j in the low nibble)."""
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def _per_feature(t: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """[n, G] per-group values -> [n, K] per input feature."""
+    if w.g_idx is not None:
+        return t.index_select(1, w.g_idx.long())
+    if w.group_size == 0:
+        return t.expand(-1, w.in_features)
+    return t.repeat_interleave(w.group_size, dim=1)[:, : w.in_features]
+
+
+def dequantize(
+    w: QTensor, dtype: torch.dtype, start: int = 0, end: int | None = None
+) -> torch.Tensor:
+    """Rows [start, end) of the weight as a float [n, K] tensor of `dtype` (computed in fp32:
+    (code - zero) * scale is exact there for every format here)."""
+    end = w.codes.shape[0] if end is None else end
+    codes = w.codes[start:end]
+    if codes.dtype == FP8:
+        values = codes.float()
+    else:
+        q = unpack_nibbles(codes) if w.bits == 4 else codes
+        assert w.zeros is not None
+        values = q.float() - _per_feature(w.zeros[start:end].float(), w)
+    return (values * _per_feature(w.scales[start:end], w)).to(dtype)
+
+
+def qlinear(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """x [..., K] @ weight.T, the weight dequantized a block of rows at a time (never whole)."""
+    n = w.codes.shape[0]
+    rows = max(1, CHUNK_ELEMENTS // max(w.in_features, 1))
+    if rows >= n:
+        return F.linear(x, dequantize(w, x.dtype))
+    out = x.new_empty(*x.shape[:-1], n)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        out[..., r0:r1] = F.linear(x, dequantize(w, x.dtype, r0, r1))
+    return out

@@ -1,0 +1,196 @@
+"""Which quantization a model runs with: read from config.json's `quantization_config`, or asked
+for with `--quantization` on a float checkpoint. Torch-free (models/config.py imports it).
+
+Every scheme is told by the same few facts: the bits of a weight code, the group of input
+features one scale (and zero point) covers, whether there are zero points, and where it comes
+from. Anything not in SUPPORTED fails here, at start, naming what is supported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# --quantization choices for a bf16/fp16/fp32 checkpoint (quantized at load).
+LOAD_METHODS = ("int8", "int4", "fp8")
+SUPPORTED = (
+    "fp8 (quant_method fp8, fmt e4m3, weight_block_size [128, 128] or none: per tensor)",
+    "compressed-tensors FP8 (float 8-bit weights, strategy tensor, channel or block; dynamic "
+    "or no activation quantization)",
+    "awq (bits 4, zero_point true, version gemm, any group_size dividing the input features)",
+    "gptq (bits 4 or 8, sym true or false, group_size 32/64/128/... or -1, desc_act true or "
+    "false, checkpoint_format gptq or gptq_v2)",
+)
+INT4_GROUP = 128  # --quantization int4's group
+FP8_BLOCK = 128  # --quantization fp8's block (rows x input features)
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """method: fp8 (block/tensor/channel float8 e4m3 codes), awq, gptq, or int8/int4 (made at
+    load). group_size: input features per scale; 0 means a whole row (per channel).
+    source: "checkpoint" (quantization_config) or "load" (--quantization)."""
+
+    method: str
+    bits: int
+    group_size: int
+    zero_point: bool = False
+    desc_act: bool = False
+    # GPTQ v1 ("gptq") stores each zero point minus one; "gptq_v2" stores it as it is.
+    zeros_minus_one: bool = False
+    # fp8: how its scales are laid out ("block" [N/bn, K/bk], "channel" [N, 1], "tensor").
+    fp8_scales: str = ""
+    fp8_scale_name: str = ""  # weight_scale_inv (Qwen/DeepSeek fp8) or weight_scale (c-t)
+    # Module names (or name fragments) the checkpoint keeps in float.
+    not_converted: tuple[str, ...] = ()
+    source: str = "checkpoint"
+
+    def describe(self) -> str:
+        """One line for the start-up log and the metrics' info gauge."""
+        if self.method == "fp8":
+            how = (
+                f"{self.fp8_scales} scales"
+                if self.fp8_scales != "block"
+                else f"{self.group_size}x{self.group_size} block scales"
+            )
+            core = f"fp8 e4m3, {how}"
+        else:
+            group = "per channel" if self.group_size == 0 else f"group {self.group_size}"
+            zeros = ", zero points" if self.zero_point else ", symmetric"
+            order = ", desc_act" if self.desc_act else ""
+            core = f"{self.method} {self.bits}-bit, {group}{zeros}{order}"
+        where = "quantized at load" if self.source == "load" else "from the checkpoint"
+        return f"{core} ({where})"
+
+
+def _unsupported(what: str) -> ValueError:
+    return ValueError(
+        f"unsupported quantization_config: {what}; minisgl loads: " + "; ".join(SUPPORTED)
+    )
+
+
+def parse_quantization_config(raw: dict[str, Any] | None) -> QuantScheme | None:
+    """config.json's `quantization_config` -> a scheme (None: a float checkpoint)."""
+    if not raw:
+        return None
+    method = str(raw.get("quant_method", "")).lower()
+    not_converted = tuple(
+        str(m) for m in (raw.get("modules_to_not_convert") or raw.get("ignore") or [])
+    )
+    if method == "fp8":
+        return _fp8(raw, not_converted)
+    if method == "compressed-tensors":
+        return _compressed_tensors(raw, not_converted)
+    if method == "awq":
+        return _awq(raw, not_converted)
+    if method == "gptq":
+        return _gptq(raw, not_converted)
+    raise _unsupported(f"quant_method {method or None!r}")
+
+
+def _fp8(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
+    fmt = str(raw.get("fmt", "e4m3")).lower()
+    if fmt != "e4m3":
+        raise _unsupported(f"fp8 fmt {fmt!r}")
+    if raw.get("activation_scheme", "dynamic") != "dynamic":
+        raise _unsupported(f"fp8 activation_scheme {raw.get('activation_scheme')!r}")
+    block = raw.get("weight_block_size")
+    if block is None:
+        return QuantScheme(
+            "fp8", 8, 0, fp8_scales="tensor", fp8_scale_name="weight_scale_inv",
+            not_converted=not_converted,
+        )  # fmt: skip
+    if len(block) != 2 or block[0] != block[1]:
+        raise _unsupported(f"fp8 weight_block_size {block!r} (square blocks only)")
+    return QuantScheme(
+        "fp8",
+        8,
+        int(block[1]),
+        fp8_scales="block",
+        fp8_scale_name="weight_scale_inv",
+        not_converted=not_converted,
+    )
+
+
+def _compressed_tensors(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
+    fmt = raw.get("format")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise _unsupported(f"compressed-tensors format {fmt!r}")
+    groups = list((raw.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise _unsupported(f"compressed-tensors with {len(groups)} config_groups (one only)")
+    group = groups[0]
+    w = group.get("weights") or {}
+    if w.get("type") != "float" or int(w.get("num_bits", 0)) != 8:
+        raise _unsupported(
+            f"compressed-tensors weights {w.get('type')!r} {w.get('num_bits')!r}-bit"
+        )
+    if w.get("dynamic") or not w.get("symmetric", True):
+        raise _unsupported("compressed-tensors dynamic or asymmetric weight quantization")
+    act = group.get("input_activations")
+    if act and not act.get("dynamic", False):
+        raise _unsupported("compressed-tensors static activation scales (input_scale)")
+    strategy = w.get("strategy")
+    if strategy == "block":
+        block = w.get("block_structure") or []
+        if len(block) != 2 or block[0] != block[1]:
+            raise _unsupported(f"compressed-tensors block_structure {block!r}")
+        return QuantScheme(
+            "fp8", 8, int(block[1]), fp8_scales="block", fp8_scale_name="weight_scale",
+            not_converted=not_converted,
+        )  # fmt: skip
+    if strategy not in ("tensor", "channel"):
+        raise _unsupported(f"compressed-tensors weight strategy {strategy!r}")
+    return QuantScheme(
+        "fp8", 8, 0, fp8_scales=str(strategy), fp8_scale_name="weight_scale",
+        not_converted=not_converted,
+    )  # fmt: skip
+
+
+def _awq(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
+    bits = int(raw.get("bits", raw.get("w_bit", 0)))
+    version = str(raw.get("version", "gemm")).lower()
+    zero = bool(raw.get("zero_point", True))
+    group = int(raw.get("group_size", raw.get("q_group_size", 128)))
+    if bits != 4 or version != "gemm" or not zero or group <= 0:
+        raise _unsupported(
+            f"awq bits={bits} version={version!r} zero_point={zero} group_size={group}"
+        )
+    return QuantScheme("awq", 4, group, zero_point=True, not_converted=not_converted)
+
+
+def _gptq(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
+    bits = int(raw.get("bits", 0))
+    group = int(raw.get("group_size", 128))
+    fmt = str(raw.get("checkpoint_format", raw.get("format", "gptq"))).lower()
+    if bits not in (4, 8) or fmt not in ("gptq", "gptq_v2") or group == 0 or group < -1:
+        raise _unsupported(f"gptq bits={bits} group_size={group} checkpoint_format={fmt!r}")
+    if raw.get("lm_head"):
+        raise _unsupported("gptq with a quantized lm_head")
+    if raw.get("dynamic"):
+        raise _unsupported("gptq with per-module `dynamic` overrides")
+    return QuantScheme(
+        "gptq",
+        bits,
+        0 if group == -1 else group,
+        zero_point=not bool(raw.get("sym", True)),
+        # With one group per row (-1) the order of the input features changes nothing.
+        desc_act=bool(raw.get("desc_act", False)) and group > 0,
+        zeros_minus_one=fmt == "gptq",
+        not_converted=not_converted,
+    )
+
+
+def load_scheme(method: str) -> QuantScheme:
+    """--quantization's scheme for a float checkpoint: int8 per channel (symmetric), int4 per
+    group of INT4_GROUP with zero points, fp8 e4m3 with FP8_BLOCK x FP8_BLOCK block scales."""
+    if method == "int8":
+        return QuantScheme("int8", 8, 0, source="load")
+    if method == "int4":
+        return QuantScheme("int4", 4, INT4_GROUP, zero_point=True, source="load")
+    if method == "fp8":
+        return QuantScheme(
+            "fp8", 8, FP8_BLOCK, fp8_scales="block", fp8_scale_name="weight_scale_inv",
+            source="load",
+        )  # fmt: skip
+    raise ValueError(f"unknown --quantization {method!r}; choose from {', '.join(LOAD_METHODS)}")

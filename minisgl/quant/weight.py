@@ -1,0 +1,109 @@
+"""QuantWeight: a layer's quantized weight buffers, standing where its float `weight` was.
+
+A linear layer (or a mixture's stacked experts, with a leading expert dimension) gets one in
+place of its float parameter before the model is materialised, so the float weight is never
+allocated. It answers the calls the layers' loaders make on a weight (`.data`, `narrow`,
+`copy_`, `[e, rows]`) with QTensor views of its buffers, and multiplies through `matmul`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minisgl.quant.qtensor import FP8, QTensor, qlinear
+
+
+class QuantWeight(nn.Module):
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    g_idx: torch.Tensor | None
+
+    def __init__(
+        self,
+        out_features: int,
+        in_features: int,
+        *,
+        bits: int,
+        fp8: bool,
+        group_size: int,
+        groups: int,
+        scattered_groups: bool,
+        experts: int = 0,
+    ) -> None:
+        super().__init__()
+        lead = (experts,) if experts else ()
+        n, k = out_features, in_features
+        self.bits, self.group_size, self.in_features = bits, group_size, k
+        self.experts = experts
+        if fp8:
+            codes = torch.empty(*lead, n, k, dtype=FP8)
+        elif bits == 4:
+            codes = torch.empty(*lead, n, k // 2, dtype=torch.uint8)
+        else:
+            codes = torch.empty(*lead, n, k, dtype=torch.uint8)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", torch.empty(*lead, n, groups, dtype=torch.float32))
+        zeros = None if fp8 else torch.empty(*lead, n, groups, dtype=torch.uint8)
+        self.register_buffer("zeros", zeros)
+        g_idx = torch.empty(*lead, k, dtype=torch.int32) if scattered_groups else None
+        self.register_buffer("g_idx", g_idx)
+
+    def reset(self) -> None:
+        """After materialising: g_idx unset (-1), so the first projection loaded sets it."""
+        if self.g_idx is not None:
+            self.g_idx.fill_(-1)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        lead = (self.experts,) if self.experts else ()
+        return (*lead, self.codes.shape[-2], self.in_features)
+
+    @property
+    def data(self) -> QuantWeight:
+        return self
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def view(self, expert: int | None = None, rows: slice | None = None) -> QTensor:
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            t = t if expert is None else t[expert]
+            return t if rows is None else t[rows]
+
+        g_idx = self.g_idx if expert is None or self.g_idx is None else self.g_idx[expert]
+        return QTensor(
+            pick(self.codes),
+            pick(self.scales),
+            pick(self.zeros) if self.zeros is not None else None,
+            g_idx,
+            self.bits,
+            self.group_size,
+            self.in_features,
+        )
+
+    def __getitem__(self, key: int | slice | tuple[int, slice]) -> QTensor:
+        """[e] an expert, [e, rows] an expert's rows, [rows] a dense layer's rows."""
+        if isinstance(key, tuple):
+            return self.view(key[0], key[1])
+        if isinstance(key, slice):
+            return self.view(None, key)
+        return self.view(key)
+
+    def narrow(self, dim: int, start: int, length: int) -> QTensor:
+        return self.view().narrow(dim, start, length)
+
+    def copy_(self, src: QTensor) -> QTensor:
+        return self.view().copy_(src)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return qlinear(x, self.view())
+
+    def extra_repr(self) -> str:
+        return f"shape={list(self.shape)}, bits={self.bits}, group_size={self.group_size}"
+
+
+def expert_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """One expert's x @ w.T (the MoE forward's per-expert matmul on quantized experts)."""
+    return qlinear(x, w)

@@ -1,0 +1,186 @@
+"""The published quantized layouts read into exactly the weights they encode, and anything minisgl
+would not use (an unknown method, bit width or layout, a stray scale tensor) refused at start.
+
+The checkpoint tensors come from minisgl.testing.quant_writer, which packs them with plain loops
+following each format's specification; the loader unpacks with its own vectorised code."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl.quant import qtensor
+from minisgl.quant.formats import read_linear
+from minisgl.quant.layout import scan
+from minisgl.quant.qtensor import dequantize, qlinear
+from minisgl.quant.quantize import quantize
+from minisgl.quant.scheme import load_scheme, parse_quantization_config
+from minisgl.testing import quant_writer
+from minisgl.testing.quant_writer import QuantFormat
+
+N, K = 256, 384  # output, input features
+
+FORMATS = {
+    "fp8 block": QuantFormat("fp8"),
+    "ct fp8 channel": QuantFormat("ct-fp8-channel"),
+    "ct fp8 tensor": QuantFormat("ct-fp8-tensor"),
+    "awq g128": QuantFormat("awq"),
+    "awq g64": QuantFormat("awq", group_size=64),
+    "gptq 4 sym g128": QuantFormat("gptq"),
+    "gptq 4 asym g64": QuantFormat("gptq", group_size=64, sym=False),
+    "gptq 4 asym g32 desc_act": QuantFormat("gptq", group_size=32, sym=False, desc_act=True),
+    "gptq 4 sym g-1": QuantFormat("gptq", group_size=-1),
+    "gptq 8 sym g32": QuantFormat("gptq", bits=8, group_size=32),
+    "gptq 8 asym g128 desc_act": QuantFormat("gptq", bits=8, sym=False, desc_act=True),
+    "gptq_v2 4 asym g128": QuantFormat("gptq", sym=False, gptq_v2=True),
+}
+
+
+def _weight(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(0, 0.5, (N, K)).astype(np.float32)
+
+
+def _encode(fmt: QuantFormat, w: np.ndarray) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    rng = np.random.default_rng(1)
+    if fmt.method == "awq":
+        parts, twin = quant_writer._awq(w, fmt)
+    elif fmt.method == "gptq":
+        order = rng.permutation(K) if fmt.desc_act else np.arange(K)
+        parts, twin = quant_writer._gptq(w, fmt, order)
+    else:
+        parts, twin = quant_writer._fp8(w, fmt)
+    tensors = {
+        k: v if isinstance(v, torch.Tensor) else torch.from_numpy(v) for k, v in parts.items()
+    }
+    return tensors, torch.from_numpy(np.asarray(twin, dtype=np.float32))
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_layout_reads_into_the_encoded_weights(name: str) -> None:
+    fmt = FORMATS[name]
+    scheme = parse_quantization_config(fmt.quantization_config())
+    assert scheme is not None
+    parts, twin = _encode(fmt, _weight())
+    q = read_linear("model.layers.0.mlp.down_proj", parts, scheme)
+    assert q.shape == (N, K)
+    assert torch.equal(dequantize(q, torch.float32), twin)
+    # Held as the quantized bytes: codes, an fp32 scale (and a byte of zero point) per group.
+    groups = -(-K // scheme.group_size) if scheme.group_size else 1
+    assert q.nbytes() <= N * K * scheme.bits // 8 + N * groups * 5 + K * 4
+    # Tensor-parallel shards: rows, and input features on group boundaries.
+    assert torch.equal(dequantize(q.narrow(0, 64, 128), torch.float32), twin[64:192])
+    cut = q.narrow(1, 128, 256)
+    assert torch.equal(dequantize(cut, torch.float32), twin[:, 128:384])
+
+
+def test_awq_nibble_order_matters() -> None:
+    """A reader that took AutoAWQ's nibbles in plain order would be wrong: the test can tell."""
+    fmt = FORMATS["awq g128"]
+    parts, twin = _encode(fmt, _weight())
+    words = parts["qweight"]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    plain = ((words.unsqueeze(-1) >> shifts) & 15).flatten(1)  # [K, N], nibble order
+    zeros = ((parts["qzeros"].unsqueeze(-1) >> shifts) & 15).flatten(1)
+    wrong = (plain.float() - zeros.float().repeat_interleave(128, 0)) * parts[
+        "scales"
+    ].float().repeat_interleave(128, 0)
+    assert not torch.equal(wrong.t(), twin)
+
+
+def test_chunked_matmul_equals_the_dequantized_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    scheme = parse_quantization_config(FORMATS["gptq 4 asym g64"].quantization_config())
+    assert scheme is not None
+    parts, twin = _encode(FORMATS["gptq 4 asym g64"], _weight())
+    q = read_linear("x", parts, scheme)
+    x = torch.randn(5, K)
+    whole = qlinear(x, q)
+    monkeypatch.setattr(qtensor, "CHUNK_ELEMENTS", K * 48)  # 6 row blocks, the last partial
+    chunked = qlinear(x, q)
+    torch.testing.assert_close(whole, F.linear(x, twin))
+    torch.testing.assert_close(chunked, whole)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+def test_quantize_at_load_stays_close(method: str) -> None:
+    w = torch.from_numpy(_weight())
+    q = quantize(w, load_scheme(method))
+    err = (dequantize(q, torch.float32) - w).abs()
+    per_row = w.abs().amax(dim=1, keepdim=True)
+    # Half a step: int8 max/127/2, int4 (range/15)/2 <= max/15, fp8 e4m3 3 mantissa bits.
+    bound = {"int8": per_row / 254, "int4": per_row / 15 + 1e-6, "fp8": w.abs() / 16 + 1e-3}
+    assert bool((err <= bound[method] * 1.001).all())
+    assert q.nbytes() <= N * K * (0.5 if method == "int4" else 1) * 1.1 + N * 4
+
+
+@pytest.mark.parametrize(
+    "config, says",
+    [
+        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "bits=3"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version='gemv'"),
+        ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme"),
+        ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2'"),
+        (
+            {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+            "format 'pack-quantized'",
+        ),
+    ],
+)
+def test_unsupported_quantization_fails_naming_what_is_supported(config, says) -> None:
+    with pytest.raises(ValueError) as e:
+        parse_quantization_config(config)
+    assert says in str(e.value)
+    assert "minisgl loads: fp8" in str(e.value) and "gptq (bits 4 or 8" in str(e.value)
+
+
+def _headers(fmt: QuantFormat | None, extra: dict | None = None) -> dict:
+    """Headers of a one-layer checkpoint: q_proj quantized in `fmt` (float when None)."""
+    w = _weight()
+    heads = {"model.embed_tokens.weight": ((1000, K), "F32")}
+    if fmt is None:
+        heads["model.layers.0.self_attn.q_proj.weight"] = ((N, K), "F32")
+    else:
+        parts, _ = _encode(fmt, w)
+        dtypes = {torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32", torch.int32: "I32"}
+        for k, v in parts.items():
+            dt = dtypes.get(v.dtype, "F16")
+            heads[f"model.layers.0.self_attn.q_proj.{k}"] = (tuple(v.shape), dt)
+    return heads | (extra or {})
+
+
+def test_an_extra_scale_tensor_is_named() -> None:
+    fmt = FORMATS["fp8 block"]
+    scheme = parse_quantization_config(fmt.quantization_config())
+    stray = {"model.layers.0.self_attn.q_proj.weight_scale": ((2, 3), "F32")}
+    with pytest.raises(ValueError, match=r"q_proj\.weight_scale is not used: the fp8 layout"):
+        scan(_headers(fmt, stray), scheme)
+    layout = scan(_headers(fmt), scheme)
+    assert layout.shapes["model.layers.0.self_attn.q_proj.weight"] == (N, K)
+
+
+def test_quantized_tensors_without_quantization_config_are_refused() -> None:
+    with pytest.raises(ValueError, match="config.json has no quantization_config"):
+        scan(_headers(FORMATS["fp8 block"]), None)
+    with pytest.raises(ValueError, match="config.json has no quantization_config"):
+        scan(_headers(FORMATS["awq g128"]), None)
+
+
+def test_layout_problems_are_named() -> None:
+    gptq = parse_quantization_config(FORMATS["gptq 4 asym g32 desc_act"].quantization_config())
+    heads = _headers(FORMATS["gptq 4 asym g32 desc_act"])
+    del heads["model.layers.0.self_attn.q_proj.g_idx"]
+    with pytest.raises(ValueError, match=r"no tensor model.layers.0.self_attn.q_proj.g_idx"):
+        scan(heads, gptq)
+    head = {"lm_head.qweight": ((16, 1000), "I32"), "lm_head.scales": ((1, 1000), "F16")}
+    with pytest.raises(ValueError, match="minisgl runs lm_head unquantized"):
+        scan(_headers(None, head), gptq)
+    skip = QuantFormat("awq", not_converted=("self_attn.q_proj",))
+    with pytest.raises(ValueError, match="modules_to_not_convert"):
+        scan(_headers(FORMATS["awq g128"]), parse_quantization_config(skip.quantization_config()))
+    with pytest.raises(ValueError, match="already quantized"):
+        scan(_headers(FORMATS["awq g128"]), load_scheme("int4"))
+    # A module modules_to_not_convert keeps in float loads as a float weight.
+    plain = scan(_headers(None), parse_quantization_config(skip.quantization_config()))
+    assert plain.quantized == {}
