@@ -102,11 +102,18 @@ class ServerArgs(EngineArgs):
     port: int = _f(8000, "port to listen on")
     api_key: str | None = _f(None, "require this bearer token on /v1 endpoints and /openapi.json")
     metrics_require_api_key: bool = _f(False, "require the --api-key bearer token on /metrics too")
-    max_queued_requests: int = _f(1024, "waiting requests beyond which the server answers 503")
+    max_queued_requests: int = _f(
+        1024,
+        "waiting sequences (a request's prompts x n) beyond which a request is answered 503 "
+        "(400 when it alone asks for more)",
+    )
     shutdown_timeout: float = _f(30.0, "seconds in-flight requests may take to finish on SIGTERM")
     log_level: str = _f("info", "log level", LOG_LEVELS)
     max_request_body_bytes: int = _f(8 * 1024 * 1024, "largest request body accepted")
     max_n: int = _f(16, "most samples (n) one request may ask for; beyond it a 400")
+    max_prompts_per_request: int = _f(
+        64, "most prompts in one /v1/completions prompt list; beyond it a 400"
+    )
     disable_playground: bool = _f(
         False, "do not serve the chat playground page at / and /playground"
     )

@@ -59,6 +59,15 @@ class ErrorReply:
     param: str | None = None
 
 
+@register("accepted")
+@dataclass
+class RequestAccepted:
+    """The engine took the request (its prompt and grammar passed): no ErrorReply for bad input
+    comes after this. Sent before any of its outputs."""
+
+    rid: str
+
+
 @register("tokenizer_reply")
 @dataclass
 class TokenizerReply:
@@ -73,6 +82,7 @@ class TokenizerReply:
 KINDS: tuple[type, ...] = (
     TextBatch,
     ErrorReply,
+    RequestAccepted,
     SchedulerStatsUpdate,
     Ping,
     Heartbeat,

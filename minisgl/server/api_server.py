@@ -127,6 +127,14 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
             prompts = req.prompts()
         except ValueError as exc:
             raise APIError(400, str(exc), "prompt") from None
+        cap = ctx.args.max_prompts_per_request
+        if len(prompts) > cap:
+            raise APIError(
+                400,
+                f"at most {cap} prompts per request on this server (--max-prompts-per-request), "
+                f"got {len(prompts)}",
+                "prompt",
+            )
         vocab = ctx.vocab_size
         batch: list[dict[str, Any]] = []
         for prompt in prompts:

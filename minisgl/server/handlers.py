@@ -90,15 +90,25 @@ def sampling_params(
         raise APIError(400, str(exc)) from None
 
 
-def admit(ctx: ServerContext) -> None:
+def admit(ctx: ServerContext, seqs: int = 1, param: str | None = None) -> None:
+    """Admission of a request for `seqs` sequences (prompts x n), as a whole: all of them
+    queue, or none. `param`: the field that sets their number."""
     if ctx.draining or ctx.dead_worker:
         raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
     if not ctx.ready:
         raise APIError(503, "the server is starting", headers={"Retry-After": "1"})
-    if ctx.manager.num_waiting >= ctx.args.max_queued_requests:
+    limit = ctx.args.max_queued_requests
+    if seqs > limit:  # would never fit: retrying cannot help
+        raise APIError(
+            400,
+            f"the request asks for {seqs} sequences (prompts x n); this server queues at most "
+            f"{limit} (--max-queued-requests)",
+            param,
+        )
+    if ctx.manager.num_waiting + seqs > limit:
         raise APIError(
             503,
-            f"too many waiting requests (limit {ctx.args.max_queued_requests}); retry later",
+            f"too many waiting sequences (limit {limit}); retry later",
             headers={"Retry-After": "1"},
         )
 
@@ -125,7 +135,10 @@ class Tracker:
         if out.queue_time is not None and self.queue_time is None:
             self.queue_time = out.queue_time
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
-        self.cached_tokens = out.cached_tokens or self.cached_tokens
+        if out.index == 0:
+            # Sample 0 prefills the prompt; the other samples reuse its pages, which are no
+            # hits of an earlier request's prefix (OpenAI and vLLM count the prompt once).
+            self.cached_tokens = out.cached_tokens or self.cached_tokens
         self.sample_tokens[out.index] = out.completion_tokens
         self.completion_tokens = sum(self.sample_tokens.values())
         if out.text:
@@ -207,7 +220,7 @@ async def serve_request(
 ) -> Response:
     params = sampling_params(ctx, req, req.limit(), grammar)
     output = output if output is not None and output.active else None
-    admit(ctx)
+    admit(ctx, req.n, "n")
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
     tracker = Tracker(rid, arrival, req.stream)
     echo = isinstance(req, CompletionRequest) and req.echo

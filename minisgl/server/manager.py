@@ -21,7 +21,13 @@ import zmq.asyncio
 
 from minisgl.message import api_to_tokenizer, detokenizer_to_api
 from minisgl.message.api_to_tokenizer import AbortRequest, Heartbeat, Ping, TokenizeRequest
-from minisgl.message.detokenizer_to_api import ErrorReply, TextBatch, TextOutput, TokenizerReply
+from minisgl.message.detokenizer_to_api import (
+    ErrorReply,
+    RequestAccepted,
+    TextBatch,
+    TextOutput,
+    TokenizerReply,
+)
 from minisgl.message.endpoints import Endpoints
 from minisgl.message.queue import AsyncPullQueue, PushQueue
 from minisgl.message.scheduler_to_detokenizer import SchedulerStatsUpdate
@@ -36,7 +42,11 @@ class RequestState:
     rid: str
     arrival_time: float
     queue: asyncio.Queue[Reply] = field(default_factory=asyncio.Queue)
-    got_output: bool = False  # until then the request counts as waiting (admission control)
+    # Samples with no output yet: each counts as a waiting sequence (admission control).
+    waiting: set[int] = field(default_factory=lambda: {0})
+    # Set once the engine accepted the request or it failed (then `error` says why).
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+    error: ErrorReply | None = None
 
 
 class RequestManager:
@@ -76,14 +86,14 @@ class RequestManager:
     # ---- requests ---------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        """Requests accepted here that have not produced any output yet."""
-        return sum(1 for s in self.requests.values() if not s.got_output)
+        """Sequences (samples of requests) accepted here that have no output yet."""
+        return sum(len(s.waiting) for s in self.requests.values())
 
     def submit(self, req: TokenizeRequest) -> RequestState:
         # Encode first: a request that cannot be sent must not stay registered (it would
         # count as waiting forever and, with enough of them, close admission for good).
         self.to_tokenizer.put(req)
-        state = RequestState(req.rid, req.arrival_time)
+        state = RequestState(req.rid, req.arrival_time, waiting=set(range(req.params.n)))
         self.requests[req.rid] = state  # no await since put(): no reply can come before this
         return state
 
@@ -155,6 +165,10 @@ class RequestManager:
                 self._deliver(out.rid, out)
         elif isinstance(msg, ErrorReply | TokenizerReply):
             self._deliver(msg.rid, msg)
+        elif isinstance(msg, RequestAccepted):
+            state = self.requests.get(msg.rid)
+            if state is not None:
+                state.settled.set()
         elif isinstance(msg, SchedulerStatsUpdate):
             self._on_stats(msg)
         elif isinstance(msg, Heartbeat):
@@ -168,7 +182,13 @@ class RequestManager:
         state = self.requests.get(rid)
         if state is None:
             return  # the client is gone (aborted): nothing to deliver to
-        state.got_output = True
+        if isinstance(reply, TextOutput):
+            state.waiting.discard(reply.index)
+        else:
+            state.waiting.clear()
+        if isinstance(reply, ErrorReply) and state.error is None:
+            state.error = reply
+        state.settled.set()
         state.queue.put_nowait(reply)
 
     def _on_stats(self, msg: SchedulerStatsUpdate) -> None:

@@ -3,7 +3,9 @@
 Choice `index` = prompt_index * n + sample (OpenAI's and vLLM's numbering), so samples per
 prompt plug in as more choices. Each choice is its own request through the pipeline (its own
 rid, tracker and metrics); the reply merges them: one response, or one SSE stream whose chunks
-carry their choice's index, with usage summed over the choices.
+carry their choice's index. usage counts each prompt once (as OpenAI and vLLM do): its prompt
+and cached tokens are those of its sample 0, which is queued first, so a cache hit never
+counts a sibling sample's prefill.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ log = logging.getLogger("minisgl.api")
 @dataclass
 class Choice:
     index: int
+    sample: int  # which sample of its prompt
     tracker: Tracker
     state: RequestState
     out: Choices  # its text, echo and logprobs (one sample: the engine sees n=1)
@@ -50,10 +53,10 @@ async def serve_prompts(
     grammar: tuple[str, str] | None,
 ) -> Response:
     """`prompts`: the TokenizeRequest fields of each prompt (prompt_text or prompt_ids)."""
-    admit(ctx)
     base = "cmpl-" + uuid.uuid4().hex[:24]
     samples = req.n
     params = sampling_params(ctx, req, req.limit(), grammar)
+    admit(ctx, len(prompts) * samples, "prompt")
     want_logprobs = req.num_logprobs() is not None
     choices: list[Choice] = []
     try:
@@ -73,7 +76,8 @@ async def serve_prompts(
                 )
                 state = ctx.manager.submit(tok_req)
                 out = Choices("completion", 1, want_logprobs, req.echo, prompt_text)
-                choices.append(Choice(index, Tracker(rid, arrival, req.stream), state, out))
+                tracker = Tracker(rid, arrival, req.stream)
+                choices.append(Choice(index, sample, tracker, state, out))
     except (TypeError, ValueError, OverflowError):
         _abort_all(ctx, choices)
         raise APIError(400, "the request holds values that cannot be processed") from None
@@ -81,6 +85,12 @@ async def serve_prompts(
         _abort_all(ctx, choices)
         raise
     log.info("rid=%s received: completion of %d prompts stream=%s", base, len(prompts), req.stream)
+    if req.stream:
+        # A stream's status goes out with its first byte: every prompt and sample must have
+        # passed the engine's checks (context, grammar) first, so bad input is a 400.
+        refused = await _settle(ctx, request, base, choices)
+        if refused is not None:
+            return refused
     merged: asyncio.Queue[tuple[Choice, Any]] = asyncio.Queue()
     pumps = [asyncio.ensure_future(_pump(c, merged)) for c in choices]
     if req.stream:
@@ -115,13 +125,14 @@ def _abort_all(ctx: ServerContext, choices: list[Choice]) -> None:
 
 
 def _usage(choices: list[Choice]) -> dict[str, Any]:
-    prompt = sum(c.tracker.prompt_tokens for c in choices)
+    firsts = [c for c in choices if c.sample == 0]  # one per prompt
+    prompt = sum(c.tracker.prompt_tokens for c in firsts)
     completion = sum(c.tracker.completion_tokens for c in choices)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(c.tracker.cached_tokens for c in choices)},
+        "prompt_tokens_details": {"cached_tokens": sum(c.tracker.cached_tokens for c in firsts)},
     }
 
 
@@ -135,6 +146,41 @@ def _on_reply(ctx: ServerContext, choice: Choice, reply: Any) -> tuple[bool, str
     choice.finish_reason = reply.finish_reason or "stop"
     choice.tracker.finish(ctx, choice.finish_reason)
     return True, text, logprobs
+
+
+async def _settle(
+    ctx: ServerContext, request: Request, base: str, choices: list[Choice]
+) -> Response | None:
+    """Wait until every choice was accepted by the engine or failed (each does, one way or
+    the other): None when all were accepted, else the response that ends the request, all of
+    it dropped."""
+    watcher = asyncio.ensure_future(_disconnected(request))
+    settled: asyncio.Future[Any] = asyncio.ensure_future(
+        asyncio.gather(*(c.state.settled.wait() for c in choices))
+    )
+    try:
+        await asyncio.wait([settled, watcher], return_when=asyncio.FIRST_COMPLETED)
+        accepted = settled.done()
+    except BaseException:
+        _abort_all(ctx, choices)
+        raise
+    finally:
+        watcher.cancel()
+        settled.cancel()
+    if not accepted:
+        log.info("rid=%s client disconnected while waiting", base)
+        _abort_all(ctx, choices)
+        return Response(status_code=499)
+    failed = next((c for c in choices if c.state.error is not None), None)
+    if failed is None:
+        return None
+    error = failed.state.error
+    assert error is not None
+    log.info("rid=%s rejected: choice %d: %s", base, failed.index, error.message)
+    ctx.manager.release(failed.tracker.rid)
+    failed.tracker.finish(ctx, "error")
+    _abort_all(ctx, choices)
+    return error_response(error.status, error.message, error.param)
 
 
 async def _disconnected(request: Request) -> None:

@@ -19,7 +19,6 @@ SEED_MAX = 2**63 - 1
 # vocabulary is this large, so anything beyond is a 400 here rather than an encoding error.
 INT_MAX = 2**31 - 1
 MAX_STOP = 64
-MAX_PROMPTS = 1024  # prompts in one /v1/completions request
 
 
 class _Request(BaseModel):
@@ -285,8 +284,6 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt must not be empty")
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
-        if len(p) > MAX_PROMPTS:
-            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         return [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[arg-type]
 
     def limit(self) -> int | None:

@@ -20,7 +20,13 @@ from minisgl import timeline
 from minisgl.logprobs import TokenLogprobs
 from minisgl.message import detokenizer_to_api, scheduler_to_detokenizer, tokenizer_to_scheduler
 from minisgl.message.api_to_tokenizer import AbortRequest, Ping
-from minisgl.message.detokenizer_to_api import ErrorReply, LogprobsText, TextBatch, TextOutput
+from minisgl.message.detokenizer_to_api import (
+    ErrorReply,
+    LogprobsText,
+    RequestAccepted,
+    TextBatch,
+    TextOutput,
+)
 from minisgl.message.endpoints import Endpoints
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.scheduler_to_detokenizer import (
@@ -81,7 +87,9 @@ class Detokenizer:
                 for i in range(msg.n)
             }
             self.decoders[msg.rid] = _Live(samples, msg.echo_ids, msg.skip_special_tokens)
-            return [], []
+            # The API server may wait for this before it commits to a reply (a prompt list's
+            # stream answers 400 until every prompt is accepted).
+            return [RequestAccepted(msg.rid)], []
         if isinstance(msg, RequestEnded):
             return self._ended(msg), []
         if isinstance(msg, Ping):
