@@ -30,8 +30,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,6 +107,9 @@ class _Lib:
         lib.fma_peak.argtypes = [i64, ptr]
         lib.fma_peak.restype = i64
         self.fma_peak = lib.fma_peak
+        # Where the elementwise kernels start splitting rows over the threads (common.h).
+        self.norm_parallel_min = ctypes.c_int64.in_dll(lib, "norm_parallel_min")
+        self.silu_parallel_min = ctypes.c_int64.in_dll(lib, "silu_parallel_min")
         # The AVX-512 GEMV exists in that build only.
         self.gemv512_bf16: Any = getattr(lib, "gemv512_bf16", None)
         self.gemv512_f32: Any = getattr(lib, "gemv512_f32", None)
@@ -130,10 +136,87 @@ def load() -> _Lib | None:
                 path = cpu_build.build("avx2", flags)
             _LIB = _Lib(path) if path is not None else None
             _LIB_PATH = path
+            if _LIB is not None:
+                _set_split_points(_LIB)
         except OSError as e:
             logger.info("CPU kernels unavailable: %s", e)
             _LIB = None
     return _LIB
+
+
+# Never split (one thread), as a value the C side compares against.
+_NEVER = 2**63 - 1
+# A split must save at least this many times the fork and join it costs: that cost varies
+# from call to call (a thread late to wake), the arithmetic it saves does not.
+_SPLIT_PAYBACK = 2.0
+_SPLIT_POINTS: dict[str, int] = {}
+
+
+def split_point(fork_s: float, serial_s_per_value: float, threads: int) -> int:
+    """Values from which splitting an elementwise kernel's rows over `threads` threads pays:
+    split, it takes fork_s + W * rate / threads instead of W * rate, and the saving
+    W * rate * (1 - 1 / threads) must be _SPLIT_PAYBACK times the fork's cost."""
+    if threads <= 1 or serial_s_per_value <= 0:
+        return _NEVER
+    saved_per_value = serial_s_per_value * (1 - 1 / threads)
+    return min(_NEVER, max(1, math.ceil(_SPLIT_PAYBACK * fork_s / saved_per_value)))
+
+
+def _set_split_points(lib: _Lib) -> None:
+    """Measure, on the running machine, what waking the threads for one kernel call costs and
+    how fast each elementwise kernel runs on one thread; set where each starts to split."""
+    threads = torch.get_num_threads()
+    d = 1024
+    x, res = torch.randn(64, d).bfloat16(), torch.randn(64, d).bfloat16()
+    w = torch.ones(d).bfloat16()
+    gate_up = torch.randn(64, 2 * d).bfloat16()
+
+    def norm(rows: int) -> None:
+        rms_norm(x[:rows], w, 1e-6, res[:rows])
+
+    def times(fn: Callable[[], object], reps: int) -> list[float]:
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    lib.norm_parallel_min.value = lib.silu_parallel_min.value = _NEVER
+    norm(1)  # first-call set-up
+    serial_norm = min(times(lambda: norm(64), 9)) / (64 * d)
+    serial_silu = min(times(lambda: silu_mul(gate_up), 9)) / (64 * d)
+    # The fork: one row split (the other threads get none) against one row on one thread,
+    # taken in turns, right after the threads last ran (as in a step); the median, as a step
+    # sees it.
+    # A busy machine wakes threads slowly: at most ~0.25 s of this at start.
+    split: list[float] = []
+    alone: list[float] = []
+    end = time.perf_counter() + 0.25
+    while len(split) < 31 and (len(split) < 5 or time.perf_counter() < end):
+        lib.norm_parallel_min.value = 0
+        split += times(lambda: norm(1), 1)
+        lib.norm_parallel_min.value = _NEVER
+        alone += times(lambda: norm(1), 1)
+    fork = max(1e-7, statistics.median(split) - statistics.median(alone))
+    lib.norm_parallel_min.value = split_point(fork, serial_norm, threads)
+    lib.silu_parallel_min.value = split_point(fork, serial_silu, threads)
+    _SPLIT_POINTS.update(norm=lib.norm_parallel_min.value, silu=lib.silu_parallel_min.value)
+    logger.info(
+        "CPU elementwise kernels: waking %d threads costs %.1f us; rows split from %s values "
+        "(RMSNorm), %s (SiLU)",
+        threads,
+        fork * 1e6,
+        _SPLIT_POINTS["norm"] if _SPLIT_POINTS["norm"] < _NEVER else "never",
+        _SPLIT_POINTS["silu"] if _SPLIT_POINTS["silu"] < _NEVER else "never",
+    )
+
+
+def split_points() -> dict[str, int]:
+    """{"norm": values, "silu": values} from which those kernels split their rows (as set at
+    load; 2**63 - 1: never)."""
+    load()
+    return dict(_SPLIT_POINTS)
 
 
 def build_id() -> str | None:

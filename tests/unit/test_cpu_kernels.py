@@ -221,3 +221,41 @@ def test_norm_kernel_matches_eager(dtype: torch.dtype, d: int) -> None:
     cos, sin = RotaryEmbedding(d, 10000.0, None, 64).cos_sin(torch.arange(11), dtype)
     roped = cpu_kernels.rms_norm(heads, w, 1e-6, rope=(cos, sin))[0]
     same(roped, apply_rotary(w * rms_normalize(heads, 1e-6), cos, sin))
+
+
+def test_split_point_weighs_the_fork_against_the_arithmetic_it_saves() -> None:
+    """Rows split over the threads only where the time they save pays the threads' wake-up
+    twice: with a 5 us wake-up and 1 ns a value, a B=1 row (1024 values) stays on one thread,
+    a prefill chunk (4096 x 1024) splits; one thread never splits."""
+    never = 2**63 - 1
+    point = cpu_kernels.split_point(5e-6, 1e-9, threads=2)
+    assert point == 20_000
+    assert 1024 < point < 4096 * 1024
+    assert cpu_kernels.split_point(5e-6, 1e-9, threads=4) == 13_334  # more threads save more
+    assert cpu_kernels.split_point(5e-6, 1e-9, threads=1) == never
+    assert cpu_kernels.split_point(1.0, 1e-30, threads=2) == never  # no overflow
+    points = cpu_kernels.split_points()  # measured on this machine when the kernels loaded
+    assert set(points) == {"norm", "silu"} and all(p >= 1 for p in points.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_elementwise_kernels_agree_split_or_not(dtype: torch.dtype) -> None:
+    """Whatever the measured split points, the kernels give the same rows on one thread and
+    split over all of them."""
+    lib = cpu_kernels.load()
+    assert lib is not None
+    torch.manual_seed(0)
+    x, res = torch.randn(37, 1024).to(dtype), torch.randn(37, 1024).to(dtype)
+    w = torch.randn(1024).to(dtype)
+    gate_up = torch.randn(37, 2 * 1024).to(dtype)
+    saved = lib.norm_parallel_min.value, lib.silu_parallel_min.value
+    results = []
+    try:
+        for point in (0, 2**63 - 1):
+            lib.norm_parallel_min.value = lib.silu_parallel_min.value = point
+            out, summed = cpu_kernels.rms_norm(x, w, 1e-6, res)
+            results.append((out, summed, cpu_kernels.silu_mul(gate_up)))
+    finally:
+        lib.norm_parallel_min.value, lib.silu_parallel_min.value = saved
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

@@ -8,12 +8,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* Elementwise kernels split their rows over the threads from this many values (measured on a
-   2-core Zen 3 at B=8, Qwen3-0.6B: q/k norm + rotary 38 -> 25 us, SiLU 33 -> 21 us; at 1 token,
-   1-3K values, the fork would cost about what it saves). */
-#ifndef PARALLEL_MIN
-#define PARALLEL_MIN 4096
-#endif
+/* Elementwise kernels split their rows over the threads from this many values (of the rows
+   they read), one figure per kernel family: set when the library loads, from the fork-and-join
+   cost of the threads measured on the running machine against the kernel's own rate
+   (cpu_kernels.py), so a B=1 step's small rows never wake the other threads. Until then: never. */
+extern int64_t norm_parallel_min, silu_parallel_min;
 
 static inline __m256 load_bf16(const uint16_t* p) {
     __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));

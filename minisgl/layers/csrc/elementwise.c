@@ -1,6 +1,8 @@
 /* Fused elementwise kernels: residual add + RMSNorm (+ rotary), SiLU x up. */
 #include "common.h"
 
+int64_t norm_parallel_min = INT64_MAX, silu_parallel_min = INT64_MAX;
+
 static inline void store8_bf16(uint16_t* p, __m256 rounded) {
     __m256i b = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
     __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
@@ -22,7 +24,7 @@ void NAME(const T* x, int64_t x_group, int64_t x_stride, const T* res_in, T* res
           int64_t w_rows, T* out, int64_t M, int64_t D, float eps, const T* cos,            \
           const T* sin) {                                                                   \
     int64_t D8 = D / 8 * 8;                                                                 \
-    _Pragma("omp parallel for schedule(static) if (M * D >= PARALLEL_MIN)")                 \
+    _Pragma("omp parallel for schedule(static) if (M * D >= norm_parallel_min)")            \
     for (int64_t i = 0; i < M; i++) {                                                       \
         const T* xr = x + (i / x_group) * x_stride + (i % x_group) * D;                     \
         const T* wr = w + (i % w_rows) * D;                                                 \
@@ -87,7 +89,7 @@ static inline __m256 silu8(__m256 a) {
     return _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.f), e));
 }
 void silu_mul_f32(const float* x, float* out, int64_t M, int64_t I) {
-    #pragma omp parallel for schedule(static) if (M * I >= PARALLEL_MIN)
+    #pragma omp parallel for schedule(static) if (M * I >= silu_parallel_min)
     for (int64_t t = 0; t < M; t++) {
         const float* g = x + t * 2 * I;
         const float* u = g + I;
@@ -101,7 +103,7 @@ void silu_mul_f32(const float* x, float* out, int64_t M, int64_t I) {
 }
 
 void silu_mul_bf16(const uint16_t* x, uint16_t* out, int64_t M, int64_t I) {
-    #pragma omp parallel for schedule(static) if (M * I >= PARALLEL_MIN)
+    #pragma omp parallel for schedule(static) if (M * I >= silu_parallel_min)
     for (int64_t t = 0; t < M; t++) {
         const uint16_t* g = x + t * 2 * I;
         const uint16_t* u = g + I;
