@@ -230,6 +230,58 @@ def test_panel_layout_leaves_one_copy_of_each_weight(
         torch.testing.assert_close(a, b, atol=5e-2 * b.abs().max().item(), rtol=5e-2)
 
 
+def _copies_held(model: Qwen3ForCausalLM) -> list[int]:
+    """Per matmul: how many copies of its weight it keeps (the row-major one unless on the
+    meta device, plus each packed layout)."""
+    out = []
+    for m in model.modules():
+        if hasattr(m, "kernel_out_dtype"):
+            packed = len(m.kernel.packed) if m.kernel is not None else 0
+            out.append(int(m.weight.device.type != "meta") + packed)
+    return out
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_no_second_weight_copy_unless_asked_for(
+    tmp_path: Path, tie: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Timings where panels win prefill and the row-major GEMV decode (a second copy would pay):
+    by default every weight is still in memory once, and the logits match the plain path;
+    with --cpu-weight-copies-max-gb room, the layers keep both layouts."""
+    from minisgl.layers import cpu_kernels, cpu_linear
+    from minisgl.layers.kernel_choice import BUCKETS
+
+    if cpu_kernels.load() is None:
+        pytest.skip("no CPU kernels here")
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_linear, "_MEMO", {})
+    fast = ["gemv"] * 4 + ["panel"] * 2
+
+    def measure(weights, x_dtype, out_dtype, avail, spreads=None):  # noqa: ANN001, ANN202
+        return {
+            n: [(1.0 if fast[b] == n else 3.0) if n in avail else None for b in range(len(BUCKETS))]
+            for n in cpu_linear.CANDIDATES
+        }
+
+    monkeypatch.setattr(cpu_linear, "measure", measure)
+    write_hf_model(tmp_path, tie=tie)
+    config = ModelConfig.from_dir(tmp_path)
+    once = load(tmp_path, torch.bfloat16)
+    assert set(_copies_held(once)) == {1}
+    twice = load(tmp_path, torch.bfloat16, cpu_weight_copies_max_gb=1.0)
+    assert set(_copies_held(twice)) == {2}
+    with pytest.raises(ValueError, match="cpu_weight_copies_max_gb"):
+        load(tmp_path, torch.bfloat16, cpu_weight_copies_max_gb=-1.0)
+    seqs = prompts([7, 12])
+    schedule = [[5, 9], [1, 1], [1, 1], [0, 1]]
+    got = Runner(once, config, torch.bfloat16).run(seqs, schedule)
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels, "load", lambda: None)
+        plain = Runner(load(tmp_path, torch.bfloat16), config, torch.bfloat16).run(seqs, schedule)
+    for a, b in zip(got, plain, strict=True):
+        torch.testing.assert_close(a, b, atol=5e-2 * b.abs().max().item(), rtol=5e-2)
+
+
 @pytest.mark.parametrize(
     "scaling",
     [
