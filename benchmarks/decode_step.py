@@ -108,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=int, default=0, help="profile decode at this batch size")
     ap.add_argument("--cpu-kernel-tuning", default="cached", choices=("cached", "full", "off"))
     ap.add_argument(
+        "--cpu-weight-copies-max-gb",
+        type=float,
+        default=0.0,
+        help="memory for second weight layouts (default 0: each weight once, as the server)",
+    )
+    ap.add_argument(
         "--clock",
         default="wall",
         choices=("wall", "cpu"),
@@ -141,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         num_pages=pages_needed,
         page_size=PAGE,
         cpu_kernel_tuning=args.cpu_kernel_tuning,
+        cpu_weight_copies_max_gb=args.cpu_weight_copies_max_gb,
     )
     runner = ModelRunner(eargs, model, config, max_seq_len=4096)
     params, weight_bytes = linear_weights(runner.model)

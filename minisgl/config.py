@@ -85,6 +85,12 @@ class EngineArgs:
         "then yield a core at once to the API server and detokenizer when those wake, instead "
         "of after a time slice (measured on 2 cores: ~4 ms off the first token); 0 keeps it",
     )
+    grammar_compile_timeout: float = _f(
+        30.0,
+        "seconds the server may spend compiling one structured-output grammar (in a worker "
+        "process, off the scheduler loop); a longer compile fails the requests that wait for it "
+        "with a 400",
+    )
 
     @property
     def max_seq_len(self) -> int | None:

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -61,6 +62,19 @@ def report_failure(conn: Connection, exc: BaseException) -> None:
         conn.close()
     except OSError:
         pass
+
+
+def leave_with_parent(parent_pid: int) -> None:
+    """Start a watchdog thread that ends this helper process once its parent is gone. A
+    thread, so it acts even while the main thread is busy in Python code (the GIL changes
+    hands), e.g. a render or compile that would otherwise outlive the worker that asked."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="minisgl-parent-watch", daemon=True).start()
 
 
 def exit_now() -> None:

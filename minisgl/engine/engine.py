@@ -21,7 +21,8 @@ from minisgl.models.loader import resolve_model_path
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.request import Request
 from minisgl.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerStats
-from minisgl.structured.grammar import GrammarBackend
+from minisgl.structured.compile_worker import CompileOutcome, GrammarCompileService
+from minisgl.structured.grammar import CACHE_LIMIT_BYTES, GrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -78,17 +79,23 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             enable_prefix_cache=not args.disable_prefix_cache,
         )
+        # Followers of a tensor-parallel group keep exactly the grammars rank 0 sends them.
+        limit = None if tp_rank > 0 else CACHE_LIMIT_BYTES
         self.grammars = GrammarBackend(
-            str(self.model_path), self.vocab_size, self.eos_token_ids
-        )  # sets itself up in the background
+            str(self.model_path), self.vocab_size, self.eos_token_ids, cache_limit_bytes=limit
+        )
+        self._compiles: GrammarCompileService | None = None  # the server's, on first need
         self._seed_rng = random.Random(args.seed)
         self._arrival: dict[str, float] = {}  # rid -> arrival, until first scheduled
         self._queue_time: dict[str, float] = {}  # rid -> queue time, until its first token
         self._groups: dict[str, list[str]] = {}  # rid of an n > 1 request -> its samples' rids
 
     # -- requests -------------------------------------------------------------------------
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError with a user-facing message when a request cannot be served."""
+    def validate(
+        self, prompt_ids: list[int], params: SamplingParams, *, compile_grammar: bool = True
+    ) -> None:
+        """Raise ValueError with a user-facing message when a request cannot be served
+        (without `compile_grammar`, whatever its grammar turns out to be)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
@@ -110,9 +117,41 @@ class Engine:
                 f"requested ({need})"
             )
         params.validate()
-        if params.grammar_kind is not None:
+        if params.grammar_kind is not None and compile_grammar:
             assert params.grammar is not None
             self.grammars.compile(params.grammar_kind, params.grammar)  # cached: GrammarError
+
+    # -- grammars compiled off the caller's loop (the server) -----------------------------
+    def grammar_ready(self, kind: str, value: str) -> bool:
+        """Whether `add_request` would find this grammar compiled (no compile in the call)."""
+        return self.grammars.has(kind, value)
+
+    def request_grammar(self, kind: str, value: str) -> None:
+        """Start compiling a grammar in the compile worker; `finished_grammars` reports it."""
+        if self._compiles is None:
+            self._compiles = GrammarCompileService(self.grammars, self.args.grammar_compile_timeout)
+        self._compiles.submit(kind, value)
+
+    def finished_grammars(self) -> list[CompileOutcome]:
+        """Compiles done since the last call (`install_grammar` puts a compiled one to use)."""
+        return self._compiles.outcomes() if self._compiles is not None else []
+
+    def install_grammar(self, outcome: CompileOutcome) -> None:
+        """Cache a compiled grammar; the grammars evicted for it are noted on the outcome."""
+        assert outcome.compiled is not None
+        outcome.evicted = self.grammars.install(
+            outcome.kind, outcome.value, outcome.compiled, outcome.serialized
+        )
+
+    @property
+    def grammar_info_json(self) -> str | None:
+        """The vocabulary analysis the compile worker made, serialized (for other ranks)."""
+        return self._compiles.info_json if self._compiles is not None else None
+
+    def shutdown(self) -> None:
+        if self._compiles is not None:
+            self._compiles.close()
+            self._compiles = None
 
     def add_request(
         self,

@@ -43,6 +43,7 @@ from minisgl.engine.startup import spawn_main_problem
 from minisgl.process import freeze_startup_objects
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.scheduler import SchedulerStats
+from minisgl.structured.compile_worker import CompileOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,7 @@ class TPEngine:
                 raise TPRankError(failure) from exc
             raise
         self._ops: list[list[Any]] = []
+        self._grammar_info_sent = False
         self._closed = False
 
     # the Engine interface -----------------------------------------------------------------
@@ -189,8 +191,31 @@ class TPEngine:
     def num_pages(self) -> int:
         return self.engine.num_pages
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.engine.validate(prompt_ids, params)
+    def validate(
+        self, prompt_ids: list[int], params: SamplingParams, *, compile_grammar: bool = True
+    ) -> None:
+        self.engine.validate(prompt_ids, params, compile_grammar=compile_grammar)
+
+    # Grammars compile on rank 0 only (its compile worker); the other ranks get each compiled
+    # grammar, serialized, in the step message before the first request that uses it, and drop
+    # it when rank 0's cache does, so every rank holds what rank 0 decided.
+    def grammar_ready(self, kind: str, value: str) -> bool:
+        return self.engine.grammar_ready(kind, value)
+
+    def request_grammar(self, kind: str, value: str) -> None:
+        self.engine.request_grammar(kind, value)
+
+    def finished_grammars(self) -> list[CompileOutcome]:
+        return self.engine.finished_grammars()
+
+    def install_grammar(self, outcome: CompileOutcome) -> None:
+        self.engine.install_grammar(outcome)
+        info = self.engine.grammar_info_json
+        if not self._grammar_info_sent and info is not None:
+            self._ops.append(["grammar_info", info])
+            self._grammar_info_sent = True
+        self._ops.append(["grammar", outcome.kind, outcome.value, outcome.serialized])
+        self._ops += [["grammar_forget", kind, value] for kind, value in outcome.evicted]
 
     def add_request(
         self,
@@ -245,6 +270,8 @@ class TPEngine:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        if hasattr(self, "engine"):
+            self.engine.shutdown()  # its grammar compile worker
         with contextlib.suppress(zmq.ZMQError):
             self._pub.send(msgpack.packb([_EXIT, []]))
         for p in self._procs:
@@ -385,6 +412,15 @@ def apply_ops(engine: Engine, ops: list[list[Any]]) -> None:
             engine.add_request(rid, prompt_ids, SamplingParams(**params), arrival_time=arrival)
         elif op[0] == "abort":
             engine.abort_request(op[1], op[2])
+        elif op[0] == "grammar_info":
+            engine.grammars.adopt_info(op[1])
+        elif op[0] == "grammar":
+            _, kind, value, serialized = op
+            if not engine.grammars.has(kind, value):  # rank 0 has it already
+                compiled = engine.grammars.deserialize(serialized)
+                engine.grammars.install(kind, value, compiled, None)
+        elif op[0] == "grammar_forget":
+            engine.grammars.forget((op[1], op[2]))
 
 
 def _destroy_distributed() -> None:

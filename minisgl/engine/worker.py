@@ -3,6 +3,8 @@
 Between steps it drains its inbox (new requests, aborts, pings) without waiting, so an abort
 frees pages within one step; when idle it blocks on the inbox with a short timeout. Scheduler
 stats go out every STATS_INTERVAL seconds, busy or idle, so the API server's gauges stay fresh.
+A request whose grammar is not compiled yet waits beside the loop (the engine's compile worker
+compiles it) and is added when its grammar is ready, or ends with the compile's 400.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ STATS_INTERVAL = 0.25  # seconds; the API server's gauges are never older than t
 # by one) are prefilled in one step rather than the first alone and the rest a step later.
 COALESCE_GAP = 0.002
 COALESCE_MAX = 0.006
+COMPILE_POLL = 0.005  # idle but for grammars compiling: how often to look for them
 
 
 class SchedulerLoop:
@@ -58,15 +61,19 @@ class SchedulerLoop:
         self.batch_sizes: list[int] = []
         self.last_stats = 0.0
         self.unscheduled: list[str] = []  # added since the last step (timeline only)
+        self.compiling: dict[str, TokenizedRequest] = {}  # rid -> request waiting for its grammar
 
     def run(self, life: WorkerLife) -> None:
         while life.alive():
             busy = self.engine.has_unfinished()
-            msgs = self.inbox.get_all(timeout=0 if busy else STATS_INTERVAL / 2)
+            idle_wait = COMPILE_POLL if self.compiling else STATS_INTERVAL / 2
+            msgs = self.inbox.get_all(timeout=0 if busy else idle_wait)
             for msg in msgs:
                 self.handle(msg)
             if msgs and not busy:
                 self.coalesce()
+            if self.compiling:
+                self.collect_grammars()
             if self.engine.has_unfinished():
                 self.step()
             if time.monotonic() - self.last_stats >= STATS_INTERVAL:
@@ -86,7 +93,10 @@ class SchedulerLoop:
         if isinstance(msg, TokenizedRequest):
             self.add(msg)
         elif isinstance(msg, AbortRequest):
-            if self.engine.abort_request(msg.rid, msg.index):
+            if msg.index is None and self.compiling.pop(msg.rid, None) is not None:
+                self.log.info("rid=%s aborted while its grammar compiled", msg.rid)
+                self.to_detok.put(RequestEnded(msg.rid, "abort"))
+            elif self.engine.abort_request(msg.rid, msg.index):
                 which = "" if msg.index is None else f" (sample {msg.index})"
                 self.log.info("rid=%s aborted%s", msg.rid, which)
                 self.to_detok.put(RequestEnded(msg.rid, "abort", index=msg.index))
@@ -102,13 +112,49 @@ class SchedulerLoop:
             params.max_tokens = max(1, engine.max_seq_len - len(req.prompt_ids))
         else:
             params.max_tokens = req.max_tokens
+        grammar = params.grammar_kind, params.grammar or ""
+        if params.grammar_kind is not None and not engine.grammar_ready(*grammar):
+            try:  # everything but the grammar: a too-long prompt need not wait for a compile
+                engine.validate(req.prompt_ids, params, compile_grammar=False)
+            except ValueError as exc:
+                self.reject(req.rid, exc)
+                return
+            self.log.info("rid=%s waits for its %s grammar to compile", req.rid, grammar[0])
+            self.compiling[req.rid] = req
+            engine.request_grammar(*grammar)
+            return
+        self.admit(req)
+
+    def collect_grammars(self) -> None:
+        """Requests whose grammar finished compiling join the engine (or end with its error)."""
+        for outcome in self.engine.finished_grammars():
+            # One at a time: installing the next grammar may evict this one from the cache.
+            if outcome.compiled is not None:
+                self.engine.install_grammar(outcome)
+            key = (outcome.kind, outcome.value)
+            waiting = [
+                r
+                for r in self.compiling.values()
+                if (r.params.grammar_kind, r.params.grammar) == key
+            ]
+            for req in waiting:
+                del self.compiling[req.rid]
+                if outcome.error is not None:
+                    self.reject(req.rid, outcome.error)
+                else:
+                    self.admit(req)
+
+    def reject(self, rid: str, exc: ValueError) -> None:
+        self.log.info("rid=%s rejected: %s", rid, exc)
+        self.to_detok.put(RequestEnded(rid, "error", str(exc), 400, getattr(exc, "param", None)))
+
+    def admit(self, req: TokenizedRequest) -> None:
+        engine = self.engine
+        params = req.params
         try:
             engine.add_request(req.rid, req.prompt_ids, params, arrival_time=req.arrival_time)
         except ValueError as exc:
-            self.log.info("rid=%s rejected: %s", req.rid, exc)
-            self.to_detok.put(
-                RequestEnded(req.rid, "error", str(exc), 400, getattr(exc, "param", None))
-            )
+            self.reject(req.rid, exc)
             return
         hidden = list(params.stop_token_ids)
         if not params.ignore_eos:
@@ -182,6 +228,7 @@ class SchedulerLoop:
 
     def send_stats(self) -> None:
         stats: dict[str, Any] = dataclasses.asdict(self.engine.stats())
+        stats["num_waiting"] += len(self.compiling)  # they wait, for their grammar
         live = getattr(self.engine, "num_live_requests", None)
         if live is not None:  # every per-request map of the engine: 0 when idle, else a leak
             stats["engine_live_requests"] = live()

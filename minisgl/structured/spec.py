@@ -4,7 +4,6 @@ server (which builds them from the OpenAI fields) and the scheduler (which compi
 from __future__ import annotations
 
 import json
-from typing import Any
 
 # kind -> the request field a 400 names when the grammar is invalid.
 KIND_FIELDS = {
@@ -20,23 +19,3 @@ KIND_FIELDS = {
 def choice_ebnf(choices: list[str]) -> str:
     """A grammar matching exactly one of `choices` (JSON string escapes are EBNF's too)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-# xgrammar (0.2.x) lets a length-bounded JSON string hold raw control characters (a tab, a
-# newline), which strict JSON parsers reject; a pattern of the same bounds keeps them out.
-_PLAIN_CHARS = '[^"\\\\\\x00-\\x1f]'
-
-
-def harden_schema(schema: Any) -> Any:
-    """A copy of a JSON schema whose length-bounded strings cannot hold raw control chars."""
-    if isinstance(schema, list):
-        return [harden_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: harden_schema(v) for k, v in schema.items()}
-    bounded = "minLength" in out or "maxLength" in out
-    if out.get("type") == "string" and bounded and "pattern" not in out and "format" not in out:
-        lo, hi = out.get("minLength", 0), out.get("maxLength")
-        if isinstance(lo, int) and (hi is None or isinstance(hi, int)):
-            out["pattern"] = f"^{_PLAIN_CHARS}{{{lo},{'' if hi is None else hi}}}$"
-    return out

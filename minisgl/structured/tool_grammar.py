@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from minisgl.structured.spec import harden_schema
 from minisgl.structured.tool_parser import CALL_END, CALL_START
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -24,7 +23,7 @@ def _tag(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
         "begin": CALL_START + "\n" + '{"name": ' + json.dumps(name) + ', "arguments": ',
         "content": {
             "type": "json_schema",
-            "json_schema": harden_schema(parameters or ANY_OBJECT),
+            "json_schema": parameters or ANY_OBJECT,
             # One space where Qwen3 writes one; unbounded whitespace lets a weak model ramble.
             "max_whitespace_cnt": 1,
         },

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from minisgl.process import leave_with_parent
 from minisgl.tokenizer.chat_render import load_tokenizer, render_chat
 from minisgl.tokenizer.without_torch import keep_torch_out
 
@@ -181,7 +181,7 @@ class TemplateSandbox:
 def _serve(model: str, conn: Connection, parent_pid: int) -> None:
     """The child: load the tokenizer, then render jobs until the pipe closes."""
     keep_torch_out()
-    threading.Thread(target=_leave_with_parent, args=(parent_pid,), daemon=True).start()
+    leave_with_parent(parent_pid)  # a template that never ends must not outlive the worker
     tokenizer = load_tokenizer(model)
     conn.send(("ready", None))
     while True:
@@ -197,11 +197,3 @@ def _serve(model: str, conn: Connection, parent_pid: int) -> None:
             conn.send(("error", str(exc)))
         else:
             conn.send(("ok", text))
-
-
-def _leave_with_parent(parent_pid: int) -> None:
-    # Runs beside a render (Jinja is Python code: the GIL changes hands), so a template that
-    # never ends cannot outlive the worker that started it.
-    while os.getppid() == parent_pid:
-        time.sleep(1.0)
-    os._exit(0)
