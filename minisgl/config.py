@@ -20,6 +20,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 OUTPUT_PARSERS = ("auto", "qwen3", "none")
 CPU_KERNEL_TUNING = ("cached", "full", "off")
+# --quantization: how a float checkpoint is quantized at load (minisgl/quant/scheme.py).
+QUANTIZATIONS = ("int8", "int4", "fp8")
 # Multi-node: the shared secret, when --node-secret-file is not given (never a flag: a command
 # line is visible to every user of the machine).
 NODE_SECRET_ENV = "MINISGL_NODE_SECRET"
@@ -37,6 +39,13 @@ def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, **kw: An
 class EngineArgs:
     model: str = field(metadata={"help": "Hugging Face hub id or local directory of a Qwen3 model"})
     dtype: str = _f("auto", "weight and activation dtype; auto takes the config's", DTYPES)
+    quantization: str | None = _f(
+        None,
+        "quantize a float checkpoint's attention and MLP weights as they load: int8 (one scale "
+        "per output channel), int4 (groups of 128 with zero points) or fp8 (e4m3, 128x128 "
+        "block scales); FP8, AWQ and GPTQ checkpoints load quantized without it",
+        QUANTIZATIONS,
+    )
     device: str = _f("auto", "cpu, cuda or auto (cuda when available)", DEVICES)
     num_pages: int | None = _f(None, "KV cache pages; default derived from free memory")
     page_size: int = _f(16, "tokens per KV cache page")

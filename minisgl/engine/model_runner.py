@@ -102,6 +102,7 @@ class ModelRunner:
             tp_rank,
             tp_size,
             cpu_kernel_tuning=args.cpu_kernel_tuning,
+            quantization=args.quantization,
             cpu_weight_copies_max_gb=args.cpu_weight_copies_max_gb,
         )
         num_kv_heads = max(1, config.num_key_value_heads // tp_size)

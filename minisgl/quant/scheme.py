@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# --quantization choices for a bf16/fp16/fp32 checkpoint (quantized at load).
-LOAD_METHODS = ("int8", "int4", "fp8")
+from minisgl.config import QUANTIZATIONS as LOAD_METHODS  # --quantization's choices
+
 SUPPORTED = (
     "fp8 (quant_method fp8, fmt e4m3, weight_block_size [128, 128] or none: per tensor)",
     "compressed-tensors FP8 (float 8-bit weights, strategy tensor, channel or block; dynamic "
