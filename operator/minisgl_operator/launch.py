@@ -34,6 +34,7 @@ MANAGED_FIELDS = (
     "port",
     "device",
     "dtype",
+    "quantization",
     "tp_size",
     "nnodes",
     "node_rank",
@@ -89,6 +90,7 @@ def server_args(spec: ModelServerSpec) -> ServerArgs:
     given: dict[str, Any] = {
         "served_model_name": spec.served_model_name,
         "dtype": e.dtype,
+        "quantization": e.quantization,
         "num_pages": e.num_pages,
         "max_seq_len_override": e.max_seq_len,
         "max_running_requests": e.max_running_requests,

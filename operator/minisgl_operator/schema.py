@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.config import DTYPES, ServerArgs, flag_name
+from minisgl.config import DTYPES, QUANTIZATIONS, ServerArgs, flag_name
 
 MAX_NAME_LEN = 57  # the longest child name adds "-cache"; names must stay <= 63
 # A LeaderWorkerSet's StatefulSets are <name>-<group>, and each labels its pods with
@@ -165,6 +165,11 @@ ENGINE = obj(
     "left out keep minisgl's own defaults.",
     {
         "dtype": engine_flag("dtype", string("", enum=list(DTYPES))),
+        "quantization": engine_flag(
+            "quantization",
+            string("", enum=list(QUANTIZATIONS)),
+            "For a float checkpoint; see docs/models.md for the formats.",
+        ),
         "tensorParallelSize": engine_flag(
             "tp_size",
             integer("", minimum=1, default=ServerArgs.tp_size),
@@ -192,7 +197,8 @@ ENGINE = obj(
         "extraArgs": array(
             "More `python -m minisgl` flags, appended to the command line, e.g. "
             '["--max-prefill-tokens", "8192"]. Full flag names only (no abbreviations); flags '
-            "that have a field here (model, served name, host, port, device, dtype, TP size, "
+            "that have a field here (model, served name, host, port, device, dtype, quantization, TP "
+            "size, "
             "pages, context, running requests, shutdown timeout) must be set through it. A "
             "flag the server rejects makes the ModelServer Degraded (InvalidSpec).",
             string("One command-line word: a flag or its value."),

@@ -34,6 +34,7 @@ DEFAULT_SCALE_DOWN_STABILIZATION_S: int = SPEC.at(
     "autoscaling.scaleDownStabilizationSeconds"
 ).default
 DTYPES = SPEC.at("engine.dtype").enum
+QUANTIZATIONS = SPEC.at("engine.quantization").enum
 
 _TOLERATION_EFFECTS = (None, "", *TOLERATION_EFFECTS)
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -48,6 +49,7 @@ class SpecError(ValueError):
 @dataclass(frozen=True)
 class EngineSpec:
     dtype: str | None = None
+    quantization: str | None = None
     tensor_parallel_size: int = DEFAULT_TP_SIZE
     nodes: int = DEFAULT_NODES
     num_pages: int | None = None
@@ -230,6 +232,11 @@ def _engine(raw: Mapping[str, Any]) -> EngineSpec:
     dtype = _str(raw, "engine.dtype")
     if dtype is not None and dtype not in DTYPES:
         raise SpecError(f"engine.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    quantization = _str(raw, "engine.quantization")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise SpecError(
+            f"engine.quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
+        )
     extra = raw.get("extraArgs") or []
     if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
         raise SpecError("engine.extraArgs must be a list of strings")
@@ -242,6 +249,7 @@ def _engine(raw: Mapping[str, Any]) -> EngineSpec:
         )
     return EngineSpec(
         dtype=dtype,
+        quantization=quantization,
         tensor_parallel_size=tp,
         nodes=nodes,
         num_pages=_int(raw, "engine.numPages"),
