@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 # --model-shape -> fixture preset (minisgl/testing/fixture.py)
-MODEL_SHAPES = {"qwen3-0.6b": "0.6b", "qwen3-30b-a3b": "30b-a3b"}
+MODEL_SHAPES = {"qwen3-0.6b": "0.6b", "qwen3-8b": "8b", "qwen3-30b-a3b": "30b-a3b"}
 
 
 def fixture(shape: str, dtype: str, root: Path, num_layers: int | None = None) -> Path:
@@ -25,7 +25,7 @@ def fixture(shape: str, dtype: str, root: Path, num_layers: int | None = None) -
     layers = num_layers or PRESETS[preset].num_hidden_layers
     out = root / f"{shape}-{layers}l-{dtype}"
     if not (out / "config.json").is_file():
-        # Qwen3-30B-A3B unties its head; Qwen3-0.6B ties it.
+        # Qwen3-30B-A3B and Qwen3-8B untie their heads; Qwen3-0.6B ties it.
         tied = shape == "qwen3-0.6b"
         write_fixture_model(
             out, preset, dtype=dtype, num_hidden_layers=layers, tie_word_embeddings=tied

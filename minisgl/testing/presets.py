@@ -125,4 +125,6 @@ PRESETS: dict[str, Preset] = {
         num_experts_per_tok=8,
         moe_intermediate_size=768,
     ),
+    # The real Qwen3-8B shape (its head untied), for benchmarks; --num-layers cuts its depth.
+    "8b": Preset(4096, 12288, 36, 32, 8, 128, 40960, std=0.02, dtype="bfloat16"),
 }
