@@ -53,12 +53,12 @@ def _run(engine, tag: str, params: SamplingParams) -> list[list[int]]:
     return out
 
 
-def greedy(path: Path, **kw) -> list[list[int]]:
+def greedy(path: Path, dtype: str = "float32", **kw) -> list[list[int]]:
     """Every prompt at once, then the same again (prefix-cache hits on all of them)."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with LLM(
         str(path),
-        dtype="float32",
+        dtype=dtype,
         num_pages=256,
         cpu_kernel_tuning="off",
         max_prefill_tokens=PREFILL_BUDGET,

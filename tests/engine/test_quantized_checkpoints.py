@@ -34,6 +34,12 @@ def test_greedy_tokens_equal_the_dequantized_twin(name: str, tmp_path: Path) -> 
     assert_same_tokens(quant, twin)
 
 
+def test_fp8_in_bfloat16(tmp_path: Path) -> None:
+    """Qwen's FP8 releases run in bf16: the dequantized blocks rounded as the twin's are."""
+    quant, twin = pair("quant", QuantFormat("fp8"), tmp_path)
+    assert_same_tokens(quant, twin, dtype="bfloat16")
+
+
 def test_an_extra_scale_tensor_stops_the_load(tmp_path: Path) -> None:
     stray = {"model.layers.1.mlp.down_proj.weight_scale": torch.ones(1)}
     quant, _ = pair("quant", QuantFormat("fp8"), tmp_path, extra=stray)
