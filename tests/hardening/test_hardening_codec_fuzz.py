@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from minisgl.message.api_to_tokenizer import AbortRequest, Ping, TokenizeRequest
 from minisgl.message.codec import CodecError, decode, encode
-from minisgl.message.detokenizer_to_api import ErrorReply, TextBatch, TextOutput
+from minisgl.message.detokenizer_to_api import ErrorReply, RequestAccepted, TextBatch, TextOutput
 from minisgl.message.scheduler_to_detokenizer import (
     RequestEnded,
     RequestRegistered,
@@ -104,6 +104,7 @@ MESSAGES = st.one_of(
     text_out,
     st.builds(TextBatch, st.lists(text_out, max_size=5)),
     st.builds(ErrorReply, rid, text, st.integers(100, 599), st.none() | text),
+    st.builds(RequestAccepted, rid),
 )
 
 
