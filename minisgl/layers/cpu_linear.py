@@ -278,7 +278,10 @@ class Plan:
     def single(self, allowed: Sequence[str] = LAYOUTS) -> tuple[str, ...] | None:
         """Picks on one layout of the weight (among `allowed`); None: plain F.linear."""
         if self.timings is not None:
-            picks = kernel_choice.single_layout(self.timings, self.row_defaults, allowed)
+            try:
+                picks = kernel_choice.single_layout(self.timings, self.row_defaults, allowed)
+            except ValueError:  # the allowed layouts' candidates were all dropped as hopeless
+                picks = self.row_defaults  # somewhere: they still run, the defaults among them
         elif len(layouts := kernel_choice.layouts_of(self.fallback)) == 1 and layouts[0] in allowed:
             picks = self.fallback
         else:

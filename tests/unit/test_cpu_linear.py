@@ -385,3 +385,27 @@ def test_no_second_copy_is_kept_unless_asked_for(
     layers = model()
     cpu_linear.prepack_modules(layers, copies_max_bytes=1 << 30)
     assert [layouts_held(m) for m in layers] == [2, 2, 2]
+
+
+def test_a_weight_kept_row_major_gets_row_picks_even_where_those_were_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Timing drops a candidate far behind after one pass: where every row-major candidate was
+    dropped in some bucket (panels 3x ahead), a weight read elsewhere too (kept row-major)
+    still gets runnable picks, not a failed start."""
+    if "panel" not in cpu_linear.available(weight(), torch.bfloat16):
+        return
+
+    def measure(weights, x_dtype, out_dtype, avail, spreads=None):  # noqa: ANN001, ANN202
+        return {
+            n: ([0.1] * 6 if n == "panel" else [1.0] * 5 + [None]) if n in avail else [None] * 6
+            for n in cpu_linear.CANDIDATES
+        }
+
+    monkeypatch.setattr(cpu_linear, "measure", measure)
+    shared = Layer(weight())
+    cpu_linear.prepack_modules([shared], shared={id(shared.weight)})
+    assert shared.kernel is not None and not shared.kernel.packed
+    x = torch.randn(100, 64).bfloat16()
+    want = F.linear(x.double(), shared.weight.double())
+    torch.testing.assert_close(shared.kernel(x).double(), want, rtol=2e-2, atol=0.1)
