@@ -1,6 +1,7 @@
-"""Structured outputs with `--tp-size 2` on CPU (gloo): rank 0 compiles each grammar off its
-loop and sends it to the other rank with the request, so both ranks mask alike and the tokens
-are those of one rank; a grammar that fails ends only its own request."""
+"""Structured outputs with `--tp-size 2` on CPU (gloo), on one node and over two: rank 0
+compiles each grammar off its loop and sends it to the other rank with the request, so both
+ranks mask alike and the tokens are those of one rank; a grammar that fails ends only its own
+request."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 import httpx
 import pytest
 from harness import ServerProcess
+from test_multinode import Group
 
 from minisgl import LLM, SamplingParams
 
@@ -36,8 +38,8 @@ def _body(schema: dict) -> dict:
     }
 
 
-def test_tp2_constrained_outputs_match_one_rank(tiny_model_dir, tmp_path) -> None:
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_pages=64)
+def _one_rank(model_dir) -> list[str]:
+    llm = LLM(str(model_dir), dtype="float32", num_pages=64)
     want = [
         llm.generate(
             [PROMPT],
@@ -48,6 +50,11 @@ def test_tp2_constrained_outputs_match_one_rank(tiny_model_dir, tmp_path) -> Non
         for s in SCHEMAS
     ]
     llm.shutdown()
+    return want
+
+
+def test_tp2_constrained_outputs_match_one_rank(tiny_model_dir, tmp_path) -> None:
+    want = _one_rank(tiny_model_dir)
     server = ServerProcess(
         tiny_model_dir, tmp_path / "tp2.log", "--tp-size", "2", "--num-pages", "64"
     )
@@ -70,3 +77,18 @@ def test_tp2_constrained_outputs_match_one_rank(tiny_model_dir, tmp_path) -> Non
     assert code == 0, server.logs()
     # No rank analysed the vocabulary itself: the compile worker did, and rank 1 got its copy.
     assert "xgrammar ready" not in server.logs()
+
+
+def test_two_nodes_constrained_outputs_match_one_rank(tiny_model_dir, tmp_path) -> None:
+    want = _one_rank(tiny_model_dir)
+    group = Group(tiny_model_dir, tmp_path)
+    try:
+        group.wait_ready()
+        url = f"{group.node0.url}/v1/completions"
+        got = [httpx.post(url, json=_body(s), timeout=600) for s in SCHEMAS]
+        assert [r.status_code for r in got] == [200, 200], [r.text for r in got]
+        assert [r.json()["choices"][0]["text"] for r in got] == want
+    finally:
+        group.stop()
+    node1 = (tmp_path / "node1.log").read_text(errors="replace")
+    assert "xgrammar ready" not in node1  # node 1 got rank 0's compiled grammars
