@@ -35,6 +35,7 @@ COMMON_SOURCES = (
     "elementwise.c",
     "rows.c",
     "stream.c",
+    "qgemv.c",
 )
 AVX512_NEEDS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 
@@ -89,7 +90,8 @@ def cache_dir() -> Path:
 
 
 def source_digest(isa: str, cflags: list[str], cc: str = "") -> str:
-    h = hashlib.sha256(" ".join([isa, cc, *cflags]).encode())
+    # The sources compiled, not only their contents: a file added to the list is a new build.
+    h = hashlib.sha256(" ".join([isa, cc, *cflags, *(p.name for p in sources(isa))]).encode())
     for p in sorted(CSRC.glob("*.[ch]")):
         h.update(p.name.encode() + p.read_bytes())
     return h.hexdigest()[:16]

@@ -24,12 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 FP8 = torch.float8_e4m3fn
-# Elements of weight dequantized at once per matmul call: bounds the transient memory
-# (16 MiB of fp32) while keeping each F.linear large enough to run at full speed.
-CHUNK_ELEMENTS = 1 << 22
 
 
 @dataclass
@@ -164,16 +160,3 @@ def dequantize(
         assert w.zeros is not None
         values = q.float() - _per_feature(w.zeros[start:end].float(), w)
     return (values * _per_feature(w.scales[start:end], w)).to(dtype)
-
-
-def qlinear(x: torch.Tensor, w: QTensor) -> torch.Tensor:
-    """x [..., K] @ weight.T, the weight dequantized a block of rows at a time (never whole)."""
-    n = w.codes.shape[0]
-    rows = max(1, CHUNK_ELEMENTS // max(w.in_features, 1))
-    if rows >= n:
-        return F.linear(x, dequantize(w, x.dtype))
-    out = x.new_empty(*x.shape[:-1], n)
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        out[..., r0:r1] = F.linear(x, dequantize(w, x.dtype, r0, r1))
-    return out

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minisgl.quant.qtensor import FP8, QTensor, qlinear
+from minisgl.quant.matmul import qlinear
+from minisgl.quant.qtensor import FP8, QTensor
 
 
 class QuantWeight(nn.Module):

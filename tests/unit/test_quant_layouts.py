@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl.quant import qtensor
+from minisgl.quant import matmul
 from minisgl.quant.formats import read_linear
 from minisgl.quant.layout import scan
-from minisgl.quant.qtensor import dequantize, qlinear
+from minisgl.quant.matmul import qlinear
+from minisgl.quant.qtensor import dequantize
 from minisgl.quant.quantize import quantize
 from minisgl.quant.scheme import load_scheme, parse_quantization_config
 from minisgl.testing import quant_writer
@@ -94,9 +95,9 @@ def test_chunked_matmul_equals_the_dequantized_weight(monkeypatch: pytest.Monkey
     assert scheme is not None
     parts, twin = _encode(FORMATS["gptq 4 asym g64"], _weight())
     q = read_linear("x", parts, scheme)
-    x = torch.randn(5, K)
+    x = torch.randn(40, K)  # more rows than the quantized GEMV takes
     whole = qlinear(x, q)
-    monkeypatch.setattr(qtensor, "CHUNK_ELEMENTS", K * 48)  # 6 row blocks, the last partial
+    monkeypatch.setattr(matmul, "CHUNK_ELEMENTS", K * 48)  # 6 row blocks, the last partial
     chunked = qlinear(x, q)
     torch.testing.assert_close(whole, F.linear(x, twin))
     torch.testing.assert_close(chunked, whole)
