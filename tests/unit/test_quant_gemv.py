@@ -60,3 +60,14 @@ def test_decode_reads_the_codes_not_a_dequantized_copy(monkeypatch: pytest.Monke
     matmul.qlinear(torch.randn(1, K), w)
     with pytest.raises(AssertionError, match="float copy"):
         matmul.qlinear(torch.randn(cpu_kernels.MAX_ROWS + 1, K), w)  # prefill: dequantized
+
+
+def test_a_source_added_to_the_build_is_a_new_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cached library is keyed by the sources it compiles, not only by csrc's contents: a
+    file added to the list (as qgemv.c was, while a build without it sat in the cache under
+    the same contents) must not be served the old library, which lacks its functions."""
+    from minisgl.layers import cpu_build
+
+    before = cpu_build.source_digest("avx2", ["-mavx2"])
+    monkeypatch.setattr(cpu_build, "COMMON_SOURCES", cpu_build.COMMON_SOURCES[:-1])
+    assert cpu_build.source_digest("avx2", ["-mavx2"]) != before
