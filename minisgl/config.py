@@ -96,9 +96,9 @@ class EngineArgs:
     )
     grammar_compile_timeout: float = _f(
         30.0,
-        "seconds the server may spend compiling one structured-output grammar (in a worker "
-        "process, off the scheduler loop); a longer compile fails the requests that wait for it "
-        "with a 400",
+        "CPU seconds the server may spend compiling one structured-output grammar (in a "
+        "worker process, off the scheduler loop); a longer compile fails the requests that "
+        "wait for it with a 400",
     )
 
     @property

@@ -6,8 +6,8 @@ milliseconds to minutes, at the sender's choice). Here the request waits and nob
 the loop hands the grammar over and goes on stepping. A compile that outlives its bound fails
 the requests waiting for it (a 400 with the reason); the child is killed, which stops the work
 (a thread could only be abandoned, still burning a core), and the next grammar gets a fresh
-child. The child runs at a lower CPU priority, so on a machine short of cores the model's steps
-go first. The compiled grammar comes back serialized (xgrammar's own JSON, which tensor
+child. The child runs at the lowest CPU priority, so on a machine short of cores the model's steps
+go first, and its bound counts its CPU time. The compiled grammar comes back serialized (xgrammar's own JSON, which tensor
 parallelism forwards to the other ranks) and is deserialized in this thread: neither step
 holds the GIL long.
 """
@@ -19,10 +19,13 @@ import multiprocessing as mp
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
+
+import psutil
 
 from minisgl.process import leave_with_parent
 from minisgl.structured.grammar import (
@@ -37,10 +40,13 @@ from minisgl.structured.spec import KIND_FIELDS
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0  # importing xgrammar and analysing the vocabulary; slow CI machines
-# Niceness added to the compile child. Not the lowest: on a CPU server whose scheduler keeps
-# every core busy, a nice-19 compile all but stops (a 0.1 s compile took minutes), while +5
-# still leaves the scheduler three times the CPU share when both want a core.
-COMPILE_NICE = 5
+# The compile child takes only the CPU the model's steps leave (on a CPU server every core may
+# be busy stepping): its bound counts the CPU seconds it spent, not the wall-clock time it
+# waited for a core, so a busy server makes compiles slower, never wrongly refused. The wall
+# clock still has a cap, for a child that cannot get a core at all.
+COMPILE_NICE = 19
+WALL_CAP_FACTOR = 20.0
+_POLL_S = 0.05
 _KILL_WAIT_S = 5.0
 
 
@@ -119,7 +125,7 @@ class GrammarCompileService:
         except GrammarError as exc:
             return CompileOutcome(kind, value, error=exc)
         conn.send((kind, value))
-        if not conn.poll(self.timeout_s):
+        if not self._answered(conn):
             param = KIND_FIELDS.get(kind)
             logger.warning(
                 "a %s grammar took longer than %g s to compile: stopped", kind, self.timeout_s
@@ -128,8 +134,8 @@ class GrammarCompileService:
             self._start_child()  # the next grammar should not wait for a fresh child's start
             message = (
                 f"{param or kind}: compiling its grammar took longer than {self.timeout_s:g} s "
-                "(the server's --grammar-compile-timeout); simplify it (e.g. smaller repetition "
-                "bounds in patterns)"
+                "of CPU time (the server's --grammar-compile-timeout); simplify it (e.g. smaller "
+                "repetition bounds in patterns)"
             )
             return CompileOutcome(kind, value, error=GrammarError(message, param))
         try:
@@ -143,6 +149,19 @@ class GrammarCompileService:
             return CompileOutcome(kind, value, error=GrammarError(message, param))
         compiled = self.backend.deserialize(payload)
         return CompileOutcome(kind, value, compiled=compiled, serialized=payload)
+
+    def _answered(self, conn: Connection) -> bool:
+        """Wait for the child's answer while its compile has used less than the bound in CPU
+        time (and the wall clock is under its cap); False when it went over."""
+        assert self._proc is not None and self._proc.pid is not None
+        child = psutil.Process(self._proc.pid)
+        start_cpu = _cpu_seconds(child)
+        deadline = time.monotonic() + self.timeout_s * WALL_CAP_FACTOR
+        while not conn.poll(_POLL_S):
+            used = _cpu_seconds(child) - start_cpu
+            if used > self.timeout_s or time.monotonic() > deadline:
+                return False
+        return True
 
     def _ready_child(self) -> Connection:
         """The running child's pipe, starting one (and waiting for it) when there is none."""
@@ -198,6 +217,14 @@ class GrammarCompileService:
             self._conn.close()
         self._proc = self._conn = None
         self._ready = False
+
+
+def _cpu_seconds(proc: psutil.Process) -> float:
+    try:
+        times = proc.cpu_times()
+    except psutil.Error:  # gone: the pipe says so next
+        return 0.0
+    return float(times.user + times.system)
 
 
 def _serve(

@@ -129,7 +129,8 @@ def test_a_worst_case_schema_does_not_stall_a_running_stream(srv: ServerProcess)
 
     during = _gaps(stream.times, start, end)
     assert len(during) >= 10, during
-    # The coarse bound: within 2x of the stream's own gaps alone (a little slack for
-    # a shared 2-core machine); before, one gap lasted the whole compile (32 s and more).
+    # The coarse bound: within 2x of the stream's own gaps alone; before, one gap
+    # lasted the whole compile (32 s and more). The longest gap gets a floor of a second: on a
+    # shared 2-core machine a lone gap of a few hundred ms comes and goes with other work.
     assert statistics.median(during) <= 2 * base_median + 0.01, (during, base)
-    assert max(during) <= 2 * base_max + 0.25, (max(during), base_max)
+    assert max(during) <= max(2 * base_max, 1.0), (max(during), base_max, during)
