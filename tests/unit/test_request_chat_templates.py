@@ -14,6 +14,8 @@ from minisgl.tokenizer.template_sandbox import RenderError, RenderJob, TemplateS
 
 MSG = [{"role": "user", "content": "hi"}]
 # Legal Jinja, sandbox or not: 10^10 loop turns.
+# The render bound under test (not a wait: the hygiene check's deadlines are for waits).
+RENDER_BOUND_S = 1.0
 ENDLESS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 
 
@@ -62,7 +64,7 @@ def _job(key: str, template: str) -> RenderJob:
 
 
 def test_sandbox_bounds_a_render_and_keeps_rendering(tiny_model_dir: Path) -> None:
-    sandbox = TemplateSandbox(str(tiny_model_dir), timeout_s=1.0)
+    sandbox = TemplateSandbox(str(tiny_model_dir), timeout_s=RENDER_BOUND_S)
     try:
         sandbox.submit(_job("warm", "{{ messages[0].content }}!"))
         assert _wait(sandbox, "warm", 300) == "hi!"  # the first waits for the tokenizer load
@@ -93,7 +95,7 @@ def test_sandbox_refuses_python_internals(tiny_model_dir: Path) -> None:
 
 
 def test_an_abandoned_render_is_never_reported(tiny_model_dir: Path) -> None:
-    sandbox = TemplateSandbox(str(tiny_model_dir), timeout_s=1.0)
+    sandbox = TemplateSandbox(str(tiny_model_dir), timeout_s=RENDER_BOUND_S)
     try:
         sandbox.submit(_job("queued", "x"))
         assert sandbox.cancel("queued") and not sandbox.cancel("unknown")
