@@ -22,6 +22,8 @@ OUTPUT_PARSERS = ("auto", "qwen3", "none")
 CPU_KERNEL_TUNING = ("cached", "full", "off")
 # --quantization: how a float checkpoint is quantized at load (minisgl/quant/scheme.py).
 QUANTIZATIONS = ("int8", "int4", "fp8")
+# --speculative-algorithm (SGLang's flag names): where draft tokens come from.
+SPECULATIVE_ALGORITHMS = ("ngram", "eagle3")
 # Multi-node: the shared secret, when --node-secret-file is not given (never a flag: a command
 # line is visible to every user of the machine).
 NODE_SECRET_ENV = "MINISGL_NODE_SECRET"
@@ -99,6 +101,33 @@ class EngineArgs:
         "CPU seconds the server may spend compiling one structured-output grammar (in a "
         "worker process, off the scheduler loop); a longer compile fails the requests that "
         "wait for it with a 400",
+    )
+
+    speculative_algorithm: str | None = _f(
+        None,
+        "speculative decoding: ngram (drafts copied from the longest earlier match of the "
+        "sequence's last tokens in its prompt and output) or eagle3 (a draft head, "
+        "--speculative-draft-model-path); drafts are verified in one forward, output unchanged",
+        SPECULATIVE_ALGORITHMS,
+    )
+    speculative_num_draft_tokens: int = _f(
+        4,
+        "most draft tokens proposed per request and step (shrunk per request when few are accepted)",
+    )
+    speculative_draft_model_path: str | None = _f(
+        None, "EAGLE-3 draft head: hub id or local directory (config.json + safetensors)"
+    )
+    speculative_ngram_min_match_window_size: int = _f(
+        1, "ngram: shortest suffix of the sequence looked up in its earlier tokens"
+    )
+    speculative_ngram_max_match_window_size: int = _f(
+        12, "ngram: longest suffix of the sequence looked up in its earlier tokens"
+    )
+    disable_cuda_graph: bool = _f(
+        False, "CUDA: run decode eagerly instead of replaying CUDA graphs"
+    )
+    cuda_graph_max_bs: int = _f(
+        64, "CUDA: largest decode batch captured as a CUDA graph (buckets 1, 2, 4, 8, 16, 32, ...)"
     )
 
     @property
