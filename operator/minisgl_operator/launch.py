@@ -42,6 +42,9 @@ MANAGED_FIELDS = (
     "max_seq_len_override",
     "max_running_requests",
     "shutdown_timeout",
+    "speculative_algorithm",
+    "speculative_num_draft_tokens",
+    "speculative_draft_model_path",
 )
 
 
@@ -87,6 +90,7 @@ class Launch:
 def server_args(spec: ModelServerSpec) -> ServerArgs:
     """Typed spec fields -> ServerArgs; fields the spec leaves out keep minisgl's defaults."""
     e = spec.engine
+    spec_dec = e.speculative
     given: dict[str, Any] = {
         "served_model_name": spec.served_model_name,
         "dtype": e.dtype,
@@ -95,6 +99,9 @@ def server_args(spec: ModelServerSpec) -> ServerArgs:
         "max_seq_len_override": e.max_seq_len,
         "max_running_requests": e.max_running_requests,
         "shutdown_timeout": float(e.shutdown_timeout_s) if e.shutdown_timeout_s else None,
+        "speculative_algorithm": spec_dec.algorithm if spec_dec else None,
+        "speculative_num_draft_tokens": spec_dec.num_draft_tokens if spec_dec else None,
+        "speculative_draft_model_path": spec_dec.draft_model_path if spec_dec else None,
         # The group's secret, mounted into every pod (node_security).
         "node_secret_file": SECRET_FILE if e.multi_node else None,
     }

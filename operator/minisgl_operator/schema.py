@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.config import DTYPES, QUANTIZATIONS, ServerArgs, flag_name
+from minisgl.config import DTYPES, QUANTIZATIONS, SPECULATIVE_ALGORITHMS, ServerArgs, flag_name
 
 MAX_NAME_LEN = 57  # the longest child name adds "-cache"; names must stay <= 63
 # A LeaderWorkerSet's StatefulSets are <name>-<group>, and each labels its pods with
@@ -160,6 +160,35 @@ def engine_flag(server_field: str, node: Node, note: str = "") -> Node:
 TOLERATION_OPERATORS = ("Exists", "Equal")
 TOLERATION_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
+SPECULATIVE = obj(
+    "Speculative decoding (docs/serving.md): draft tokens proposed cheaply and verified in one "
+    "forward of the model, so one stream may gain several tokens per step; the output is the "
+    "same as without it. Left out: off.",
+    {
+        "algorithm": engine_flag(
+            "speculative_algorithm", string("", enum=list(SPECULATIVE_ALGORITHMS))
+        ),
+        "numDraftTokens": engine_flag("speculative_num_draft_tokens", integer("", minimum=1)),
+        "draftModelPath": engine_flag(
+            "speculative_draft_model_path",
+            string("", minLength=1),
+            "With algorithm eagle3 only (and then required); a path may be on the model cache "
+            "volume.",
+        ),
+    },
+    required=["algorithm"],
+    rules=[
+        (
+            "self.algorithm != 'eagle3' || has(self.draftModelPath)",
+            "engine.speculative.draftModelPath is required with algorithm eagle3",
+        ),
+        (
+            "self.algorithm == 'eagle3' || !has(self.draftModelPath)",
+            "engine.speculative.draftModelPath is for algorithm eagle3 only",
+        ),
+    ],
+)
+
 ENGINE = obj(
     "How the server runs the model: each field becomes a `python -m minisgl` flag; fields "
     "left out keep minisgl's own defaults.",
@@ -194,12 +223,13 @@ ENGINE = obj(
             integer("", minimum=1, maximum=3600),
             "The pod's termination grace period is set to cover it.",
         ),
+        "speculative": SPECULATIVE,
         "extraArgs": array(
             "More `python -m minisgl` flags, appended to the command line, e.g. "
             '["--max-prefill-tokens", "8192"]. Full flag names only (no abbreviations); flags '
             "that have a field here (model, served name, host, port, device, dtype, quantization, TP "
-            "size, "
-            "pages, context, running requests, shutdown timeout) must be set through it. A "
+            "size, pages, context, running requests, shutdown timeout, speculative algorithm, "
+            "draft tokens and draft model) must be set through it. A "
             "flag the server rejects makes the ModelServer Degraded (InvalidSpec).",
             string("One command-line word: a flag or its value."),
             maxItems=64,

@@ -35,6 +35,7 @@ DEFAULT_SCALE_DOWN_STABILIZATION_S: int = SPEC.at(
 ).default
 DTYPES = SPEC.at("engine.dtype").enum
 QUANTIZATIONS = SPEC.at("engine.quantization").enum
+SPECULATIVE_ALGORITHMS = SPEC.at("engine.speculative.algorithm").enum
 
 _TOLERATION_EFFECTS = (None, "", *TOLERATION_EFFECTS)
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -47,6 +48,13 @@ class SpecError(ValueError):
 
 
 @dataclass(frozen=True)
+class SpeculativeSpec:
+    algorithm: str
+    num_draft_tokens: int | None = None  # None: minisgl's own default
+    draft_model_path: str | None = None
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     dtype: str | None = None
     quantization: str | None = None
@@ -56,6 +64,7 @@ class EngineSpec:
     max_seq_len: int | None = None
     max_running_requests: int | None = None
     shutdown_timeout_s: int | None = None
+    speculative: SpeculativeSpec | None = None
     extra_args: tuple[str, ...] = ()
 
     @property
@@ -228,6 +237,29 @@ def _list_of_objects(d: Mapping[str, Any], key: str) -> tuple[dict[str, Any], ..
     return tuple(dict(x) for x in value)
 
 
+def _speculative(raw: Mapping[str, Any] | None) -> SpeculativeSpec | None:
+    if raw is None:
+        return None
+    algorithm = _str(raw, "engine.speculative.algorithm")
+    if algorithm is None:
+        raise SpecError("engine.speculative.algorithm is required")
+    if algorithm not in SPECULATIVE_ALGORITHMS:
+        raise SpecError(
+            f"engine.speculative.algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, "
+            f"got {algorithm!r}"
+        )
+    draft = _str(raw, "engine.speculative.draftModelPath")
+    if algorithm == "eagle3" and draft is None:
+        raise SpecError("engine.speculative.draftModelPath is required with algorithm eagle3")
+    if algorithm != "eagle3" and draft is not None:
+        raise SpecError("engine.speculative.draftModelPath is for algorithm eagle3 only")
+    return SpeculativeSpec(
+        algorithm=algorithm,
+        num_draft_tokens=_int(raw, "engine.speculative.numDraftTokens"),
+        draft_model_path=draft,
+    )
+
+
 def _engine(raw: Mapping[str, Any]) -> EngineSpec:
     dtype = _str(raw, "engine.dtype")
     if dtype is not None and dtype not in DTYPES:
@@ -256,6 +288,7 @@ def _engine(raw: Mapping[str, Any]) -> EngineSpec:
         max_seq_len=_int(raw, "engine.maxSeqLen"),
         max_running_requests=_int(raw, "engine.maxRunningRequests"),
         shutdown_timeout_s=_int(raw, "engine.shutdownTimeoutSeconds"),
+        speculative=_speculative(_obj(raw, "speculative", "engine.")),
         extra_args=tuple(extra),
     )
 

@@ -17,6 +17,7 @@ FULL = {
         "name": "qwen",
         "spec": {
             "model": "Qwen/Qwen3-0.6B",
+            "engine": {"speculative": {"algorithm": "eagle3", "draftModelPath": "org/head"}},
             "autoscaling": {"maxReplicas": 3, "targets": {"ttftP95Seconds": 0.5}},
             "ingress": {"host": "qwen.example.com", "tls": True},
         },

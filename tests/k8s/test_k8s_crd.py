@@ -207,6 +207,14 @@ CEL_CASES = {
         {"model": "m", "routing": {"gatewayRef": {"name": "gw"}}},
         "needs routing.inferencePool",
     ),
+    "eagle3 without its draft head": (
+        {"model": "m", "engine": {"speculative": {"algorithm": "eagle3"}}},
+        "draftModelPath is required with algorithm eagle3",
+    ),
+    "a draft head for ngram": (
+        {"model": "m", "engine": {"speculative": {"algorithm": "ngram", "draftModelPath": "d"}}},
+        "draftModelPath is for algorithm eagle3 only",
+    ),
 }
 
 
@@ -309,6 +317,8 @@ def test_the_operator_enforces_every_bound_the_crd_declares() -> None:
                 base["engine"] = {"tensorParallelSize": 1}
             if path == "engine.nodes":  # every node count in bounds divides this TP size
                 base["engine"] = {"tensorParallelSize": 64}
+            if path.startswith("engine.speculative."):
+                base["engine"] = {"speculative": {"algorithm": "ngram"}}
             return _set(base, path, value)
 
         for ok in (lo, hi):

@@ -245,6 +245,7 @@ EVERYTHING_ON = {
         "name": "qwen",
         "spec": {
             "model": "Qwen/Qwen3-0.6B",
+            "engine": {"speculative": {"algorithm": "ngram", "numDraftTokens": 3}},
             "resources": {"gpus": 0},
             "autoscaling": {"maxReplicas": 3, "targets": {"ttftP95Seconds": 0.5}},
         },
