@@ -1,10 +1,17 @@
-"""How many KV pages fit: derived from free memory and the context length."""
+"""How many KV pages fit: derived from free memory and the context length, and, under tensor
+parallelism, agreed by every rank before any scheduler is built."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
+import torch.distributed as dist
+
+from minisgl import distributed
+
+logger = logging.getLogger(__name__)
 
 # On CPU the pool shares RAM with the weights, the workers and whatever else runs on the box;
 # take a modest share of what is available.
@@ -40,3 +47,28 @@ def default_num_pages(
     pages_per_seq = math.ceil(max_seq_len / page_size)
     useful = pages_per_seq * max_running_requests
     return max(min(budget, useful), pages_per_seq + 1)
+
+
+def agree_num_pages(local: int) -> int:
+    """The pool size every tensor-parallel rank (on every node) builds: the least any of them
+    can hold. Each rank schedules the same batches on its own pool, so pools of different sizes
+    would admit different batches and line the ranks' collectives up wrong (a hang, or wrong
+    outputs); GPUs' free memory differs by a few MiB routinely. One rank: `local`."""
+    size = distributed.get_tp_size()
+    if size == 1:
+        return local
+    # NCCL moves only CUDA tensors; gloo only CPU ones.
+    on_cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    mine = torch.tensor([local], dtype=torch.int64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(parts, mine)
+    figures = [int(f) for f in torch.cat(parts).tolist()]
+    agreed = min(figures)
+    if distributed.get_tp_rank() == 0 and len(set(figures)) > 1:
+        logger.info(
+            "KV cache: the ranks can hold %s pages (rank order); every rank builds %d",
+            ", ".join(map(str, figures)),
+            agreed,
+        )
+    return agreed

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from minisgl.config import EngineArgs
-from minisgl.engine.memory import default_num_pages
+from minisgl.engine.memory import agree_num_pages, default_num_pages
 from minisgl.kvcache.kv_pool import KVPool
 from minisgl.layers.attention import create_attention_backend
 from minisgl.layers.attention.base import BatchLayout
@@ -110,13 +110,15 @@ class ModelRunner:
         bytes_per_page = KVPool.bytes_per_page(
             config.num_hidden_layers, self.page_size, num_kv_heads, config.head_dim, self.dtype
         )
-        self.num_pages = args.num_pages or default_num_pages(
-            bytes_per_page=bytes_per_page,
-            page_size=self.page_size,
-            max_seq_len=max_seq_len,
-            max_running_requests=args.max_running_requests,
-            memory_fraction=args.memory_fraction,
-            device=self.device,
+        self.num_pages = args.num_pages or agree_num_pages(
+            default_num_pages(
+                bytes_per_page=bytes_per_page,
+                page_size=self.page_size,
+                max_seq_len=max_seq_len,
+                max_running_requests=args.max_running_requests,
+                memory_fraction=args.memory_fraction,
+                device=self.device,
+            )
         )
         self.kv_pool = KVPool(
             config.num_hidden_layers,
