@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from minisgl.kvcache.kv_pool import KVPool
 from minisgl.layers.attention.base import AttentionBackend, AttentionMetadata, BatchLayout
+from minisgl.layers.attention.paged_plan import build_paged_plan, upload
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -43,46 +43,24 @@ class FlashInferAttentionBackend(AttentionBackend):
         ]
 
     def prepare(self, layout: BatchLayout) -> FlashInferMetadata:
-        ps = layout.page_size
-        prefix = np.asarray(layout.prefix_lens, dtype=np.int64)
-        extend = np.asarray(layout.extend_lens, dtype=np.int64)
-        total = prefix + extend
-        used_pages = (total + ps - 1) // ps
-        indices = np.concatenate(
-            [
-                np.asarray(t[:n], dtype=np.int64)
-                for t, n in zip(layout.page_tables, used_pages, strict=True)
-            ]
-        )
-        qo_indptr = np.concatenate(([0], np.cumsum(extend)))
-        kv_indptr = np.concatenate(([0], np.cumsum(used_pages)))
-        last_page_len = total - (used_pages - 1) * ps
-        dev = self.device
-
-        def i32(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a.astype(np.int32)).to(dev)
-
+        # Host tensors, pinned: plan() reads them where they are (device ones it would copy
+        # back, waiting on the GPU each time) and uploads what its kernels need without a stall.
+        plan = build_paged_plan(layout, pin=self.device.type == "cuda")
         self.wrapper.plan(
-            i32(qo_indptr),
-            i32(kv_indptr),
-            i32(indices),
-            i32(last_page_len),
+            plan.qo_indptr,
+            plan.kv_indptr,
+            plan.indices,
+            plan.last_page_len,
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            ps,
+            layout.page_size,
             causal=True,
             sm_scale=self.scale,
             q_data_type=self.kv_pool.dtype,
             kv_data_type=self.kv_pool.dtype,
         )
-        # Slots of the new tokens: page of position p, offset within it.
-        n = len(extend)
-        req = np.repeat(np.arange(n), extend)
-        starts = np.cumsum(extend) - extend
-        pos = np.arange(int(extend.sum())) - starts[req] + prefix[req]
-        page_of = indices[kv_indptr[req] + pos // ps]
-        return FlashInferMetadata(out_loc=torch.from_numpy(page_of * ps + pos % ps).to(dev))
+        return FlashInferMetadata(out_loc=upload(plan.out_loc, self.device))
 
     def forward(
         self,
