@@ -5,6 +5,11 @@ steps of one query. Our pool's flat [slots, H, D] buffers are FlashInfer's NHD p
 viewed as [pages, page_size, H, D], so no copy is needed; the step's new K/V are written with
 the same slot arithmetic as the torch backend, then FlashInfer attends causally (queries
 aligned to the end of each request's KV).
+
+Decode steps replayed as CUDA graphs (engine/cuda_graph.py) use one
+`BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True)` per batch-size bucket instead: its page
+indices live in buffers allocated here once, which plan() refills before each replay, and the
+new tokens' slots in a static tensor the captured K/V stores read.
 """
 
 from __future__ import annotations
@@ -25,6 +30,17 @@ class FlashInferMetadata(AttentionMetadata):
     out_loc: torch.Tensor  # [T] pool slot of each new token
 
 
+@dataclass
+class FlashInferDecodeMetadata(FlashInferMetadata):
+    """A CUDA-graph bucket's: static tensors, the same at every replay."""
+
+    wrapper: Any  # flashinfer.BatchDecodeWithPagedKVCacheWrapper planned for this bucket
+
+
+# Devices this backend runs on (tests widen it to run a pure-torch stand-in of flashinfer).
+DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+
+
 class FlashInferAttentionBackend(AttentionBackend):
     def __init__(
         self, kv_pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
@@ -32,10 +48,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         super().__init__(kv_pool, num_heads, num_kv_heads, head_dim, scale)
         import flashinfer
 
-        if kv_pool.device.type != "cuda":
+        if kv_pool.device.type not in DEVICE_TYPES:
             raise ValueError("the flashinfer attention backend needs a CUDA device")
-        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=kv_pool.device)
-        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        # Zeroed: flashinfer asks for a zero workspace before its first use. Shared by every
+        # wrapper here: they run one after another on one stream.
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=kv_pool.device)
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.graph_meta: dict[int, FlashInferDecodeMetadata] = {}
         shape = (kv_pool.num_pages, kv_pool.page_size, num_kv_heads, head_dim)
         self.caches = [
             (k.view(shape), v.view(shape))
@@ -62,6 +81,60 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         return FlashInferMetadata(out_loc=upload(plan.out_loc, self.device))
 
+    # -- CUDA-graph decode (the DecodeGraphAttention protocol of engine/cuda_graph.py) ------
+    def init_decode_graphs(self, buckets: Sequence[int], max_pages_per_seq: int) -> None:
+        import flashinfer
+
+        max_bs, dev = max(buckets), self.device
+        indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
+        # Every request of the largest bucket at full length (shared prefix pages count once
+        # per request that reads them).
+        indices = torch.zeros(max_bs * max_pages_per_seq, dtype=torch.int32, device=dev)
+        last_page_len = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+        out_loc = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        for b in buckets:
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=indptr[: b + 1],
+                paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last_page_len[:b],
+            )
+            self.graph_meta[b] = FlashInferDecodeMetadata(out_loc=out_loc[:b], wrapper=wrapper)
+
+    def prepare_decode_graph(self, layout: BatchLayout, bucket: int) -> FlashInferDecodeMetadata:
+        ps = layout.page_size
+        prefix = np.asarray(layout.prefix_lens, dtype=np.int64)
+        total = prefix + 1
+        used_pages = (total + ps - 1) // ps
+        for i, (table, n) in enumerate(zip(layout.page_tables, used_pages, strict=True)):
+            if len(table) < n:
+                raise ValueError(f"request {i}: {len(table)} pages of {ps} cannot hold {n * ps}")
+        indices = np.concatenate(
+            [np.asarray(t[:n], dtype=np.int64) for t, n in zip(layout.page_tables, used_pages)]
+        )
+        kv_indptr = np.concatenate(([0], np.cumsum(used_pages)))
+        meta = self.graph_meta[bucket]
+        # Host tensors: in CUDA-graph mode plan() copies them into the buffers given at
+        # construction (the ones the captured kernels read).
+        meta.wrapper.plan(
+            torch.from_numpy(kv_indptr.astype(np.int32)),
+            torch.from_numpy(indices.astype(np.int32)),
+            torch.from_numpy((total - (used_pages - 1) * ps).astype(np.int32)),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            ps,
+            sm_scale=self.scale,
+            q_data_type=self.kv_pool.dtype,
+            kv_data_type=self.kv_pool.dtype,
+        )
+        # The new token of request i sits at position prefix[i].
+        slots = indices[kv_indptr[:-1] + prefix // ps] * ps + prefix % ps
+        meta.out_loc.copy_(torch.from_numpy(slots))
+        return meta
+
     def forward(
         self,
         q: torch.Tensor,
@@ -73,5 +146,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         assert isinstance(meta, FlashInferMetadata)
         self.kv_pool.k_buffers[layer_id].index_copy_(0, meta.out_loc, k)
         self.kv_pool.v_buffers[layer_id].index_copy_(0, meta.out_loc, v)
-        o = self.wrapper.run(q.contiguous(), self.caches[layer_id])
+        wrapper = meta.wrapper if isinstance(meta, FlashInferDecodeMetadata) else self.wrapper
+        o = wrapper.run(q.contiguous(), self.caches[layer_id])
         return o.reshape(q.shape[0], self.num_heads * self.head_dim)
