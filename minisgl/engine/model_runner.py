@@ -12,10 +12,9 @@ import numpy as np
 import torch
 
 from minisgl.config import EngineArgs
-from minisgl.engine.cuda_graph import DecodeGraphs, graphs_wanted, is_graph_decode
-from minisgl.engine.memory import agree_num_pages, default_num_pages
+from minisgl.engine.memory import default_num_pages
 from minisgl.kvcache.kv_pool import KVPool
-from minisgl.layers.attention import create_attention_backend, resolve_backend_name
+from minisgl.layers.attention import create_attention_backend
 from minisgl.layers.attention.base import BatchLayout
 from minisgl.layers.logprobs import pick, prompt_logprobs, row_stats
 from minisgl.layers.penalties import (
@@ -111,23 +110,17 @@ class ModelRunner:
         bytes_per_page = KVPool.bytes_per_page(
             config.num_hidden_layers, self.page_size, num_kv_heads, config.head_dim, self.dtype
         )
-        self.num_pages = args.num_pages or agree_num_pages(
-            default_num_pages(
-                bytes_per_page=bytes_per_page,
-                page_size=self.page_size,
-                max_seq_len=max_seq_len,
-                max_running_requests=args.max_running_requests,
-                memory_fraction=args.memory_fraction,
-                device=self.device,
-            )
+        self.num_pages = args.num_pages or default_num_pages(
+            bytes_per_page=bytes_per_page,
+            page_size=self.page_size,
+            max_seq_len=max_seq_len,
+            max_running_requests=args.max_running_requests,
+            memory_fraction=args.memory_fraction,
+            device=self.device,
         )
-        backend = resolve_backend_name(args.attention_backend, self.device.type)
-        eager_why = graphs_wanted(args.disable_cuda_graph, self.device.type, backend)
-        # Decode graphs' padding rows write their K/V to a page of their own: one past the
-        # scheduler's pages.
         self.kv_pool = KVPool(
             config.num_hidden_layers,
-            self.num_pages + (eager_why is None),
+            self.num_pages,
             self.page_size,
             num_kv_heads,
             config.head_dim,
@@ -150,27 +143,11 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.decode_graphs: DecodeGraphs | None = None
-        if eager_why is None:
-            self.decode_graphs = DecodeGraphs.start(
-                lambda ids, pos, meta, rows: self.model(ids, pos, self.attn, meta, rows),
-                self.attn,
-                self.device,
-                args.cuda_graph_max_bs,
-                self.page_size,
-                scratch_page=self.num_pages,
-                max_pages_per_seq=-(-max_seq_len // self.page_size),
-            )
-        elif self.device.type == "cuda":
-            logger.info("CUDA graphs off: %s", eager_why)
 
     @torch.inference_mode()
     def forward(self, inp: ForwardInput) -> ForwardOutput:
         """Run one batch: the sampled token of every request in `sample_rows`, plus the
         log-probabilities the requests asked for."""
-        logits = self._graph_logits(inp)
-        if logits is not None:
-            return self._sample(logits, inp, [])
         layout = BatchLayout(self.page_size, inp.prefix_lens, inp.extend_lens, inp.page_tables)
         meta = self.attn.prepare(layout)
         positions = np.concatenate(
@@ -194,20 +171,6 @@ class ModelRunner:
         if not inp.sample_rows:
             return ForwardOutput([], [], prompt)
         return self._sample(logits, inp, prompt)
-
-    def _graph_logits(self, inp: ForwardInput) -> torch.Tensor | None:
-        """The sampled rows' logits by a decode graph's replay; None: run eagerly."""
-        graphs = self.decode_graphs
-        n = len(inp.extend_lens)
-        if (
-            graphs is None
-            or not inp.sample_rows
-            or not is_graph_decode(inp.extend_lens, bool(inp.prompt_rows))
-            or graphs.bucket(n) is None
-        ):
-            return None
-        logits = graphs.run(inp.token_ids, inp.prefix_lens, inp.page_tables)
-        return logits if inp.sample_rows == list(range(n)) else logits[inp.sample_rows]
 
     def _sample(
         self, logits: torch.Tensor, inp: ForwardInput, prompt: list[TokenLogprobs]

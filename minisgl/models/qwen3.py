@@ -11,7 +11,7 @@ differ in `AttentionOptions` (q/k norm, biases) and in the MLP a layer gets (`ma
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -264,14 +264,22 @@ class Qwen3ForCausalLM(nn.Module):
         attn: AttentionBackend,
         meta: AttentionMetadata,
         indices: torch.Tensor,
+        capture: Sequence[int] = (),
+        captured: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Final (normed) hidden states [len(indices), hidden] of the rows `indices`: the
-        LM head's input, for callers that turn many rows into logits a block at a time."""
+        LM head's input, for callers that turn many rows into logits a block at a time.
+
+        `capture`: decoder layers whose output (the residual stream after the layer, before any
+        norm; every row) goes into `captured` by layer id, for an EAGLE-3 draft head."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual: torch.Tensor | None = None
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, cos, sin, attn, meta)
+            if i in capture:
+                assert captured is not None
+                captured[i] = x + residual
         assert residual is not None
         h = x[indices] + residual[indices]
         return self.model.norm(h)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 # safetensors dtype tag -> bytes per element. bfloat16 travels as uint16 bit patterns.
-DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
+DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "BOOL": 1}
 
 
 @dataclass(frozen=True)
