@@ -12,9 +12,10 @@ import numpy as np
 import torch
 
 from minisgl.config import EngineArgs
-from minisgl.engine.memory import default_num_pages
+from minisgl.engine.cuda_graph import DecodeGraphs, graphs_wanted, is_graph_decode
+from minisgl.engine.memory import agree_num_pages, default_num_pages
 from minisgl.kvcache.kv_pool import KVPool
-from minisgl.layers.attention import create_attention_backend
+from minisgl.layers.attention import create_attention_backend, resolve_backend_name
 from minisgl.layers.attention.base import BatchLayout
 from minisgl.layers.logprobs import pick, prompt_logprobs, row_stats
 from minisgl.layers.penalties import (
@@ -71,6 +72,9 @@ class ForwardInput:
     # Per sampled request: its state for penalties (None: no request needs penalties).
     sample_states: Sequence[SampleState] | None = None
     prompt_rows: list[PromptRows] = field(default_factory=list)
+    # Decoder layers whose outputs an EAGLE-3 drafter reads (its config's order); () = none
+    # (no capture, no cost).
+    capture_layers: tuple[int, ...] = ()
 
 
 @dataclass
@@ -78,6 +82,9 @@ class ForwardOutput:
     tokens: list[int]  # one per sampled request
     logprobs: list[TokenLogprobs | None]  # per sampled request: None unless it asked
     prompt_logprobs: list[TokenLogprobs]  # per PromptRows entry, in order
+    # With ForwardInput.capture_layers: those layers' outputs side by side for every token of
+    # the step, in the step's order ([tokens, len(capture_layers) * hidden]).
+    hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -110,17 +117,23 @@ class ModelRunner:
         bytes_per_page = KVPool.bytes_per_page(
             config.num_hidden_layers, self.page_size, num_kv_heads, config.head_dim, self.dtype
         )
-        self.num_pages = args.num_pages or default_num_pages(
-            bytes_per_page=bytes_per_page,
-            page_size=self.page_size,
-            max_seq_len=max_seq_len,
-            max_running_requests=args.max_running_requests,
-            memory_fraction=args.memory_fraction,
-            device=self.device,
+        self.num_pages = args.num_pages or agree_num_pages(
+            default_num_pages(
+                bytes_per_page=bytes_per_page,
+                page_size=self.page_size,
+                max_seq_len=max_seq_len,
+                max_running_requests=args.max_running_requests,
+                memory_fraction=args.memory_fraction,
+                device=self.device,
+            )
         )
+        backend = resolve_backend_name(args.attention_backend, self.device.type)
+        eager_why = graphs_wanted(args.disable_cuda_graph, self.device.type, backend)
+        # Decode graphs' padding rows write their K/V to a page of their own: one past the
+        # scheduler's pages.
         self.kv_pool = KVPool(
             config.num_hidden_layers,
-            self.num_pages,
+            self.num_pages + (eager_why is None),
             self.page_size,
             num_kv_heads,
             config.head_dim,
@@ -143,11 +156,27 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+        self.decode_graphs: DecodeGraphs | None = None
+        if eager_why is None:
+            self.decode_graphs = DecodeGraphs.start(
+                lambda ids, pos, meta, rows: self.model(ids, pos, self.attn, meta, rows),
+                self.attn,
+                self.device,
+                args.cuda_graph_max_bs,
+                self.page_size,
+                scratch_page=self.num_pages,
+                max_pages_per_seq=-(-max_seq_len // self.page_size),
+            )
+        elif self.device.type == "cuda":
+            logger.info("CUDA graphs off: %s", eager_why)
 
     @torch.inference_mode()
     def forward(self, inp: ForwardInput) -> ForwardOutput:
         """Run one batch: the sampled token of every request in `sample_rows`, plus the
         log-probabilities the requests asked for."""
+        logits = self._graph_logits(inp)
+        if logits is not None:
+            return self._sample(logits, inp, [])
         layout = BatchLayout(self.page_size, inp.prefix_lens, inp.extend_lens, inp.page_tables)
         meta = self.attn.prepare(layout)
         positions = np.concatenate(
@@ -158,19 +187,45 @@ class ModelRunner:
         pos_t = torch.from_numpy(positions).to(self.device)
         sample_idx = torch.from_numpy(ends[inp.sample_rows]).to(self.device)
         prompt: list[TokenLogprobs] = []
-        if inp.prompt_rows:
+        captured: dict[int, torch.Tensor] = {}
+        if inp.prompt_rows or inp.capture_layers:
             rows = [np.arange(r.start, r.start + len(r.targets)) for r in inp.prompt_rows]
-            extra = torch.from_numpy(np.concatenate(rows)).to(self.device)
+            extra = torch.from_numpy(np.concatenate(rows or [np.zeros(0, np.int64)]))
             hidden = self.model.hidden_states(
-                input_ids, pos_t, self.attn, meta, torch.cat([sample_idx, extra])
+                input_ids,
+                pos_t,
+                self.attn,
+                meta,
+                torch.cat([sample_idx, extra.to(self.device)]),
+                inp.capture_layers,
+                captured,
             )
             logits = self.model.lm_head(hidden[: len(inp.sample_rows)])
-            prompt = self._score_prompts(hidden[len(inp.sample_rows) :], inp.prompt_rows)
+            if inp.prompt_rows:
+                prompt = self._score_prompts(hidden[len(inp.sample_rows) :], inp.prompt_rows)
         else:
             logits = self.model(input_ids, pos_t, self.attn, meta, sample_idx)
+        aux = torch.cat([captured[i] for i in inp.capture_layers], -1) if captured else None
         if not inp.sample_rows:
-            return ForwardOutput([], [], prompt)
-        return self._sample(logits, inp, prompt)
+            return ForwardOutput([], [], prompt, aux)
+        out = self._sample(logits, inp, prompt)
+        out.hidden = aux
+        return out
+
+    def _graph_logits(self, inp: ForwardInput) -> torch.Tensor | None:
+        """The sampled rows' logits by a decode graph's replay; None: run eagerly."""
+        graphs = self.decode_graphs
+        n = len(inp.extend_lens)
+        if (
+            graphs is None
+            or inp.capture_layers
+            or not inp.sample_rows
+            or not is_graph_decode(inp.extend_lens, bool(inp.prompt_rows))
+            or graphs.bucket(n) is None
+        ):
+            return None
+        logits = graphs.run(inp.token_ids, inp.prefix_lens, inp.page_tables)
+        return logits if inp.sample_rows == list(range(n)) else logits[inp.sample_rows]
 
     def _sample(
         self, logits: torch.Tensor, inp: ForwardInput, prompt: list[TokenLogprobs]
