@@ -115,16 +115,25 @@ def fused_moe(
         outs = [_expert(x, w13, w2, e, mm13, mm2) for e in flat.tolist()]
         ys = torch.cat(outs).float() * weights.reshape(-1, 1).float()
         return ys.sum(0, keepdim=True).to(x.dtype)
-    # (token, slot) pairs sorted by expert, stable so each expert's tokens stay in order.
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # one host sync per layer
+    order, ends = _group_by_expert(flat, w13.shape[0])
     xs = x.index_select(0, order // k)
     outs, start = [], 0
-    for e, n in enumerate(counts):
-        if n:
-            outs.append(_expert(xs[start : start + n], w13, w2, e, mm13, mm2))
-            start += n
+    for e, end in enumerate(ends.tolist()):  # the loop's one read of the routing (a sync on GPUs)
+        if end > start:
+            outs.append(_expert(xs[start:end], w13, w2, e, mm13, mm2))
+            start = end
     return _combine(torch.cat(outs), weights, order, x.dtype)
+
+
+def _group_by_expert(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, slot) pairs `flat` [T * k] of expert ids -> (their order sorted by expert, stable
+    so each expert's tokens stay in order; where each expert's group ends in that order [E]).
+
+    Fixed shapes and no host read, so nothing waits for the GPU: torch.bincount on CUDA reads
+    the ids' min and max back to size its output (two syncs per layer)."""
+    sorted_ids, order = flat.sort(stable=True)
+    experts = torch.arange(num_experts, device=flat.device, dtype=sorted_ids.dtype)
+    return order, torch.searchsorted(sorted_ids, experts, right=True)
 
 
 def grouped_moe(
@@ -139,9 +148,8 @@ def grouped_moe(
     counts stay on the device as the groups' offsets. The path for GPUs; on the CPU torch runs
     it as a loop of matmuls, so there fused_moe (our kernels, chosen by measurement) is used."""
     k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    offs = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
+    order, ends = _group_by_expert(ids.reshape(-1), w13.shape[0])
+    offs = ends.to(torch.int32)
     xs = x.index_select(0, order // k)
     # [E, N, K] weights as [E, K, N] views: column-major per expert, as the kernel wants.
     h = silu_and_mul(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs))

@@ -175,3 +175,23 @@ def test_cpu_layers_keep_the_measured_kernels_not_the_grouped_path() -> None:
     weights, ids = route(torch.randn(3, 4), 2, True)
     moe(x, weights, ids)
     assert moe.grouped is False
+
+
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_grouping_by_expert_reads_nothing_back(tokens: int) -> None:
+    """On a GPU each read of the routing waits for the device: the grouped path reads none,
+    the per-expert loop one per layer (where it sat, torch.bincount synced twice more)."""
+    from minisgl.layers.moe import grouped_moe
+    from minisgl.testing.host_reads import HostReads
+
+    g = torch.Generator().manual_seed(tokens)
+    e, h, i, k = 16, 64, 32, 4
+    x = torch.randn(tokens, h, generator=g)
+    w13, w2 = torch.randn(e, 2 * i, h, generator=g) / 8, torch.randn(e, h, i, generator=g) / 8
+    weights, ids = route(torch.randn(tokens, e, generator=g), k, True)
+    with HostReads() as grouped:
+        grouped_moe(x, w13, w2, weights, ids)
+    assert grouped.count == 0 and not grouped.syncing_ops, (grouped.calls, grouped.syncing_ops)
+    with HostReads() as loop:
+        fused_moe(x, w13, w2, weights, ids)
+    assert dict(loop.calls) == {"tolist": 1} and not loop.syncing_ops, loop.syncing_ops
