@@ -27,3 +27,7 @@ REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
 BATCH_SIZE_BUCKETS: tuple[float, ...] = (
     1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
 )  # fmt: skip
+
+# Speculative decoding: draft tokens one request kept in one verify step, 0 .. the largest
+# --speculative-num-draft-tokens worth serving (le="0": verifies that kept nothing).
+ACCEPT_LENGTH_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)

@@ -9,6 +9,7 @@ ITL = "minisgl_inter_token_latency_seconds"
 E2E = "minisgl_e2e_request_latency_seconds"
 QUEUE_TIME = "minisgl_request_queue_time_seconds"
 BATCH_SIZE = "minisgl_batch_size"
+SPEC_ACCEPT_LENGTH = "minisgl_spec_accept_length"
 
 # Gauges.
 NUM_RUNNING = "minisgl_num_requests_running"
@@ -22,10 +23,20 @@ GENERATION_TOKENS = "minisgl_generation_tokens_total"
 PREFIX_CACHE_HIT_TOKENS = "minisgl_prefix_cache_hit_tokens_total"
 PREEMPTIONS = "minisgl_preemptions_total"
 REQUESTS = "minisgl_requests_total"
+SPEC_DRAFT_TOKENS = "minisgl_spec_draft_tokens_total"
+SPEC_ACCEPTED_TOKENS = "minisgl_spec_accepted_tokens_total"
 
-HISTOGRAMS = (TTFT, TPOT, ITL, E2E, QUEUE_TIME, BATCH_SIZE)
+HISTOGRAMS = (TTFT, TPOT, ITL, E2E, QUEUE_TIME, BATCH_SIZE, SPEC_ACCEPT_LENGTH)
 GAUGES = (NUM_RUNNING, NUM_WAITING, KV_USAGE, KV_PAGES)
-COUNTERS = (PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_CACHE_HIT_TOKENS, PREEMPTIONS, REQUESTS)
+COUNTERS = (
+    PROMPT_TOKENS,
+    GENERATION_TOKENS,
+    PREFIX_CACHE_HIT_TOKENS,
+    PREEMPTIONS,
+    REQUESTS,
+    SPEC_DRAFT_TOKENS,
+    SPEC_ACCEPTED_TOKENS,
+)
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 KV_PAGE_STATES = ("free", "used", "cached")

@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 
 from minisgl.metrics import names
 from minisgl.metrics.buckets import (
+    ACCEPT_LENGTH_BUCKETS,
     BATCH_SIZE_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
     TOKEN_LATENCY_BUCKETS,
@@ -86,6 +87,11 @@ class ServerMetrics:
         self._batch = histogram(
             names.BATCH_SIZE, "Requests in each forward step.", BATCH_SIZE_BUCKETS
         )
+        self._accept_length = histogram(
+            names.SPEC_ACCEPT_LENGTH,
+            "Speculative decoding: draft tokens one request kept in one verify step.",
+            ACCEPT_LENGTH_BUCKETS,
+        )
 
         self._running = Gauge(
             names.NUM_RUNNING, "Requests in the running batch.", lbl, registry=reg
@@ -118,6 +124,12 @@ class ServerMetrics:
         )  # fmt: skip
         # Every reason exists from the start, so rate() over it works before the first error.
         self._requests = {r: requests.labels(model_name, r) for r in names.FINISH_REASONS}
+        self._spec_drafts = counter(
+            names.SPEC_DRAFT_TOKENS, "Speculative decoding: draft tokens verified."
+        )
+        self._spec_accepted = counter(
+            names.SPEC_ACCEPTED_TOKENS, "Speculative decoding: draft tokens verified and kept."
+        )
 
     def request_finished(
         self,
@@ -179,6 +191,16 @@ class ServerMetrics:
         # batch sizes arrive in full through batch_sizes.
         for size in stats.get("batch_sizes") or ():
             self._batch.observe(size)
+        if "spec_draft_tokens_total" in stats:
+            drafts = self._deltas.delta("spec_drafts", stats["spec_draft_tokens_total"])
+            self._spec_drafts.inc(drafts)
+        if "spec_accepted_tokens_total" in stats:
+            kept = self._deltas.delta("spec_accepted", stats["spec_accepted_tokens_total"])
+            self._spec_accepted.inc(kept)
+        # Verifies since the last report, counted by how many drafts they kept (index = kept).
+        for kept, count in enumerate(stats.get("spec_accept_lengths") or ()):
+            for _ in range(count):
+                self._accept_length.observe(kept)
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of this server's series, and its content type."""

@@ -181,6 +181,44 @@ def test_scheduler_totals_become_counter_increments_across_restarts() -> None:
     assert value(body, n.PROMPT_TOKENS) == 0
 
 
+def test_speculative_counters_and_accept_lengths() -> None:
+    m = ServerMetrics(MODEL)
+    body = m.render()[0]  # exposed at 0 before any speculation, so rate() works at once
+    assert value(body, n.SPEC_DRAFT_TOKENS) == 0
+    assert value(body, n.SPEC_ACCEPT_LENGTH + "_count") == 0
+    # 6 verifies: 2 kept nothing, 1 kept 1, 3 kept all 4 drafts (counts indexed by kept).
+    lengths = [2, 1, 0, 0, 3]
+    m.update_scheduler(
+        {"spec_draft_tokens_total": 24, "spec_accepted_tokens_total": 13,
+         "spec_accept_lengths": lengths}
+    )  # fmt: skip
+    m.update_scheduler({"spec_draft_tokens_total": 30, "spec_accepted_tokens_total": 15})
+    body = m.render()[0]
+    assert value(body, n.SPEC_DRAFT_TOKENS) == 30
+    assert value(body, n.SPEC_ACCEPTED_TOKENS) == 15
+    assert value(body, n.SPEC_ACCEPT_LENGTH + "_count") == 6
+    assert value(body, n.SPEC_ACCEPT_LENGTH + "_sum") == 13
+    assert value(body, n.SPEC_ACCEPT_LENGTH + "_bucket", le="0.0") == 2
+    assert value(body, n.SPEC_ACCEPT_LENGTH + "_bucket", le="3.0") == 3
+    assert value(body, n.SPEC_ACCEPT_LENGTH + "_bucket", le="4.0") == 6
+    # A restarted scheduler counts from zero again: its totals add on.
+    m.update_scheduler({"spec_draft_tokens_total": 4, "spec_accepted_tokens_total": 4})
+    body = m.render()[0]
+    assert value(body, n.SPEC_DRAFT_TOKENS) == 34
+    assert value(body, n.SPEC_ACCEPTED_TOKENS) == 19
+
+
+def test_tpot_is_per_output_token_when_chunks_carry_several() -> None:
+    """A verify step may emit several tokens at once: TPOT still divides by tokens, not by
+    the chunks (here 9 tokens in 3 chunks after the first: (e2e - ttft) / 8, not / 3)."""
+    m = ServerMetrics(MODEL)
+    finish(m, generation_tokens=9, token_times=[100.5, 101.0, 101.5, 102.0])
+    body = m.render()[0]
+    assert value(body, n.TPOT + "_count") == 1
+    assert value(body, n.TPOT + "_sum") == pytest.approx(1.5 / 8)
+    assert value(body, n.ITL + "_count") == 3  # one gap per chunk
+
+
 def test_two_servers_in_one_process_do_not_share_series() -> None:
     a, b = ServerMetrics("a"), ServerMetrics("b")
     finish(a)
