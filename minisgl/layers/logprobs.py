@@ -57,12 +57,18 @@ def pick(
     """As token_logprobs, from the stats of rows `rows` (all when None) already computed;
     `logits` must hold the raw values at (row, token)."""
     at = torch.arange(logits.shape[0], device=logits.device) if rows is None else rows
-    chosen = (logits[at, tokens].float() - stats.lse).tolist()
-    top_v = (stats.top_values - stats.lse[:, None]).tolist()
-    top_i = stats.top_ids.tolist()
+    chosen = logits[at, tokens].float() - stats.lse
+    top_v = stats.top_values - stats.lse[:, None]
+    # Every row in one device->host copy (each is a wait for the GPU): float64 holds the token
+    # ids and the float32 values exactly. Row r: [token, its logprob, top ids..., top values...]
+    k_all = stats.top_ids.shape[1]
+    parts = (tokens.reshape(-1, 1), chosen.reshape(-1, 1), stats.top_ids, top_v)
+    rows_out = torch.cat([p.to(torch.float64) for p in parts], dim=1)
     out = TokenLogprobs()
-    for r, k in enumerate(ks):
-        out.append(int(tokens[r]), chosen[r], top_i[r][:k], top_v[r][:k])
+    for row, want in zip(rows_out.tolist(), ks):
+        k = min(want, k_all)  # a vocabulary smaller than k has fewer alternatives
+        ids = [int(i) for i in row[2 : 2 + k]]
+        out.append(int(row[0]), row[1], ids, row[2 + k_all : 2 + k_all + k])
     return out
 
 
