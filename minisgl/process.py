@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import gc
 import logging
+import multiprocessing as mp
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -75,6 +77,32 @@ def leave_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="minisgl-parent-watch", daemon=True).start()
+
+
+class KillableChild:
+    """A spawned helper process at the other end of a pipe, for work that may run too long:
+    started with the parent's pid as the target's last argument (so it can `leave_with_parent`),
+    and stopped by killing it, since a compile or render stuck in native code never looks at a
+    flag."""
+
+    KILL_WAIT_S = 5.0
+
+    def __init__(self, target: Callable[..., None], args: tuple[Any, ...], name: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(*args, child, os.getpid()), name=name)
+        self.proc.daemon = True
+        self.proc.start()
+        child.close()
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(self.KILL_WAIT_S)
+        self.conn.close()
 
 
 def exit_now() -> None:

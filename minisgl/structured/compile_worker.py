@@ -15,19 +15,17 @@ holds the GIL long.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import psutil
 
-from minisgl.process import leave_with_parent
+from minisgl.process import KillableChild, leave_with_parent
 from minisgl.structured.grammar import (
     CACHE_LIMIT_BYTES,
     GrammarBackend,
@@ -47,7 +45,6 @@ START_TIMEOUT_S = 600.0  # importing xgrammar and analysing the vocabulary; slow
 COMPILE_NICE = 19
 WALL_CAP_FACTOR = 20.0
 _POLL_S = 0.05
-_KILL_WAIT_S = 5.0
 
 
 @dataclass
@@ -75,8 +72,7 @@ class GrammarCompileService:
         self._jobs: queue.Queue[GrammarKey | None] = queue.Queue()
         self._done: queue.Queue[CompileOutcome] = queue.Queue()
         self._pending: set[GrammarKey] = set()
-        self._proc: BaseProcess | None = None
-        self._conn: Connection | None = None
+        self._child: KillableChild | None = None
         self._setup_error: GrammarError | None = None
         self._ready = False  # the child said ready (its first message is read)
         self._thread = threading.Thread(target=self._run, name="minisgl-grammar", daemon=True)
@@ -103,7 +99,7 @@ class GrammarCompileService:
 
     def close(self) -> None:
         self._jobs.put(None)
-        self._thread.join(timeout=_KILL_WAIT_S)
+        self._thread.join(timeout=KillableChild.KILL_WAIT_S)
         self._stop_child()
 
     # ---- the thread -------------------------------------------------------------------------
@@ -153,8 +149,8 @@ class GrammarCompileService:
     def _answered(self, conn: Connection) -> bool:
         """Wait for the child's answer while its compile has used less than the bound in CPU
         time (and the wall clock is under its cap); False when it went over."""
-        assert self._proc is not None and self._proc.pid is not None
-        child = psutil.Process(self._proc.pid)
+        assert self._child is not None and self._child.proc.pid is not None
+        child = psutil.Process(self._child.proc.pid)
         start_cpu = _cpu_seconds(child)
         deadline = time.monotonic() + self.timeout_s * WALL_CAP_FACTOR
         while not conn.poll(_POLL_S):
@@ -167,10 +163,10 @@ class GrammarCompileService:
         """The running child's pipe, starting one (and waiting for it) when there is none."""
         if self._setup_error is not None:
             raise self._setup_error
-        if self._proc is None or not self._proc.is_alive():
+        if self._child is None or not self._child.alive():
             self._start_child()
-        parent = self._conn
-        assert parent is not None
+        assert self._child is not None
+        parent = self._child.conn
         if self._ready:
             return parent
         if not parent.poll(START_TIMEOUT_S):
@@ -195,27 +191,14 @@ class GrammarCompileService:
 
     def _start_child(self) -> None:
         self._stop_child()
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
         b = self.backend
-        self._proc = ctx.Process(
-            target=_serve,
-            args=(b.model_path, b.vocab_size, b.stop_token_ids, self.info_json, child, os.getpid()),
-            name="minisgl-grammar-compiler",
-            daemon=True,
-        )
-        self._proc.start()
-        child.close()
-        self._conn = parent
-        self._ready = False
+        args = (b.model_path, b.vocab_size, b.stop_token_ids, self.info_json)
+        self._child = KillableChild(_serve, args, "minisgl-grammar-compiler")
 
     def _stop_child(self) -> None:
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(_KILL_WAIT_S)
-        if self._conn is not None:
-            self._conn.close()
-        self._proc = self._conn = None
+        if self._child is not None:
+            self._child.kill()
+        self._child = None
         self._ready = False
 
 

@@ -12,23 +12,20 @@ the operator's code, rendered in the worker itself.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import time
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import Any
 
-from minisgl.process import leave_with_parent
+from minisgl.process import KillableChild, leave_with_parent
 from minisgl.tokenizer.chat_render import load_tokenizer, render_chat
 from minisgl.tokenizer.without_torch import keep_torch_out
 
 log = logging.getLogger("minisgl.tokenizer")
 
 START_TIMEOUT_S = 300.0  # loading the tokenizer; a busy CI machine is slow
-_KILL_WAIT_S = 5.0
 
 
 class RenderError(ValueError):
@@ -54,8 +51,7 @@ class TemplateSandbox:
         self._current: RenderJob | None = None
         self._deadline = 0.0
         self._dropped: set[str] = set()
-        self._proc: BaseProcess | None = None
-        self._conn: Connection | None = None
+        self._child: KillableChild | None = None
         self._ready = False
         self._started_at = 0.0
         self._start()
@@ -98,37 +94,25 @@ class TemplateSandbox:
 
     # ---- internals --------------------------------------------------------------------------
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_serve,
-            args=(self.model, child, os.getpid()),
-            name="minisgl-template-sandbox",
-            daemon=True,
-        )
-        self._proc.start()
-        child.close()
-        self._conn = parent
+        self._child = KillableChild(_serve, (self.model,), "minisgl-template-sandbox")
         self._ready = False
         self._started_at = time.monotonic()
 
     def _stop_child(self) -> None:
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(_KILL_WAIT_S)
-        if self._conn is not None:
-            self._conn.close()
-        self._proc = self._conn = None
+        if self._child is not None:
+            self._child.kill()
+        self._child = None
 
     def _restart(self) -> None:
         self._stop_child()
         self._start()
 
     def _check_current(self) -> str | RenderError | None:
-        assert self._conn is not None and self._proc is not None
-        if self._conn.poll(0):
+        assert self._child is not None
+        conn = self._child.conn
+        if conn.poll(0):
             try:
-                status, value = self._conn.recv()
+                status, value = conn.recv()
             except (EOFError, OSError):
                 self._restart()
                 return RenderError("the chat template renderer failed on this template")
@@ -142,24 +126,25 @@ class TemplateSandbox:
             )
             self._restart()
             return RenderError(f"the chat template took longer than {self.timeout_s:g} s to render")
-        if not self._proc.is_alive():  # e.g. the kernel killed it for memory
+        if not self._child.alive():  # e.g. the kernel killed it for memory
             self._restart()
             return RenderError("the chat template renderer died on this template")
         return None
 
     def _dispatch(self) -> list[tuple[str, str | RenderError]]:
         """Send the next job once the child is up; fail the waiting jobs if it cannot start."""
-        assert self._conn is not None and self._proc is not None
+        assert self._child is not None
+        conn = self._child.conn
         if not self._ready:
-            if self._conn.poll(0):
+            if conn.poll(0):
                 try:
-                    self._conn.recv()  # "ready"
+                    conn.recv()  # "ready"
                     self._ready = True
                 except (EOFError, OSError):
                     pass
             if not self._ready:
                 late = time.monotonic() - self._started_at > START_TIMEOUT_S
-                if not late and self._proc.is_alive():
+                if not late and self._child.alive():
                     return []
                 log.error("the chat template renderer did not start; restarting it")
                 error = RenderError("the chat template renderer is not available")
@@ -169,7 +154,7 @@ class TemplateSandbox:
                 return failed
         job = self._queue.popleft()
         try:
-            self._conn.send(job)
+            conn.send(job)
         except (OSError, ValueError) as exc:  # e.g. unpicklable: cannot happen from msgpack
             self._restart()
             return [(job.key, RenderError(f"cannot send the template to the renderer: {exc}"))]
