@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 from k8s_support import ROOT
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 DOCKERFILES = sorted((ROOT / "images").glob("Dockerfile.*"))
 
@@ -48,3 +53,40 @@ def test_images_run_non_root_with_the_right_entrypoint(path: Path) -> None:
     assert json.loads(entry.removeprefix("ENTRYPOINT ")) == ["python", "-m", module]
     if path.name.endswith("server"):
         assert any(ln.startswith("ARG CUDA_IMAGE=nvidia/cuda:") for ln in lines)
+
+
+def _cuda_extra() -> dict[str, Requirement]:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    reqs = [Requirement(r) for r in extras["cuda"]]
+    return {canonicalize_name(r.name): r for r in reqs}
+
+
+def test_the_server_image_installs_flashinfer_with_prebuilt_kernels_as_pinned() -> None:
+    """One FlashInfer version throughout (the jit-cache must match the library exactly), its
+    kernels for the image's CUDA, and the image installs exactly the pyproject extra's pins:
+    without the kernels, flashinfer compiles at first use and needs nvcc, which the image has
+    not."""
+    extra = _cuda_extra()
+    assert set(extra) == {"flashinfer-python", "flashinfer-cubin", "flashinfer-jit-cache"}
+    pins = {}
+    for name, req in extra.items():
+        (spec,) = req.specifier
+        assert spec.operator == "==", f"{name} is not pinned: {req}"
+        pins[name] = Version(spec.version)
+    assert len({v.public for v in pins.values()}) == 1, pins
+    cuda_label = pins["flashinfer-jit-cache"].local  # e.g. "cu130"
+    assert cuda_label and cuda_label.startswith("cu"), "the jit-cache wheel names its CUDA"
+
+    text = (ROOT / "images" / "Dockerfile.server").read_text()
+    commands = text.replace("\\\n", " ").splitlines()
+    (image,) = [ln for ln in commands if ln.startswith("ARG CUDA_IMAGE=")]
+    cuda = re.search(r"nvidia/cuda:(\d+)\.(\d+)\.", image)
+    assert cuda and f"cu{cuda[1]}{cuda[2]}" == cuda_label, (image, cuda_label)
+    (install,) = [ln for ln in commands if "pip install" in ln and ".[cuda]" in ln]
+    indexes = re.findall(r"--extra-index-url (\S+)", install)
+    assert indexes == ["https://flashinfer.ai/whl", f"https://flashinfer.ai/whl/{cuda_label}"]
+    # The image's torch is the version the install script (and so every test) runs.
+    (torch_pin,) = re.findall(r"pip install [^\n]*torch==(\S+)", text)
+    install_sh = (ROOT / "scripts" / "install.sh").read_text()
+    assert f"\nTORCH_VERSION={torch_pin}\n" in install_sh
