@@ -50,6 +50,7 @@ def decode_bytes_per_token(model: nn.Module, context: int, kv_dtype: torch.dtype
     """Bytes a batch-1 decode step must read: every weight except the embedding table (one row)
     and the experts (k of E per sparse layer), plus the K and V cached for `context` tokens."""
     from minisgl.layers.moe import SparseMoeBlock
+    from minisgl.quant.weight import QuantWeight
 
     total = 0
     seen: set[int] = set()
@@ -57,9 +58,14 @@ def decode_bytes_per_token(model: nn.Module, context: int, kv_dtype: torch.dtype
     for m in model.modules():
         if isinstance(m, SparseMoeBlock):
             e = m.experts
-            per_expert = (e.w13[0].numel() + e.w2[0].numel()) * e.w13.element_size()
+            if isinstance(e.w13, QuantWeight) and isinstance(e.w2, QuantWeight):
+                per_expert = (e.w13.nbytes() + e.w2.nbytes()) // e.num_experts
+            else:
+                per_expert = (e.w13[0].numel() + e.w2[0].numel()) * e.w13.element_size()
             total += m.top_k * per_expert
             expert_params |= {id(e.w13), id(e.w2)}
+        elif isinstance(m, QuantWeight) and not m.experts:  # a dense layer's quantized weight
+            total += m.nbytes()
     embed = model.model.embed_tokens.weight  # type: ignore[union-attr]
     head = model.lm_head.weight  # type: ignore[union-attr]
     for p in model.parameters():

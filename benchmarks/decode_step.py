@@ -99,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-0.6b")
     ap.add_argument("--num-layers", type=int, default=None, help="fewer layers (shape's default)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--quantization",
+        default="",
+        help="int8|int4|fp8, or several comma-separated ('none' for the float model): each "
+        "measured on the same fixture in one run, side by side",
+    )
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=320)
     ap.add_argument("--prefill-tokens", type=int, default=4096, help="0: skip prefill")
@@ -140,40 +146,13 @@ def main(argv: list[str] | None = None) -> int:
         [b * -(-(args.context + 1) // PAGE) for b in batches]
         + [args.prefill_tokens // PAGE + 64, 64]
     )
-    eargs = EngineArgs(
-        model=str(model),
-        dtype=args.dtype,
-        device="cpu",
-        num_pages=pages_needed,
-        page_size=PAGE,
-        cpu_kernel_tuning=args.cpu_kernel_tuning,
-        cpu_weight_copies_max_gb=args.cpu_weight_copies_max_gb,
-    )
-    runner = ModelRunner(eargs, model, config, max_seq_len=4096)
-    params, weight_bytes = linear_weights(runner.model)
-    kv_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim
-    kv_token *= runner.kv_pool.k_buffers[0].element_size()
-    one = decode_bytes_per_token(runner.model, args.context, runner.dtype)
-    # name -> (input, tokens, bytes read, FLOPs); B=1 reads only what one token touches (a
-    # mixture of experts: its k routed experts), more rows are counted as all the weights.
-    cases: dict[str, tuple[ForwardInput, int, float, float]] = {}
-    for b in batches:
-        nbytes = one if b == 1 else weight_bytes + b * args.context * kv_token
-        cases[f"decode B={b} ctx={args.context}"] = (
-            decode_input(b, args.context),
-            b,
-            nbytes,
-            2.0 * min(params, nbytes / runner.model.lm_head.weight.element_size()) * b,
-        )
-    if args.prefill_tokens:
-        inp = prefill_input(args.prefill_tokens, args.prefill_len)
-        n = len(inp.token_ids)
-        # Logits only for each request's last token.
-        head = runner.model.lm_head.weight.numel()
-        flops = 2.0 * ((params - head) * n + head * len(inp.sample_rows))
-        cases[f"prefill {n} tok ({args.prefill_len}/req)"] = (inp, n, weight_bytes, flops)
+    # One runner per weight format ("none": the float model), all resident, so the repeats
+    # interleave every format and case: the formats are compared under the same noise.
+    formats = [q.strip() for q in args.quantization.split(",")] if args.quantization else [""]
+    builds = {q or "none": _build(args, model, config, batches, pages_needed, q) for q in formats}
 
     if args.profile:
+        runner = next(iter(builds.values()))[0]
         _label_kernels()
         inp = decode_input(args.profile, args.context)
         for _ in range(3):
@@ -186,29 +165,83 @@ def main(argv: list[str] | None = None) -> int:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
         return 0
 
-    times: dict[str, list[float]] = {k: [] for k in cases}
-    for inp, *_ in cases.values():
-        runner.forward(inp)  # warm-up: kernels built, tables cached
+    times = {(q, k): [] for q, (_, cases, *_) in builds.items() for k in cases}
+    for runner, cases, *_ in builds.values():
+        for inp, *_ in cases.values():
+            runner.forward(inp)  # warm-up: kernels built, tables cached
     for _ in range(args.repeats):
-        for name, (inp, *_) in cases.items():
-            t0 = clock()
-            runner.forward(inp)
-            times[name].append(clock() - t0)
+        for name in next(iter(builds.values()))[1]:
+            for q, (runner, cases, *_) in builds.items():
+                t0 = clock()
+                runner.forward(cases[name][0])
+                times[(q, name)].append(clock() - t0)
     print(machine.describe())
-    print(
-        f"{args.dtype}, {params / 1e6:.0f} M matmul parameters ({weight_bytes / 1e9:.2f} GB), "
-        f"{args.clock} clock"
-    )
-    for name, (_, tokens, nbytes, flops) in cases.items():
-        best, med = min(times[name]), statistics.median(times[name])
-        floor, bound = machine.floor_s(nbytes, flops, args.dtype)
+    first = next(iter(builds))
+    for q, (_, cases, params, weight_bytes) in builds.items():
         print(
-            f"{name:<34} best {best * 1e3:8.1f} ms  median {med * 1e3:8.1f} ms  "
-            f"{tokens / best:8.1f} tok/s (best)  roofline {floor * 1e3:7.1f} ms ({bound}): "
-            f"{floor / best:4.0%}"
+            f"{args.dtype}, weights {q}: {params / 1e6:.0f} M matmul parameters "
+            f"({weight_bytes / 1e9:.2f} GB), {args.clock} clock"
         )
-    print(batch_ratios(cases, times, machine, args.dtype))
+        mine = {name: times[(q, name)] for name in cases}
+        for name, (_, tokens, nbytes, flops) in cases.items():
+            best, med = min(mine[name]), statistics.median(mine[name])
+            floor, bound = machine.floor_s(nbytes, flops, args.dtype)
+            vs = min(times[(first, name)]) / best
+            print(
+                f"{name:<34} best {best * 1e3:8.1f} ms  median {med * 1e3:8.1f} ms  "
+                f"{tokens / best:8.1f} tok/s (best)  roofline {floor * 1e3:7.1f} ms ({bound}): "
+                f"{floor / best:4.0%}" + (f"  {vs:.2f}x {first}'s speed" if q != first else "")
+            )
+        print(batch_ratios(cases, mine, machine, args.dtype))
     return 0
+
+
+def _build(
+    args: argparse.Namespace,
+    model: Path,
+    config: ModelConfig,
+    batches: list[int],
+    pages_needed: int,
+    quantization: str,
+) -> tuple[ModelRunner, dict[str, tuple[ForwardInput, int, float, float]], int, int]:
+    """The runner for one weight format, its cases (name -> input, tokens, bytes a step must
+    read, FLOPs), its matmul parameters and their bytes."""
+    eargs = EngineArgs(
+        model=str(model),
+        dtype=args.dtype,
+        device="cpu",
+        num_pages=pages_needed,
+        page_size=PAGE,
+        cpu_kernel_tuning=args.cpu_kernel_tuning,
+        cpu_weight_copies_max_gb=args.cpu_weight_copies_max_gb,
+        quantization=quantization if quantization not in ("", "none") else None,
+    )
+    runner = ModelRunner(eargs, model, config, max_seq_len=4096)
+    params, weight_bytes = linear_weights(runner.model)
+    kv_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim
+    kv_token *= runner.kv_pool.k_buffers[0].element_size()
+    one = decode_bytes_per_token(runner.model, args.context, runner.dtype)
+    # B=1 reads only what one token touches (a mixture of experts: its k routed experts), more
+    # rows are counted as all the weights.
+    cases: dict[str, tuple[ForwardInput, int, float, float]] = {}
+    size = runner.model.lm_head.weight.element_size()
+    for b in batches:
+        nbytes = one if b == 1 else weight_bytes + b * args.context * kv_token
+        active = params if eargs.quantization else min(params, nbytes / size)
+        cases[f"decode B={b} ctx={args.context}"] = (
+            decode_input(b, args.context),
+            b,
+            nbytes,
+            2.0 * active * b,
+        )
+    if args.prefill_tokens:
+        inp = prefill_input(args.prefill_tokens, args.prefill_len)
+        n = len(inp.token_ids)
+        # Logits only for each request's last token.
+        head = runner.model.lm_head.weight.numel()
+        flops = 2.0 * ((params - head) * n + head * len(inp.sample_rows))
+        cases[f"prefill {n} tok ({args.prefill_len}/req)"] = (inp, n, weight_bytes, flops)
+    return runner, cases, params, weight_bytes
 
 
 def batch_ratios(

@@ -12,6 +12,7 @@ relevant flags, these two measurements, and each result as a fraction of what th
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -114,9 +115,16 @@ def measure(
 def linear_weights(model: torch.nn.Module) -> tuple[int, int]:
     """(parameters, bytes) of the matmul weights a forward step streams (the LM head included,
     tied or not)."""
+    from minisgl.quant.weight import QuantWeight
+
     params = nbytes = 0
     for m in model.modules():
-        if hasattr(m, "kernel_out_dtype"):
+        if not hasattr(m, "kernel_out_dtype"):
+            continue
+        if isinstance(m.weight, QuantWeight):  # codes, scales and zero points
+            params += math.prod(m.weight.shape)
+            nbytes += m.weight.nbytes()
+        else:
             params += m.weight.numel()
             nbytes += m.weight.numel() * m.weight.element_size()
     return params, nbytes

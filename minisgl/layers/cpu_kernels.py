@@ -101,14 +101,19 @@ class _Lib:
         lib.rows_nucleus_cutoff.argtypes = [ptr, i64, i64, ptr, ptr]
         lib.rows_nucleus_cutoff.restype = None
         self.rows_nucleus_cutoff = lib.rows_nucleus_cutoff
-        # GEMV over quantized weights (qgemv.c; minisgl/quant/cpu_gemv.py), by code kind.
+        # Matmul and dequantizer over quantized weights (qgemv.c; minisgl/quant/cpu_gemv.py),
+        # by code kind.
         self.qgemv: dict[str, Any] = {}
+        self.qdequant: dict[str, Any] = {}
         for kind in ("u4", "u8", "fp8"):
             qfn: Any = getattr(lib, f"qgemv_{kind}", None)
-            if qfn is not None:
-                qfn.argtypes = [ptr] * 6 + [i64] * 4
-                qfn.restype = None
-                self.qgemv[kind] = qfn
+            dfn: Any = getattr(lib, f"qdequant_{kind}", None)
+            if qfn is not None and dfn is not None:
+                qfn.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+                qfn.argtypes += [i64] * 4
+                dfn.argtypes = [ptr, i64, ptr, ptr, i64, ptr] + [i64] * 4
+                qfn.restype = dfn.restype = None
+                self.qgemv[kind], self.qdequant[kind] = qfn, dfn
         lib.stream_read.argtypes = [ptr, i64]
         lib.stream_read.restype = ctypes.c_float
         self.stream_read = lib.stream_read

@@ -28,7 +28,7 @@ from minisgl import distributed
 from minisgl.layers import cpu_kernels, cpu_linear
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.cpu_linear import native_bf16, onednn_gemm_enabled
-from minisgl.quant.weight import QuantWeight, expert_matmul
+from minisgl.quant.weight import QuantWeight
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +221,9 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.w13, QuantWeight):  # quantized experts (minisgl/quant/)
-            y = fused_moe(x, self.w13, self.w2, weights, ids, expert_matmul, expert_matmul)
+            w13, w2 = self.w13, self.w2
+            assert isinstance(w2, QuantWeight)
+            y = fused_moe(x, w13, w2, weights, ids, w13.expert_matmul, w2.expert_matmul)
         else:
             if self.grouped is None:
                 self.grouped = _grouped_gemm_works(x, self.w13)

@@ -192,4 +192,7 @@ def load_model(
         logger.info(quant_loading.summary(model, layout.scheme))
     if prepack and device.type == "cpu":
         model.prepack(cpu_kernel_tuning, int(cpu_weight_copies_max_gb * 2**30))
+        line = quant_loading.prepare_cpu(model, dtype, cpu_kernel_tuning)
+        if line and tp_rank == 0:
+            logger.info(line)
     return model

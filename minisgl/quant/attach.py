@@ -98,8 +98,11 @@ def after_materialise(model: nn.Module) -> None:
             m.reset()
 
 
-def summary(model: nn.Module, scheme: QuantScheme | None) -> str:
-    """'<format>: X MiB quantized weights in N layers + Y MiB unquantized' for the log."""
+def weight_bytes(model: nn.Module) -> tuple[int, int, int]:
+    """(bytes of quantized weights, how many quantized weights, bytes of everything else the
+    model holds: embeddings, norms, LM head, routers), each tensor counted once. A weight the
+    CPU kernels moved into a layout of their own (cpu_linear.py: left on the meta device) is
+    counted at its size: the copy holds as many bytes."""
     quant = [m for m in model.modules() if isinstance(m, QuantWeight)]
     qbytes = sum(m.nbytes() for m in quant)
     seen: set[int] = set()
@@ -107,13 +110,27 @@ def summary(model: nn.Module, scheme: QuantScheme | None) -> str:
     for m in model.modules():
         if isinstance(m, QuantWeight):
             continue
-        for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
-            if id(t) not in seen and t.device.type != "meta":
+        for t in m.parameters(recurse=False):
+            if id(t) not in seen:
                 seen.add(id(t))
                 fbytes += t.numel() * t.element_size()
+    return qbytes, len(quant), fbytes
+
+
+def format_name(model: nn.Module, scheme: QuantScheme | None) -> str:
+    """The weights' format for /metrics: the scheme's method (fp8, awq, gptq, int8, int4), or
+    "none" for a model without quantized weights."""
+    quantized = any(isinstance(m, QuantWeight) for m in model.modules())
+    return scheme.method if scheme is not None and quantized else "none"
+
+
+def summary(model: nn.Module, scheme: QuantScheme | None) -> str:
+    """'weights: <format>; T MiB: X MiB quantized in N weights + Y MiB float' for the log."""
+    qbytes, count, fbytes = weight_bytes(model)
     mib = 1 << 20
-    what = scheme.describe() if scheme is not None and quant else "unquantized"
+    what = scheme.describe() if scheme is not None and count else "unquantized"
     return (
-        f"weights: {what}; {qbytes / mib:.1f} MiB quantized in {len(quant)} weights + "
-        f"{fbytes / mib:.1f} MiB float (embeddings, norms, LM head, routers)"
+        f"weights: {what}; {(qbytes + fbytes) / mib:.1f} MiB: {qbytes / mib:.1f} MiB quantized "
+        f"in {count} weights + {fbytes / mib:.1f} MiB float (embeddings, norms, LM head, "
+        "routers)"
     )

@@ -10,12 +10,24 @@ from typing import cast
 import torch
 
 from minisgl.models.config import ModelConfig
+from minisgl.quant import cpu_choice
 from minisgl.quant import layout as quant_layout
-from minisgl.quant.attach import after_materialise, attach, summary
+from minisgl.quant.attach import after_materialise, attach, format_name, summary, weight_bytes
 from minisgl.quant.layout import CheckpointLayout, read_headers, scan
+from minisgl.quant.qtensor import QTensor
 from minisgl.quant.scheme import QuantScheme, load_scheme
+from minisgl.quant.weight import QuantWeight
 
-__all__ = ["after_materialise", "assemble", "attach", "checkpoint_layout", "scheme", "summary"]
+__all__ = [
+    "after_materialise",
+    "assemble",
+    "attach",
+    "checkpoint_layout",
+    "prepare_cpu",
+    "scheme",
+    "summary",
+    "weights_info",
+]
 
 
 def scheme(config: ModelConfig, quantization: str | None) -> QuantScheme | None:
@@ -43,3 +55,36 @@ def assemble(
     QTensor, which answers what the layers' load methods ask of a weight tensor (dim, narrow,
     and being copied into the layer's QuantWeight)."""
     return cast(Iterator[tuple[str, torch.Tensor]], quant_layout.assemble(tensors, layout))
+
+
+def prepare_cpu(model: torch.nn.Module, x_dtype: torch.dtype, tuning: str) -> str:
+    """Give the model's quantized weights on the CPU the matmul measured fastest per row count
+    for their shape (cpu_choice.py; a mixture's experts included), tuning once per distinct
+    shape and code kind; the one log line of what was picked ("" where nothing was)."""
+    by_shape: dict[tuple[object, ...], list[QuantWeight]] = {}
+    for m in model.modules():
+        if isinstance(m, QuantWeight) and m.codes.device.type == "cpu":
+            key = (tuple(m.codes.shape[-2:]), m.codes.dtype, m.bits, m.group_size, m.experts > 0)
+            by_shape.setdefault(key, []).append(m)
+    holders = list(by_shape.values())
+    # Timed over every layer's weight of the shape (every expert's, for a mixture): cold reads.
+    groups = [[e for h in hs for e in _views(h)] for hs in holders]
+    kernels, line = cpu_choice.kernels_for(groups, x_dtype, tuning)
+    for hs, kernel in zip(holders, kernels, strict=True):
+        for h in hs:
+            h.kernel = kernel
+    return line
+
+
+def _views(h: QuantWeight) -> list[QTensor]:
+    return [h[e] for e in range(h.experts)] if h.experts else [h.view()]
+
+
+def weights_info(model: torch.nn.Module, config: ModelConfig, quantization: str | None) -> dict:
+    """What /metrics' model info says of the weights: their format ("none" unquantized) and
+    the bytes this rank holds (quantized codes and scales plus the float tensors)."""
+    quantized, _, other = weight_bytes(model)
+    name = format_name(
+        model, config.quantization or (load_scheme(quantization) if quantization else None)
+    )
+    return {"quantization": name, "weight_bytes": quantized + other}

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+from minisgl.layers import cpu_kernels
 from minisgl.quant import cpu_gemv
 from minisgl.quant.qtensor import QTensor, dequantize
 
@@ -13,11 +16,22 @@ from minisgl.quant.qtensor import QTensor, dequantize
 CHUNK_ELEMENTS = 1 << 22
 
 
-def qlinear(x: torch.Tensor, w: QTensor) -> torch.Tensor:
-    """x [..., K] @ weight.T: decode-sized inputs on the CPU through the quantized GEMV
-    (cpu_gemv.py); otherwise the weight dequantized a block of rows at a time (never whole)."""
+def qlinear(
+    x: torch.Tensor,
+    w: QTensor,
+    kernel: Callable[[torch.Tensor, QTensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ weight.T: on the CPU by the C kernels (cpu_gemv.py), through `kernel` (the
+    picks measured for this shape, cpu_choice.py) where given, else by the untuned policy
+    (the quantized GEMV up to cpu_kernels.MAX_ROWS rows, dequantized chunks and our GEMM
+    above); elsewhere (CUDA, desc_act's scattered groups, no kernels) the weight dequantized
+    a block of rows at a time by torch (never whole)."""
     if cpu_gemv.usable(x, w):
-        return cpu_gemv.qgemv(x, w)
+        if kernel is not None:
+            return kernel(x, w)
+        if x.shape[0] <= cpu_kernels.MAX_ROWS:
+            return cpu_gemv.qgemv(x, w)
+        return cpu_gemv.dequant_gemm(x, w)
     n = w.codes.shape[0]
     rows = max(1, CHUNK_ELEMENTS // max(w.in_features, 1))
     if rows >= n:

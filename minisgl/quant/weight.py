@@ -8,6 +8,8 @@ allocated. It answers the calls the layers' loaders make on a weight (`.data`, `
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -50,6 +52,9 @@ class QuantWeight(nn.Module):
         self.register_buffer("zeros", zeros)
         g_idx = torch.empty(*lead, k, dtype=torch.int32) if scattered_groups else None
         self.register_buffer("g_idx", g_idx)
+        # The CPU matmul measured fastest per row count for this shape (cpu_choice.py), set
+        # at start-up; None: the untuned policy.
+        self.kernel: Callable[[torch.Tensor, QTensor], torch.Tensor] | None = None
 
     def reset(self) -> None:
         """After materialising: g_idx unset (-1), so the first projection loaded sets it."""
@@ -99,12 +104,11 @@ class QuantWeight(nn.Module):
         return self.view().copy_(src)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return qlinear(x, self.view())
+        return qlinear(x, self.view(), self.kernel)
+
+    def expert_matmul(self, x: torch.Tensor, w: QTensor) -> torch.Tensor:
+        """One expert's x @ w.T, `w` a view of these buffers (the fused MoE's matmul)."""
+        return qlinear(x, w, self.kernel)
 
     def extra_repr(self) -> str:
         return f"shape={list(self.shape)}, bits={self.bits}, group_size={self.group_size}"
-
-
-def expert_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
-    """One expert's x @ w.T (the MoE forward's per-expert matmul on quantized experts)."""
-    return qlinear(x, w)

@@ -4,6 +4,8 @@ step takes it instead of dequantizing a float copy of the weight."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,7 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no CPU kerne
 N, K = 96, 512
 
 
+@functools.cache
 def _weights() -> dict[str, QTensor]:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(N, K, generator=g)
@@ -34,7 +37,13 @@ def _weights() -> dict[str, QTensor]:
     return out
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 16])
+def _x_step(x: torch.Tensor) -> torch.Tensor:
+    """Per input row, the step of the 16-bit integers the kernel multiplies integer codes by
+    (max|x| / 32767): its rounding of x is at most half of it per feature."""
+    return x.float().abs().amax(dim=1, keepdim=True) / 32767
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 33])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_equals_the_dequantized_matmul(rows: int, dtype: torch.dtype) -> None:
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(dtype)
@@ -44,10 +53,49 @@ def test_gemv_equals_the_dequantized_matmul(rows: int, dtype: torch.dtype) -> No
         deq = dequantize(w, torch.float32)
         ref = F.linear(x.float(), deq)
         assert ours.dtype == dtype
-        # Another summation order: off by rounding, relative to the size of the terms summed.
+        # Another summation order: off by rounding, relative to the size of the terms summed;
+        # integer codes also by x's rounding to 16-bit integers (fp8 multiplies x as it is).
         terms = F.linear(x.float().abs(), deq.abs())
         tol = 1e-5 if dtype == torch.float32 else 1e-2
-        assert bool(((ours.float() - ref).abs() <= tol * terms + 1e-6).all()), name
+        x_err = _x_step(x) / 2 * deq.abs().sum(1) if w.codes.dtype != FP8 else 0
+        assert bool(((ours.float() - ref).abs() <= tol * terms + x_err + 1e-6).all()), name
+
+
+def test_a_sliced_weight_is_read_in_place() -> None:
+    """A tensor-parallel shard of the input features (codes and scales narrowed: strided rows)
+    multiplies as the same shard copied out."""
+    w = _weights()["int4 g64"]
+    shard = w.narrow(1, 128, 256)
+    assert not shard.codes.is_contiguous()
+    x = torch.randn(3, 256)
+    copy = QTensor(
+        shard.codes.contiguous(),
+        shard.scales.contiguous(),
+        shard.zeros.contiguous(),
+        None,
+        4,
+        64,
+        256,
+    )
+    assert torch.equal(cpu_gemv.qgemv(x, shard), cpu_gemv.qgemv(x, copy))
+
+
+def test_dequantized_rows_equal_the_reference_exactly() -> None:
+    for name, w in _weights().items():
+        assert torch.equal(cpu_gemv.dequant_rows(w, 8, 40), dequantize(w, torch.float32, 8, 40)), (
+            name
+        )
+
+
+@pytest.mark.parametrize("path", [cpu_gemv.dequant_gemm, cpu_gemv.dequant_torch])
+def test_prefill_paths_equal_the_dequantized_matmul(path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(cpu_gemv, "CHUNK_ELEMENTS", 32 * K)  # several chunks
+    x = torch.randn(40, K)
+    for name, w in _weights().items():
+        deq = dequantize(w, torch.float32)
+        ref = F.linear(x, deq)
+        terms = F.linear(x.abs(), deq.abs())
+        assert bool(((path(x, w) - ref).abs() <= 1e-5 * terms + 1e-6).all()), name
 
 
 def test_decode_reads_the_codes_not_a_dequantized_copy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,9 +105,72 @@ def test_decode_reads_the_codes_not_a_dequantized_copy(monkeypatch: pytest.Monke
         raise AssertionError("dequantized a float copy for a decode-sized input")
 
     monkeypatch.setattr(matmul, "dequantize", no_copy)
+    monkeypatch.setattr(cpu_gemv, "dequant_rows", no_copy)
     matmul.qlinear(torch.randn(1, K), w)
     with pytest.raises(AssertionError, match="float copy"):
         matmul.qlinear(torch.randn(cpu_kernels.MAX_ROWS + 1, K), w)  # prefill: dequantized
+
+
+def test_measured_picks_dispatch_by_row_count(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """The chooser times every candidate per bucket, caches the timings, and the kernel it
+    builds runs each row count by its bucket's pick (not a fixed row limit)."""
+    from minisgl.layers import kernel_choice
+    from minisgl.quant import cpu_choice
+
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_choice, "_MEMO", {})
+    ws = [_weights()["int8"]] * 2
+    picks, source = cpu_choice.choose(ws, torch.float32, "full")
+    assert source in ("measured", "defaults: timings disturbed, not cached")
+    assert len(picks) == len(kernel_choice.BUCKETS) and set(picks) <= set(cpu_choice.CANDIDATES)
+    if source == "measured":
+        monkeypatch.setattr(cpu_choice, "_MEMO", {})
+        assert cpu_choice.choose(ws, torch.float32, "cached") == (picks, "cached")
+    # Injected picks: one candidate for a single row, another for the rest.
+    kernel = cpu_choice.QuantKernel(("dequant_torch",) + ("qgemv",) * 5)
+    seen: list[str] = []
+    for name in ("qgemv", "dequant_torch"):
+        real = cpu_choice._RUN[name]
+        monkeypatch.setitem(
+            cpu_choice._RUN, name, lambda x, w, n=name, r=real: seen.append(n) or r(x, w)
+        )
+    kernel = cpu_choice.QuantKernel(("dequant_torch",) + ("qgemv",) * 5)
+    kernel(torch.randn(1, K), ws[0])
+    kernel(torch.randn(300, K), ws[0])
+    assert seen == ["dequant_torch", "qgemv"]
+
+
+def test_fused_moe_reads_only_the_routed_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quantized mixture's forward multiplies by the codes of the experts the router chose,
+    and no other expert's bytes are touched."""
+    from minisgl.layers.moe import FusedMoE
+    from minisgl.quant.weight import QuantWeight
+
+    e, h, inter = 8, 128, 64
+    moe = FusedMoE(e, h, inter)
+    scheme = load_scheme("int4")
+    del moe.w13, moe.w2
+    moe.w13 = QuantWeight(
+        2 * inter, h, bits=4, fp8=False, group_size=128, groups=1, scattered_groups=False, experts=e
+    )  # type: ignore[assignment]
+    moe.w2 = QuantWeight(
+        h, inter, bits=4, fp8=False, group_size=128, groups=1, scattered_groups=False, experts=e
+    )  # type: ignore[assignment]
+    g = torch.Generator().manual_seed(1)
+    for i in range(e):
+        moe.w13[i].copy_(quantize(torch.randn(2 * inter, h, generator=g), scheme))
+    # w2's group (128) is longer than its 64 inputs: the torch path; w13 runs the C kernel.
+    read: list[int] = []
+    real = cpu_gemv.qgemv
+    monkeypatch.setattr(
+        cpu_gemv, "qgemv", lambda x, w, o=None: read.append(w.codes.data_ptr()) or real(x, w, o)
+    )
+    x = torch.randn(3, h)
+    ids = torch.tensor([[5, 1], [1, 6], [6, 5]])
+    weights = torch.full((3, 2), 0.5)
+    moe.w2.codes.zero_(), moe.w2.scales.fill_(1.0), moe.w2.zeros.zero_()
+    moe(x, weights, ids)
+    assert sorted(read) == sorted(moe.w13.codes[i].data_ptr() for i in (1, 5, 6))
 
 
 def test_a_source_added_to_the_build_is_a_new_build(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,171 @@
+"""Which CPU matmul runs a quantized weight for which row count: measured, as for float
+weights (layers/cpu_linear.py, with kernel_choice.py's buckets, picks and tuning cache).
+
+The candidates (cpu_gemv.py), all reading the quantized weight as loaded (no second copy):
+- "qgemv": the codes widened in registers, each byte read once per call; decode's pick;
+- "dequant_gemm": a chunk of rows dequantized once into fp32, then our fp32 GEMM;
+- "dequant_torch": the same chunk multiplied by torch's fp32 matmul (MKL / oneDNN).
+Which wins at which row count depends on the CPU (FMA width, integer multiply rate, MKL), so
+nothing is a fixed row limit: each shape and code kind is timed per bucket at start-up, or read
+from the cache. Tuning "off": qgemv up to cpu_kernels.MAX_ROWS rows, then dequant_gemm.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from minisgl.layers import cpu_build, cpu_kernels, kernel_choice
+from minisgl.layers.kernel_choice import BUCKETS, TIMED_ROWS, MachineKey, ShapeKey
+from minisgl.quant import cpu_gemv
+from minisgl.quant.qtensor import QTensor
+
+logger = logging.getLogger(__name__)
+
+CANDIDATES = ("qgemv", "dequant_gemm", "dequant_torch")
+Run = Callable[[torch.Tensor, QTensor], torch.Tensor]
+_RUN: dict[str, Run] = {
+    "qgemv": cpu_gemv.qgemv,
+    "dequant_gemm": cpu_gemv.dequant_gemm,
+    "dequant_torch": cpu_gemv.dequant_torch,
+}
+# Timing passes: as cpu_linear's (cold weights, bounded FLOPs, best of a few interleaved).
+_COLD_BYTES = 48 << 20
+_PASS_FLOPS = 4e8
+_MIN_REPEATS, _MAX_REPEATS = 3, 8
+_MEMO: dict[tuple[str, ShapeKey], tuple[tuple[str, ...], str]] = {}
+
+
+class QuantKernel:
+    """run(x, w) -> x @ w.T for quantized weights of one shape, by the pick for x's rows."""
+
+    def __init__(self, picks: Sequence[str]) -> None:
+        self.picks = tuple(picks)
+        self._table = [_RUN[name] for name in kernel_choice.row_table(self.picks)]
+
+    def __call__(self, x: torch.Tensor, w: QTensor) -> torch.Tensor:
+        return self._table[kernel_choice.table_index(x.shape[0])](x, w)
+
+
+def default_picks() -> tuple[str, ...]:
+    small = cpu_kernels.MAX_ROWS
+    return tuple("qgemv" if (last or small + 1) <= small else "dequant_gemm" for _, last in BUCKETS)
+
+
+def shape_key(w: QTensor, x_dtype: torch.dtype) -> ShapeKey:
+    dt = str(x_dtype).removeprefix("torch.")
+    return ShapeKey(w.codes.shape[0], w.in_features, f"{cpu_gemv.kind(w)}-g{w.group_size}", dt, dt)
+
+
+def machine_key() -> MachineKey:
+    model, flags = cpu_build.cpu_info()
+    kernels = cpu_kernels.build_id() or "none"
+    rules = "quant:" + kernel_choice.policy(CANDIDATES)
+    return MachineKey.of(model, flags, torch.__version__, torch.get_num_threads(), kernels, rules)
+
+
+def choose(
+    weights: Sequence[QTensor], x_dtype: torch.dtype, tuning: str
+) -> tuple[tuple[str, ...], str] | None:
+    """(picks per bucket, where they came from) for these same-shaped weights; None where the
+    C kernels cannot take them (the torch dequantizing path then runs)."""
+    probe = torch.empty(1, weights[0].in_features, dtype=x_dtype)
+    if not cpu_gemv.usable(probe, weights[0]):
+        return None
+    if tuning not in kernel_choice.MODES:
+        raise ValueError(f"cpu_kernel_tuning must be one of {kernel_choice.MODES}, not {tuning!r}")
+    if tuning == "off":
+        return default_picks(), "defaults"
+    shape = shape_key(weights[0], x_dtype)
+    if (tuning, shape) in _MEMO:
+        return _MEMO[(tuning, shape)]
+    cache = kernel_choice.TuningCache(cpu_build.cache_dir() / "tuning", machine_key())
+    got = cache.get(shape, CANDIDATES) if tuning == "cached" else None
+    if got is not None:
+        result = kernel_choice.pick(got, default_picks()), "cached"
+    else:
+        spreads: list[float] = []
+        timings = measure(weights, x_dtype, spreads)
+        if kernel_choice.disturbed(spreads):
+            result = default_picks(), "defaults: timings disturbed, not cached"
+        else:
+            cache.put({shape: timings})
+            result = kernel_choice.pick(timings, default_picks()), "measured"
+    _MEMO[(tuning, shape)] = result
+    return result
+
+
+def _timing_set(weights: Sequence[QTensor], rows: int) -> list[QTensor]:
+    n, k = weights[0].shape
+    flops = 2.0 * rows * n * k
+    count = max(
+        1, min(len(weights), -(-_COLD_BYTES // weights[0].nbytes()), int(_PASS_FLOPS // flops))
+    )
+    if flops <= _PASS_FLOPS:
+        return list(weights[:count])
+    keep = max(64, int(_PASS_FLOPS // (2.0 * rows * k)) // 16 * 16)
+    return [weights[0].narrow(0, 0, min(n, keep))]
+
+
+def measure(
+    weights: Sequence[QTensor],
+    x_dtype: torch.dtype,
+    spreads: list[float] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, list[float | None]]:
+    """Seconds per pass for each candidate and bucket (interleaved passes, the best counts;
+    one more than 3x behind the leader after its first pass is dropped: None)."""
+    timings: dict[str, list[float | None]] = {name: [] for name in CANDIDATES}
+    for rows in TIMED_ROWS:
+        group = _timing_set(weights, rows)
+        x = torch.randn(rows, group[0].in_features).to(x_dtype)
+        live = list(CANDIDATES)
+        for name in live:
+            _RUN[name](x, group[0])  # warm-up
+        best = {name: float("inf") for name in live}
+        worst = {name: 0.0 for name in live}
+        for rep in range(_MAX_REPEATS):
+            improved = False
+            for name in live:
+                t0 = clock()
+                for w in group:
+                    _RUN[name](x, w)
+                t = clock() - t0
+                improved |= t < 0.98 * best[name]
+                best[name], worst[name] = min(best[name], t), max(worst[name], t)
+            if rep == 0:
+                lead = min(best.values())
+                live = [n for n in live if best[n] <= 3 * lead]
+            elif rep + 1 >= _MIN_REPEATS and not improved:
+                break
+        for name in CANDIDATES:
+            timings[name].append(best[name] if name in live else None)
+        if spreads is not None:
+            spreads += [worst[n] / best[n] for n in live if best[n] > 0]
+    return timings
+
+
+def kernels_for(
+    groups: Sequence[Sequence[QTensor]], x_dtype: torch.dtype, tuning: str
+) -> tuple[list[QuantKernel | None], str]:
+    """A kernel per group of same-shaped weights, and one log line of the picks."""
+    t0 = time.perf_counter()
+    out: list[QuantKernel | None] = []
+    chosen: dict[ShapeKey, tuple[str, ...]] = {}
+    sources: set[str] = set()
+    for weights in groups:
+        got = choose(weights, x_dtype, tuning)
+        if got is None:
+            out.append(None)
+            continue
+        picks, source = got
+        out.append(QuantKernel(picks))
+        chosen[shape_key(weights[0], x_dtype)] = picks
+        sources.add(source)
+    if not chosen:
+        return out, ""
+    how = "/".join(sorted(sources)) + f", {time.perf_counter() - t0:.1f} s"
+    return out, kernel_choice.summary(chosen, how).replace("CPU matmul", "CPU quantized matmul")
