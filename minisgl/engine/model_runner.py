@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,6 +158,7 @@ class ModelRunner:
             self.device,
         )
         self.decode_graphs: DecodeGraphs | None = None
+        self.warm_up(backend)  # before the decode graphs: their capture must not compile
         if eager_why is None:
             self.decode_graphs = DecodeGraphs.start(
                 lambda ids, pos, meta, rows: self.model(ids, pos, self.attn, meta, rows),
@@ -169,6 +171,33 @@ class ModelRunner:
             )
         elif self.device.type == "cuda":
             logger.info("CUDA graphs off: %s", eager_why)
+
+    def warm_up(self, backend: str) -> None:
+        """One tiny prefill and a decode through the model before the server may say it is
+        ready: every attention kernel of this head layout is loaded now (FlashInfer reads it
+        from its prebuilt cache, or compiles it) rather than inside the first request, and a
+        failure stops the start-up with its error. Every tensor-parallel rank runs it at the
+        same point, so their collectives line up. The pages it writes belong to no request
+        yet; a request that gets them writes each slot before it reads it."""
+        start = time.perf_counter()
+        pages = list(range(min(self.num_pages, -(-3 // self.page_size))))
+        prefill = min(2, len(pages) * self.page_size - 1)
+        greedy = SamplingParams(temperature=0, max_tokens=1)
+        for prefix, extend in [(0, prefill), (prefill, 1)] if prefill else [(0, 1)]:
+            self.forward(
+                ForwardInput([0] * extend, [prefix], [extend], [pages], [0], [greedy], [0], [0])
+            )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info(
+            "warm-up: a prefill and a decode through the %s attention backend "
+            "(%d heads, %d KV heads of %d) in %.2f s",
+            backend,
+            self.attn.num_heads,
+            self.attn.num_kv_heads,
+            self.attn.head_dim,
+            time.perf_counter() - start,
+        )
 
     @torch.inference_mode()
     def forward(self, inp: ForwardInput) -> ForwardOutput:
