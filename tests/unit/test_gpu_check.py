@@ -1,0 +1,40 @@
+"""benchmarks/gpu_check.py runs its CPU-safe parts on the CPU and says what it skipped, and why."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_gpu_check_runs_its_cpu_parts_and_names_the_skipped(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gpu_check
+
+    assert gpu_check.main(["--quick", "--model", str(tiny_model_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "PASS parity[torch]: " in out  # greedy tokens equal transformers'
+    assert "PASS long[torch]: " in out  # the long prompt, chunked
+    for check in ("backends", "graphs"):
+        assert f"SKIP {check}: needs CUDA" in out
+    for check in ("decode", "8 x 16"):
+        assert f"SKIP {check}: figures of a GPU" in out
+    assert "0 failed" in out
+    sys.modules.pop("gpu_check", None)
+
+
+def test_a_clear_divergence_fails_and_a_near_tie_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from gpu_check import Run, compare
+
+    ref = Run([[5, 6, 7, 8]], [[2.0, 2.0, 0.01, 2.0]])
+    assert compare(ref, [[5, 6, 9, 9]], 0.05, "x").startswith("2/4")  # after the near-tie
+    with pytest.raises(AssertionError, match="diverged at step 1"):
+        compare(ref, [[5, 9, 7, 8]], 0.05, "x")
+    with pytest.raises(AssertionError, match="clear of near-ties"):
+        compare(Run([[5, 6]], [[0.0, 3.0]]), [[4, 4]], 0.05, "x")
