@@ -21,6 +21,7 @@ itself is behind `GRAPH_FACTORY` so the capture/replay path can be exercised on 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -224,6 +225,7 @@ class DecodeGraphs:
         """Capture every bucket; None (decode runs eagerly, said in the log) if that fails:
         e.g. a layer that syncs with the host, which a capture refuses."""
         assert isinstance(attn, DecodeGraphAttention)
+        t0 = time.perf_counter()
         try:
             with torch.inference_mode():
                 graphs = cls(
@@ -233,7 +235,11 @@ class DecodeGraphs:
         except Exception as e:  # noqa: BLE001 (any failure: serve eagerly, say why)
             logger.warning("CUDA graphs off: capturing decode failed: %s", e)
             return None
-        logger.info("CUDA graphs: decode captured at batch sizes %s", graphs.buckets)
+        logger.info(
+            "CUDA graphs: decode captured at batch sizes %s in %.1f s",
+            graphs.buckets,
+            time.perf_counter() - t0,
+        )
         return graphs
 
     def bucket(self, batch_size: int) -> int | None:
