@@ -5,7 +5,8 @@ per-user cache (one shared library per instruction set and source digest) and la
 that file. Two builds exist:
 - "avx2": AVX2 + FMA, every kernel;
 - "avx512": the same kernels compiled for AVX-512 plus an AVX-512 GEMV (gemv_avx512.c), with
-  native bf16 dot products where the CPU has AVX512-BF16.
+  native bf16 dot products where the CPU has AVX512-BF16, and the quantized GEMV's integer dot
+  products in one instruction where it has AVX512-VNNI.
 The build is chosen from the CPU's flags at load time; MINISGL_CPU_ISA=avx2 forces the AVX2
 build on an AVX-512 machine (to compare them). Torch-free.
 """
@@ -74,6 +75,8 @@ def compile_flags(isa: str, flags: frozenset[str]) -> list[str]:
         out += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
         if "avx512_bf16" in flags:
             out.append("-mavx512bf16")
+        if "avx512_vnni" in flags:  # the quantized GEMV's int16 dot products (qgemv.c)
+            out.append("-mavx512vnni")
     return out
 
 

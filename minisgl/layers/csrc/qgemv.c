@@ -28,6 +28,14 @@
 
 enum { Q_U8 = 0, Q_U4 = 1, Q_FP8 = 2 };
 
+/* acc + the pairwise int16 dot products of a and b (8 int32 lanes). With AVX512-VNNI (the
+   AVX-512 build on a CPU that has it) one VPDPWSSD; otherwise VPMADDWD then VPADDD. */
+#ifdef __AVX512VNNI__
+#define DOT16(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
+#else
+#define DOT16(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
+#endif
+
 /* Integer sums per lane within one flush: <= FLUSH / 16 pair sums of 2 * 255 * 32767 each. */
 #define FLUSH 1024
 #define XMAX 32767.0f
@@ -117,12 +125,8 @@ static inline __attribute__((always_inline)) void block_int(
                 for (int j = 0; j < 4; j++) {
                     __m256i wa, wb;
                     widen_int(kind, wr[j] + k / 32 * cb, &wa, &wb);
-                    a0[j] = _mm256_add_epi32(a0[j], _mm256_madd_epi16(wa, u0));
-                    a0[j] = _mm256_add_epi32(a0[j], _mm256_madd_epi16(wb, v0));
-                    if (MR == 2) {
-                        a1[j] = _mm256_add_epi32(a1[j], _mm256_madd_epi16(wa, u1));
-                        a1[j] = _mm256_add_epi32(a1[j], _mm256_madd_epi16(wb, v1));
-                    }
+                    a0[j] = DOT16(DOT16(a0[j], wa, u0), wb, v0);
+                    if (MR == 2) a1[j] = DOT16(DOT16(a1[j], wa, u1), wb, v1);
                 }
             }
             sum0 = _mm_add_ps(sum0, hsum4(_mm256_cvtepi32_ps(a0[0]), _mm256_cvtepi32_ps(a0[1]),
