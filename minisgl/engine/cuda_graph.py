@@ -225,6 +225,7 @@ class DecodeGraphs:
         """Capture every bucket; None (decode runs eagerly, said in the log) if that fails:
         e.g. a layer that syncs with the host, which a capture refuses."""
         assert isinstance(attn, DecodeGraphAttention)
+        batch_buckets(max_bs)  # a bad --cuda-graph-max-bs is the user's error: refuse to start
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():

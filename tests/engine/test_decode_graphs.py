@@ -156,3 +156,10 @@ def test_a_failed_capture_leaves_decode_eager(
     assert "CUDA graphs off: capturing decode failed" in caplog.text
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert len(out[0].token_ids) == 3  # served eagerly
+
+
+def test_a_max_batch_below_one_is_refused_at_start(
+    tiny_model_dir: Path, graph_path: type[CallGraph]
+) -> None:
+    with pytest.raises(ValueError, match="cuda_graph_max_bs must be at least 1, got 0"):
+        _llm(tiny_model_dir, attention_backend="flashinfer", cuda_graph_max_bs=0)
