@@ -149,6 +149,29 @@ def expected_tensors(cfg: Eagle3Config, vocab_size: int) -> dict[str, tuple[tupl
     return out
 
 
+class _Linear(nn.Module):
+    """A matmul whose weight the checkpoint fills: no initialisation (nn.Linear's, even on the
+    meta device, costs seconds the first time: it imports torch's reference kernels)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class _Embedding(nn.Module):
+    def __init__(self, rows: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class Eagle3Head(nn.Module):
     """The head's weights and its per-token math; the drafter owns the attention context."""
 
@@ -164,18 +187,18 @@ class Eagle3Head(nn.Module):
             c.num_key_value_heads,
             d,
         )
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=cfg.fc_bias)
+        self.fc = _Linear(3 * cfg.target_hidden_size, h, bias=cfg.fc_bias)
         # q, k and v fused: one matmul over the [embedding, hidden] concatenation.
-        self.qkv = nn.Linear(2 * h, (self.num_heads + 2 * self.num_kv_heads) * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-        self.gate_up = nn.Linear(h, 2 * c.intermediate_size, bias=False)
-        self.down = nn.Linear(c.intermediate_size, h, bias=False)
+        self.qkv = _Linear(2 * h, (self.num_heads + 2 * self.num_kv_heads) * d, bias=False)
+        self.o_proj = _Linear(self.num_heads * d, h, bias=False)
+        self.gate_up = _Linear(h, 2 * c.intermediate_size, bias=False)
+        self.down = _Linear(c.intermediate_size, h, bias=False)
         self.input_layernorm = RMSNorm(h, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, c.rms_norm_eps)
         self.norm = RMSNorm(h, c.rms_norm_eps)
-        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
-        self.embed = nn.Embedding(vocab_size, h)
+        self.lm_head = _Linear(h, cfg.draft_vocab_size, bias=False)
+        self.embed = _Embedding(vocab_size, h)
         self.register_buffer("draft_to_target", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.rotary = RotaryEmbedding(
             d, c.rope_theta, c.rope_scaling, max(c.max_position_embeddings, max_positions)
