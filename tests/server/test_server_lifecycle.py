@@ -163,3 +163,12 @@ def test_scheduler_killed_makes_the_server_exit_non_zero(
         assert "scheduler worker" in srv.logs() and "died" in srv.logs()
     finally:
         srv.stop()
+
+
+def test_ready_only_after_the_attention_warm_up(guarded: ServerProcess) -> None:
+    """The fixture waited for /health 200; by then the scheduler had run the engine's warm-up
+    (a prefill and a decode through the attention backend), before it reported the model
+    loaded, which is what readiness waits for."""
+    logs = guarded.logs()
+    warm = logs.find("warm-up: a prefill and a decode through the torch attention backend")
+    assert 0 <= warm < logs.find("model loaded in"), logs[-3000:]
