@@ -11,6 +11,7 @@ size, the indices buffer's capacity, a uint8 workspace) and computes attention i
 
 from __future__ import annotations
 
+import importlib.machinery
 import math
 import types
 
@@ -176,6 +177,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
 def module() -> types.ModuleType:
     """The stand-in as a module, to put in sys.modules["flashinfer"]."""
     mod = types.ModuleType("flashinfer")
+    # A spec, so importlib.util.find_spec("flashinfer") (backend "auto") finds it installed.
+    mod.__spec__ = importlib.machinery.ModuleSpec("flashinfer", None)
     mod.__version__ = "0.7.4+standin"  # type: ignore[attr-defined]
     mod.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper  # type: ignore[attr-defined]
     mod.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper  # type: ignore[attr-defined]
