@@ -59,6 +59,11 @@ class SchedulerLoop:
         self.to_detok = to_detok
         self.log = log
         self.batch_sizes: list[int] = []
+        # Speculative decoding: running totals (the API server turns them into counters) and
+        # the verifies since the last report, counted by how many drafts they kept.
+        self.spec_draft_tokens_total = 0
+        self.spec_accepted_tokens_total = 0
+        self.accept_lengths: list[int] = []
         self.last_stats = 0.0
         self.unscheduled: list[str] = []  # added since the last step (timeline only)
         self.compiling: dict[str, TokenizedRequest] = {}  # rid -> request waiting for its grammar
@@ -199,6 +204,9 @@ class SchedulerLoop:
         if not outputs:
             return
         self.batch_sizes.append(self.engine.stats().last_batch_size)
+        for o in outputs:
+            if o.spec_draft_tokens:
+                self.count_verify(o.spec_draft_tokens, o.spec_accepted_tokens)
         batch = [
             TokenOutput(
                 o.rid,
@@ -226,8 +234,17 @@ class SchedulerLoop:
         if batch:
             self.to_detok.put(TokenBatch(batch))
 
+    def count_verify(self, drafts: int, kept: int) -> None:
+        self.spec_draft_tokens_total += drafts
+        self.spec_accepted_tokens_total += kept
+        if kept >= len(self.accept_lengths):
+            self.accept_lengths += [0] * (kept + 1 - len(self.accept_lengths))
+        self.accept_lengths[kept] += 1
+
     def send_stats(self) -> None:
         stats: dict[str, Any] = dataclasses.asdict(self.engine.stats())
+        stats["spec_draft_tokens_total"] = self.spec_draft_tokens_total
+        stats["spec_accepted_tokens_total"] = self.spec_accepted_tokens_total
         stats["num_waiting"] += len(self.compiling)  # they wait, for their grammar
         live = getattr(self.engine, "num_live_requests", None)
         if live is not None:  # every per-request map of the engine: 0 when idle, else a leak
@@ -237,8 +254,11 @@ class SchedulerLoop:
             # Tensor parallel: every rank's own books, so leaks on any rank show (idle only:
             # the followers answer between steps).
             stats["ranks"] = [dataclasses.asdict(s) for s in rank_stats()]
-        self.to_detok.put(SchedulerStatsUpdate(stats, self.batch_sizes, time.time()))
+        self.to_detok.put(
+            SchedulerStatsUpdate(stats, self.batch_sizes, time.time(), self.accept_lengths)
+        )
         self.batch_sizes = []
+        self.accept_lengths = []
         self.last_stats = time.monotonic()
 
 
@@ -260,6 +280,12 @@ def run_scheduler_worker(
         # resource tracker then reports as leaked when this worker leaves via os._exit.
         tqdm.set_lock(threading.RLock())
         engine = create_engine(args)  # with tp_size > 1, rank 0 of the group
+        from minisgl.quant.loading import weights_info
+
+        # The weights' format and bytes, for /metrics' model info (rank 0's, under TP).
+        local = getattr(engine, "engine", engine)  # a TPEngine's own rank-0 Engine
+        model_info = weights_info(local.runner.model, local.model_config, args.quantization)
+        model_info["dtype"] = str(local.runner.dtype).removeprefix("torch.")
         ctx = zmq.Context()
         inbox: PullQueue[Any] = PullQueue(ctx, endpoints.scheduler, tokenizer_to_scheduler.KINDS)
         to_detok: PushQueue[Any] = PushQueue(
@@ -284,6 +310,7 @@ def run_scheduler_worker(
         max_seq_len=engine.max_seq_len,
         vocab_size=engine.vocab_size,
         model_path=str(engine.model_path),
+        **model_info,
     )
     try:
         SchedulerLoop(engine, inbox, to_detok, log).run(life)

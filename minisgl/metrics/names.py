@@ -16,6 +16,9 @@ NUM_RUNNING = "minisgl_num_requests_running"
 NUM_WAITING = "minisgl_num_requests_waiting"
 KV_USAGE = "minisgl_kv_cache_usage_ratio"
 KV_PAGES = "minisgl_kv_cache_pages"
+# What the server runs (set once at start): info (value 1, the facts in its labels), and bytes.
+MODEL_INFO = "minisgl_model_info"
+WEIGHT_BYTES = "minisgl_model_weight_bytes"
 
 # Counters (as exposed, with the _total suffix).
 PROMPT_TOKENS = "minisgl_prompt_tokens_total"
@@ -27,7 +30,7 @@ SPEC_DRAFT_TOKENS = "minisgl_spec_draft_tokens_total"
 SPEC_ACCEPTED_TOKENS = "minisgl_spec_accepted_tokens_total"
 
 HISTOGRAMS = (TTFT, TPOT, ITL, E2E, QUEUE_TIME, BATCH_SIZE, SPEC_ACCEPT_LENGTH)
-GAUGES = (NUM_RUNNING, NUM_WAITING, KV_USAGE, KV_PAGES)
+GAUGES = (NUM_RUNNING, NUM_WAITING, KV_USAGE, KV_PAGES, MODEL_INFO, WEIGHT_BYTES)
 COUNTERS = (
     PROMPT_TOKENS,
     GENERATION_TOKENS,

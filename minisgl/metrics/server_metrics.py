@@ -106,6 +106,16 @@ class ServerMetrics:
             names.KV_PAGES, "KV cache pages by state.", [_LABEL, "state"], registry=reg
         )
         self._kv_pages = {s: kv_pages.labels(model_name, s) for s in names.KV_PAGE_STATES}
+        self._model_info = Gauge(
+            names.MODEL_INFO,
+            "1, with the weights' quantization format (none: unquantized) and the model dtype.",
+            [_LABEL, "quantization", "dtype"],
+            registry=reg,
+        )
+        self._weight_bytes = Gauge(
+            names.WEIGHT_BYTES, "Bytes of weights the scheduler holds (rank 0's under TP).", lbl,
+            registry=reg,
+        ).labels(model_name)  # fmt: skip
 
         def counter(name: str, doc: str) -> Any:
             return Counter(name, doc, lbl, registry=reg).labels(model_name)
@@ -130,6 +140,11 @@ class ServerMetrics:
         self._spec_accepted = counter(
             names.SPEC_ACCEPTED_TOKENS, "Speculative decoding: draft tokens verified and kept."
         )
+
+    def set_model(self, quantization: str, dtype: str, weight_bytes: int) -> None:
+        """What the scheduler loaded, as it reported at start (once)."""
+        self._model_info.labels(self.model_name, quantization, dtype).set(1)
+        self._weight_bytes.set(weight_bytes)
 
     def request_finished(
         self,

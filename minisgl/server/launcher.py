@@ -210,7 +210,13 @@ class Launcher(Hooks):
         try:
             infos = self.start_workers()
             sched = infos["scheduler"]
-            manager = RequestManager(self.endpoints, ServerMetrics(a.model_name))
+            metrics = ServerMetrics(a.model_name)
+            metrics.set_model(
+                sched.get("quantization", "none"),
+                sched.get("dtype", ""),
+                sched.get("weight_bytes", 0),
+            )
+            manager = RequestManager(self.endpoints, metrics)
             self.ctx = ServerContext(
                 args=a,
                 manager=manager,

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 from harness import ServerProcess
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors import safe_open
 from sse import completion_text, stream_events
 
 HELLO: Any = [{"role": "user", "content": "Say hello."}]
@@ -190,3 +194,20 @@ def test_models_health_metrics(client: openai.OpenAI, server: ServerProcess) -> 
                  "minisgl_kv_cache_usage_ratio", "minisgl_requests_total"):  # fmt: skip
         assert name in metrics
     assert 'finish_reason="length"' in metrics
+
+
+def test_metrics_say_the_weights_format_and_bytes(
+    server: ServerProcess, tiny_model_dir: Path
+) -> None:
+    """/metrics' model info: the format (float weights here) and dtype in the info gauge's
+    labels, and the weight bytes: every tensor of the checkpoint, in the server's dtype."""
+    text = httpx.get(f"{server.url}/metrics").text
+    samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+    info = samples["minisgl_model_info"]
+    assert info.value == 1 and info.labels["quantization"] == "none"
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[info.labels["dtype"]]
+    numel = 0
+    for f in sorted(tiny_model_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            numel += sum(math.prod(st.get_slice(name).get_shape()) for name in st.keys())  # noqa: SIM118
+    assert samples["minisgl_model_weight_bytes"].value == numel * size
