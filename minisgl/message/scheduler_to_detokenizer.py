@@ -69,6 +69,8 @@ class SchedulerStatsUpdate:
     stats: dict[str, Any]  # SchedulerStats fields
     batch_sizes: list[int] = field(default_factory=list)  # one per step since the last update
     time: float = 0.0
+    # Speculative decoding: verifies since the last update, by drafts kept (index = kept).
+    accept_lengths: list[int] = field(default_factory=list)
 
 
 KINDS: tuple[type, ...] = (RequestRegistered, TokenBatch, RequestEnded, SchedulerStatsUpdate, Ping)

@@ -199,6 +199,12 @@ class RequestManager:
         if msg.batch_sizes:
             self.max_batch_size = max(self.max_batch_size, *msg.batch_sizes)
         try:
-            self.metrics.update_scheduler({**msg.stats, "batch_sizes": list(msg.batch_sizes)})
+            self.metrics.update_scheduler(
+                {
+                    **msg.stats,
+                    "batch_sizes": list(msg.batch_sizes),
+                    "spec_accept_lengths": list(msg.accept_lengths),
+                }
+            )
         except Exception:
             log.exception("metrics update failed")
