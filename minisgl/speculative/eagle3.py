@@ -29,7 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.layers import cpu_linear
 from minisgl.layers.activation import silu_and_mul
+from minisgl.layers.linear import LinearBase
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding, apply_rotary
 from minisgl.models.config import ModelConfig
@@ -149,18 +151,16 @@ def expected_tensors(cfg: Eagle3Config, vocab_size: int) -> dict[str, tuple[tupl
     return out
 
 
-class _Linear(nn.Module):
-    """A matmul whose weight the checkpoint fills: no initialisation (nn.Linear's, even on the
-    meta device, costs seconds the first time: it imports torch's reference kernels)."""
+class _Linear(LinearBase):
+    """One unsharded matmul (the head is small: every rank that drafts holds all of it); on
+    CPU it takes the kernel measured fastest for its shape, as the target's layers do."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__()
+        super().__init__(in_features, out_features, 0, 1, bias)
         self.in_features = in_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul_bias(x)
 
 
 class _Embedding(nn.Module):
@@ -299,9 +299,12 @@ def load_eagle3_head(
     target_path: Path,
     dtype: torch.dtype,
     device: torch.device,
+    cpu_kernel_tuning: str | None = "cached",
 ) -> tuple[Eagle3Head, tuple[int, ...]]:
     """The head at `path` on `device` in `dtype`, and the target layers it reads. A head without
-    embed_tokens.weight takes the target's (`model.embed_tokens.weight` at `target_path`)."""
+    embed_tokens.weight takes the target's (`model.embed_tokens.weight` at `target_path`).
+    On CPU its matmuls get measured kernels (`cpu_kernel_tuning` as for the target; None: plain
+    F.linear, the weights kept as loaded)."""
     from minisgl.models.loader import checkpoint_files, iter_tensors, tensor_shapes
 
     path = Path(path)
@@ -323,6 +326,9 @@ def load_eagle3_head(
         head.load_tensor(EMBED, _target_embedding(target_path))
     _check_vocab_maps(path, head.draft_to_target, t2d, target.vocab_size)
     head.eval()
+    if cpu_kernel_tuning is not None and device.type == "cpu" and cpu_linear.prepack_enabled():
+        mats = [m for m in head.modules() if isinstance(m, _Linear)]
+        cpu_linear.prepack_modules(mats, cpu_kernel_tuning)
     logger.info(
         "EAGLE-3 head %s: hidden %d, draft vocabulary %d of %d, reads target layers %s%s",
         path,

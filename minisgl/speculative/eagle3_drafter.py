@@ -88,7 +88,7 @@ class Eagle3Drafter:
         # The target layers whose outputs `accepted` must get, in fc's order.
         self.capture_layers = capture_layers
         self._ctx: dict[str, _Context] = {}
-        self._param = next(head.parameters())
+        self._param = head.norm.weight  # the head's device and dtype
 
     # -- Drafter protocol --------------------------------------------------------------------
 
@@ -260,6 +260,11 @@ def make_eagle3_drafter(
         )
     head_path = resolve_model_path(args.speculative_draft_model_path)
     head, layers = load_eagle3_head(
-        head_path, model_config, resolve_model_path(args.model), dtype, torch.device(device)
+        head_path,
+        model_config,
+        resolve_model_path(args.model),
+        dtype,
+        torch.device(device),
+        args.cpu_kernel_tuning,
     )
     return Eagle3Drafter(head, layers)

@@ -35,10 +35,10 @@ def head_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     )
 
 
-def _load(head_dir: Path, target: Path, dtype: torch.dtype = torch.float32):
-    return load_eagle3_head(
-        head_dir, ModelConfig.from_dir(target), target, dtype, torch.device("cpu")
-    )
+def _load(head_dir: Path, target: Path, tuning: str | None = None):
+    """The head in float32 on the CPU; tuning None: its weights as loaded (plain F.linear)."""
+    cfg = ModelConfig.from_dir(target)
+    return load_eagle3_head(head_dir, cfg, target, torch.float32, torch.device("cpu"), tuning)
 
 
 def test_head_loads_from_the_published_layout(head_dir: Path, tiny_model_dir: Path) -> None:
@@ -279,6 +279,7 @@ def test_make_drafter_builds_eagle3_from_the_flags(head_dir: Path, tiny_model_di
         model=str(tiny_model_dir),
         speculative_algorithm="eagle3",
         speculative_draft_model_path=str(head_dir),
+        cpu_kernel_tuning="off",
     )
     drafter = make_drafter(args, ModelConfig.from_dir(tiny_model_dir), "cpu", torch.float32)
     assert isinstance(drafter, Eagle3Drafter) and drafter.needs_hidden_states
