@@ -26,7 +26,8 @@
    prefetched across all of those passes (common.h), as the bf16 GEMV does. */
 #include "common.h"
 
-enum { Q_U8 = 0, Q_U4 = 1, Q_FP8 = 2 };
+/* Q_WIDE: integer codes already widened to int16 (a block's scratch, below). */
+enum { Q_U8 = 0, Q_U4 = 1, Q_FP8 = 2, Q_WIDE = 3 };
 
 /* acc + the pairwise int16 dot products of a and b (8 int32 lanes). With AVX512-VNNI (the
    AVX-512 build on a CPU that has it) one VPDPWSSD; otherwise VPMADDWD then VPADDD. */
@@ -72,7 +73,10 @@ static void quantize_x(int kind, const void* x, int x_bf16, int64_t m, int64_t K
 /* 32 integer codes from p -> two vectors of 16 int16 matching x's layout. */
 static inline __attribute__((always_inline)) void widen_int(int kind, const uint8_t* p,
                                                               __m256i* a, __m256i* b) {
-    if (kind == Q_U8) {
+    if (kind == Q_WIDE) {
+        *a = _mm256_loadu_si256((const __m256i*)p);
+        *b = _mm256_loadu_si256((const __m256i*)(p + 32));
+    } else if (kind == Q_U8) {
         *a = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
         *b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(p + 16)));
     } else {
@@ -105,7 +109,7 @@ static inline __attribute__((always_inline)) void block_int(
     const uint8_t* const* wr, const int* r, const float* scales, const uint8_t* zeros,
     int64_t gstride, int64_t m, int64_t K, int64_t gs, Prefetch* pf, float out[2][4]) {
     int64_t G = K / gs, chunk = gs < FLUSH ? gs : FLUSH;
-    int cb = kind == Q_U4 ? 16 : 32; /* code bytes per 32 features */
+    int cb = kind == Q_U4 ? 16 : (kind == Q_WIDE ? 64 : 32); /* code bytes per 32 features */
     const int16_t* x0 = xq + m * K;
     const int16_t* x1 = MR == 2 ? x0 + K : x0;
     __m128 tot0 = _mm_setzero_ps(), tot1 = tot0;
@@ -200,35 +204,64 @@ static inline __attribute__((always_inline)) void qgemv_kind(
         for (int64_t m = 0; m < M; m++) quantize_x(kind, x, x_bf16, m, K, gs, xq, xscale, xsum);
     }
     int64_t blocks = (N + 3) / 4;
-    #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t n0 = b * 4;
-        int rows = N - n0 < 4 ? (int)(N - n0) : 4;
-        int r[4];
-        const uint8_t* wr[4];
-        for (int j = 0; j < 4; j++) {
-            r[j] = (int)(n0 + (j < rows ? j : 0));
-            wr[j] = codes + r[j] * cstride;
-        }
-        int64_t block_bytes = 4 * cstride;
-        Prefetch pf = {ahead(codes + n0 * cstride, block_bytes, n0 + 4 * PF_BLOCKS < N),
-                       block_bytes / 64, K / 32 * ((M + 1) / 2), 0, 0};
-        for (int64_t m = 0; m < M; m += 2) {
-            float out[2][4];
-            int mr = M - m >= 2 ? 2 : 1;
-            if (kind == Q_FP8) {
-                if (mr == 2) block_fp8(2, xf, wr, r, scales, gstride, m, K, gs, &pf, out);
-                else block_fp8(1, xf, wr, r, scales, gstride, m, K, gs, &pf, out);
-            } else if (mr == 2) {
-                block_int(kind, 2, xq, xscale, xsum, wr, r, scales, zeros, gstride, m, K, gs,
-                          &pf, out);
-            } else {
-                block_int(kind, 1, xq, xscale, xsum, wr, r, scales, zeros, gstride, m, K, gs,
-                          &pf, out);
+    /* More than one pass over a block (M > 2): its integer codes are widened once into a
+       scratch that stays in L1/L2, so the passes spend their instructions on products only. */
+    int widen_once = kind != Q_FP8 && M > 2;
+    #pragma omp parallel
+    {
+        int16_t* wide = widen_once ? (int16_t*)malloc(sizeof(int16_t) * 4 * K) : NULL;
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t n0 = b * 4;
+            int rows = N - n0 < 4 ? (int)(N - n0) : 4;
+            int r[4];
+            const uint8_t* wr[4];
+            for (int j = 0; j < 4; j++) {
+                r[j] = (int)(n0 + (j < rows ? j : 0));
+                wr[j] = codes + r[j] * cstride;
             }
-            for (int i = 0; i < mr; i++)
-                for (int j = 0; j < rows; j++) store(y, (m + i) * N + n0 + j, out[i][j], out_bf16);
+            int64_t block_bytes = 4 * cstride;
+            Prefetch pf = {ahead(codes + n0 * cstride, block_bytes, n0 + 4 * PF_BLOCKS < N),
+                           block_bytes / 64, K / 32 * ((M + 1) / 2), 0, 0};
+            if (wide) {
+                int cb = kind == Q_U4 ? 16 : 32;
+                for (int j = 0; j < 4; j++) {
+                    int16_t* dst = wide + j * K;
+                    for (int64_t k = 0; k < K; k += 32) {
+                        __m256i wa, wb;
+                        widen_int(kind, wr[j] + k / 32 * cb, &wa, &wb);
+                        _mm256_storeu_si256((__m256i*)(dst + k), wa);
+                        _mm256_storeu_si256((__m256i*)(dst + k + 16), wb);
+                    }
+                    wr[j] = (const uint8_t*)dst;
+                }
+            }
+            for (int64_t m = 0; m < M; m += 2) {
+                float out[2][4];
+                int mr = M - m >= 2 ? 2 : 1;
+                if (kind == Q_FP8) {
+                    if (mr == 2) block_fp8(2, xf, wr, r, scales, gstride, m, K, gs, &pf, out);
+                    else block_fp8(1, xf, wr, r, scales, gstride, m, K, gs, &pf, out);
+                } else if (wide) {
+                    if (mr == 2)
+                        block_int(Q_WIDE, 2, xq, xscale, xsum, wr, r, scales, zeros, gstride, m,
+                                  K, gs, &pf, out);
+                    else
+                        block_int(Q_WIDE, 1, xq, xscale, xsum, wr, r, scales, zeros, gstride, m,
+                                  K, gs, &pf, out);
+                } else if (mr == 2) {
+                    block_int(kind, 2, xq, xscale, xsum, wr, r, scales, zeros, gstride, m, K, gs,
+                              &pf, out);
+                } else {
+                    block_int(kind, 1, xq, xscale, xsum, wr, r, scales, zeros, gstride, m, K, gs,
+                              &pf, out);
+                }
+                for (int i = 0; i < mr; i++)
+                    for (int j = 0; j < rows; j++)
+                        store(y, (m + i) * N + n0 + j, out[i][j], out_bf16);
+            }
         }
+        free(wide);
     }
     free(xq);
     free(xf);
