@@ -190,6 +190,7 @@ def load_model(
     model.eval()
     if tp_rank == 0:
         logger.info(quant_loading.summary(model, layout.scheme))
+    quant_loading.for_device(model, device, dtype)
     if prepack and device.type == "cpu":
         model.prepack(cpu_kernel_tuning, int(cpu_weight_copies_max_gb * 2**30))
         line = quant_loading.prepare_cpu(model, dtype, cpu_kernel_tuning)

@@ -3,6 +3,7 @@ under it, and the model's quantized layers swapped in before it is materialised.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import cast
@@ -23,11 +24,13 @@ __all__ = [
     "assemble",
     "attach",
     "checkpoint_layout",
+    "for_device",
     "prepare_cpu",
     "scheme",
     "summary",
     "weights_info",
 ]
+logger = logging.getLogger(__name__)
 
 
 def scheme(config: ModelConfig, quantization: str | None) -> QuantScheme | None:
@@ -88,3 +91,16 @@ def weights_info(model: torch.nn.Module, config: ModelConfig, quantization: str 
         model, config.quantization or (load_scheme(quantization) if quantization else None)
     )
     return {"quantization": name, "weight_bytes": quantized + other}
+
+
+def for_device(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """On a GPU, every quantized weight converted for a torch kernel that runs it (or
+    dequantized where none does), said in one log line (cuda_matmul.py). On the CPU the loaded
+    layout stays: its C kernels read it as it is."""
+    if device.type != "cuda":
+        return
+    from minisgl.quant import cuda_matmul
+
+    line = cuda_matmul.prepare(model, dtype, torch.cuda.get_device_capability(device))
+    if line:
+        logger.info(line)

@@ -25,7 +25,10 @@ def qlinear(
     picks measured for this shape, cpu_choice.py) where given, else by the untuned policy
     (the quantized GEMV up to cpu_kernels.MAX_ROWS rows, dequantized chunks and our GEMM
     above); elsewhere (CUDA, desc_act's scattered groups, no kernels) the weight dequantized
-    a block of rows at a time by torch (never whole)."""
+    a block of rows at a time by torch (never whole). On a GPU, `kernel` is the path set up
+    at load (cuda_matmul.py) over buffers it converted."""
+    if kernel is not None and x.device.type != "cpu":
+        return kernel(x, w)
     if cpu_gemv.usable(x, w):
         if kernel is not None:
             return kernel(x, w)

@@ -39,6 +39,7 @@ class QuantWeight(nn.Module):
         lead = (experts,) if experts else ()
         n, k = out_features, in_features
         self.bits, self.group_size, self.in_features = bits, group_size, k
+        self.out_features = n  # the codes' shape changes where a GPU repacks them
         self.experts = experts
         if fp8:
             codes = torch.empty(*lead, n, k, dtype=FP8)
@@ -64,7 +65,7 @@ class QuantWeight(nn.Module):
     @property
     def shape(self) -> tuple[int, ...]:
         lead = (self.experts,) if self.experts else ()
-        return (*lead, self.codes.shape[-2], self.in_features)
+        return (*lead, self.out_features, self.in_features)
 
     @property
     def data(self) -> QuantWeight:

@@ -1,0 +1,144 @@
+"""Quantized weights on a GPU (minisgl/quant/cuda_matmul.py). The host side runs here on the
+CPU: which path each format takes and why, the int4 repacking and scale/zero conversion through
+torch's CPU twin of the int4 weight-only matmul, the fp8 operands (block scales in scaled_mm's
+layout, per-token-group activation scales) checked against the blockwise product they encode,
+the per-channel fp8 path through torch's CPU scaled_mm, and the dequantize-at-load fallback.
+The same kernels on a GPU are checked where one is present."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.quant import cuda_matmul as cm
+from minisgl.quant.qtensor import FP8, QTensor, dequantize, unpack_nibbles
+from minisgl.quant.quantize import quantize
+from minisgl.quant.scheme import load_scheme
+from minisgl.quant.weight import QuantWeight
+
+
+def _holder(w: QTensor, experts: int = 0) -> QuantWeight:
+    """A QuantWeight filled with `w` (every expert the same weight scaled by e + 1)."""
+    n, k = w.shape
+    h = QuantWeight(
+        n, k, bits=w.bits, fp8=w.codes.dtype == FP8, group_size=w.group_size,
+        groups=w.scales.shape[1], scattered_groups=w.g_idx is not None, experts=experts,
+    )  # fmt: skip
+    for e in range(max(experts, 1)):
+        view = h.view(e) if experts else h.view()
+        view.copy_(QTensor(w.codes, w.scales * (e + 1), w.zeros, w.g_idx, w.bits,
+                           w.group_size, k))  # fmt: skip
+    return h
+
+
+def _weight(n: int = 256, k: int = 384, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    err = (y.float() - ref.float()).norm() / ref.float().norm()
+    assert err < tol, f"relative error {err:.4f}"
+
+
+def test_each_format_takes_a_torch_kernel_or_says_why_not() -> None:
+    int4 = _holder(quantize(_weight(), load_scheme("int4")))
+    fp8 = _holder(quantize(_weight(), load_scheme("fp8")))
+    int8 = _holder(quantize(_weight(), load_scheme("int8")))
+    assert cm.choose(int4, (8, 0)) == ("int4", "_weight_int4pack_mm")
+    assert cm.choose(fp8, (9, 0)) == ("fp8", "scaled_mm")
+    assert cm.choose(fp8, (8, 6))[0] == "dequantize"
+    assert "8.9" in cm.choose(fp8, (8, 6))[1]
+    assert cm.choose(int8, (9, 0)) == ("dequantize", "no 8-bit weight-only matmul in torch on CUDA")
+    per_channel = QTensor(int4.codes, int4.scales[:, :1], int4.zeros[:, :1], None, 4, 0, 384)
+    assert cm.choose(_holder(per_channel), (9, 0))[0] == "dequantize"
+
+
+def test_cuda_packer_input_has_the_even_input_feature_in_the_high_nibble() -> None:
+    w = quantize(_weight(), load_scheme("int4"))
+    packed = cm.cuda_codes(w.codes)
+    high_first = torch.stack((packed >> 4, packed & 15), dim=-1).flatten(-2)
+    assert torch.equal(high_first, unpack_nibbles(w.codes))
+
+
+@pytest.mark.parametrize("experts", [0, 3])
+def test_int4_repacked_for_the_int4_matmul_equals_the_dequantized_weight(experts: int) -> None:
+    """Through torch's CPU int4pack ops, which take the same scales-and-zeros tensor as the
+    CUDA ones: (q - 8) * scale + zero with zero = (8 - z) * scale, in bf16."""
+    w = quantize(_weight(), load_scheme("int4"))
+    h = _holder(w, experts)
+    refs = [dequantize(h.view(e) if experts else h.view(), torch.float32)
+            for e in range(max(experts, 1))]  # fmt: skip
+    cm.to_int4(h, cm.CPU_INT4)
+    assert h.zeros is None and h.scales.dtype == torch.bfloat16
+    assert h.shape == ((experts,) if experts else ()) + (256, 384)
+    x = torch.randn(5, 384)
+    for e, ref in enumerate(refs):
+        y = h.kernel(x, h.view(e) if experts else h.view())  # type: ignore[misc]
+        assert y.dtype == x.dtype and y.shape == (5, 256)
+        _close(y, x @ ref.t(), 0.02)  # bf16 activations, scales and zeros
+
+
+def test_fp8_block_operands_encode_the_weight_and_the_activations() -> None:
+    w = quantize(_weight(n=320, k=640), load_scheme("fp8"))  # 3 x 5 blocks, the last rows part
+    s = cm.fp8_block_scales(w.scales, 128)
+    assert s.shape == (3, 5) and s.stride() == (8, 1)  # rows padded to a multiple of 4
+    assert torch.equal(s.repeat_interleave(128, 0)[:320], w.scales)
+    x = torch.randn(6, 640)
+    codes, a_scale = cm.quantize_activations(x, 128)
+    assert codes.shape == (8, 640) and a_scale.shape == (8, 5) and a_scale.stride() == (1, 8)
+    assert codes[6:].float().abs().sum() == 0  # the padding rows
+    x_back = codes.float() * a_scale.repeat_interleave(128, 1)
+    _close(x_back[:6], x, 0.05)
+    # What scaled_mm computes with BlockWise1x128 x BlockWise128x128 from these operands.
+    w_back = w.codes.float() * s.repeat_interleave(128, 0)[:320].repeat_interleave(128, 1)
+    _close((x_back @ w_back.t())[:6], x @ dequantize(w, torch.float32).t(), 0.06)
+
+
+def test_fp8_per_channel_runs_through_scaled_mm_rowwise() -> None:
+    codes = (_weight() / 0.05 * 40).to(FP8)
+    scales = torch.rand(256, 1) * 0.01 + 0.001
+    h = _holder(QTensor(codes, scales, None, None, 8, 0, 384))
+    ref = dequantize(h.view(), torch.float32)
+    cm.to_fp8(h)
+    x = torch.randn(3, 384, dtype=torch.bfloat16)
+    y = h.kernel(x, h.view())  # type: ignore[misc]  # torch's CPU scaled_mm takes RowWise
+    assert y.shape == (3, 256) and y.dtype == torch.bfloat16
+    _close(y, x.float() @ ref.t(), 0.06)
+
+
+def test_prepare_converts_every_weight_and_says_what_was_dequantized() -> None:
+    model = nn.ModuleDict(
+        {
+            "a": _holder(quantize(_weight(), load_scheme("int4"))),
+            "b": _holder(quantize(_weight(), load_scheme("int8"))),
+            "c": _holder(quantize(_weight(), load_scheme("fp8"))),
+        }
+    )
+    dense_ref = dequantize(model["b"].view(), torch.bfloat16)
+    line = cm.prepare(model, torch.bfloat16, (8, 6), ops=cm.CPU_INT4, probe=False)
+    assert line == (
+        "quantized weights on the GPU: 1 int4 weight-only matmul, 2 dequantized; "
+        "dequantized to bfloat16 at load: 1 for no 8-bit weight-only matmul in torch on CUDA; "
+        "1 for fp8 needs compute capability 8.9+, this GPU is (8, 6)"
+    )
+    b = model["b"]
+    assert torch.equal(b.codes, dense_ref)
+    x = torch.randn(2, 384, dtype=torch.bfloat16)
+    assert torch.equal(b.kernel(x, b.view()), F.linear(x, dense_ref))  # type: ignore[misc]
+    assert cm.prepare(nn.Linear(2, 2), torch.bfloat16, (9, 0)) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_on_the_gpu_the_kernels_equal_the_dequantized_weight(fmt: str) -> None:
+    if fmt == "fp8" and torch.cuda.get_device_capability() < cm.FP8_CAPABILITY:
+        pytest.skip("fp8 needs compute capability 8.9+")
+    w = quantize(_weight(n=512, k=1024), load_scheme(fmt))
+    h = _holder(w).cuda()
+    ref = dequantize(h.view(), torch.float32)
+    line = cm.prepare(nn.ModuleDict({"w": h}), torch.bfloat16, torch.cuda.get_device_capability())
+    assert line is not None and "dequantized" not in line, line
+    x = torch.randn(7, 1024, device="cuda", dtype=torch.bfloat16)
+    _close(h.kernel(x, h.view()), x.float() @ ref.t(), 0.06)  # type: ignore[misc]
