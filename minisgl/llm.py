@@ -186,6 +186,11 @@ class LLM:
         dec.feed(
             one.tokens[dec.num_tokens :], finished=out.finished, finish_reason=out.finish_reason
         )
+        if dec.stopped:
+            # A run of several tokens may go past the stop string: keep those up to it.
+            del one.tokens[dec.num_tokens :]
+            if one.logprobs is not None:
+                one.logprobs = one.logprobs.head(dec.num_tokens)
         if dec.stopped and not out.finished:
             self.engine.abort_request(out.rid, out.index)  # the engine would keep generating
         if not (out.finished or dec.stopped):

@@ -34,6 +34,12 @@ class TokenLogprobs:
         self.top_ids += other.top_ids
         self.top_logprobs += other.top_logprobs
 
+    def head(self, n: int) -> TokenLogprobs:
+        """The first n tokens' entries (a run of accepted drafts cut where the request ended)."""
+        return TokenLogprobs(
+            self.token_ids[:n], self.logprobs[:n], self.top_ids[:n], self.top_logprobs[:n]
+        )
+
     def rows(self) -> list[TokenLogprobs]:
         """One TokenLogprobs per token."""
         return [

@@ -21,6 +21,8 @@ from minisgl.models.loader import resolve_model_path
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.request import Request
 from minisgl.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerStats
+from minisgl.speculative import Drafter, make_drafter
+from minisgl.speculative.tp import share_drafts
 from minisgl.structured.compile_worker import CompileOutcome, GrammarCompileService
 from minisgl.structured.grammar import CACHE_LIMIT_BYTES, GrammarBackend
 
@@ -46,6 +48,10 @@ class StepOutput:
     index: int = 0  # which of the request's n samples
     logprobs: TokenLogprobs | None = None  # of new_token_ids, when the request asked
     prompt_logprobs: TokenLogprobs | None = None  # every prompt token's; on the first output
+    # Speculative decoding, this step: draft tokens verified for the request, and how many of
+    # them it kept (new_token_ids holds those and the target's own next token).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class Engine:
@@ -89,6 +95,15 @@ class Engine:
         self._arrival: dict[str, float] = {}  # rid -> arrival, until first scheduled
         self._queue_time: dict[str, float] = {}  # rid -> queue time, until its first token
         self._groups: dict[str, list[str]] = {}  # rid of an n > 1 request -> its samples' rids
+        # Speculative decoding: rank 0 drafts; the other ranks verify what it sends them.
+        self.speculative = args.speculative_algorithm is not None
+        self.drafter: Drafter | None = None
+        if self.speculative and tp_rank == 0:
+            self.drafter = make_drafter(
+                args, self.model_config, self.runner.device, self.runner.dtype
+            )
+            assert self.drafter is not None
+            self.scheduler.on_release = self.drafter.release
 
     # -- requests -------------------------------------------------------------------------
     def validate(
@@ -221,7 +236,7 @@ class Engine:
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self._propose if self.speculative else None)
         if batch is None:
             return []
         now = time.time()
@@ -233,18 +248,25 @@ class Engine:
         result = self.runner.forward(inp)
         self._keep_prompt_logprobs(batch, inp, result.prompt_logprobs)
         next_ids = result.tokens
-        sampled = [s.req for s in batch.seqs if s.sample]
+        runs = result.runs
+        seqs = [s for s in batch.seqs if s.sample]
+        sampled = [s.req for s in seqs]
+        before = [len(r.output_ids) for r in sampled]
         failed = {r.rid for r, t in zip(sampled, next_ids) if t == INVALID_TOKEN}
         failed_groups = {r.group for r in sampled if r.rid in failed}
         for group in failed_groups:
             # Its pages (every sample's) go back now; process_batch_output skips a request no
             # longer running, and its other samples end with it (the reply is one error).
             self.abort_request(group)
-        self._advance_grammars(sampled, next_ids)
-        finished = {r.rid for r in self.scheduler.process_batch_output(batch, next_ids)}
+        self._advance_grammars(sampled, runs)
+        finished = {r.rid for r in self.scheduler.process_batch_output(batch, runs)}
+        if self.drafter is not None:
+            self._tell_drafter(batch, result.hidden, failed_groups)
         outputs = []
         reported: set[str] = set()
-        for req, token, logprobs in zip(sampled, next_ids, result.logprobs, strict=True):
+        for seq, req, old, run, logprobs in zip(
+            seqs, sampled, before, runs, result.logprobs, strict=True
+        ):
             if req.group in failed_groups:
                 if req.group not in reported:  # one error reply per request
                     reported.add(req.group)
@@ -252,10 +274,13 @@ class Engine:
                 continue
             done = req.rid in finished
             generated = req.params.max_tokens > 0
+            new = req.output_ids[old:]  # the run, cut where the request finished
+            if logprobs is not None and len(logprobs) > len(new):
+                logprobs = logprobs.head(len(new))
             outputs.append(
                 StepOutput(
                     rid=req.group,
-                    new_token_ids=[token] if generated else [],
+                    new_token_ids=new if generated else [],
                     finished=done,
                     finish_reason=req.finish_reason if done else None,
                     prompt_tokens=len(req.prompt_ids),
@@ -265,6 +290,8 @@ class Engine:
                     index=req.index,
                     logprobs=logprobs if generated else None,
                     prompt_logprobs=self._take_prompt_logprobs(req),
+                    spec_draft_tokens=len(seq.draft_ids),
+                    spec_accepted_tokens=min(len(run) - 1, len(new)),
                 )
             )
             if done and req.group in self._groups:
@@ -308,37 +335,95 @@ class Engine:
             error=SAMPLING_FAILED,
         )
 
-    def _advance_grammars(self, sampled: list[Request], next_ids: list[int]) -> None:
-        """Feed each constrained request's sampled token to its matcher.
+    def _advance_grammars(self, sampled: list[Request], runs: list[list[int]]) -> None:
+        """Feed each constrained request's sampled tokens (accepted drafts, then the target's
+        own) to its matcher.
 
         The mask only allowed tokens the matcher accepts, so a refusal is a bug: the request
         then goes on unconstrained rather than failing. Its state lives on the request, so a
         preemption (which recomputes KV but never resamples) leaves it as it is.
         """
-        for req, token in zip(sampled, next_ids):
-            matcher = req.grammar
-            if matcher is None or token == INVALID_TOKEN:  # no draw: the request ends anyway
-                continue
-            if not matcher.accept_token(token):
-                logger.error("rid=%s: the grammar refused sampled token %d", req.rid, token)
-                req.grammar = None
-            elif matcher.is_terminated():
-                # It took the end token; with ignore_eos the request goes on, unconstrained.
-                req.grammar = None
+        for req, run in zip(sampled, runs):
+            for token in run:
+                matcher = req.grammar
+                if matcher is None or token == INVALID_TOKEN:  # no draw: the request ends anyway
+                    break
+                if not matcher.accept_token(token):
+                    logger.error("rid=%s: the grammar refused sampled token %d", req.rid, token)
+                    req.grammar = None
+                elif matcher.is_terminated():
+                    # It took the end token; with ignore_eos the request goes on, unconstrained.
+                    req.grammar = None
 
-    def _grammar_bitmask(self, reqs: list[Request]) -> tuple[object, list[int]] | None:
-        """The sampled rows' token bitmask and its constrained rows, or None when none is."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    # -- speculative decoding -----------------------------------------------------------------
+    def _propose(self, reqs: list[Request]) -> list[list[int]]:
+        """Draft tokens for the decoding requests (the scheduler keeps those that fit). Rank 0
+        drafts; every rank gets its drafts, so all verify the same tokens."""
+        k_max = self.args.speculative_num_draft_tokens
+        drafts: list[list[int]] | None = None
+        if self.drafter is not None:
+            ks = self._draft_lengths(reqs)
+            drafts = [list(d[:k]) for d, k in zip(self.drafter.propose(reqs, ks), ks, strict=True)]
+            for i, req in enumerate(reqs):
+                if req.grammar is not None and drafts[i]:
+                    # A token the grammar forbids would be rejected anyway: don't score it.
+                    drafts[i] = self.grammars.grammar_prefix(req.grammar, drafts[i])
+        if self.args.tp_size > 1:
+            drafts = share_drafts(drafts, len(reqs), k_max)
+        assert drafts is not None
+        return drafts
+
+    def _draft_lengths(self, reqs: list[Request]) -> list[int]:
+        """How many drafts to ask for, per request."""
+        return [self.args.speculative_num_draft_tokens] * len(reqs)
+
+    def _tell_drafter(self, batch: ScheduledBatch, hidden: object, failed_groups: set[str]) -> None:
+        """The drafter learns what each request kept: its accepted drafts, and (for a drafter
+        that reads hidden states) the flat rows of this step's positions whose tokens are now
+        the request's (their KV is in the cache; the last one predicted the newest token)."""
+        assert self.drafter is not None
+        reqs, accepted, rows = [], [], []
+        offset = 0
+        for seq in batch.seqs:
+            req = seq.req
+            if req.group not in failed_groups and req.status in ("running", "finished"):
+                kept = req.num_computed - seq.start  # set before any release
+                reqs.append(req)
+                accepted.append(max(0, min(len(seq.draft_ids), kept - 1)) if seq.draft_ids else 0)
+                rows.append(range(offset, offset + kept))
+            offset += len(seq.token_ids)
+        if self.drafter.needs_hidden_states:
+            self.drafter.accepted(reqs, accepted, hidden, rows)  # type: ignore[arg-type]
+        else:
+            self.drafter.accepted(reqs, accepted, None, None)
+
+    def _grammar_bitmask(
+        self, reqs: list[Request], drafts: list[list[int]] | None
+    ) -> tuple[object, list[int]] | None:
+        """The sampled rows' token bitmask and its constrained rows, or None when none is.
+        With drafts, a request's rows are its positions: one, then one past each draft."""
+        widths = [1] * len(reqs) if drafts is None else [1 + len(d) for d in drafts]
+        starts = [sum(widths[:i]) for i in range(len(reqs))]
+        rows = [
+            starts[i] + j
+            for i, r in enumerate(reqs)
+            if r.grammar is not None
+            for j in range(widths[i])
+        ]
         if not rows:
             return None
-        return self.grammars.fill_bitmask([r.grammar for r in reqs]), rows
+        return self.grammars.fill_bitmask([r.grammar for r in reqs], drafts), rows
 
     def _forward_input(self, batch: ScheduledBatch) -> ForwardInput:
         prefix_lens, extend_lens, page_tables = batch.layout_lists()
         rows = [i for i, s in enumerate(batch.seqs) if s.sample]
         reqs = [batch.seqs[i].req for i in rows]
-        mask = self._grammar_bitmask(reqs)
+        drafts: list[list[int]] | None = [batch.seqs[i].draft_ids for i in rows]
+        if not any(drafts or ()):
+            drafts = None
+        mask = self._grammar_bitmask(reqs, drafts)
         return ForwardInput(
+            sample_drafts=drafts,
             grammar_bitmask=mask[0] if mask else None,
             grammar_rows=mask[1] if mask else None,
             token_ids=[t for s in batch.seqs for t in s.token_ids],
@@ -351,6 +436,8 @@ class Engine:
             sample_seeds=[r.seed or 0 for r in reqs],
             sample_states=reqs if any(r.params.has_penalties for r in reqs) else None,
             prompt_rows=self._prompt_rows(batch),
+            # EAGLE-3 (rank 0, which drafts): the target layers its head reads, every step.
+            capture_layers=getattr(self.drafter, "capture_layers", ()),
         )
 
     def _prompt_rows(self, batch: ScheduledBatch) -> list[PromptRows]:

@@ -31,6 +31,7 @@ from minisgl.logprobs import TokenLogprobs
 from minisgl.models.config import ModelConfig
 from minisgl.models.loader import load_model, resolve_device, resolve_dtype
 from minisgl.sampling_params import SamplingParams
+from minisgl.speculative.verify import expand, expand_states, verify
 
 logger = logging.getLogger(__name__)
 
@@ -76,16 +77,21 @@ class ForwardInput:
     # Decoder layers whose outputs an EAGLE-3 drafter reads (its config's order); () = none
     # (no capture, no cost).
     capture_layers: tuple[int, ...] = ()
+    # Speculative decoding: per sampled request, the draft tokens that end its tokens (scored
+    # at every position after them too); None: no request has any this step.
+    sample_drafts: list[list[int]] | None = None
 
 
 @dataclass
 class ForwardOutput:
-    tokens: list[int]  # one per sampled request
-    logprobs: list[TokenLogprobs | None]  # per sampled request: None unless it asked
+    tokens: list[int]  # one per sampled request (the last of its run)
+    logprobs: list[TokenLogprobs | None]  # per sampled request, of its run: None unless asked
     prompt_logprobs: list[TokenLogprobs]  # per PromptRows entry, in order
     # With ForwardInput.capture_layers: those layers' outputs side by side for every token of
     # the step, in the step's order ([tokens, len(capture_layers) * hidden]).
     hidden: torch.Tensor | None = None
+    # Per sampled request, the tokens it emits: its accepted drafts, then the target's own.
+    runs: list[list[int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -214,7 +220,15 @@ class ModelRunner:
         ends = np.cumsum(np.asarray(inp.extend_lens, dtype=np.int64)) - 1
         input_ids = torch.tensor(inp.token_ids, dtype=torch.long, device=self.device)
         pos_t = torch.from_numpy(positions).to(self.device)
-        sample_idx = torch.from_numpy(ends[inp.sample_rows]).to(self.device)
+        scored = ends[inp.sample_rows]
+        if inp.sample_drafts is not None:  # a request with drafts is scored after each of them
+            scored = np.concatenate(
+                [
+                    np.arange(e - len(d), e + 1, dtype=np.int64)
+                    for e, d in zip(scored, inp.sample_drafts, strict=True)
+                ]
+            )
+        sample_idx = torch.from_numpy(scored).to(self.device)
         prompt: list[TokenLogprobs] = []
         captured: dict[int, torch.Tensor] = {}
         if inp.prompt_rows or inp.capture_layers:
@@ -229,9 +243,9 @@ class ModelRunner:
                 inp.capture_layers,
                 captured,
             )
-            logits = self.model.lm_head(hidden[: len(inp.sample_rows)])
+            logits = self.model.lm_head(hidden[: len(scored)])
             if inp.prompt_rows:
-                prompt = self._score_prompts(hidden[len(inp.sample_rows) :], inp.prompt_rows)
+                prompt = self._score_prompts(hidden[len(scored) :], inp.prompt_rows)
         else:
             logits = self.model(input_ids, pos_t, self.attn, meta, sample_idx)
         aux = torch.cat([captured[i] for i in inp.capture_layers], -1) if captured else None
@@ -262,27 +276,45 @@ class ModelRunner:
         # Log-probabilities come from the raw logits: their stats are taken before any
         # adjustment, and the penalties' changes undone after the draw (the grammar mask never
         # touches a token that can be drawn), so the drawn tokens' raw logits are read in place.
-        lp_rows = [i for i, p in enumerate(inp.sample_params) if p.logprobs is not None]
-        ks = [inp.sample_params[i].logprobs or 0 for i in lp_rows]
+        # With drafts every scored position is a row (grammar rows count them already).
+        drafts = inp.sample_drafts
+        params = inp.sample_params if drafts is None else expand(inp.sample_params, drafts)
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        ks = [params[i].logprobs or 0 for i in lp_rows]
         stats = row_stats(logits, lp_rows, max(ks)) if lp_rows else None
         undo = None
         if inp.sample_states is not None:
-            undo = self._apply_penalties(logits, inp.sample_states)
+            states = inp.sample_states
+            undo = self._apply_penalties(
+                logits, states if drafts is None else expand_states(states, drafts)
+            )
         # The grammar mask goes last, so no penalty or bias can revive a disallowed token.
         if inp.grammar_rows:
             apply_grammar_mask(logits, inp.grammar_bitmask, inp.grammar_rows)
-        batch = SamplingBatch.build(
-            inp.sample_params, inp.sample_steps, inp.sample_seeds, self.device
-        )
-        tokens_t = sample(logits, batch)
+        if drafts is None:
+            batch = SamplingBatch.build(
+                inp.sample_params, inp.sample_steps, inp.sample_seeds, self.device
+            )
+            tokens_t = sample(logits, batch)
+            runs = [[t] for t in tokens_t.tolist()]
+        else:
+            tokens_t, runs = verify(
+                logits, drafts, inp.sample_params, inp.sample_seeds, inp.sample_steps
+            )
         logprobs: list[TokenLogprobs | None] = [None] * len(inp.sample_rows)
         if stats is not None:
             if undo is not None:
                 undo_penalties(logits, undo)
             drawn = tokens_t[lp_rows].clamp(min=0)  # no draw: that request ends with an error
+            per_row: list[TokenLogprobs | None] = [None] * len(params)
             for i, one in zip(lp_rows, pick(logits, lp_rows, stats, drawn, ks).rows(), strict=True):
-                logprobs[i] = one
-        return ForwardOutput(tokens_t.tolist(), logprobs, prompt)
+                per_row[i] = one
+            first = 0
+            for r, run in enumerate(runs):  # a run's tokens were drawn at its first positions
+                if per_row[first] is not None:
+                    logprobs[r] = _joined(per_row[first : first + len(run)])
+                first += 1 + (len(drafts[r]) if drafts is not None else 0)
+        return ForwardOutput([run[-1] for run in runs], logprobs, prompt, runs=runs)
 
     def _apply_penalties(
         self, logits: torch.Tensor, states: Sequence[SampleState]
@@ -319,6 +351,14 @@ class ModelRunner:
             )
             start += n
         return out
+
+
+def _joined(parts: Sequence[TokenLogprobs | None]) -> TokenLogprobs:
+    out = TokenLogprobs()
+    for p in parts:
+        assert p is not None
+        out.extend(p)
+    return out
 
 
 def apply_grammar_mask(logits: torch.Tensor, bitmask: Any, rows: list[int]) -> None:

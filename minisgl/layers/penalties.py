@@ -53,6 +53,17 @@ class PenaltyState:
                 state._row(tok)[1] = 1.0
         return state
 
+    def copy(self) -> PenaltyState:
+        """An independent copy (speculative decoding scores positions past drafted tokens,
+        each with the counts as if those tokens had been generated)."""
+        out = PenaltyState.__new__(PenaltyState)
+        out.ids = self.ids.copy()
+        out.values = self.values.copy()
+        out.size = self.size
+        out.where = dict(self.where)
+        out.num_counted = self.num_counted
+        return out
+
     def catch_up(self, output_ids: Sequence[int]) -> None:
         """Count the tokens generated since the last call (usually one)."""
         for tok in output_ids[self.num_counted :]:

@@ -18,6 +18,9 @@ class ScheduledSeq:
     # change between steps, when prefix-cache deduplication swaps in shared pages).
     page_table: list[int] = field(default_factory=list)
     is_decode: bool = False  # one generated token after the prefill; False: a prefill chunk
+    # Speculative decoding: draft tokens appended to a decode's token (the tail of token_ids),
+    # scored in the same forward; their KV slots beyond what is accepted are given back.
+    draft_ids: list[int] = field(default_factory=list)
 
     @property
     def extend_len(self) -> int:

@@ -15,6 +15,13 @@ Every `schedule()` builds one batch:
    keeps one spare page per running request, so that admitting does not force a preemption
    on the very next decode step. The head of the queue blocks those behind it (no starvation).
 
+Speculative decoding: `schedule(propose)` asks for draft tokens for the decoding requests (after
+room for their own token is made, so drafts never cause a preemption), appends those that fit
+(context, max_tokens, pages) to each decode, and takes pages for them; `process_batch_output`
+then gets the run of tokens each request emits, and gives back at once the pages that only
+rejected drafts used. KV of rejected drafts never reaches the prefix cache: only pages below
+`num_computed` (accepted tokens) are ever inserted.
+
 Samples of one prompt (n > 1) are added as a group: the first prefills, the others wait
 (parked) until its prompt pages are in the prefix cache, and then reuse them, recomputing
 at most the last partial page (all of it with --disable-prefix-cache). A request that scores its prompt (prompt logprobs) reuses no
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from minisgl.kvcache.page_allocator import PageAllocator
@@ -93,6 +100,9 @@ class Scheduler:
         self.prefix_cache_hit_tokens_total = 0
         self.prompt_tokens_total = 0
         self.last_batch_size = 0
+        # Called whenever a running request gives its pages back (finish, abort, preemption):
+        # a drafter drops what it keeps for it.
+        self.on_release: Callable[[Request], None] | None = None
 
     # ---- queue ------------------------------------------------------------------------------
     def check_prompt(self, num_prompt_tokens: int) -> str | None:
@@ -187,13 +197,21 @@ class Scheduler:
         return len(self.waiting) + self.num_parked
 
     # ---- one step ---------------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(
+        self, propose: Callable[[list[Request]], Sequence[Sequence[int]]] | None = None
+    ) -> ScheduledBatch | None:
+        """One step's batch; `propose` (speculative decoding) gives draft tokens for the
+        decoding requests, in the order given."""
         self._make_room_for_running()
         seqs: list[ScheduledSeq] = []
         budget = self.max_prefill_tokens
+        decoding = [r for r in self.running if r.num_computed >= r.prefill_target]
+        drafts: dict[int, Sequence[int]] = dict.fromkeys(map(id, decoding), ())
+        if propose is not None and decoding:
+            drafts.update(zip(map(id, decoding), propose(decoding), strict=True))
         for req in self.running:
             if req.num_computed >= req.prefill_target:  # decoding: one token, outside the budget
-                seqs.append(self._seq(req, 1, is_decode=True))
+                seqs.append(self._decode_seq(req, drafts[id(req)]))
             elif budget > 0:  # a prefill admitted earlier continues before anything new
                 n = min(req.num_remaining, budget)
                 budget -= n
@@ -213,27 +231,39 @@ class Scheduler:
         return ScheduledBatch(seqs, self.page_size)
 
     def process_batch_output(
-        self, batch: ScheduledBatch, next_token_ids: list[int]
+        self, batch: ScheduledBatch, next_token_ids: Sequence[int | Sequence[int]]
     ) -> list[Request]:
+        """Apply a step's sampled tokens: one per sampled seq, or the run of tokens a seq with
+        drafts emits (its accepted drafts, then the target's own token). A run is cut where
+        the request finishes (a stop token, max_tokens, the context)."""
         num_samples = batch.num_samples
         if len(next_token_ids) != num_samples:
             raise ValueError(f"expected {num_samples} next tokens, got {len(next_token_ids)}")
         finished: list[Request] = []
         tokens = iter(next_token_ids)
         for seq in batch.seqs:
-            token = next(tokens) if seq.sample else None
+            out = next(tokens) if seq.sample else None
+            run = None if out is None else list(out) if isinstance(out, Sequence) else [out]
             req = seq.req
             # Aborted (or otherwise moved) while the batch ran: its pages are already released.
             if req.status != "running" or req.num_computed != seq.start:
                 continue
-            req.num_computed = seq.start + len(seq.token_ids)
-            if token is None:
+            req.num_computed = seq.start + len(seq.token_ids) - len(seq.draft_ids)
+            if run is None:
                 continue
+            reason: str | None = None
             if req.params.max_tokens == 0:  # prompt scoring only: nothing is generated
-                reason: str | None = "length"
+                reason = "length"
             else:
-                req.output_ids.append(int(token))
-                reason = self._finish_reason(req, int(token))
+                for i, token in enumerate(run):
+                    # KV is in the cache for every token of the run but the last one taken.
+                    req.num_computed = seq.start + len(seq.token_ids) - len(seq.draft_ids) + i
+                    req.output_ids.append(int(token))
+                    reason = self._finish_reason(req, int(token))
+                    if reason is not None:
+                        break
+            if seq.draft_ids:
+                self._drop_draft_pages(req)
             if reason is not None:
                 self._finish(req, reason)
                 finished.append(req)
@@ -294,9 +324,19 @@ class Scheduler:
             assert not (len(self.running) == 1 and self.running[0] is req), req
             self._preempt(self.running[-1])
 
+    def _drop_draft_pages(self, req: Request) -> None:
+        """Pages past what the request's tokens need held only rejected drafts' KV: back to
+        the allocator now (never to the prefix cache)."""
+        keep = self._pages_for(req.num_tokens)
+        if len(req.page_table) > keep:
+            self.allocator.free(req.page_table[keep:])
+            del req.page_table[keep:]
+
     def _release(self, req: Request) -> None:
         """Give back a live request's pages: full computed pages to the prefix cache (shared
         with others, evictable once unlocked), the rest to the allocator."""
+        if self.on_release is not None:
+            self.on_release(req)
         if self.cache.enabled:
             full = req.num_computed // self.page_size
             assert full >= req.num_cached_pages, req
@@ -383,6 +423,26 @@ class Scheduler:
         req.finish_reason = reason
         req.status = "finished"
         self._unpark(req)
+
+    def _decode_seq(self, req: Request, drafts: Sequence[int]) -> ScheduledSeq:
+        """A decode, with as many of `drafts` as fit: all emitted tokens within max_tokens and
+        the context, and pages for their KV (taken now; evicting unlocked cached pages, but
+        never preempting a request for a guess)."""
+        params = req.params
+        room = min(
+            len(drafts),
+            params.max_tokens - len(req.output_ids) - 1,  # the step emits up to drafts + 1
+            min(self.max_seq_len, self.capacity_tokens) - req.num_tokens,
+        )
+        while room > 0 and not self._ensure_room(req, req.num_tokens + room):
+            # Not enough pages for all: as many drafts as the pages already held, or none.
+            room = min(room - 1, len(req.page_table) * self.page_size - req.num_tokens)
+        seq = self._seq(req, 1, is_decode=True)
+        if room > 0:
+            seq.draft_ids = [int(t) for t in drafts[:room]]
+            seq.token_ids = seq.token_ids + seq.draft_ids
+            seq.page_table = req.page_table[: self._pages_for(seq.start + len(seq.token_ids))]
+        return seq
 
     def _seq(self, req: Request, n: int, *, is_decode: bool) -> ScheduledSeq:
         start = req.num_computed

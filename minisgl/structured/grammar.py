@@ -194,21 +194,52 @@ class GrammarBackend:
         compiled = self.compile(kind, value)
         return self._xgr.GrammarMatcher(compiled)
 
-    def fill_bitmask(self, matchers: list[Any]) -> Any:
+    def fill_bitmask(self, matchers: list[Any], drafts: list[list[int]] | None = None) -> Any:
         """An int32 bitmask [rows, words] on the CPU, filled for the rows that have a matcher.
 
         One buffer, reused step after step (allocating it each step cost more than filling
         it): rows without a matcher hold stale bits, so only the constrained rows may be
         applied (`apply_bitmask` takes their indices).
+
+        `drafts` (speculative decoding): matcher i's row is followed by one row per draft
+        token, each filled with the draft before it accepted (the drafts must be ones the
+        grammar accepts); the matcher is rolled back after, so it advances only over tokens
+        the target model keeps.
         """
-        rows = len(matchers)
+        drafts = drafts if drafts is not None else [[] for _ in matchers]
+        rows = len(matchers) + sum(len(d) for d in drafts)
         if self._mask is None or self._mask.shape[0] < rows:
             self._mask = self._xgr.allocate_token_bitmask(max(rows, 64), self.vocab_size)
         mask = self._mask[:rows]
-        for row, m in enumerate(matchers):
-            if m is not None:
+        row = 0
+        for m, d in zip(matchers, drafts, strict=True):
+            if m is None:
+                row += 1 + len(d)
+                continue
+            for j in range(len(d) + 1):
                 m.fill_next_token_bitmask(mask, row)
+                row += 1
+                if j < len(d) and not m.accept_token(d[j]):
+                    raise ValueError(f"draft token {d[j]} is not one the grammar accepts")
+            if d:
+                m.rollback(len(d))
         return mask
+
+    @staticmethod
+    def grammar_prefix(matcher: Any, tokens: list[int]) -> list[int]:
+        """The leading tokens the matcher accepts, stopping before one that would end the
+        grammar (nothing is scored past its end); the matcher is left as it was."""
+        taken = n = 0
+        for t in tokens:
+            if not matcher.accept_token(t):
+                break
+            taken += 1
+            if matcher.is_terminated():
+                break
+            n += 1
+        if taken:
+            matcher.rollback(taken)
+        return tokens[:n]
 
 
 def apply_bitmask(logits: Any, bitmask: Any, rows: list[int]) -> None:

@@ -133,7 +133,12 @@ class Detokenizer:
             dec = live.samples.get(out.index) if live is not None else None
             if live is None or dec is None:
                 continue  # stopped by a stop string or aborted: nothing after the final reply
+            before = dec.num_tokens
             delta = dec.feed(out.token_ids, finished=out.finished, finish_reason=out.finish_reason)
+            used = dec.num_tokens - before  # fewer when a stop string ended a run of tokens
+            logprobs = out.logprobs
+            if logprobs is not None and used < len(logprobs):
+                logprobs = logprobs.head(used)
             finished = out.finished or dec.stopped
             reason = "stop" if dec.stopped else out.finish_reason
             if dec.stopped and not out.finished:
@@ -152,7 +157,7 @@ class Detokenizer:
                 self.log.debug("rid=%s finished (%s)", out.rid, reason)
             if timeline.enabled() and out.queue_time is not None:
                 timeline.mark(out.rid, "detokenized")
-            extras = out.logprobs is not None or out.prompt_logprobs is not None
+            extras = logprobs is not None or out.prompt_logprobs is not None
             extras = extras or prompt_text is not None
             if delta or finished or out.queue_time is not None or extras:
                 texts.append(
@@ -166,7 +171,7 @@ class Detokenizer:
                         dec.num_tokens,
                         out.queue_time,
                         out.index,
-                        self._logprobs(out.logprobs),
+                        self._logprobs(logprobs),
                         self._logprobs(out.prompt_logprobs),
                         prompt_text,
                     )

@@ -80,6 +80,15 @@ class IncrementalDecoder:
         """
         if self.stopped:
             return ""
+        if self.stop and len(token_ids) > 1:
+            # Several tokens at once (speculative decoding's accepted runs): one at a time, so
+            # a stop string ends the output at the token that completed it, as it would have
+            # one step at a time (`num_tokens` then counts only the tokens up to it).
+            last = len(token_ids) - 1
+            return "".join(
+                self.feed([t], finished=finished and i == last, finish_reason=finish_reason)
+                for i, t in enumerate(token_ids)
+            )
         self.num_tokens += len(token_ids)
         ids = list(token_ids)
         ends = finished and finish_reason == "stop" and ids and ids[-1] in self.hidden
