@@ -20,6 +20,7 @@ REQUIRED_PANELS = {
     "KV cache usage",
     "Prefix cache hit rate",
     "Batch size",
+    "Speculative decoding acceptance",
 }
 
 

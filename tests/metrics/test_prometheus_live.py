@@ -1,9 +1,13 @@
-"""A real Prometheus scraping a live minisgl: dashboards and recording rules see the burst."""
+"""A real Prometheus scraping a live minisgl: dashboards and recording rules see the burst.
+
+The server speculates (ngram) on a model that copies (minisgl/testing/copy_model.py), so the
+speculative-decoding series and the dashboard's acceptance panel have data too."""
 
 import asyncio
 from pathlib import Path
 
 import httpx
+import openai
 import yaml
 from dashboard_queries import queries
 from live_processes import (
@@ -14,7 +18,7 @@ from live_processes import (
     wait_for,
     wait_nonempty,
 )
-from metrics_text import parse
+from metrics_text import parse, value
 from promtool import RULES_FILE, binary
 
 from minisgl.bench.cli import build_parser, run
@@ -25,6 +29,8 @@ SEL = f'{{model_name="{MODEL}"}}'
 NUM_PAGES = 512
 STREAMED = 6  # through the benchmark client, 3 at a time
 OUTPUT_LEN = 8
+COPY_LEN = 24  # tokens the copy requests generate
+SEED_PROMPT = "Repeat after me: one two three four"
 
 
 async def _non_streamed(base: str) -> list[dict]:
@@ -45,14 +51,39 @@ async def _non_streamed(base: str) -> list[dict]:
         return out
 
 
+def _copied(base: str) -> list[dict]:
+    """Through the openai client: the model's continuation of SEED_PROMPT, then a prompt that
+    holds it and ends like SEED_PROMPT, whose continuation (the model copies) is that text again,
+    so ngram drafts taken from the prompt are kept. Both usages (output tokens, not drafts)."""
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    extra = {"ignore_eos": True}
+    first = client.completions.create(
+        model=MODEL, prompt=SEED_PROMPT, max_tokens=COPY_LEN, temperature=0, extra_body=extra
+    )
+    text = first.choices[0].text
+    again = client.completions.create(
+        model=MODEL,
+        prompt=f"{SEED_PROMPT}{text}\n{SEED_PROMPT}",
+        max_tokens=COPY_LEN,
+        temperature=0,
+        extra_body=extra,
+    )
+    assert again.choices[0].text == text  # greedy, with drafts verified: the same text
+    usages = [first.usage, again.usage]
+    assert all(u is not None and u.completion_tokens == COPY_LEN for u in usages)
+    return [u.model_dump() for u in usages if u is not None]
+
+
 def test_dashboards_and_rules_have_data_and_counts_match(tmp_path: Path) -> None:
     prom_bin = binary("prometheus")
     # The fixture model is written lazily so the skip above costs nothing.
+    from minisgl.testing.copy_model import write_copy_model
     from minisgl.testing.fixture import write_fixture_model
 
-    model_dir = write_fixture_model(tmp_path / "model", "tiny")
+    model_dir = write_copy_model(write_fixture_model(tmp_path / "model", "tiny"), tmp_path / "cp")
+    flags = ("--num-pages", str(NUM_PAGES), "--speculative-algorithm", "ngram")
     with (
-        minisgl_server(model_dir, MODEL, tmp_path, "--num-pages", str(NUM_PAGES)) as base,
+        minisgl_server(model_dir, MODEL, tmp_path, *flags) as base,
         prometheus(
             prom_bin,
             base.removeprefix("http://"),
@@ -71,10 +102,13 @@ def test_dashboards_and_rules_have_data_and_counts_match(tmp_path: Path) -> None
         record = run(args)
         assert record["completed"] == STREAMED and record["failed"] == 0, record["errors"]
         usages = asyncio.run(_non_streamed(base))
-        sent = STREAMED + len(usages)
+        copies = _copied(base)
+        sent = STREAMED + len(usages) + len(copies)
+        usages += copies
         prompt_tokens = record["total_input_tokens"] + sum(u["prompt_tokens"] for u in usages)
         gen_tokens = record["total_output_tokens"] + sum(u["completion_tokens"] for u in usages)
-        assert gen_tokens == sent * OUTPUT_LEN
+        asked = (sent - len(copies)) * OUTPUT_LEN + len(copies) * COPY_LEN
+        assert gen_tokens == asked
         metrics = httpx.get(base + "/metrics", timeout=10.0)
         assert metrics.headers["content-type"].startswith("text/plain")
         assert set(parse(metrics.content)) == set(n.HISTOGRAMS) | set(n.GAUGES) | set(n.COUNTERS)
@@ -86,9 +120,9 @@ def test_dashboards_and_rules_have_data_and_counts_match(tmp_path: Path) -> None
         assert scalar(prom, f'{n.REQUESTS}{{model_name="{MODEL}",finish_reason="length"}}') == sent
         assert scalar(prom, f"{n.PROMPT_TOKENS}{SEL}") == prompt_tokens
         assert scalar(prom, f"{n.GENERATION_TOKENS}{SEL}") == gen_tokens
-        # One gap per content chunk after the first: at most OUTPUT_LEN - 1 per request.
+        # One gap per content chunk after the first: at most one per token after the first.
         itl_count = scalar(prom, f"{n.ITL}_count{SEL}")
-        assert itl_count is not None and 0 < itl_count <= sent * (OUTPUT_LEN - 1)
+        assert itl_count is not None and 0 < itl_count <= asked - sent
         # Scheduler-side series travel in periodic stats messages, a scrape or two behind the
         # API server's own: wait for them rather than read them once.
         # Every request ran in at least one forward step.
@@ -96,6 +130,13 @@ def test_dashboards_and_rules_have_data_and_counts_match(tmp_path: Path) -> None
         assert wait_nonempty(prom, f"sum({n.KV_PAGES}{SEL}) == {NUM_PAGES}")
         # The repeated prompt reused cached KV pages.
         assert wait_nonempty(prom, f"{n.PREFIX_CACHE_HIT_TOKENS}{SEL} > 0")
+        # Drafts were verified, and the copy kept some: on /metrics and as Prometheus saw them.
+        assert wait_nonempty(prom, f"{n.SPEC_ACCEPTED_TOKENS}{SEL} > 0")
+        body = httpx.get(base + "/metrics", timeout=10.0).content
+        drafted, kept = value(body, n.SPEC_DRAFT_TOKENS), value(body, n.SPEC_ACCEPTED_TOKENS)
+        assert drafted >= kept > 0
+        assert value(body, n.SPEC_ACCEPT_LENGTH + "_sum") == kept
+        assert value(body, n.SPEC_ACCEPT_LENGTH + "_count") > 0
 
         # Every recording rule and every dashboard query returns data.
         rules = yaml.safe_load(RULES_FILE.read_text())["groups"]
