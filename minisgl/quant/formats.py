@@ -60,6 +60,12 @@ def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], why: str) -> Non
         raise ValueError(f"{name} is {list(t.shape)}, but {why} needs {list(shape)}")
 
 
+def _word_bytes(words: torch.Tensor) -> torch.Tensor:
+    """int32 [..., W] -> uint8 [..., W, 4], byte j holding bits 8j..8j+7 (little-endian hosts:
+    the only ones torch's CPU builds target)."""
+    return words.contiguous().view(torch.uint8).view(*words.shape, 4)
+
+
 def _unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 [..., W] -> [..., W, 32/bits] codes, code j of a word from bits j*bits upward."""
     shifts = torch.arange(0, 32, bits, dtype=torch.int32)
@@ -106,8 +112,9 @@ def _awq(prefix: str, got: dict[str, torch.Tensor], scheme: QuantScheme) -> QTen
     _expect(f"{prefix}.scales", scales, (k // g, n), why)
     back = [AWQ_ORDER.index(j) for j in range(8)]  # nibble holding output feature j
 
-    def unpack(words: torch.Tensor) -> torch.Tensor:  # [R, N/8] -> [R, N]
-        return _unpack_words(words, 4)[..., back].flatten(-2)
+    def unpack(words: torch.Tensor) -> torch.Tensor:  # [R, N/8] int32 -> [R, N] uint8
+        b = _word_bytes(words)  # nibble i of a word is byte i // 2's low (even i) or high half
+        return torch.stack((b & 15, b >> 4), dim=-1).flatten(-2)[..., back].flatten(-2)
 
     codes = unpack(qweight).t()  # [N, K]
     zeros = unpack(qzeros).t().to(torch.uint8).contiguous()
@@ -123,7 +130,11 @@ def _gptq(prefix: str, got: dict[str, torch.Tensor], scheme: QuantScheme) -> QTe
     why = f"gptq {bits}-bit, group_size {g or -1} on a {n}x{k} weight"
     _expect(f"{prefix}.qzeros", qzeros, (groups, n // per_word), why)
     _expect(f"{prefix}.scales", scales, (groups, n), why)
-    codes = _unpack_words(qweight, bits).transpose(1, 2).reshape(k, n).t()  # [N, K]
+    # A word's bytes hold its codes in input order, two per byte with the lower input in the low
+    # nibble (4-bit) or one per byte (8-bit): minisgl's layout along K already, so the codes
+    # are the words' bytes transposed to [N, K * bits / 8], no unpacking (a 30B checkpoint
+    # loads in minutes, not an hour).
+    codes = _word_bytes(qweight).permute(1, 0, 2).reshape(n, k * bits // 8)
     zeros = _unpack_words(qzeros, bits).flatten(-2).t()  # [N, G]
     if scheme.zeros_minus_one:
         zeros = zeros + 1
@@ -143,8 +154,7 @@ def _gptq(prefix: str, got: dict[str, torch.Tensor], scheme: QuantScheme) -> QTe
         assert g_idx is not None
     else:
         g_idx = None
-    packed = pack_nibbles(codes) if bits == 4 else codes.to(torch.uint8).contiguous()
     return QTensor(
-        packed, scales.float().t().contiguous(), zeros.to(torch.uint8).contiguous(), g_idx,
+        codes, scales.float().t().contiguous(), zeros.to(torch.uint8).contiguous(), g_idx,
         bits, g, k,
     )  # fmt: skip
