@@ -32,6 +32,11 @@ if TYPE_CHECKING:
     from minisgl.scheduler.request import Request
 
 
+# Positions a request's features may wait un-run while it is not drafted for (bounds their
+# memory: 3 x hidden values each).
+MAX_BACKLOG = 512
+
+
 class _Context:
     """One request's head state: K/V of accepted positions, features not run yet, and the
     (first draft token, output) the chain starts from once caught up."""
@@ -94,7 +99,16 @@ class Eagle3Drafter:
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
-        self._catch_up(reqs)
+        # A request drafted for now catches up; the others wait (speculation may be off for
+        # them a long while) unless their backlog grows large: run later, batched, it costs no
+        # more.
+        self._catch_up(
+            [
+                r
+                for r, k in zip(reqs, num_tokens, strict=True)
+                if k > 0 or self._backlog(r) > MAX_BACKLOG
+            ]
+        )
         live = [
             i
             for i, (req, k) in enumerate(zip(reqs, num_tokens, strict=True))
@@ -134,6 +148,10 @@ class Eagle3Drafter:
         self._ctx.pop(req.rid, None)
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _backlog(self, req: Request) -> int:
+        ctx = self._ctx.get(req.rid)
+        return 0 if ctx is None else sum(f.shape[0] for _, f in ctx.pending)
 
     def _ready(self, req: Request) -> bool:
         """Caught up: the head has run the last position whose next token is known."""

@@ -287,3 +287,27 @@ def test_make_drafter_builds_eagle3_from_the_flags(head_dir: Path, tiny_model_di
     no_head = dataclasses.replace(args, speculative_draft_model_path=None)
     with pytest.raises(ValueError, match="--speculative-draft-model-path"):
         make_drafter(no_head, ModelConfig.from_dir(tiny_model_dir), "cpu", torch.float32)
+
+
+def test_a_request_not_drafted_for_catches_up_later_to_the_same_drafts(
+    head_dir: Path, tiny_model_dir: Path
+) -> None:
+    """While speculation is off for a request (0 drafts asked) its features wait un-run; the
+    first drafts asked for afterwards are those of a drafter that ran them at every step."""
+    head, layers = _load(head_dir, tiny_model_dir)
+    width = 3 * head.cfg.target_hidden_size
+    lazy, eager = Eagle3Drafter(head, layers), Eagle3Drafter(head, layers)
+    h = History("r", list(range(300, 310)), width, 4)
+    pos = h.compute(10)
+    h.emit([5])
+    for d in (lazy, eager):
+        _feed(d, [(h, pos)])
+    for step in range(3):  # plain decode steps: one new position each
+        assert lazy.propose([h.req], [0]) == [[]]
+        eager.propose([h.req], [2])
+        pos = h.compute(h.req.num_tokens)
+        h.emit([20 + step])
+        for d in (lazy, eager):
+            _feed(d, [(h, pos)])
+    assert lazy._ctx["r"].positions == []  # nothing run yet
+    assert lazy.propose([h.req], [3]) == eager.propose([h.req], [3])
