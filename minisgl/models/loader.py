@@ -130,13 +130,18 @@ def check_against_config(
 def iter_tensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
-    total = sum(len(list(h.keys())) for h in handles)
+    total = 0
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            total += len(list(h.keys()))
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
-        for h in handles:
-            for name in h.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, h.get_tensor(name)
-                bar.update(1)
+        # One file mapped at a time: a finished shard's pages leave the process, so a big
+        # checkpoint does not sit in its resident memory next to the weights built from it.
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as h:
+                for name in h.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    yield name, h.get_tensor(name)
+                    bar.update(1)
 
 
 def load_model(
