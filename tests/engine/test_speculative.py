@@ -6,13 +6,12 @@ and grammars unchanged; every page back after the work."""
 from __future__ import annotations
 
 import random
-import shutil
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
 
 from minisgl import LLM, SamplingParams
+from minisgl.testing.copy_model import write_copy_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,19 +21,10 @@ T0 = 1000  # the copying workload's first token
 
 @pytest.fixture(scope="module")
 def copy_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Qwen3 with every attention output projection zeroed: a position's logits then
-    depend on its own token only (a bigram model), so a sequence the model generated, fed back
-    in the prompt, is what it generates again, and ngram drafts copied from it are accepted."""
-    out = tmp_path_factory.mktemp("copy-model")
-    for f in tiny_model_dir.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            shutil.copy(f, out / f.name)
-    tensors = load_file(tiny_model_dir / "model.safetensors")
-    for name, t in tensors.items():
-        if name.endswith("self_attn.o_proj.weight"):
-            t.zero_()
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    return out
+    """The tiny Qwen3 as a bigram model (attention outputs zeroed): a sequence the model
+    generated, fed back in the prompt, is what it generates again, so ngram drafts copied from
+    it are accepted."""
+    return write_copy_model(tiny_model_dir, tmp_path_factory.mktemp("copy") / "model")
 
 
 def _llm(model_dir: Path | str, spec: bool, **kw) -> LLM:
