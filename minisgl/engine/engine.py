@@ -22,6 +22,7 @@ from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.request import Request
 from minisgl.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from minisgl.speculative import Drafter, make_drafter
+from minisgl.speculative.adaptive import AdaptiveSpeculation
 from minisgl.speculative.tp import share_drafts
 from minisgl.structured.compile_worker import CompileOutcome, GrammarCompileService
 from minisgl.structured.grammar import CACHE_LIMIT_BYTES, GrammarBackend
@@ -98,12 +99,16 @@ class Engine:
         # Speculative decoding: rank 0 drafts; the other ranks verify what it sends them.
         self.speculative = args.speculative_algorithm is not None
         self.drafter: Drafter | None = None
+        self.adaptive: AdaptiveSpeculation | None = None
         if self.speculative and tp_rank == 0:
             self.drafter = make_drafter(
                 args, self.model_config, self.runner.device, self.runner.dtype
             )
             assert self.drafter is not None
-            self.scheduler.on_release = self.drafter.release
+            # How many drafts each request gets per step, from its acceptance and the measured
+            # cost of this engine's steps (speculative/adaptive.py).
+            self.adaptive = AdaptiveSpeculation(args.speculative_num_draft_tokens)
+            self.scheduler.on_release = self._release_speculation
 
     # -- requests -------------------------------------------------------------------------
     def validate(
@@ -230,15 +235,30 @@ class Engine:
 
     def num_live_requests(self) -> int:
         """Entries in every per-request map (scheduler and engine): 0 once idle, or a leak."""
+        spec = self.adaptive.num_requests if self.adaptive is not None else 0
         return (
-            self.scheduler.num_live + len(self._arrival) + len(self._queue_time) + len(self._groups)
+            self.scheduler.num_live
+            + len(self._arrival)
+            + len(self._queue_time)
+            + len(self._groups)
+            + spec
         )
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        started = time.perf_counter()
         batch = self.scheduler.schedule(self._propose if self.speculative else None)
         if batch is None:
             return []
+        outputs = self._step(batch)
+        if self.adaptive is not None and all(s.is_decode for s in batch.seqs):
+            # Decode and verify steps only: a prefill chunk's cost per token is another regime.
+            drafts = sum(len(s.draft_ids) for s in batch.seqs)
+            scored = sum(len(s.token_ids) for s in batch.seqs)
+            self.adaptive.observe_step(scored, drafts, time.perf_counter() - started)
+        return outputs
+
+    def _step(self, batch: ScheduledBatch) -> list[StepOutput]:
         now = time.time()
         for seq in batch.seqs:
             arrival = self._arrival.pop(seq.req.rid, None)
@@ -250,6 +270,11 @@ class Engine:
         next_ids = result.tokens
         runs = result.runs
         seqs = [s for s in batch.seqs if s.sample]
+        if self.adaptive is not None:  # before any request finishes here and is released
+            for seq, run in zip(seqs, runs, strict=True):
+                if seq.draft_ids:  # kept as verified, before a stop or max_tokens cut the run
+                    kept = max(0, min(len(run) - 1, len(seq.draft_ids)))
+                    self.adaptive.verified(seq.req.rid, len(seq.draft_ids), kept)
         sampled = [s.req for s in seqs]
         before = [len(r.output_ids) for r in sampled]
         failed = {r.rid for r, t in zip(sampled, next_ids) if t == INVALID_TOKEN}
@@ -374,8 +399,21 @@ class Engine:
         return drafts
 
     def _draft_lengths(self, reqs: list[Request]) -> list[int]:
-        """How many drafts to ask for, per request."""
-        return [self.args.speculative_num_draft_tokens] * len(reqs)
+        """How many drafts to ask for, per request: the adaptive controller's plan for a step
+        that, without drafts, scores these decodes and the prefill work waiting beside them."""
+        assert self.adaptive is not None
+        limits = [r.params.max_tokens - len(r.output_ids) - 1 for r in reqs]
+        running = self.scheduler.running
+        prefill = sum(r.num_remaining for r in running if r.num_computed < r.prefill_target)
+        scored = len(reqs) + min(prefill, self.args.max_prefill_tokens)
+        return self.adaptive.plan(
+            [r.rid for r in reqs], limits, scored_tokens=scored, emitted_tokens=len(reqs)
+        )
+
+    def _release_speculation(self, req: Request) -> None:
+        assert self.drafter is not None and self.adaptive is not None
+        self.drafter.release(req)
+        self.adaptive.release(req.rid)
 
     def _tell_drafter(self, batch: ScheduledBatch, hidden: object, failed_groups: set[str]) -> None:
         """The drafter learns what each request kept: its accepted drafts, and (for a drafter
