@@ -126,8 +126,8 @@ def test_measured_picks_dispatch_by_row_count(tmp_path, monkeypatch: pytest.Monk
     if source == "measured":
         monkeypatch.setattr(cpu_choice, "_MEMO", {})
         assert cpu_choice.choose(ws, torch.float32, "cached") == (picks, "cached")
-    # Injected picks: one candidate for a single row, another for the rest.
-    kernel = cpu_choice.QuantKernel(("dequant_torch",) + ("qgemv",) * 5)
+    # Injected picks: one candidate for a single row, another for the rest (the table binds
+    # the runs when the kernel is made: spies first).
     seen: list[str] = []
     for name in ("qgemv", "dequant_torch"):
         real = cpu_choice._RUN[name]
