@@ -13,8 +13,9 @@ state of position i, and predicts token i + 2:
 
 Checkpoint tensors: fc.weight, midlayer.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj,
 input_layernorm, hidden_norm, post_attention_layernorm}.weight, norm.weight, lm_head.weight,
-d2t, t2d, and optionally embed_tokens.weight (otherwise the target's embedding is used). Each
-one is read or refused by name; a tensor the head does not have is refused too.
+d2t and t2d (optional when draft_vocab_size is the target's), and optionally embed_tokens.weight
+(otherwise the target's embedding is used). Each one is read or refused by name; a tensor the
+head does not have is refused too.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 EMBED = "embed_tokens.weight"
+VOCAB_MAPS = {"d2t", "t2d"}
 
 
 @dataclass(frozen=True)
@@ -328,6 +330,7 @@ def load_eagle3_head(
     with torch.device("meta"):
         head = Eagle3Head(cfg, target.vocab_size, target.max_position_embeddings)
     head = head.to_empty(device=device).to(dtype)  # the id buffer stays int64
+    head.draft_to_target.copy_(torch.arange(cfg.draft_vocab_size))  # no d2t: the identity
     t2d: torch.Tensor | None = None
     for name, t in iter_tensors(files, progress=False):
         if name == "t2d":
@@ -383,7 +386,11 @@ def _check(
             f"it has no {EMBED} and its hidden_size={cfg.layer.hidden_size} differs from the "
             f"target's {target.hidden_size}, so it cannot share the target's embedding"
         )
+    # A full draft vocabulary may leave both maps out (the identity).
+    no_maps = cfg.draft_vocab_size == target.vocab_size and not VOCAB_MAPS & set(shapes)
     for name, (shape, why) in want.items():
+        if no_maps and name in VOCAB_MAPS:
+            continue
         if name not in shapes:
             problems.append(f"it has no tensor {name!r}, which an {ARCHITECTURE} head needs")
         elif tuple(shapes[name]) != shape:
@@ -407,7 +414,8 @@ def _check_vocab_maps(
             f"EAGLE-3 draft model {path}: d2t does not map the draft ids to distinct target ids "
             f"in 0..{vocab - 1}"
         )
-    assert t2d is not None  # _check required it
+    if t2d is None:  # a full draft vocabulary without the maps: the identity
+        return
     marked = torch.zeros(vocab, dtype=torch.bool)
     marked[ids] = True
     if not torch.equal(marked, t2d.to(torch.bool)):

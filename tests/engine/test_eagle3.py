@@ -87,6 +87,26 @@ def test_a_tensor_too_many_or_missing_is_named(
         _load(d, tiny_model_dir)
 
 
+def test_a_full_draft_vocabulary_may_leave_out_the_maps(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    vocab = ModelConfig.from_dir(tiny_model_dir).vocab_size
+    d = write_eagle3_head(
+        tmp_path,
+        tiny_model_dir,
+        draft_vocab_size=vocab,
+        aux_layer_ids=LAYERS,
+        drop_tensors=["d2t", "t2d"],
+    )
+    head, _ = _load(d, tiny_model_dir)
+    assert torch.equal(head.draft_to_target, torch.arange(vocab))
+    d = write_eagle3_head(
+        tmp_path, tiny_model_dir, draft_vocab_size=vocab, aux_layer_ids=LAYERS, drop_tensors=["t2d"]
+    )
+    with pytest.raises(ValueError, match="'t2d'"):
+        _load(d, tiny_model_dir)
+
+
 def test_inconsistent_vocabulary_maps_are_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
