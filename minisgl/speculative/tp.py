@@ -29,6 +29,7 @@ def share_drafts(drafts: Sequence[Sequence[int]] | None, n: int, k: int) -> list
     if distributed.get_tp_rank() == 0:
         assert drafts is not None and len(drafts) == n
         for i, d in enumerate(drafts):
+            d = list(d)[:k]  # the table's width: every rank sized it from the same flag
             table[i, 0] = len(d)
             table[i, 1 : 1 + len(d)] = torch.tensor(list(d), dtype=torch.int64)
     table = table.to(device)
