@@ -119,6 +119,7 @@ def test_measured_picks_dispatch_by_row_count(tmp_path, monkeypatch: pytest.Monk
 
     monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_choice, "_MEMO", {})
+    monkeypatch.setattr(cpu_choice, "_MAX_REPEATS", 2)  # quick: the picks are not the point
     ws = [_weights()["int8"]] * 2
     picks, source = cpu_choice.choose(ws, torch.float32, "full")
     assert source in ("measured", "defaults: timings disturbed, not cached")
