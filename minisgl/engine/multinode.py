@@ -65,6 +65,20 @@ def local_ranks(args: EngineArgs) -> range:
     return range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
 
 
+def rank_device(rank: int, args: EngineArgs, device_count: int) -> int:
+    """The CUDA device (index among the visible ones) of tensor-parallel `rank`: its place
+    among its node's ranks. More ranks on a node than visible GPUs would put two ranks on one
+    GPU, which NCCL refuses only later ("Duplicate GPU detected"): refused here, clearly."""
+    per_node = args.tp_size // args.nnodes
+    if per_node > device_count:
+        raise ValueError(
+            f"--tp-size {args.tp_size} runs {per_node} ranks on this node but it sees "
+            f"{device_count} CUDA device(s): each rank needs a GPU of its own (check "
+            f"CUDA_VISIBLE_DEVICES{' and --nnodes' if args.nnodes > 1 else ''})"
+        )
+    return rank - args.node_rank * per_node
+
+
 def bind_address(host: str) -> str:
     """The address node 0 listens on: its --dist-init-addr host, resolved (ZMQ binds only to
     addresses), so the node ports are not offered on every interface."""

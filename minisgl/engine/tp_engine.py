@@ -37,7 +37,14 @@ import zmq
 from minisgl.config import EngineArgs
 from minisgl.engine import curve
 from minisgl.engine.engine import Engine, StepOutput
-from minisgl.engine.multinode import NodeLink, bind_address, check_args, exit_group, local_ranks
+from minisgl.engine.multinode import (
+    NodeLink,
+    bind_address,
+    check_args,
+    exit_group,
+    local_ranks,
+    rank_device,
+)
 from minisgl.engine.node_auth import group_secret
 from minisgl.engine.startup import spawn_main_problem
 from minisgl.process import freeze_startup_objects
@@ -92,7 +99,7 @@ def _init_distributed(args: EngineArgs, rank: int, rdv: Rendezvous) -> None:
     from minisgl.distributed import init_distributed
 
     if args.device in ("auto", "cuda") and torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(rank_device(rank, args, torch.cuda.device_count()))
     init_distributed(
         rank=rank,
         world_size=args.tp_size,
