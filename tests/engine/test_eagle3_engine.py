@@ -168,11 +168,12 @@ def test_other_architectures_match_transformers_with_eagle3(
     assert drafts[0] > 0
 
 
-def test_preemption_with_eagle3_drafts_is_identical(
+def test_tp2_with_preemption_verifies_the_heads_drafts(
     head_dir: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Too few pages for the batch: requests are preempted (their head state dropped) and
-    recomputed, and the tokens are those of plain decoding with room for all."""
+    """Two ranks and too few pages for the batch: rank 0 captures the hidden states and
+    drafts, both ranks verify its drafts, requests are preempted (their head state dropped)
+    and recomputed, and the tokens are those of plain decoding on one rank with room for all."""
     from minisgl import LLM
 
     rng = random.Random(5)
@@ -182,9 +183,7 @@ def test_preemption_with_eagle3_drafts_is_identical(
         str(tiny_model_dir), dtype="float32", num_pages=128, page_size=4, cpu_kernel_tuning="off"
     )
     want = [o.token_ids for o in plain.generate(prompts, params)]
-    small = _eagle3_llm(tiny_model_dir, head_dir, num_pages=20)
-    drafts = _count_drafts(small, monkeypatch)
-    assert [o.token_ids for o in small.generate(prompts, params)] == want
-    assert small.engine.stats().num_preemptions_total > 0 and drafts[0] > 0
-    drafter = small.engine.drafter
-    assert isinstance(drafter, Eagle3Drafter) and drafter._ctx == {}
+    with _eagle3_llm(tiny_model_dir, head_dir, num_pages=20, tp_size=2) as tp2:
+        drafts = _count_drafts(tp2, monkeypatch)
+        assert [o.token_ids for o in tp2.generate(prompts, params)] == want
+        assert tp2.engine.stats().num_preemptions_total > 0 and drafts[0] > 0
