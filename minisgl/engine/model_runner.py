@@ -134,7 +134,7 @@ class ModelRunner:
                 device=self.device,
             )
         )
-        backend = resolve_backend_name(args.attention_backend, self.device.type)
+        backend = resolve_backend_name(args.attention_backend, self.device.type, self.dtype)
         eager_why = graphs_wanted(args.disable_cuda_graph, self.device.type, backend)
         # Decode graphs' padding rows write their K/V to a page of their own: one past the
         # scheduler's pages.

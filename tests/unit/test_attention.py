@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from minisgl.kvcache.kv_pool import KVPool
+from minisgl.layers import attention
 from minisgl.layers.attention import create_attention_backend, resolve_backend_name
-from minisgl.layers.attention.base import BatchLayout
+from minisgl.layers.attention.base import BatchLayout, check_page_tables
+from minisgl.layers.attention.paged_plan import build_paged_plan
+from minisgl.layers.attention.torch_backend import TorchAttentionBackend
 
 D = 8
 PAGE = 4
@@ -27,21 +30,35 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) ->
     return out.reshape(q.shape[0], -1).float()
 
 
+PATHS = ["cpu-kernel", "pure-torch", "blocked"]
+
+
+def force_path(attn: object, path: str) -> None:
+    assert isinstance(attn, TorchAttentionBackend) and path in PATHS
+    if path != "cpu-kernel":
+        attn.cpu_decode = False
+        attn.sdpa_mask_cells, attn.sdpa_q_tile_min = 256, 1
+    if path == "blocked":
+        attn.sdpa_masked = attn.sdpa_plain = False
+        attn.q_tile, attn.tile_cells = 5, 64
+
+
 def run_case(
     prefix: list[int],
     extend: list[int],
     hq: int,
     hkv: int,
     seed: int,
-    cpu_kernel: bool = True,
+    path: str = "cpu-kernel",
     dtype: torch.dtype = torch.float32,
 ) -> None:
-    """cpu_kernel=False forces the pure-PyTorch path for single-query groups."""
+    """path: "cpu-kernel" (the CPU defaults), "pure-torch" (no C kernel for single-query groups;
+    SDPA's masks split into tiles of a few queries), "blocked" (every call in tiles of a few
+    queries and 16 keys with the online softmax, as CUDA runs masked calls)."""
     g = torch.Generator().manual_seed(seed)
     pool = KVPool(2, NUM_PAGES, PAGE, hkv, D, dtype, "cpu")
     attn = create_attention_backend("torch", pool, hq, hkv, D, D**-0.5)
-    if not cpu_kernel:
-        attn.cpu_decode = False  # type: ignore[attr-defined]
+    force_path(attn, path)
     free = list(range(NUM_PAGES))
     random.Random(seed).shuffle(free)
     tables, past_k, past_v = [], [], []
@@ -93,17 +110,17 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu-kernel", "pure-torch"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 1)], ids=["gqa", "mha", "mqa"])
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_matches_reference(case: str, heads: tuple[int, int], cpu_kernel: bool) -> None:
+def test_matches_reference(case: str, heads: tuple[int, int], path: str) -> None:
     prefix, extend = CASES[case]
-    run_case(prefix, extend, *heads, seed=len(case), cpu_kernel=cpu_kernel)
+    run_case(prefix, extend, *heads, seed=len(case), path=path)
 
 
-@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu-kernel", "pure-torch"])
-def test_bfloat16_pool(cpu_kernel: bool) -> None:
-    run_case([0, 9, 3, 0], [1, 1, 7, 12], 4, 2, seed=9, cpu_kernel=cpu_kernel, dtype=torch.bfloat16)
+@pytest.mark.parametrize("path", PATHS)
+def test_bfloat16_pool(path: str) -> None:
+    run_case([0, 9, 3, 0], [1, 1, 7, 12], 4, 2, seed=9, path=path, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -112,7 +129,7 @@ def test_random_batches_match_reference(seed: int) -> None:
     n = r.randint(1, 7)
     prefix = [r.choice([0, r.randint(1, 30)]) for _ in range(n)]
     extend = [r.choice([1, r.randint(1, 25)]) for _ in range(n)]
-    run_case(prefix, extend, 4, 2, seed, cpu_kernel=seed % 2 == 0)
+    run_case(prefix, extend, 4, 2, seed, path=PATHS[seed % 3])
 
 
 def test_long_prefills_are_attended_per_request() -> None:
@@ -126,8 +143,9 @@ def test_long_prefills_are_attended_per_request() -> None:
         tables.append([next(free) for _ in range(-(-(p + e) // PAGE))])
     meta = attn.prepare(BatchLayout(PAGE, prefix, extend, tables))
     (group,) = meta.groups  # type: ignore[attr-defined]
-    assert group.pieces is not None and [p.length for p in group.pieces] == extend
-    assert [p.mask is None for p in group.pieces] == [True, True, False, True]
+    assert [c.shape for c in group.calls] == [(1, e) for e in extend]
+    # Without a cached prefix: SDPA's own causal mask, no tiles.
+    assert [c.causal and not c.tiles for c in group.calls] == [True, True, False, True]
 
 
 def test_too_few_pages_is_an_error() -> None:
@@ -137,11 +155,37 @@ def test_too_few_pages_is_an_error() -> None:
         attn.prepare(BatchLayout(PAGE, [3], [2], [[1]]))
 
 
+def test_a_short_page_table_is_refused_by_every_backend_s_check() -> None:
+    """The torch backend and flashinfer's plan (build_paged_plan, importable without
+    flashinfer) refuse a short table through one shared check, before any device work."""
+    short = BatchLayout(PAGE, [3, 6], [1, 3], [[5], [1, 2]])  # request 1: 9 tokens, 2 pages
+    check_page_tables(BatchLayout(PAGE, [3, 6], [1, 2], [[5], [1, 2]]))  # exactly full: fine
+    for check in (check_page_tables, build_paged_plan):
+        with pytest.raises(ValueError, match="request 1: 2 pages of 4 cannot hold 9 tokens"):
+            check(short)
+
+
 def test_backend_names() -> None:
-    assert resolve_backend_name("auto", "cpu") == "torch"
+    assert resolve_backend_name("auto", "cpu", torch.float32) == "torch"
     pool = KVPool(1, 2, PAGE, 1, D, torch.float32, "cpu")
     with pytest.raises(ValueError, match="unknown attention backend"):
         create_attention_backend("nope", pool, 1, 1, D, 1.0)
+
+
+def test_flashinfer_dtypes_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flashinfer runs float16/bfloat16 only: auto serves float32 (dtype auto on a checkpoint
+    that names none) with the torch backend; asking for flashinfer with it is refused."""
+    monkeypatch.setattr(attention.importlib.util, "find_spec", lambda name: object())
+    assert resolve_backend_name("auto", "cuda", torch.bfloat16) == "flashinfer"
+    assert resolve_backend_name("auto", "cuda", torch.float16) == "flashinfer"
+    assert resolve_backend_name("auto", "cuda", torch.float32) == "torch"
+    assert resolve_backend_name("flashinfer", "cuda", torch.bfloat16) == "flashinfer"
+    with pytest.raises(ValueError, match="runs float16 and bfloat16, not float32.*--dtype"):
+        resolve_backend_name("flashinfer", "cuda", torch.float32)
+    pool = KVPool(1, 2, PAGE, 1, D, torch.float32, "cpu")
+    pool.device = torch.device("cuda")  # only the check runs: it refuses before any CUDA work
+    with pytest.raises(ValueError, match="not float32"):
+        create_attention_backend("flashinfer", pool, 1, 1, D, 1.0)
 
 
 def test_pool_size_accounting() -> None:

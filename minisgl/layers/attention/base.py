@@ -29,6 +29,17 @@ class BatchLayout:
         return sum(self.extend_lens)
 
 
+def check_page_tables(layout: BatchLayout) -> None:
+    """Every request's pages hold its prefix plus its new tokens: a backend given a shorter
+    table would store or read another page's KV (every backend checks, before any device work)."""
+    ps = layout.page_size
+    for i, (table, p, e) in enumerate(
+        zip(layout.page_tables, layout.prefix_lens, layout.extend_lens, strict=True)
+    ):
+        if len(table) * ps < p + e:
+            raise ValueError(f"request {i}: {len(table)} pages of {ps} cannot hold {p + e} tokens")
+
+
 class AttentionMetadata:
     """Backend-specific tensors for one step (built by `AttentionBackend.prepare`)."""
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minisgl.layers.attention.base import BatchLayout
+from minisgl.layers.attention.base import BatchLayout, check_page_tables
 
 
 @dataclass
@@ -36,11 +36,7 @@ def build_paged_plan(layout: BatchLayout, pin: bool = False) -> PagedPlan:
     extend = np.asarray(layout.extend_lens, dtype=np.int64)
     total = prefix + extend
     used_pages = (total + ps - 1) // ps
-    for i, table in enumerate(layout.page_tables):
-        if len(table) < used_pages[i]:  # as the torch backend: never attend to a stray page
-            raise ValueError(
-                f"request {i}: {len(table)} pages of {ps} cannot hold {total[i]} tokens"
-            )
+    check_page_tables(layout)  # as the torch backend: never attend to a stray page
     indices = np.concatenate(
         [np.asarray(t[:n], dtype=np.int64) for t, n in zip(layout.page_tables, used_pages)]
         or [np.zeros(0, dtype=np.int64)]

@@ -1,4 +1,4 @@
-"""Paged attention in plain PyTorch (CPU and CUDA): gather, then scaled_dot_product_attention.
+"""Paged attention in plain PyTorch (CPU and CUDA): gather, then attend.
 
 A step's requests are split into two groups:
 - decode: one new token per request; queries [B, 1], keys padded to the longest context;
@@ -9,9 +9,16 @@ A step's requests are split into two groups:
   padding and masked-out cells as a rectangle, so per-request calls win there; many short
   extends stay one batched call.
 Keeping decodes apart means a long prefill never inflates the decodes' query padding.
-All index and mask tensors are built once per step in `prepare` (numpy, O(requests) Python);
-`forward` is a fixed handful of tensor ops per group (or one call per request of the extend
-group when that layout was picked).
+
+Each call says which keys each query sees as an interval of key indices (tiles.py); masks are
+built per tile when it runs, never for the whole chunk x keys. Calls without a mask (one
+request's causal prefill, decodes of equal length) go to SDPA, whose fused kernels take them
+without materialising scores (CPU: its flash kernel; CUDA: flash in half precision). Masked
+calls go to SDPA one query tile at a time on CPU (the flash kernel reads the mask, holding only
+the tile's) and to `attend_blocked` elsewhere (CUDA's SDPA would fall to its math kernel with a
+mask and GQA, which repeats K/V per query head and holds every score).
+All index tensors and tile plans are built once per step in `prepare` (numpy, O(requests)
+Python plus O(tiles)); `forward` is a fixed handful of tensor ops per tile.
 """
 
 from __future__ import annotations
@@ -24,31 +31,41 @@ import torch.nn.functional as F
 
 from minisgl.kvcache.kv_pool import KVPool
 from minisgl.layers import cpu_kernels
-from minisgl.layers.attention.base import AttentionBackend, AttentionMetadata, BatchLayout
+from minisgl.layers.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    BatchLayout,
+    check_page_tables,
+)
+from minisgl.layers.attention.tiles import Tile, attend_blocked, hidden_keys, plan_tiles, tile_shape
 
 
 @dataclass
-class _Piece:
-    """One request of an extend group attended on its own."""
+class _Call:
+    """G rows of Q queries against K keys each; query (g, i) sees keys lo[g, i] .. hi[g, i]."""
 
-    start: int  # its first row among the step's tokens
-    length: int  # its new tokens
-    k_slots: torch.Tensor  # [K] pool slots of its keys (prefix + new)
-    mask: torch.Tensor | None  # [1, 1, Q, K] (after a cached prefix); None: plain causal
+    q_rows: torch.Tensor | None  # [G, Q] rows of the step's tokens (padding: row 0); None:
+    # the step's rows start .. start + G * Q in order (q is then a view, no gather)
+    start: int
+    shape: tuple[int, int]  # (G, Q)
+    k_slots: torch.Tensor  # [G, K] pool slots of the keys (padding: slot 0)
+    lo: torch.Tensor | None  # [G, Q] first key each query sees (None without tiles)
+    hi: torch.Tensor | None  # [G, Q] last key each query sees
+    causal: bool  # one request without prefix: SDPA's own causal mask serves it
+    blocked: bool  # attend_blocked runs the tiles; else SDPA, once per tile (one key block)
+    # SDPA tiles' masks [G, 1, Tq, K], built once for every layer when all of them are small;
+    # None: each layer builds each tile's mask as it runs
+    masks: list[torch.Tensor | None] | None
+    tiles: list[Tile]  # SDPA with none: one call without a mask (causal, or every key seen)
 
 
 @dataclass
 class _Group:
-    q_rows: torch.Tensor | None  # [G, Q] rows of the step's tokens (padding: row 0); None:
-    # the step's rows 0..T-1 in order, unpadded (q is then a view, no gather)
-    k_slots: torch.Tensor  # [G, K] pool slots of the keys (padding: slot 0)
-    shape: tuple[int, int]  # (G, Q)
-    mask: torch.Tensor | None  # [G, 1, Q, K] True = attend; None = attend to all keys
-    is_causal: bool  # a single request without prefix: SDPA's own causal mask
+    calls: list[_Call]  # one (padded or packed), or one per request (outputs concatenated)
     out_rows: torch.Tensor | None  # step rows of the valid queries; None: all of 0..T-1 in order
     valid: torch.Tensor | None  # flat [G * Q] indices of the valid queries; None: all valid
     lens: torch.Tensor  # [G] keys per request (prefix + extend)
-    pieces: list[_Piece] | None = None  # set: one SDPA call per request instead
+    decode_kernel: bool  # one query per request, for the CPU decode kernel
 
 
 @dataclass
@@ -67,6 +84,17 @@ def _slots(pages: np.ndarray, req: np.ndarray, pos: np.ndarray, page_size: int) 
 
 
 class TorchAttentionBackend(AttentionBackend):
+    # Masked SDPA calls (CPU) hold one query tile's mask ([G, 1, Tq, keys] bool, then in q's
+    # dtype): Tq = this many cells over the keys, but no fewer rows than sdpa_q_tile_min
+    # (torch's CPU flash kernel splits queries by 256 from 768 rows on, its fastest; at 32k keys
+    # 768 rows of mask are ~100 MiB, less than the call's gathered K/V of a Qwen3-8B layer).
+    sdpa_mask_cells = 1 << 22
+    sdpa_q_tile_min = 768
+    # attend_blocked: one tile's scores (G x query heads x Tq x keys, float32), and its
+    # query columns.
+    tile_cells = 1 << 24
+    q_tile = 512
+
     def __init__(
         self, kv_pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
     ) -> None:
@@ -76,19 +104,20 @@ class TorchAttentionBackend(AttentionBackend):
         self.cpu_decode = kv_pool.num_layers > 0 and cpu_kernels.supports_decode_attention(
             kv_pool.k_buffers[0], num_heads
         )
+        cpu = self.device.type == "cpu"
+        # Which calls SDPA serves with bounded memory: on CPU all (its flash kernel takes a mask
+        # and GQA); on CUDA only those without a mask, in half precision (its flash kernel).
+        self.sdpa_masked = cpu
+        self.sdpa_plain = cpu or kv_pool.dtype in (torch.float16, torch.bfloat16)
 
     def prepare(self, layout: BatchLayout) -> TorchMetadata:
         ps = layout.page_size
+        check_page_tables(layout)
         prefix = np.asarray(layout.prefix_lens, dtype=np.int64)
         extend = np.asarray(layout.extend_lens, dtype=np.int64)
-        total = prefix + extend
         n = len(extend)
         pages = np.zeros((n, max(len(p) for p in layout.page_tables)), dtype=np.int64)
         for i, table in enumerate(layout.page_tables):
-            if len(table) * ps < total[i]:
-                raise ValueError(
-                    f"request {i}: {len(table)} pages of {ps} cannot hold {total[i]} tokens"
-                )
             pages[i, : len(table)] = table
         starts = np.cumsum(extend) - extend  # first step row of each request
         req = np.repeat(np.arange(n), extend)
@@ -126,16 +155,16 @@ class TorchAttentionBackend(AttentionBackend):
             return self._group_each(members, pre, ext, st, pages, ps, num_requests)
         packed = ext.max() > 1 and g > 1 and packed_cells < padded_cells
         if packed:
-            # One varlen row: queries and keys of all members concatenated; a key is visible to
-            # a query of the same request at an earlier or equal position.
+            # One varlen row: queries and keys of all members concatenated; a query sees the
+            # keys of its own request up to its position.
             q_req = np.repeat(np.arange(g), ext)
             q_pos = np.arange(int(ext.sum())) - np.repeat(np.cumsum(ext) - ext, ext) + pre[q_req]
             q_rows = (st[q_req] + q_pos - pre[q_req])[None]
             k_req = np.repeat(np.arange(g), tot)
             k_pos = np.arange(int(tot.sum())) - np.repeat(np.cumsum(tot) - tot, tot)
             k_slots = _slots(pages, members[k_req], k_pos, ps)[None]
-            mask = (q_req[:, None] == k_req[None, :]) & (k_pos[None, :] <= q_pos[:, None])
-            mask_t: torch.Tensor | None = self._dev(mask[None, None])
+            k_first = np.cumsum(tot) - tot
+            lo, hi = k_first[q_req][None], (k_first[q_req] + q_pos)[None]
             valid = None
             rows_flat = q_rows[0]
         else:
@@ -144,32 +173,27 @@ class TorchAttentionBackend(AttentionBackend):
             q_ok = j < ext[:, None]  # [g, Q]
             q_rows = np.where(q_ok, st[:, None] + j, 0)
             kp = np.arange(kn)[None, :]
-            k_ok = kp < tot[:, None]
-            k_slots = np.where(
-                k_ok, _slots(pages, members[:, None], np.minimum(kp, tot[:, None] - 1), ps), 0
-            )
-            q_pos = pre[:, None] + j  # [g, Q]
-            mask = k_ok[:, None, :] & (kp[:, None, :] <= q_pos[:, :, None])
-            mask |= ~q_ok[:, :, None]  # padded queries see everything (no NaN rows)
-            need_mask = not bool(mask.all())
-            mask_t = self._dev(mask[:, None]) if need_mask else None
+            k_slots = _slots(pages, members[:, None], np.minimum(kp, tot[:, None] - 1), ps)
+            k_slots = np.where(kp < tot[:, None], k_slots, 0)
+            # Padded queries see all of their request's keys (no empty rows); padded keys lie
+            # past every query's last key.
+            lo = np.zeros_like(q_rows)
+            hi = np.where(q_ok, pre[:, None] + j, tot[:, None] - 1)
             valid_idx = np.flatnonzero(q_ok.reshape(-1))
             valid = None if len(valid_idx) == q_ok.size else self._dev(valid_idx)
             rows_flat = q_rows.reshape(-1)[valid_idx]
-        is_causal = False
-        if g == 1 and pre[0] == 0 and ext[0] > 1:
-            mask_t, is_causal = None, True
+        decode_kernel = q_rows.shape[1] == 1 and self.cpu_decode
+        causal = bool(g == 1 and pre[0] == 0 and ext[0] > 1)
         identity = g == num_requests and np.array_equal(rows_flat, np.arange(len(rows_flat)))
         in_order = valid is None and np.array_equal(q_rows.reshape(-1), np.arange(q_rows.size))
+        q_rows_t = None if in_order and identity else self._dev(q_rows)
+        call = self._call(q_rows_t, 0, k_slots, lo, hi, causal, plan=not decode_kernel)
         return _Group(
-            q_rows=None if in_order and identity else self._dev(q_rows),
-            shape=(int(q_rows.shape[0]), int(q_rows.shape[1])),
-            k_slots=self._dev(k_slots),
-            mask=mask_t,
-            is_causal=is_causal,
+            calls=[call],
             out_rows=None if identity else self._dev(rows_flat),
             valid=valid,
             lens=self._dev(tot),
+            decode_kernel=decode_kernel,
         )
 
     def _group_each(
@@ -182,28 +206,71 @@ class TorchAttentionBackend(AttentionBackend):
         ps: int,
         num_requests: int,
     ) -> _Group:
-        pieces = []
+        calls = []
         for i, req in enumerate(members):
             k_pos = np.arange(int(pre[i] + ext[i]))
-            mask = None
-            if pre[i] > 0:  # causal, shifted by the cached prefix
-                q_pos = pre[i] + np.arange(int(ext[i]))
-                mask = self._dev((k_pos[None, :] <= q_pos[:, None])[None, None])
-            slots = self._dev(_slots(pages, np.full_like(k_pos, req), k_pos, ps))
-            pieces.append(_Piece(int(st[i]), int(ext[i]), slots, mask))
+            hi = (pre[i] + np.arange(int(ext[i])))[None]  # causal, shifted by the cached prefix
+            slots = _slots(pages, np.full_like(k_pos, req), k_pos, ps)[None]
+            calls.append(
+                self._call(None, int(st[i]), slots, np.zeros_like(hi), hi, bool(pre[i] == 0))
+            )
         rows = np.concatenate([np.arange(s, s + e) for s, e in zip(st, ext)])
         identity = len(members) == num_requests and np.array_equal(rows, np.arange(len(rows)))
         return _Group(
-            q_rows=None,
-            k_slots=self._dev(np.zeros(0, dtype=np.int64)),
-            shape=(1, len(rows)),
-            mask=None,
-            is_causal=False,
+            calls=calls,
             out_rows=None if identity else self._dev(rows),
             valid=None,
             lens=self._dev(pre + ext),
-            pieces=pieces,
+            decode_kernel=False,
         )
+
+    def _call(
+        self,
+        q_rows: torch.Tensor | None,
+        start: int,
+        k_slots: np.ndarray,
+        lo: np.ndarray,
+        hi: np.ndarray,
+        causal: bool,
+        plan: bool = True,
+    ) -> _Call:
+        """One call's device tensors and tile plan (`plan` False: the CPU decode kernel reads
+        only the slots)."""
+        g, num_q = lo.shape
+        num_k = k_slots.shape[1]
+        masked = not (causal or (bool((lo == 0).all()) and bool((hi == num_k - 1).all())))
+        blocked = False
+        tiles: list[Tile] = []  # none: one SDPA call without a mask, or the decode kernel
+        if plan and masked and self.sdpa_masked:  # SDPA per query tile, each with its mask
+            rows = self.sdpa_mask_cells // (g * num_k) // 256 * 256
+            tiles = plan_tiles(lo, hi, max(self.sdpa_q_tile_min, rows, 1), num_k)
+        elif plan and (masked or not self.sdpa_plain):
+            blocked = True
+            shape = tile_shape(g * self.num_heads, num_q, num_k, self.tile_cells, self.q_tile)
+            tiles = plan_tiles(lo, hi, *shape)
+        masks = None
+        if tiles and not blocked and g * num_q * num_k <= self.sdpa_mask_cells:
+            masks = [self._mask(lo, hi, t) for t in tiles]
+        return _Call(
+            q_rows=q_rows,
+            start=start,
+            shape=(g, num_q),
+            k_slots=self._dev(k_slots),
+            lo=self._dev(lo) if tiles and masks is None else None,
+            hi=self._dev(hi) if tiles and masks is None else None,
+            causal=causal,
+            blocked=blocked,
+            masks=masks,
+            tiles=tiles,
+        )
+
+    def _mask(self, lo: np.ndarray, hi: np.ndarray, t: Tile) -> torch.Tensor | None:
+        ((k0, k1, masked),) = t.blocks
+        if not masked:
+            return None
+        j = np.arange(k0, k1)
+        tlo, thi = lo[:, t.q0 : t.q1, None], hi[:, t.q0 : t.q1, None]
+        return self._dev(((j >= tlo) & (j <= thi))[:, None])
 
     def forward(
         self,
@@ -240,13 +307,12 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> bool:
         """Whether this step is one query per request, every row in order, for the CPU kernel
         with rows it can store itself."""
-        if not self.cpu_decode or len(meta.groups) != 1:
+        if len(meta.groups) != 1:
             return False
         grp = meta.groups[0]
         return (
-            grp.pieces is None
-            and grp.shape[1] == 1
-            and grp.q_rows is None
+            grp.decode_kernel
+            and grp.calls[0].q_rows is None
             and grp.out_rows is None
             and grp.valid is None
             and cpu_kernels.can_write_new(k_buf, k, v)
@@ -261,46 +327,66 @@ class TorchAttentionBackend(AttentionBackend):
         new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """`new`: the step's rows for the CPU decode kernel to store (see _decode_in_place)."""
-        if grp.pieces is not None:
-            return torch.cat([self._attend_one(q, k_buf, v_buf, p) for p in grp.pieces])
-        g, qn = grp.shape
-        if qn == 1 and self.cpu_decode:
-            qd = q if grp.q_rows is None else q[grp.q_rows[:, 0]]
+        if grp.decode_kernel:
+            call = grp.calls[0]
+            qd = q if call.q_rows is None else q[call.q_rows[:, 0]]
             return cpu_kernels.decode_attention(
-                qd, k_buf, v_buf, grp.k_slots, grp.lens, self.scale, new
+                qd, k_buf, v_buf, call.k_slots, grp.lens, self.scale, new
             )
-        if grp.q_rows is None:
-            qg = q.view(g, qn, self.num_heads, self.head_dim).transpose(1, 2)  # [G, Hq, Q, D]
-        else:
-            qg = q[grp.q_rows].transpose(1, 2)
-        flat = grp.k_slots.view(-1)
-        kg = k_buf.index_select(0, flat).view(g, -1, self.num_kv_heads, self.head_dim)
-        vg = v_buf.index_select(0, flat).view(g, -1, self.num_kv_heads, self.head_dim)
-        kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)  # [G, Hkv, K, D]
-        o = F.scaled_dot_product_attention(
-            qg,
-            kg,
-            vg,
-            attn_mask=grp.mask,
-            is_causal=grp.is_causal,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return o.transpose(1, 2).reshape(g * qn, self.num_heads * self.head_dim)
+        outs = [self._attend_call(q, k_buf, v_buf, c) for c in grp.calls]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _attend_one(
-        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, p: _Piece
+    def _attend_call(
+        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, c: _Call
     ) -> torch.Tensor:
-        qg = q[p.start : p.start + p.length].transpose(0, 1)[None]  # [1, Hq, Q, D]
-        kg = k_buf.index_select(0, p.k_slots).transpose(0, 1)[None]  # [1, Hkv, K, D]
-        vg = v_buf.index_select(0, p.k_slots).transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(
-            qg,
-            kg,
-            vg,
-            attn_mask=p.mask,
-            is_causal=p.mask is None,
+        g, qn = c.shape
+        hq, d = self.num_heads, self.head_dim
+        if c.q_rows is None:
+            qg = q[c.start : c.start + g * qn].view(g, qn, hq, d)
+        else:
+            qg = q[c.q_rows]  # [G, Q, Hq, D]
+        if c.blocked:
+            assert c.lo is not None and c.hi is not None
+            o = attend_blocked(qg, k_buf, v_buf, c.k_slots, c.lo, c.hi, c.tiles, self.scale)
+            return o.view(g * qn, hq * d)
+        # The call's keys once ([G, Hkv, K, D] views), each tile attending to a slice of them.
+        flat = c.k_slots.reshape(-1)
+        kg = k_buf.index_select(0, flat).view(g, -1, self.num_kv_heads, d).transpose(1, 2)
+        vg = v_buf.index_select(0, flat).view(g, -1, self.num_kv_heads, d).transpose(1, 2)
+        if not c.tiles:
+            o = self._sdpa(qg.transpose(1, 2), kg, vg, None, c.causal)
+            return o.transpose(1, 2).reshape(g * qn, hq * d)
+        outs = []
+        for i, t in enumerate(c.tiles):
+            ((k0, k1, masked),) = t.blocks
+            mask = None
+            if c.masks is not None:
+                mask = c.masks[i]
+            elif masked:
+                assert c.lo is not None and c.hi is not None
+                lo, hi = c.lo[:, t.q0 : t.q1], c.hi[:, t.q0 : t.q1]
+                mask = ~hidden_keys(lo, hi, k0, k1)[:, None]  # [G, 1, Tq, K]
+            qt = qg[:, t.q0 : t.q1].transpose(1, 2)
+            o = self._sdpa(qt, kg[:, :, k0:k1], vg[:, :, k0:k1], mask, False)
+            outs.append(o.transpose(1, 2))  # [G, Tq, Hq, D]
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return o.reshape(g * qn, hq * d)
+
+    def _sdpa(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        """q [G, Hq, Q, D], k/v [G, Hkv, K, D] -> [G, Hq, Q, D]."""
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=causal,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        return o[0].transpose(0, 1).reshape(p.length, self.num_heads * self.head_dim)
