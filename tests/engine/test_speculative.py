@@ -86,10 +86,10 @@ def test_copying_workload_accepts_drafts_and_changes_nothing(plain, spec, chain,
         (prompt, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)),
         (prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[chain[6]])),
         (prompt, SamplingParams(temperature=0, max_tokens=20, stop=[stop_text], ignore_eos=True)),
-        (prompt, SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)),
-        (prompt, SamplingParams(temperature=0, max_tokens=10, frequency_penalty=0.4)),
-        (prompt, SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3)),
-        (prompt, SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=10, n=2)),
+        (prompt, SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)),
+        (prompt, SamplingParams(temperature=0, max_tokens=8, frequency_penalty=0.4)),
+        (prompt, SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3)),
+        (prompt, SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=8, n=2)),
         (
             tok.encode("ab ab ab ab ab ab ab ab"),
             SamplingParams(temperature=0, max_tokens=12, grammar_kind="regex", grammar="(ab )+cd"),
@@ -129,7 +129,7 @@ def test_copying_workload_accepts_drafts_and_changes_nothing(plain, spec, chain,
 
 def test_preemption_with_drafts_is_identical(copy_model_dir, plain, chain, monkeypatch):
     rng = random.Random(5)
-    prompts = [chain[: rng.randint(8, 28)] for _ in range(5)]
+    prompts = [chain[: rng.randint(8, 28)] for _ in range(4)]
     prompts = [p + [p[rng.randrange(len(p) - 1)]] for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     want = [o.token_ids for o in plain.generate(prompts, params)]
@@ -153,18 +153,18 @@ def test_parity_prompts_batched_chunked_and_cached_match_transformers(fixture, r
     # A span that recurs: the drafter proposes what followed it (mostly rejected here).
     span = [rng.randrange(0, 151643) for _ in range(6)]
     echo = [span + [rng.randrange(0, 151643) for _ in range(9)] + span]
-    prompts = mixed_prompts(5) + echo
+    prompts = mixed_prompts(4) + echo
     llm = _llm(model_dir, spec=True, num_pages=512, page_size=16, max_prefill_tokens=32)
-    check_identical(model_dir, llm, prompts, max_tokens=8)
+    check_identical(model_dir, llm, prompts, max_tokens=6)
     first = llm.engine.stats().prefix_cache_hit_tokens_total
-    check_identical(model_dir, llm, prompts[-2:], max_tokens=8)  # again: prefix-cache hits
+    check_identical(model_dir, llm, prompts[-2:], max_tokens=6)  # again: prefix-cache hits
     assert llm.engine.stats().prefix_cache_hit_tokens_total > first
     assert_no_pages_held(llm)
 
 
 def test_tp2_verifies_rank_zeros_drafts(copy_model_dir, plain, chain, monkeypatch):
     prompts = [chain + [T0], [9, 8, 7, 6]]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want = [o.token_ids for o in plain.generate(prompts, params)]
     with _llm(copy_model_dir, spec=True, num_pages=64, tp_size=2) as tp2:
         seen = counting(tp2, monkeypatch)
