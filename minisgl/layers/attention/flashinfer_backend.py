@@ -14,7 +14,9 @@ new tokens' slots in a static tensor the captured K/V stores read.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -104,35 +106,23 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.graph_meta[b] = FlashInferDecodeMetadata(out_loc=out_loc[:b], wrapper=wrapper)
 
     def prepare_decode_graph(self, layout: BatchLayout, bucket: int) -> FlashInferDecodeMetadata:
-        ps = layout.page_size
-        prefix = np.asarray(layout.prefix_lens, dtype=np.int64)
-        total = prefix + 1
-        used_pages = (total + ps - 1) // ps
-        for i, (table, n) in enumerate(zip(layout.page_tables, used_pages, strict=True)):
-            if len(table) < n:
-                raise ValueError(f"request {i}: {len(table)} pages of {ps} cannot hold {n * ps}")
-        indices = np.concatenate(
-            [np.asarray(t[:n], dtype=np.int64) for t, n in zip(layout.page_tables, used_pages)]
-        )
-        kv_indptr = np.concatenate(([0], np.cumsum(used_pages)))
+        plan = build_paged_plan(layout)  # one new token per request
         meta = self.graph_meta[bucket]
         # Host tensors: in CUDA-graph mode plan() copies them into the buffers given at
         # construction (the ones the captured kernels read).
         meta.wrapper.plan(
-            torch.from_numpy(kv_indptr.astype(np.int32)),
-            torch.from_numpy(indices.astype(np.int32)),
-            torch.from_numpy((total - (used_pages - 1) * ps).astype(np.int32)),
+            plan.kv_indptr,
+            plan.indices,
+            plan.last_page_len,
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            ps,
+            layout.page_size,
             sm_scale=self.scale,
             q_data_type=self.kv_pool.dtype,
             kv_data_type=self.kv_pool.dtype,
         )
-        # The new token of request i sits at position prefix[i].
-        slots = indices[kv_indptr[:-1] + prefix // ps] * ps + prefix % ps
-        meta.out_loc.copy_(torch.from_numpy(slots))
+        meta.out_loc.copy_(torch.from_numpy(plan.out_loc))
         return meta
 
     def forward(
