@@ -14,6 +14,7 @@ from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.request import Request
 from minisgl.speculative.eagle3_drafter import Eagle3Drafter
 from minisgl.testing.eagle3_writer import write_eagle3_head
+from minisgl.testing.frozen_cost import freeze_step_costs
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,7 @@ def test_greedy_output_is_unchanged_by_eagle3_drafts(head_dir: Path, tiny_model_
             speculative_num_draft_tokens=3,
         )
     )
+    freeze_step_costs(spec)  # draft counts must not follow this machine's load
     drafter = spec.drafter
     assert isinstance(drafter, Eagle3Drafter)
     seen: list[tuple[list[int], list[int]]] = []  # (tokens so far, drafts) of request q0
@@ -120,7 +122,7 @@ def _eagle3_llm(model_dir: Path, head: Path, **kw):
     from minisgl import LLM
 
     kw.setdefault("page_size", 4)
-    return LLM(
+    llm = LLM(
         str(model_dir),
         dtype="float32",
         cpu_kernel_tuning="off",  # kernel choice never changes tokens
@@ -129,6 +131,9 @@ def _eagle3_llm(model_dir: Path, head: Path, **kw):
         speculative_num_draft_tokens=4,
         **kw,
     )
+    if kw.get("tp_size", 1) == 1:  # (with TP, rank 0's engine is a subprocess)
+        freeze_step_costs(llm.engine)  # draft counts must not follow this machine's load
+    return llm
 
 
 def _count_drafts(llm, monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -13,27 +13,12 @@ from pathlib import Path
 import pytest
 
 from minisgl import LLM, SamplingParams
-from minisgl.speculative.adaptive import StepCostModel
 from minisgl.testing.copy_model import write_copy_model
+from minisgl.testing.frozen_cost import FrozenCost
 
 K = 4
 STARTS = (1000, 2000)
 LENGTH = 40
-
-
-class FrozenCost(StepCostModel):
-    """A step costs 1 + 0.07 n (+0 verifying); the timings the engine reports are recorded."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[int, bool, float]] = []
-
-    def observe(self, scored_tokens: int, verify: bool, seconds: float) -> None:
-        self.seen.append((scored_tokens, verify, seconds))
-
-    @property
-    def coefficients(self) -> tuple[float, float, float]:
-        return 1.0, 0.07, 0.0
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.testing.copy_model import write_copy_model
+from minisgl.testing.frozen_cost import freeze_step_costs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,7 +34,10 @@ def _llm(model_dir: Path | str, spec: bool, **kw) -> LLM:
     kw.setdefault("cpu_kernel_tuning", "off")  # kernel choice never changes tokens
     if spec:
         kw.update(speculative_algorithm="ngram", speculative_num_draft_tokens=K)
-    return LLM(str(model_dir), dtype="float32", **kw)
+    llm = LLM(str(model_dir), dtype="float32", **kw)
+    if spec and kw.get("tp_size", 1) == 1:  # (with TP, rank 0's engine is a subprocess)
+        freeze_step_costs(llm.engine)  # draft counts must not follow this machine's load
+    return llm
 
 
 @pytest.fixture(scope="module")
