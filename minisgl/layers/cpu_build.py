@@ -37,6 +37,7 @@ COMMON_SOURCES = (
     "rows.c",
     "stream.c",
     "qgemv.c",
+    "qdequant.c",
 )
 AVX512_NEEDS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 

@@ -114,6 +114,16 @@ class _Lib:
                 dfn.argtypes = [ptr, i64, ptr, ptr, i64, ptr] + [i64] * 4
                 qfn.restype = dfn.restype = None
                 self.qgemv[kind], self.qdequant[kind] = qfn, dfn
+        # Many rows over quantized weights, a panel dequantized once for all of them
+        # (qdequant.c; minisgl/quant/cpu_panel.py): qgemv's arguments.
+        self.qpanel: dict[str, Any] = {}
+        for kind in ("u4", "u8", "fp8"):
+            pfn: Any = getattr(lib, f"qpanel_{kind}", None)
+            if pfn is not None:
+                pfn.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+                pfn.argtypes += [i64] * 4
+                pfn.restype = None
+                self.qpanel[kind] = pfn
         lib.stream_read.argtypes = [ptr, i64]
         lib.stream_read.restype = ctypes.c_float
         self.stream_read = lib.stream_read

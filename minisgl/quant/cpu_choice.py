@@ -4,10 +4,12 @@ weights (layers/cpu_linear.py, with kernel_choice.py's buckets, picks and tuning
 The candidates (cpu_gemv.py), all reading the quantized weight as loaded (no second copy):
 - "qgemv": the codes widened in registers, each byte read once per call; decode's pick;
 - "dequant_gemm": a chunk of rows dequantized once into fp32, then our fp32 GEMM;
-- "dequant_torch": the same chunk multiplied by torch's fp32 matmul (MKL / oneDNN).
+- "dequant_torch": the same chunk multiplied by torch's fp32 matmul (MKL / oneDNN);
+- "dequant_panel": 16 rows at a time dequantized once into a register tile's layout, for all
+  input rows (cpu_panel.py); the default for many rows.
 Which wins at which row count depends on the CPU (FMA width, integer multiply rate, MKL), so
 nothing is a fixed row limit: each shape and code kind is timed per bucket at start-up, or read
-from the cache. Tuning "off": qgemv up to cpu_kernels.MAX_ROWS rows, then dequant_gemm.
+from the cache. Tuning "off": qgemv up to cpu_kernels.MAX_ROWS rows, then dequant_panel.
 """
 
 from __future__ import annotations
@@ -20,17 +22,18 @@ import torch
 
 from minisgl.layers import cpu_build, cpu_kernels, kernel_choice
 from minisgl.layers.kernel_choice import BUCKETS, TIMED_ROWS, MachineKey, ShapeKey
-from minisgl.quant import cpu_gemv
+from minisgl.quant import cpu_gemv, cpu_panel
 from minisgl.quant.qtensor import QTensor
 
 logger = logging.getLogger(__name__)
 
-CANDIDATES = ("qgemv", "dequant_gemm", "dequant_torch")
+CANDIDATES = ("qgemv", "dequant_gemm", "dequant_torch", "dequant_panel")
 Run = Callable[[torch.Tensor, QTensor], torch.Tensor]
 _RUN: dict[str, Run] = {
     "qgemv": cpu_gemv.qgemv,
     "dequant_gemm": cpu_gemv.dequant_gemm,
     "dequant_torch": cpu_gemv.dequant_torch,
+    "dequant_panel": cpu_panel.dequant_panel,
 }
 # Timing passes: as cpu_linear's (cold weights, bounded FLOPs, best of a few interleaved).
 _COLD_BYTES = 48 << 20
@@ -52,7 +55,9 @@ class QuantKernel:
 
 def default_picks() -> tuple[str, ...]:
     small = cpu_kernels.MAX_ROWS
-    return tuple("qgemv" if (last or small + 1) <= small else "dequant_gemm" for _, last in BUCKETS)
+    return tuple(
+        "qgemv" if (last or small + 1) <= small else "dequant_panel" for _, last in BUCKETS
+    )
 
 
 def shape_key(w: QTensor, x_dtype: torch.dtype) -> ShapeKey:

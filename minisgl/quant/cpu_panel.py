@@ -1,0 +1,44 @@
+"""Many rows (prefill, large decode batches) over a quantized weight on the CPU, by
+layers/csrc/qdequant.c: each thread dequantizes 16 weight rows at a time, a segment of K at a
+time, into fp32 laid out for a 6x16 register tile, once for every input row, and multiplies
+there. The values are qtensor.dequantize's exactly, the products and sums fp32 (as the bf16
+panel kernel's), so the result is the dequantized weight's matmul to fp32 rounding; weights as
+cpu_gemv.usable takes them. A candidate of the quantized chooser (cpu_choice.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.layers import cpu_kernels
+from minisgl.quant import cpu_gemv
+from minisgl.quant.qtensor import QTensor
+
+
+def dequant_panel(
+    x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """x [M, K] @ weight.T -> [M, N] in `out_dtype` (default x's dtype), any M."""
+    lib = cpu_kernels.load()
+    assert lib is not None
+    out_dtype = out_dtype or x.dtype
+    x_bf16 = x.dtype == torch.bfloat16
+    xc = x.contiguous() if x_bf16 or x.dtype == torch.float32 else x.float().contiguous()
+    (m, k), n = xc.shape, w.codes.shape[0]
+    y = torch.empty(m, n, dtype=torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
+    zeros = w.zeros.data_ptr() if w.zeros is not None else None
+    lib.qpanel[cpu_gemv.kind(w)](
+        xc.data_ptr(),
+        int(x_bf16),
+        w.codes.data_ptr(),
+        w.codes.stride(0) * w.codes.element_size(),
+        w.scales.data_ptr(),
+        zeros,
+        w.scales.stride(0),
+        y.data_ptr(),
+        int(y.dtype == torch.bfloat16),
+        m,
+        n,
+        k,
+        w.group_size or k,
+    )
+    return y if y.dtype == out_dtype else y.to(out_dtype)
