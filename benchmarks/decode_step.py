@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import statistics
 import sys
 import time
@@ -224,7 +225,7 @@ def _build(
     # B=1 reads only what one token touches (a mixture of experts: its k routed experts), more
     # rows are counted as all the weights.
     cases: dict[str, tuple[ForwardInput, int, float, float]] = {}
-    size = runner.model.lm_head.weight.element_size()
+    size = runner.dtype.itemsize  # a float weight's bytes (the LM head may be quantized)
     for b in batches:
         nbytes = one if b == 1 else weight_bytes + b * args.context * kv_token
         active = params if eargs.quantization else min(params, nbytes / size)
@@ -238,7 +239,7 @@ def _build(
         inp = prefill_input(args.prefill_tokens, args.prefill_len)
         n = len(inp.token_ids)
         # Logits only for each request's last token.
-        head = runner.model.lm_head.weight.numel()
+        head = math.prod(runner.model.lm_head.weight.shape)
         flops = 2.0 * ((params - head) * n + head * len(inp.sample_rows))
         cases[f"prefill {n} tok ({args.prefill_len}/req)"] = (inp, n, weight_bytes, flops)
     return runner, cases, params, weight_bytes

@@ -22,6 +22,9 @@ OUTPUT_PARSERS = ("auto", "qwen3", "none")
 CPU_KERNEL_TUNING = ("cached", "full", "off")
 # --quantization: how a float checkpoint is quantized at load (minisgl/quant/scheme.py).
 QUANTIZATIONS = ("int8", "int4", "fp8")
+# --lm-head-quantization: the LM head's (and a tied embedding's) format; auto: int8 per channel
+# under --quantization, else as the checkpoint has it.
+LM_HEAD_QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 # --speculative-algorithm (SGLang's flag names): where draft tokens come from.
 SPECULATIVE_ALGORITHMS = ("ngram", "eagle3")
 # Multi-node: the shared secret, when --node-secret-file is not given (never a flag: a command
@@ -47,6 +50,14 @@ class EngineArgs:
         "per output channel), int4 (groups of 128 with zero points) or fp8 (e4m3, 128x128 "
         "block scales); FP8, AWQ and GPTQ checkpoints load quantized without it",
         QUANTIZATIONS,
+    )
+    lm_head_quantization: str = _f(
+        "auto",
+        "the LM head's weights (a tied embedding's too: it is looked up from them): auto "
+        "quantizes it to int8 per output channel under --quantization and keeps it as the "
+        "checkpoint has it otherwise; none keeps it in the float dtype; int8, int4 or fp8 (e4m3, "
+        "one scale per row) quantize it at load in any checkpoint",
+        LM_HEAD_QUANTIZATIONS,
     )
     device: str = _f("auto", "cpu, cuda or auto (cuda when available)", DEVICES)
     num_pages: int | None = _f(None, "KV cache pages; default derived from free memory")

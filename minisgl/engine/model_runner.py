@@ -117,6 +117,7 @@ class ModelRunner:
             tp_size,
             cpu_kernel_tuning=args.cpu_kernel_tuning,
             quantization=args.quantization,
+            lm_head_quantization=args.lm_head_quantization,
             cpu_weight_copies_max_gb=args.cpu_weight_copies_max_gb,
         )
         num_kv_heads = max(1, config.num_key_value_heads // tp_size)

@@ -156,6 +156,7 @@ def load_model(
     cpu_kernel_tuning: str = "cached",
     quantization: str | None = None,
     cpu_weight_copies_max_gb: float = 0.0,
+    lm_head_quantization: str = "auto",
 ) -> Qwen3ForCausalLM:
     """Build the model for this rank on `device` (its class picked by config.json's
     `architectures`, see registry.py) and fill it from the checkpoint at `path`.
@@ -164,14 +165,15 @@ def load_model(
     row count (`cpu_kernel_tuning`: cached, full or off; see cpu_linear.py); set
     MINISGL_CPU_PREPACK=0 (or pass False) to keep plain F.linear.
     A quantized checkpoint (config.json's quantization_config) loads as it is; `quantization`
-    (int8, int4, fp8) quantizes a float one as it streams in (see minisgl/quant/).
+    (int8, int4, fp8) quantizes a float one as it streams in (see minisgl/quant/), and
+    `lm_head_quantization` the LM head (auto: int8 under `quantization`, else as it is).
     Each weight is kept once (in the layout measured best over all row counts) unless
     `cpu_weight_copies_max_gb` allows second layouts.
     """
     if cpu_weight_copies_max_gb < 0:
         raise ValueError(f"cpu_weight_copies_max_gb must be >= 0, not {cpu_weight_copies_max_gb}")
     files = checkpoint_files(Path(path))
-    layout = quant_loading.checkpoint_layout(files, config, quantization)
+    layout = quant_loading.checkpoint_layout(files, config, quantization, lm_head_quantization)
     check_against_config(path, files, config, layout.shapes)
     # Parameters are created on the meta device (no memory, no random init) and then
     # materialised uninitialised on the target: every one is overwritten from the checkpoint.
@@ -194,7 +196,7 @@ def load_model(
         raise FileNotFoundError(f"checkpoint {path} has no tensor {missing[0]!r}{more}")
     model.eval()
     if tp_rank == 0:
-        logger.info(quant_loading.summary(model, layout.scheme))
+        logger.info(quant_loading.summary(model, layout.scheme, layout.head))
     quant_loading.for_device(model, device, dtype)
     if prepack and device.type == "cpu":
         model.prepack(cpu_kernel_tuning, int(cpu_weight_copies_max_gb * 2**30))

@@ -374,7 +374,8 @@ class Qwen3ForCausalLM(nn.Module):
             if isinstance(m, (LinearBase, ParallelLMHead)) and not isinstance(m.weight, QuantWeight)
         ]
         embed, head = self.model.embed_tokens, self.lm_head
-        tied = head.weight is embed.weight
+        # A quantized head (and the tied table it is) is no float matmul's: nothing to share.
+        tied = head.weight is embed.weight and not isinstance(head.weight, QuantWeight)
         # Weights other modules read too keep their row-major original; a tied embedding is the
         # exception: it can read its rows from the head's panels.
         shared = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import LinearBase, RowParallelLinear
 from minisgl.layers.moe import FusedMoE
 from minisgl.quant.layout import CheckpointLayout
@@ -60,13 +61,37 @@ def _all_or_none(name: str, modules: list[str], layout: CheckpointLayout) -> boo
     return all(quantized)
 
 
+def attach_head(model: nn.Module, scheme: QuantScheme | None) -> int:
+    """The LM head holds a QuantWeight of `scheme` (None: it stays float); a tied embedding
+    holds the same one and looks its rows up in it. Returns 1 if the head is quantized."""
+    if scheme is None:
+        return 0
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+    assert len(heads) == 1, "a model with one LM head"
+    head = heads[0]
+    tied = next(
+        (
+            m
+            for m in model.modules()
+            if isinstance(m, VocabParallelEmbedding)
+            and not isinstance(m, ParallelLMHead)
+            and m.weight is head.weight
+        ),
+        None,
+    )
+    n, k = head.weight.shape
+    head.quantize_as(_holder(scheme, n, k, k, False), tied)
+    return 1
+
+
 def attach(model: nn.Module, layout: CheckpointLayout) -> int:
-    """Swap in QuantWeight buffers for every linear the layout has quantized; returns how many
-    layers (a mixture's experts count as two: w13 and w2) now hold quantized weights."""
+    """Swap in QuantWeight buffers for every linear the layout has quantized, and the LM head
+    where it is quantized at load; returns how many layers (a mixture's experts count as two:
+    w13 and w2) now hold quantized weights."""
+    count = attach_head(model, layout.head)
     scheme = layout.scheme
     if scheme is None or not layout.quantized:
-        return 0
-    count = 0
+        return count
     for name, m in list(model.named_modules()):
         if isinstance(m, LinearBase):
             if not _all_or_none(name, _hf_modules(name), layout):
@@ -100,7 +125,8 @@ def after_materialise(model: nn.Module) -> None:
 
 def weight_bytes(model: nn.Module) -> tuple[int, int, int]:
     """(bytes of quantized weights, how many quantized weights, bytes of everything else the
-    model holds: embeddings, norms, LM head, routers), each tensor counted once. A weight the
+    model holds: embeddings, norms, a float LM head, routers), each tensor counted once (a
+    tied quantized head and embedding are one QuantWeight). A weight the
     CPU kernels moved into a layout of their own (cpu_linear.py: left on the meta device) is
     counted at its size: the copy holds as many bytes."""
     quant = [m for m in model.modules() if isinstance(m, QuantWeight)]
@@ -117,20 +143,41 @@ def weight_bytes(model: nn.Module) -> tuple[int, int, int]:
     return qbytes, len(quant), fbytes
 
 
+def _head(model: nn.Module) -> QuantWeight | None:
+    head = next((m for m in model.modules() if isinstance(m, ParallelLMHead)), None)
+    return head.weight if head is not None and isinstance(head.weight, QuantWeight) else None
+
+
 def format_name(model: nn.Module, scheme: QuantScheme | None) -> str:
     """The weights' format for /metrics: the scheme's method (fp8, awq, gptq, int8, int4), or
-    "none" for a model without quantized weights."""
-    quantized = any(isinstance(m, QuantWeight) for m in model.modules())
+    "none" for a model whose layers are unquantized (its LM head may be: the log says)."""
+    head = _head(model)
+    quantized = any(isinstance(m, QuantWeight) and m is not head for m in model.modules())
     return scheme.method if scheme is not None and quantized else "none"
 
 
-def summary(model: nn.Module, scheme: QuantScheme | None) -> str:
-    """'weights: <format>; T MiB: X MiB quantized in N weights + Y MiB float' for the log."""
+def summary(model: nn.Module, scheme: QuantScheme | None, head: QuantScheme | None = None) -> str:
+    """'weights: <format>; LM head: <format>; T MiB: X MiB quantized in N weights + Y MiB
+    float' for the log."""
     qbytes, count, fbytes = weight_bytes(model)
     mib = 1 << 20
-    what = scheme.describe() if scheme is not None and count else "unquantized"
+    quantized_head = _head(model)
+    layers = count - (quantized_head is not None)
+    what = scheme.describe() if scheme is not None and layers else "unquantized"
+    if quantized_head is None:
+        head_what, floats = "float", "embeddings, norms, LM head, routers"
+    else:
+        head_what = head.describe() if head is not None else "quantized"
+        tied = any(
+            isinstance(m, VocabParallelEmbedding)
+            and not isinstance(m, ParallelLMHead)
+            and m.weight is quantized_head
+            for m in model.modules()
+        )
+        head_what += " (the tied embedding looks its rows up in it)" if tied else ""
+        floats = "norms, routers" if tied else "embeddings, norms, routers"
     return (
-        f"weights: {what}; {(qbytes + fbytes) / mib:.1f} MiB: {qbytes / mib:.1f} MiB quantized "
-        f"in {count} weights + {fbytes / mib:.1f} MiB float (embeddings, norms, LM head, "
-        "routers)"
+        f"weights: {what}; LM head: {head_what}; {(qbytes + fbytes) / mib:.1f} MiB: "
+        f"{qbytes / mib:.1f} MiB quantized in {count} weights + {fbytes / mib:.1f} MiB float "
+        f"({floats})"
     )

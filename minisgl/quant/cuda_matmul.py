@@ -15,6 +15,11 @@ kernel fits, by the weight dequantized to the model's dtype (said in one log lin
 - everything else (8-bit integer codes, GPTQ desc_act, fp8 below 8.9 or where the probe
   fails): dequantized at load, then plain matmuls.
 
+A tied LM head (--lm-head-quantization) is also the embedding table, looked up by token id:
+its rows stay readable after the conversion (`QuantWeight.lookup`): from the dense weight where
+it was dequantized, from the fp8 codes (shared) and their per-row scales, and for int4 from the
+codes as loaded, kept beside the repacked ones (the repacked layout has no row to gather).
+
 The choice and the conversions are plain functions over tensors, so they run (and are tested)
 on the CPU too: `Int4Ops` names the torch ops, the CUDA ones or their CPU twins.
 """
@@ -29,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.quant.qtensor import FP8, QTensor, dequantize, unpack_nibbles
+from minisgl.quant.qtensor import FP8, QTensor, dequantize, take_rows, unpack_nibbles
 from minisgl.quant.weight import QuantWeight
 
 logger = logging.getLogger(__name__)
@@ -202,6 +207,17 @@ def to_dense(w: QuantWeight, dtype: torch.dtype) -> None:
     _replace(w, weight, weight.new_empty(0), lambda x, v: F.linear(x, v.codes.to(x.dtype)))
 
 
+def _lookup(w: QuantWeight, path: str, loaded: QTensor) -> None:
+    """Rows of a looked-up table (a tied LM head) after `path` converted it; `loaded`: its
+    buffers as they were loaded."""
+    if path == "dequantize":
+        dense = w.codes
+        w.lookup = lambda ids, dtype: F.embedding(ids, dense).to(dtype)
+        return
+    k = w.in_features
+    w.lookup = lambda ids, dtype: dequantize(take_rows(loaded, ids), dtype).view(*ids.shape, k)
+
+
 def _fp8_works(w: QuantWeight, dtype: torch.dtype) -> str | None:
     """Runs the fp8 kernel once on 4 rows of zeros; None if it works, else why not."""
     probe = QuantWeight(
@@ -241,6 +257,7 @@ def prepare(
                 probed[key] = _fp8_works(m, dtype)
             if probed[key] is not None:
                 path, why = "dequantize", str(probed[key])
+        loaded = m.view() if m.looked_up and not m.experts else None
         if path == "int4":
             to_int4(m, ops)
         elif path == "fp8":
@@ -248,6 +265,8 @@ def prepare(
         else:
             to_dense(m, dtype)
             reasons[why] = reasons.get(why, 0) + 1
+        if loaded is not None:
+            _lookup(m, path, loaded)
         counts[path] = counts.get(path, 0) + 1
     if not counts:
         return None

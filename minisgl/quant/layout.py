@@ -59,6 +59,10 @@ class CheckpointLayout:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # Quantized linears (HF module names) -> the suffixes of theirs the checkpoint has.
     quantized: dict[str, frozenset[str]] = field(default_factory=dict)
+    # The LM head quantized at load (--lm-head-quantization): its scheme and the checkpoint
+    # tensor it is made from (a tied model's embedding table, else lm_head.weight).
+    head: QuantScheme | None = None
+    head_tensor: str = ""
 
 
 def read_headers(files: Iterable[Path]) -> dict[str, Header]:
@@ -148,10 +152,14 @@ def assemble(
 ) -> Iterator[tuple[str, torch.Tensor | QTensor]]:
     """The checkpoint's tensors with each quantized linear's parts (in whatever order and
     shard they come) replaced by one `<module>.weight` QTensor, yielded as soon as its last
-    part is read; a float checkpoint's linears quantized one by one under --quantization."""
+    part is read; a float checkpoint's linears quantized one by one under --quantization, and
+    the LM head (a tied one: the embedding table) under --lm-head-quantization."""
     scheme = layout.scheme
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in tensors:
+        if layout.head is not None and name == layout.head_tensor:
+            yield name, quantize(t, layout.head)
+            continue
         prefix, _, suffix = name.rpartition(".")
         want = layout.quantized.get(prefix)
         if scheme is None or want is None or suffix not in want:

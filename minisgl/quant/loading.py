@@ -16,7 +16,7 @@ from minisgl.quant import layout as quant_layout
 from minisgl.quant.attach import after_materialise, attach, format_name, summary, weight_bytes
 from minisgl.quant.layout import CheckpointLayout, read_headers, scan
 from minisgl.quant.qtensor import QTensor
-from minisgl.quant.scheme import QuantScheme, load_scheme
+from minisgl.quant.scheme import QuantScheme, lm_head_scheme, load_scheme
 from minisgl.quant.weight import QuantWeight
 
 __all__ = [
@@ -46,9 +46,14 @@ def scheme(config: ModelConfig, quantization: str | None) -> QuantScheme | None:
 
 
 def checkpoint_layout(
-    files: list[Path], config: ModelConfig, quantization: str | None
+    files: list[Path], config: ModelConfig, quantization: str | None, lm_head: str = "auto"
 ) -> CheckpointLayout:
-    return scan(read_headers(files), scheme(config, quantization))
+    layout = scan(read_headers(files), scheme(config, quantization))
+    layout.head = lm_head_scheme(lm_head, quantization, config.quantization)
+    # Tied: the embedding table is the head, quantized once and looked up from its codes.
+    tied = config.tie_word_embeddings
+    layout.head_tensor = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    return layout
 
 
 def assemble(

@@ -118,6 +118,22 @@ class QTensor:
         return self
 
 
+def take_rows(w: QTensor, ids: torch.Tensor) -> QTensor:
+    """The rows `ids` (any shape, flattened) of a weight: its codes, scales and zero points
+    gathered, for an embedding lookup from a quantized table."""
+    flat = ids.reshape(-1)
+    zeros = w.zeros.index_select(0, flat) if w.zeros is not None else None
+    return QTensor(
+        w.codes.index_select(0, flat),
+        w.scales.index_select(0, flat),
+        zeros,
+        w.g_idx,
+        w.bits,
+        w.group_size,
+        w.in_features,
+    )
+
+
 def _copy(what: str, dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.shape != src.shape:
         raise ValueError(

@@ -4,7 +4,8 @@ at a time (the float model is never whole in memory).
 - int8: symmetric, one scale per output row: code = round(w / s) + 128, s = max|w| / 127.
 - int4: one scale and zero point per row and group of INT4_GROUP input features:
   s = (max - min) / 15, zero = round(-min / s), code = clamp(round(w / s) + zero, 0, 15).
-- fp8: e4m3 codes with one scale per FP8_BLOCK x FP8_BLOCK block: s = max|w| / 448.
+- fp8: e4m3 codes with one scale per FP8_BLOCK x FP8_BLOCK block: s = max|w| / 448 (the LM
+  head's fp8: one scale per row, group_size 0).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ def quantize(w: torch.Tensor, scheme: QuantScheme) -> QTensor:
         return _int8(w)
     if scheme.method == "int4":
         return _int4(w, scheme.group_size)
+    if scheme.group_size == 0:
+        return _fp8_rows(w)
     return _fp8(w, scheme.group_size)
 
 
@@ -66,3 +69,10 @@ def _fp8(w: torch.Tensor, b: int) -> QTensor:
     per_feature = rows.repeat_interleave(b, dim=1)[:, :k]
     codes = (w / per_feature).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return QTensor(codes, rows.contiguous(), None, None, 8, b, k)
+
+
+def _fp8_rows(w: torch.Tensor) -> QTensor:
+    k = w.shape[1]
+    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(_TINY)  # [N, 1]
+    codes = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return QTensor(codes, scale, None, None, 8, 0, k)

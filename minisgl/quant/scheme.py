@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from minisgl.config import LM_HEAD_QUANTIZATIONS
 from minisgl.config import QUANTIZATIONS as LOAD_METHODS  # --quantization's choices
 
 SUPPORTED = (
@@ -194,3 +195,40 @@ def load_scheme(method: str) -> QuantScheme:
             source="load",
         )  # fmt: skip
     raise ValueError(f"unknown --quantization {method!r}; choose from {', '.join(LOAD_METHODS)}")
+
+
+# What --lm-head-quantization auto makes of the head under --quantization: 8 bits whatever the
+# body's format. The head's error goes straight into every logit (llama.cpp's Q4_0 and Q8_0
+# files keep theirs at Q6_K / Q8_0 for the same reason), and int8 per channel is exact to
+# 1/254 of a row's largest weight at 1 byte per weight, against bf16's 2.
+AUTO_LM_HEAD = "int8"
+
+
+def head_scheme(method: str) -> QuantScheme:
+    """The LM head's scheme for --lm-head-quantization `method`: int8 per channel, int4 as
+    --quantization int4 makes it, fp8 e4m3 with one scale per row (not 128x128 blocks: a
+    vocabulary split over tensor-parallel ranks need not start on a block of rows)."""
+    if method == "fp8":
+        return QuantScheme(
+            "fp8", 8, 0, fp8_scales="channel", fp8_scale_name="weight_scale", source="load"
+        )
+    return load_scheme(method)
+
+
+def lm_head_scheme(
+    lm_head: str, quantization: str | None, checkpoint: QuantScheme | None
+) -> QuantScheme | None:
+    """The scheme the LM head is quantized with at load (None: it stays as the checkpoint has
+    it). auto: int8 per channel for --quantization (the format promises its bytes for the
+    whole step, the head included), the checkpoint's own head otherwise (quantized
+    checkpoints keep theirs in float: minisgl refuses a quantized lm_head tensor)."""
+    if lm_head not in LM_HEAD_QUANTIZATIONS:
+        raise ValueError(
+            f"unknown --lm-head-quantization {lm_head!r}; choose from "
+            f"{', '.join(LM_HEAD_QUANTIZATIONS)}"
+        )
+    if lm_head == "none" or (lm_head == "auto" and not quantization):
+        return None
+    if lm_head == "auto":
+        return head_scheme(AUTO_LM_HEAD)
+    return head_scheme(lm_head)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from minisgl.quant.matmul import qlinear
-from minisgl.quant.qtensor import FP8, QTensor
+from minisgl.quant.qtensor import FP8, QTensor, dequantize, take_rows
 
 
 class QuantWeight(nn.Module):
@@ -56,6 +56,10 @@ class QuantWeight(nn.Module):
         # The CPU matmul measured fastest per row count for this shape (cpu_choice.py), set
         # at start-up; None: the untuned policy.
         self.kernel: Callable[[torch.Tensor, QTensor], torch.Tensor] | None = None
+        # Rows looked up by token id (a tied embedding's table), where a GPU conversion left
+        # the buffers in a layout `rows` cannot read (cuda_matmul.py); None: from the buffers.
+        self.lookup: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None
+        self.looked_up = False  # an embedding table too (a tied LM head): see `rows`
 
     def reset(self) -> None:
         """After materialising: g_idx unset (-1), so the first projection loaded sets it."""
@@ -103,6 +107,21 @@ class QuantWeight(nn.Module):
 
     def copy_(self, src: QTensor) -> QTensor:
         return self.view().copy_(src)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` dequantized, [*ids.shape, K] of `dtype`: an embedding lookup that reads
+        only the looked-up rows' codes (a float copy of the table is never made)."""
+        if self.lookup is not None:
+            return self.lookup(ids, dtype)
+        out = dequantize(take_rows(self.view(), ids), dtype)
+        return out.view(*ids.shape, self.in_features)
+
+    def load_rows(self, src: QTensor) -> None:
+        """Rows [0, n) from `src`, the rest (a vocabulary's padding on the last rank) zero."""
+        n = src.shape[0]
+        self.view(rows=slice(0, n)).copy_(src)
+        self.codes[n:].view(torch.uint8).zero_()  # fp8 codes too: 0x00 is +0.0
+        self.scales[n:].zero_()  # a zero scale: every padding weight dequantizes to 0
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return qlinear(x, self.view(), self.kernel)

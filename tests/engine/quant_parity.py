@@ -19,9 +19,11 @@ PREFILL_BUDGET = 32
 
 
 @functools.cache
-def source(preset: str) -> Path:
-    """The float checkpoint of `preset` the quantized ones are made from."""
-    return write_fixture_model(Path(tempfile.mkdtemp(prefix=f"minisgl-{preset}-")), preset)
+def source(preset: str, tied: bool = True) -> Path:
+    """The float checkpoint of `preset` the quantized ones are made from (`tied`: its LM head
+    is its embedding table)."""
+    out = Path(tempfile.mkdtemp(prefix=f"minisgl-{preset}-"))
+    return write_fixture_model(out, preset, tie_word_embeddings=tied)
 
 
 def pair(preset: str, fmt: QuantFormat, tmp: Path, **kw) -> tuple[Path, Path]:

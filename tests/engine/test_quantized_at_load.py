@@ -1,6 +1,7 @@
-"""--quantization int8|int4|fp8 quantizes a float checkpoint's linears as they load: the model
-holds only their quantized bytes, and generates exactly the tokens of a float checkpoint of
-the quantized-then-dequantized weights."""
+"""--quantization int8|int4|fp8 quantizes a float checkpoint's linears as they load, and the LM
+head (int8 per channel unless --lm-head-quantization says otherwise; tied, the embedding table
+with it, stored once): the model holds only their quantized bytes, and generates exactly the
+tokens of a float checkpoint of the quantized-then-dequantized weights."""
 
 from __future__ import annotations
 
@@ -16,23 +17,30 @@ from quant_parity import greedy, source
 from minisgl import LLM
 from minisgl.quant.qtensor import dequantize
 from minisgl.quant.quantize import quantize
-from minisgl.quant.scheme import load_scheme
+from minisgl.quant.scheme import head_scheme, load_scheme
 from minisgl.quant.weight import QuantWeight
+from minisgl.testing.presets import VOCAB_SIZE
 from minisgl.testing.quant_writer import LINEAR, QuantFormat, write_quantized_pair
 
 pytestmark = pytest.mark.timeout(300)
+HIDDEN = 128  # the "quant" preset's
 
 
-def _twin(method: str, out: Path) -> Path:
-    """The float checkpoint of what --quantization `method` makes of the source's weights."""
+def _twin(method: str, out: Path, tied: bool = True, head: str = "int8") -> Path:
+    """The float checkpoint of what --quantization `method` makes of the source's weights: its
+    linears, and its LM head as --lm-head-quantization `head` makes it (the embedding table
+    too where it is the head; an untied embedding stays float)."""
     from safetensors.torch import load_file, save_file
 
-    src = source("quant")
+    src = source("quant", tied)
     shutil.copytree(src, out)
     tensors = load_file(src / "model.safetensors")
+    head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
     for name, t in tensors.items():
-        if LINEAR.fullmatch(name):
+        if LINEAR.fullmatch(name) and method != "none":
             tensors[name] = dequantize(quantize(t, load_scheme(method)), torch.float32)
+        elif name == head_name and head != "none":
+            tensors[name] = dequantize(quantize(t, head_scheme(head)), torch.float32)
     save_file(tensors, str(out / "model.safetensors"))
     return out
 
@@ -45,6 +53,19 @@ def test_greedy_tokens_equal_the_quantized_then_dequantized_weights(
     assert ours == greedy(_twin(method, tmp_path / "twin"))
 
 
+def test_an_untied_head_is_quantized_and_its_embedding_stays_float(tmp_path: Path) -> None:
+    # fp8 layers with the int8 head: the head's format is its own, not the layers'.
+    ours = greedy(source("quant", tied=False), quantization="fp8")
+    assert ours == greedy(_twin("fp8", tmp_path / "twin", tied=False))
+
+
+def _vocab_tables(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every float copy of the vocabulary table the model holds (a quantized table's codes are
+    not float; its per-row scales are [V, 1])."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return [t for t in tensors if t.is_floating_point() and tuple(t.shape) == (VOCAB_SIZE, HIDDEN)]
+
+
 def test_only_quantized_bytes_are_held(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="minisgl.models.loader")
     with LLM(
@@ -55,19 +76,57 @@ def test_only_quantized_bytes_are_held(caplog: pytest.LogCaptureFixture) -> None
         quantization="int4",
     ) as llm:
         model = llm.engine.runner.model
-        held = [m for m in model.modules() if isinstance(m, QuantWeight)]
-        assert len(held) == 2 * 4  # qkv, o, gate_up, down in each of the 2 layers
+        held = list(dict.fromkeys(m for m in model.modules() if isinstance(m, QuantWeight)))
+        # qkv, o, gate_up, down in each of the 2 layers, and the (tied) LM head
+        assert len(held) == 2 * 4 + 1
         # No float copy of a quantized layer: its only tensors are the codes and scales.
         for m in model.modules():
             if hasattr(m, "weight") and isinstance(m.weight, QuantWeight):
                 assert not list(m.parameters(recurse=False))
-        codes = sum(m.codes.numel() * m.codes.element_size() for m in held)
+        # The tied table is stored once, as the head's int8 codes; nothing float of its size.
+        head, embed = model.lm_head.weight, model.model.embed_tokens.weight
+        assert isinstance(head, QuantWeight) and embed is head
+        assert head.codes.dtype == torch.uint8 and tuple(head.codes.shape) == (VOCAB_SIZE, HIDDEN)
+        assert _vocab_tables(model) == []
+        codes = sum(m.codes.numel() * m.codes.element_size() for m in held if m is not head)
         # per layer qkv 512x128, o 128x256, gate_up 512x128, down 128x256; 4 bits each
         assert codes == 2 * (512 * 128 + 128 * 256 + 512 * 128 + 128 * 256) // 2
+        # The embedding lookup reads the dequantized rows of the table.
+        ids = torch.tensor([0, 7, VOCAB_SIZE - 1])
+        want = dequantize(head.view(), torch.float32)[ids]
+        assert torch.equal(model.model.embed_tokens(ids), want)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:"))
     assert "int4 4-bit, group 128, zero points (quantized at load)" in line
+    assert "LM head: int8 8-bit, per channel" in line
     quantized_mib = float(re.search(r"([\d.]+) MiB quantized", line).group(1))
-    assert 0 < quantized_mib < 0.25  # 393,216 weights: 1.5 MiB in float32
+    float_mib = float(re.search(r"([\d.]+) MiB float", line).group(1))
+    # 151936 x 128 head codes (18.5 MiB) + their scales and zero points + the layers' 0.2 MiB;
+    # in float32 the table alone would be 74 MiB.
+    assert 18.5 < quantized_mib < 20
+    assert float_mib < 0.1  # norms
+
+
+def test_lm_head_quantization_none_keeps_the_head_float(tmp_path: Path) -> None:
+    with LLM(
+        str(source("quant")),
+        dtype="float32",
+        num_pages=16,
+        cpu_kernel_tuning="off",
+        quantization="int8",
+        lm_head_quantization="none",
+    ) as llm:
+        model = llm.engine.runner.model
+        head, embed = model.lm_head, model.model.embed_tokens
+        assert not isinstance(head.weight, QuantWeight)
+        assert head.weight is embed.weight and head.weight.dtype == torch.float32
+        assert sum(isinstance(m, QuantWeight) for m in model.modules()) == 2 * 4
+        assert len(_vocab_tables(model)) == 1
+
+
+def test_lm_head_quantization_alone_quantizes_a_float_model_head(tmp_path: Path) -> None:
+    # No --quantization: the layers stay float, the head is quantized as asked (int4 here).
+    ours = greedy(source("quant"), lm_head_quantization="int4")
+    assert ours == greedy(_twin("none", tmp_path / "twin", head="int4"))
 
 
 def test_a_quantized_checkpoint_refuses_the_flag(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from minisgl.quant import cuda_matmul as cm
 from minisgl.quant.qtensor import FP8, QTensor, dequantize, unpack_nibbles
 from minisgl.quant.quantize import quantize
-from minisgl.quant.scheme import load_scheme
+from minisgl.quant.scheme import head_scheme, load_scheme
 from minisgl.quant.weight import QuantWeight
 
 
@@ -142,3 +142,17 @@ def test_on_the_gpu_the_kernels_equal_the_dequantized_weight(fmt: str) -> None:
     assert line is not None and "dequantized" not in line, line
     x = torch.randn(7, 1024, device="cuda", dtype=torch.bfloat16)
     _close(h.kernel(x, h.view()), x.float() @ ref.t(), 0.06)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+def test_a_tied_head_is_still_looked_up_by_row_after_the_gpu_conversion(fmt: str) -> None:
+    # The LM head's schemes (--lm-head-quantization), each taking its GPU path (int8 is
+    # dequantized, int4 repacked, fp8 per-row scales for scaled_mm) while the tied embedding
+    # keeps reading rows of the same weight.
+    w = quantize(_weight(n=320, k=256), head_scheme(fmt))
+    h = _holder(w)
+    h.looked_up = True
+    ref = dequantize(h.view(), torch.float32)
+    cm.prepare(nn.ModuleDict({"head": h}), torch.bfloat16, (9, 0), ops=cm.CPU_INT4, probe=False)
+    ids = torch.tensor([[3, 0], [319, 3]])
+    assert torch.equal(h.rows(ids, torch.bfloat16), ref.to(torch.bfloat16)[ids])
