@@ -16,7 +16,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.config import DTYPES, QUANTIZATIONS, SPECULATIVE_ALGORITHMS, ServerArgs, flag_name
+from minisgl.config import (
+    DTYPES,
+    LM_HEAD_QUANTIZATIONS,
+    QUANTIZATIONS,
+    SPECULATIVE_ALGORITHMS,
+    ServerArgs,
+    flag_name,
+)
 
 MAX_NAME_LEN = 57  # the longest child name adds "-cache"; names must stay <= 63
 # A LeaderWorkerSet's StatefulSets are <name>-<group>, and each labels its pods with
@@ -199,6 +206,11 @@ ENGINE = obj(
             string("", enum=list(QUANTIZATIONS)),
             "For a float checkpoint; see docs/models.md for the formats.",
         ),
+        "lmHeadQuantization": engine_flag(
+            "lm_head_quantization",
+            string("", enum=list(LM_HEAD_QUANTIZATIONS)),
+            "See docs/models.md.",
+        ),
         "tensorParallelSize": engine_flag(
             "tp_size",
             integer("", minimum=1, default=ServerArgs.tp_size),
@@ -227,7 +239,8 @@ ENGINE = obj(
         "extraArgs": array(
             "More `python -m minisgl` flags, appended to the command line, e.g. "
             '["--max-prefill-tokens", "8192"]. Full flag names only (no abbreviations); flags '
-            "that have a field here (model, served name, host, port, device, dtype, quantization, TP "
+            "that have a field here (model, served name, host, port, device, dtype, quantization, "
+            "LM head quantization, TP "
             "size, pages, context, running requests, shutdown timeout, speculative algorithm, "
             "draft tokens and draft model) must be set through it. A "
             "flag the server rejects makes the ModelServer Degraded (InvalidSpec).",

@@ -35,6 +35,7 @@ DEFAULT_SCALE_DOWN_STABILIZATION_S: int = SPEC.at(
 ).default
 DTYPES = SPEC.at("engine.dtype").enum
 QUANTIZATIONS = SPEC.at("engine.quantization").enum
+LM_HEAD_QUANTIZATIONS = SPEC.at("engine.lmHeadQuantization").enum
 SPECULATIVE_ALGORITHMS = SPEC.at("engine.speculative.algorithm").enum
 
 _TOLERATION_EFFECTS = (None, "", *TOLERATION_EFFECTS)
@@ -58,6 +59,7 @@ class SpeculativeSpec:
 class EngineSpec:
     dtype: str | None = None
     quantization: str | None = None
+    lm_head_quantization: str | None = None
     tensor_parallel_size: int = DEFAULT_TP_SIZE
     nodes: int = DEFAULT_NODES
     num_pages: int | None = None
@@ -269,6 +271,12 @@ def _engine(raw: Mapping[str, Any]) -> EngineSpec:
         raise SpecError(
             f"engine.quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
         )
+    lm_head = _str(raw, "engine.lmHeadQuantization")
+    if lm_head is not None and lm_head not in LM_HEAD_QUANTIZATIONS:
+        raise SpecError(
+            f"engine.lmHeadQuantization must be one of {', '.join(LM_HEAD_QUANTIZATIONS)}, "
+            f"got {lm_head!r}"
+        )
     extra = raw.get("extraArgs") or []
     if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
         raise SpecError("engine.extraArgs must be a list of strings")
@@ -282,6 +290,7 @@ def _engine(raw: Mapping[str, Any]) -> EngineSpec:
     return EngineSpec(
         dtype=dtype,
         quantization=quantization,
+        lm_head_quantization=lm_head,
         tensor_parallel_size=tp,
         nodes=nodes,
         num_pages=_int(raw, "engine.numPages"),

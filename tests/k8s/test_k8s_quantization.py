@@ -1,5 +1,6 @@
 """spec.engine.quantization: a float checkpoint quantized at load, from the ModelServer down to
-the pod's `--quantization` flag, its choices the engine's own (minisgl.config.QUANTIZATIONS)."""
+the pod's `--quantization` flag, its choices the engine's own (minisgl.config.QUANTIZATIONS);
+spec.engine.lmHeadQuantization likewise to `--lm-head-quantization`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from minisgl_operator.children import Cluster, plan
 from minisgl_operator.spec import SpecError, parse_spec
 from test_k8s_children import container, flags, make, owner
 
-from minisgl.config import QUANTIZATIONS, ServerArgs
+from minisgl.config import LM_HEAD_QUANTIZATIONS, QUANTIZATIONS, ServerArgs
 
 
 @pytest.mark.parametrize("method", QUANTIZATIONS)
@@ -37,3 +38,29 @@ def test_unknown_method_and_extra_args_are_refused() -> None:
         parse_spec("m", "ns", {"model": "m", "engine": {"quantization": "nf4"}})
     with pytest.raises(SpecError, match="may not set --quantization"):
         plan(owner({"model": "m", "engine": {"extraArgs": ["--quantization", "int8"]}}), Cluster())
+
+
+@pytest.mark.parametrize("method", [m for m in LM_HEAD_QUANTIZATIONS if m != "auto"])
+def test_lm_head_quantization_becomes_the_flag(method: str) -> None:
+    p = make({"model": "Qwen/Qwen3-8B", "engine": {"quantization": "int4",
+                                                    "lmHeadQuantization": method}})  # fmt: skip
+    assert flags(p).lm_head_quantization == method
+    command = container(p)["command"]
+    assert command[command.index("--lm-head-quantization") + 1] == method
+
+
+def test_lm_head_quantization_left_out_stays_auto() -> None:
+    p = make({"model": "Qwen/Qwen3-8B", "engine": {"quantization": "int8"}})
+    assert "--lm-head-quantization" not in container(p)["command"]
+    assert flags(p).lm_head_quantization == ServerArgs.lm_head_quantization == "auto"
+    engine = crd_schema()["properties"]["spec"]["properties"]["engine"]["properties"]
+    assert tuple(engine["lmHeadQuantization"]["enum"]) == LM_HEAD_QUANTIZATIONS
+    assert "default" not in engine["lmHeadQuantization"]
+
+
+def test_unknown_lm_head_quantization_and_extra_args_are_refused() -> None:
+    with pytest.raises(SpecError, match="engine.lmHeadQuantization must be one of auto, none"):
+        parse_spec("m", "ns", {"model": "m", "engine": {"lmHeadQuantization": "q6_k"}})
+    with pytest.raises(SpecError, match="may not set --lm-head-quantization"):
+        extra = ["--lm-head-quantization", "none"]
+        plan(owner({"model": "m", "engine": {"extraArgs": extra}}), Cluster())
