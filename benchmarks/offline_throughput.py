@@ -10,6 +10,12 @@ or --model PATH, on CPU by default.
     python benchmarks/offline_throughput.py --quick          # a small smoke run
     python benchmarks/offline_throughput.py --model-shape qwen3-30b-a3b --num-layers 4 \
         --dtypes bfloat16 --hf-requests bfloat16=16 --hf-batch-sizes 16
+    python benchmarks/offline_throughput.py --dtypes bfloat16 --quantization none,int8,int4 \
+        --no-transformers    # quantized at load against the float model, same workload
+
+With --quantization each format runs the same workload on the same float checkpoint (quantized
+at load) and the table adds its throughput over the float model's from the same run;
+transformers runs the float model only (it has none of these formats).
 """
 
 from __future__ import annotations
@@ -36,10 +42,12 @@ def make_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(0, 151643) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def run_minisgl(model: str, dtype: str, device: str, prompts, out_len: int) -> tuple[float, float]:
+def run_minisgl(
+    model: str, dtype: str, device: str, prompts, out_len: int, quantization: str | None = None
+) -> tuple[float, float]:
     from minisgl import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, device=device, max_seq_len=2048)
+    llm = LLM(model, dtype=dtype, device=device, max_seq_len=2048, quantization=quantization)
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     llm.generate([prompts[0][:16]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     t0 = time.perf_counter()
@@ -134,6 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="8 requests x 16 tokens, tiny model")
     ap.add_argument("--threads", type=int, default=0, help="torch threads for both (0: default)")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        help="comma-separated --quantization formats for minisgl (int8, int4, fp8; none: the "
+        "float model), each run on the same workload",
+    )
+    ap.add_argument(
+        "--no-transformers", action="store_true", help="minisgl only (no transformers peer)"
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -149,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(args.num_requests, args.min_input, args.max_input, args.seed)
     hf_limits = {k: int(v) for k, v in (kv.split("=") for kv in args.hf_requests.split(",") if kv)}
     rows = []
+    quant_rows: list[tuple[str, float, float, str, float | None]] = []
     for dtype in args.dtypes.split(","):
         if args.model is None and args.quick:
             model = str(write_fixture_model(root / f"tiny-{dtype}", preset="tiny", dtype=dtype))
@@ -157,9 +175,28 @@ def main(argv: list[str] | None = None) -> int:
                 f"random {args.model_shape} checkpoint ({dtype}, {args.num_layers or 'all'} layers)"
             )
             model = str(shape_fixture(args.model_shape, dtype, root, args.num_layers))
-        log(f"[{dtype}] minisgl: {len(prompts)} requests x {args.output_len} tokens")
-        ours, ours_single = run_minisgl(model, dtype, args.device, prompts, args.output_len)
-        log(f"[{dtype}] minisgl: {ours:.1f} tok/s batch, {ours_single:.1f} tok/s single-stream")
+        float_tps = None
+        for quant in args.quantization.split(","):
+            tag = dtype if quant == "none" else f"{dtype} {quant}"
+            log(f"[{tag}] minisgl: {len(prompts)} requests x {args.output_len} tokens")
+            ours, ours_single = run_minisgl(
+                model,
+                dtype,
+                args.device,
+                prompts,
+                args.output_len,
+                None if quant == "none" else quant,
+            )
+            log(f"[{tag}] minisgl: {ours:.1f} tok/s batch, {ours_single:.1f} tok/s single-stream")
+            float_tps = ours if quant == "none" else float_tps
+            quant_rows.append((tag, ours, ours_single, quant, float_tps))
+            gc.collect()
+        # transformers against the float model (or the only format run)
+        ours, ours_single = next(
+            (r[1], r[2]) for r in quant_rows if r[0] == dtype or r is quant_rows[-1]
+        )
+        if args.no_transformers:
+            continue
         log(f"[{dtype}] transformers: same workload")
         sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
         hf_n = hf_limits.get(dtype, len(prompts))
@@ -175,10 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     log("")
-    log(
-        f"{'dtype':<9} {'minisgl tok/s':>14} {'transformers':>13} {'ratio':>6} | "
-        f"{'1-stream minisgl':>16} {'transformers':>13} {'ratio':>6}"
-    )
+    if rows:
+        log(
+            f"{'dtype':<9} {'minisgl tok/s':>14} {'transformers':>13} {'ratio':>6} | "
+            f"{'1-stream minisgl':>16} {'transformers':>13} {'ratio':>6}"
+        )
     for dtype, ours, hf, bs, s_ours, s_hf in rows:
         log(
             f"{dtype:<9} {ours:>14.1f} {hf:>10.1f}@{bs:<3} {ours / hf:>6.2f} | "
@@ -186,6 +224,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     if any(str(r[3]).endswith("*") for r in rows):
         log("* transformers timed on the first --hf-requests requests only")
+    if args.quantization != "none":
+        log("")
+        log(f"{'minisgl':<18} {'tok/s':>9} {'x float':>8} | {'1-stream':>9} {'x float':>8}")
+        singles = {r[0].split()[0]: r[2] for r in quant_rows if r[3] == "none"}
+        for tag, tps, single, _, base in quant_rows:
+            base_single = singles.get(tag.split()[0])
+            ratio = f"{tps / base:>8.2f}" if base else f"{'-':>8}"
+            sratio = f"{single / base_single:>8.2f}" if base_single else f"{'-':>8}"
+            log(f"{tag:<18} {tps:>9.1f} {ratio} | {single:>9.1f} {sratio}")
     tmp.cleanup()
     return 0
 
