@@ -1,33 +1,42 @@
 /* Matmuls over quantized weights (minisgl/quant/qtensor.py's layout), each code byte read once
-   per call and widened in registers, never into a dequantized copy of the weight:
+   per call and turned into numbers in registers, never into a dequantized copy of the weight:
 
      y[m, n] = sum_g scale[n, g] * (sum_{k in g} x[m, k] * code[n, k] - zero[n, g] * xsum[m, g])
 
    Groups are contiguous runs of `gs` input features (gs % 32 == 0, K % gs == 0).
 
-   Why not widen codes to fp32 and FMA (the first version): an 8-bit code then costs a widen, a
-   convert and an FMA per weight, three times the instructions per byte of the bf16 GEMV, so it
-   ran at a third to two thirds of bf16's speed instead of twice it. Here integer codes meet x
-   as 16-bit integers: x is quantized per row (one scale, max|x| / 32767: 15 bits, far finer
-   than the bf16 activations it comes from), a code widened to 16 bits once serves every input
-   row, and one VPMADDWD does 16 products per input row. Sums stay exact in int32 over a group
-   (at most FLUSH features, so they cannot overflow) and turn into fp32 once per group, where
-   the scale and the zero point (through the group's integer sum of x) are applied to four
-   output rows at once.
+   Integer codes meet x as 16-bit integers: x is quantized per row (one scale, max|x| / 32767:
+   15 bits, far finer than the bf16 activations it comes from) and one VPMADDWD does 16
+   products. Sums stay exact in int32 within a group (at most FLUSH features, so they cannot
+   overflow) and become fp32 once per group, times the group's scale; the zero points are
+   subtracted once per block through the groups' integer sums of x.
 
-   4-bit: 16 bytes hold 32 codes; widened bytewise to 16-bit lanes, a mask gives the even
-   features and a shift the odd ones, so x is laid out evens-then-odds per 32 to match.
+   Codes become 16-bit lanes without a shuffle, so a code byte costs two or three single-cycle
+   integer ops besides its share of a VPMADDWD (the first version widened with VPMOVZXBW, a
+   lane-crossing op one pipe issues every 1.25 cycles on Zen 3: it bounded one row at half the
+   bandwidth): x is laid out, when it is quantized, in the order the codes come out of a
+   32-byte load:
+   - 8-bit: a 16-bit lane of the load holds two codes; a mask gives the even feature, a shift
+     the odd one (x per 32 features: evens, then odds);
+   - 4-bit: a 16-bit lane holds four codes (features 4l..4l+3 of 64); masks and shifts give
+     four vectors, vector s holding features 4l+s (x per 64 features in that order). Groups of
+     32 (a 64-feature load would span two groups) widen 16 bytes with VPMOVZXBW instead and
+     take the 8-bit layout.
    fp8 e4m3: no integer form; a byte becomes an fp16 with a shift and a mask (sign kept, the
    exponent and mantissa moved down one bit: the value times 2^-8 exactly, subnormals included)
-   and F16C widens that to fp32 for an FMA; the 2^8 is folded into the group's scale.
+   and F16C widens that to fp32 for an FMA; the 2^8 is folded into the group's scale. x stays
+   fp32, in the lane order the in-lane unpacks leave (per 32: 0-7, 16-23, 8-15, 24-31).
 
-   Blocks of 4 weight rows are split over the threads; each block is multiplied against the
-   input rows two at a time (one at the end) while it stays in L1, and the next blocks are
-   prefetched across all of those passes (common.h), as the bf16 GEMV does. */
+   Blocks of 4 weight rows are split over the threads. Each block meets the input rows two at
+   a time (one at the end) while it stays in L1, and the next blocks are prefetched across all
+   of those passes (common.h), as the bf16 GEMV does. With more than two input rows, fp8
+   converts a chunk of the block to fp32 once (scales applied) and every pass runs FMAs only;
+   integer codes are cheap enough to extract again in each pass. x is quantized (converted)
+   row by row inside the same parallel region, so a call wakes the threads once. */
 #include "common.h"
 
-/* Q_WIDE: integer codes already widened to int16 (a block's scratch, below). */
-enum { Q_U8 = 0, Q_U4 = 1, Q_FP8 = 2, Q_WIDE = 3 };
+/* Q_U4W: 4-bit codes whose groups (32 features) are shorter than a 64-feature load. */
+enum { Q_U8 = 0, Q_U4 = 1, Q_FP8 = 2, Q_U4W = 3 };
 
 /* acc + the pairwise int16 dot products of a and b (8 int32 lanes). With AVX512-VNNI (the
    AVX-512 build on a CPU that has it) one VPDPWSSD; otherwise VPMADDWD then VPADDD. */
@@ -41,48 +50,141 @@ enum { Q_U8 = 0, Q_U4 = 1, Q_FP8 = 2, Q_WIDE = 3 };
 #define FLUSH 1024
 #define XMAX 32767.0f
 
-/* x row -> int16 codes (layout for `kind`) and its scale; per-group integer sums. */
+/* Features per step (one 32-byte load of a row's codes, or 16 bytes for Q_U4W), int16 vectors
+   it yields, and code bytes it reads. */
+static inline int step_features(int kind) { return kind == Q_U4 ? 64 : 32; }
+static inline int step_vectors(int kind) { return kind == Q_U4 ? 4 : 2; }
+static inline int step_bytes(int kind) { return kind == Q_U4W ? 16 : 32; }
+
+/* Where feature k of a step sits in x's layout (see the top). */
+static inline int64_t x_slot(int kind, int64_t k) {
+    int64_t base = k & ~(int64_t)(step_features(kind) - 1);
+    int64_t in = k - base;
+    if (kind == Q_FP8) { /* per 32: features 4q, then 4q+2, 4q+1, 4q+3 (q = 0..7) */
+        int64_t s = in & 3;
+        return base + (((s >> 1) | ((s & 1) << 1)) << 3) + (in >> 2);
+    }
+    int v = step_vectors(kind);
+    return base + (in % v) * 16 + in / v;
+}
+
+/* Two vectors of 16 int16 (features 0-15, 16-31) -> their even and odd features. */
+static inline void split_even_odd(__m256i a, __m256i b, __m256i* even, __m256i* odd) {
+    const __m256i pick = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    /* per 128-bit lane: evens in the low 8 bytes, odds in the high; then lanes regrouped */
+    a = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(a, pick), 0xD8);
+    b = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(b, pick), 0xD8);
+    *even = _mm256_permute2x128_si256(a, b, 0x20);
+    *odd = _mm256_permute2x128_si256(a, b, 0x31);
+}
+
+/* 16 floats -> 16 int16 codes, round to nearest even and clamped to +-32767; their sum. */
+static inline __m256i codes16(__m256 lo, __m256 hi, __m256 inv, __m256i* sum) {
+    const __m256i top = _mm256_set1_epi32(32767), bottom = _mm256_set1_epi32(-32767);
+    __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(lo, inv));
+    __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(hi, inv));
+    a = _mm256_max_epi32(_mm256_min_epi32(a, top), bottom);
+    b = _mm256_max_epi32(_mm256_min_epi32(b, top), bottom);
+    *sum = _mm256_add_epi32(*sum, _mm256_add_epi32(a, b));
+    return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+}
+
+/* x row m -> int16 codes in `kind`'s layout, its scale, and per-group integer sums. */
 static void quantize_x(int kind, const void* x, int x_bf16, int64_t m, int64_t K, int64_t gs,
                        int16_t* xq, float* xscale, float* xsum) {
     const float* xf = (const float*)x + m * K;
     const uint16_t* xb = (const uint16_t*)x + m * K;
-    float amax = 0;
-    for (int64_t k = 0; k < K; k++) {
-        float v = fabsf(x_bf16 ? bf16_to_f32(xb[k]) : xf[k]);
-        amax = v > amax ? v : amax;
+    __m256 amax8 = _mm256_setzero_ps();
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 v = x_bf16 ? load_bf16(xb + k) : _mm256_loadu_ps(xf + k);
+        amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v, abs_mask));
     }
-    float s = amax > 0 ? amax / XMAX : 1.0f, inv = 1.0f / s;
+    __m128 a4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+    a4 = _mm_max_ps(a4, _mm_movehl_ps(a4, a4));
+    a4 = _mm_max_ss(a4, _mm_movehdup_ps(a4));
+    float amax = _mm_cvtss_f32(a4);
+    float s = amax > 0 ? amax / XMAX : 1.0f;
     xscale[m] = s;
+    const __m256 inv = _mm256_set1_ps(1.0f / s);
     int16_t* q = xq + m * K;
     int64_t G = K / gs;
+    const int S = step_features(kind);
     for (int64_t g = 0; g < G; g++) {
-        int32_t sum = 0;
-        for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
-            float v = x_bf16 ? bf16_to_f32(xb[k]) : xf[k];
-            int32_t c = (int32_t)lrintf(v * inv);
-            c = c > 32767 ? 32767 : (c < -32767 ? -32767 : c);
-            sum += c;
-            /* 4-bit: within each 32, even features first, then odd ones */
-            int64_t at = kind == Q_U4 ? (k & ~31) + ((k & 1) ? 16 : 0) + ((k & 31) >> 1) : k;
-            q[at] = (int16_t)c;
+        __m256i sum8 = _mm256_setzero_si256();
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += S) { /* steps never cross groups */
+            __m256i c[4];
+            for (int v = 0; v < S / 16; v++) {
+                int64_t at = k + 16 * v;
+                __m256 lo = x_bf16 ? load_bf16(xb + at) : _mm256_loadu_ps(xf + at);
+                __m256 hi = x_bf16 ? load_bf16(xb + at + 8) : _mm256_loadu_ps(xf + at + 8);
+                c[v] = codes16(lo, hi, inv, &sum8);
+            }
+            __m256i* out = (__m256i*)(q + k);
+            if (kind == Q_U4) { /* vector s holds features 4l+s: two rounds of even/odd */
+                __m256i e0, o0, e1, o1, s0, s1, s2, s3;
+                split_even_odd(c[0], c[1], &e0, &o0);
+                split_even_odd(c[2], c[3], &e1, &o1);
+                split_even_odd(e0, e1, &s0, &s2);
+                split_even_odd(o0, o1, &s1, &s3);
+                _mm256_storeu_si256(out, s0);
+                _mm256_storeu_si256(out + 1, s1);
+                _mm256_storeu_si256(out + 2, s2);
+                _mm256_storeu_si256(out + 3, s3);
+            } else {
+                __m256i e, o;
+                split_even_odd(c[0], c[1], &e, &o);
+                _mm256_storeu_si256(out, e);
+                _mm256_storeu_si256(out + 1, o);
+            }
         }
+        int32_t lanes[8];
+        _mm256_storeu_si256((__m256i*)lanes, sum8);
+        int32_t sum = 0;
+        for (int j = 0; j < 8; j++) sum += lanes[j];
         xsum[m * G + g] = (float)sum;
     }
 }
 
-/* 32 integer codes from p -> two vectors of 16 int16 matching x's layout. */
-static inline __attribute__((always_inline)) void widen_int(int kind, const uint8_t* p,
-                                                              __m256i* a, __m256i* b) {
-    if (kind == Q_WIDE) {
-        *a = _mm256_loadu_si256((const __m256i*)p);
-        *b = _mm256_loadu_si256((const __m256i*)(p + 32));
-    } else if (kind == Q_U8) {
-        *a = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
-        *b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(p + 16)));
-    } else {
+/* x row m -> fp32 in fp8's layout, times 2^xexp[m] (a power of two that brings max|x| near
+   2^64: the weights' fp32 forms are their values times 2^-120, see fp8x32, and their products
+   with x must stay clear of the subnormal range). */
+static void convert_x(const void* x, int x_bf16, int64_t m, int64_t K, float* xf, int* xexp) {
+    const float* f = (const float*)x + m * K;
+    const uint16_t* b = (const uint16_t*)x + m * K;
+    float amax = 0;
+    for (int64_t k = 0; k < K; k++) {
+        float v = fabsf(x_bf16 ? bf16_to_f32(b[k]) : f[k]);
+        amax = v > amax ? v : amax;
+    }
+    int e = 0;
+    if (amax > 0 && isfinite(amax)) frexpf(amax, &e);
+    xexp[m] = 64 - e;
+    float p = ldexpf(1.0f, 64 - e);
+    for (int64_t k = 0; k < K; k++)
+        xf[m * K + x_slot(Q_FP8, k)] = (x_bf16 ? bf16_to_f32(b[k]) : f[k]) * p;
+}
+
+/* One step's codes of a row -> int16 vectors e[0..step_vectors) in x's layout. */
+static inline __attribute__((always_inline)) void extract(int kind, const uint8_t* p,
+                                                           __m256i* e) {
+    if (kind == Q_U4W) {
         __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
-        *a = _mm256_and_si256(v, _mm256_set1_epi16(15));
-        *b = _mm256_srli_epi16(v, 4);
+        e[0] = _mm256_and_si256(v, _mm256_set1_epi16(15));
+        e[1] = _mm256_srli_epi16(v, 4);
+        return;
+    }
+    __m256i v = _mm256_loadu_si256((const __m256i*)p);
+    if (kind == Q_U8) {
+        e[0] = _mm256_and_si256(v, _mm256_set1_epi16(0xFF));
+        e[1] = _mm256_srli_epi16(v, 8);
+    } else {
+        const __m256i m4 = _mm256_set1_epi16(15);
+        e[0] = _mm256_and_si256(v, m4);
+        e[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        e[2] = _mm256_and_si256(_mm256_srli_epi16(v, 8), m4);
+        e[3] = _mm256_srli_epi16(v, 12);
     }
 }
 
@@ -93,178 +195,292 @@ static inline __m256 fp8x8(__m128i bytes_lo8) {
     return _mm256_cvtph_ps(h);
 }
 
-/* The four rows' scales (and zero points) of group g, as vectors. */
-static inline __m128 four_f(const float* s, int64_t stride, int64_t g, const int* r) {
-    return _mm_setr_ps(s[r[0] * stride + g], s[r[1] * stride + g], s[r[2] * stride + g],
-                       s[r[3] * stride + g]);
-}
-static inline __m128 four_z(const uint8_t* z, int64_t stride, int64_t g, const int* r) {
-    return _mm_setr_ps((float)z[r[0] * stride + g], (float)z[r[1] * stride + g],
-                       (float)z[r[2] * stride + g], (float)z[r[3] * stride + g]);
+/* 32 e4m3 bytes -> four vectors of 8 fp32: their values times 2^-120, exactly (subnormals
+   too, as fp32 subnormals), in x's order (features 4q, 4q+2, 4q+1, 4q+3). No F16C: a 16-bit
+   lane holds two codes, and each becomes the top half of an fp32 (a bf16) by a shift and a
+   mask: its sign stays at bit 15, its exponent and mantissa move to bits 10..4, so the fp32
+   exponent field is the code's own (bias 7 read as 127) and its mantissa the code's three
+   bits. Then, as the bf16 GEMV does, a 32-bit lane's two halves become two fp32 by a shift
+   and a mask. 9 single-cycle ops per 32 codes where VCVTPH2PS took 2 uops per 8 on Zen 3. */
+static inline __attribute__((always_inline)) void fp8x32(const uint8_t* p, __m256* w) {
+    __m256i v = _mm256_loadu_si256((const __m256i*)p);
+    const __m256i keep = _mm256_set1_epi16((short)0x87F0);
+    const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256i odd = _mm256_and_si256(_mm256_srai_epi16(v, 4), keep);
+    __m256i even = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 4), keep);
+    w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(even, 16));
+    w[1] = _mm256_castsi256_ps(_mm256_and_si256(even, hi));
+    w[2] = _mm256_castsi256_ps(_mm256_slli_epi32(odd, 16));
+    w[3] = _mm256_castsi256_ps(_mm256_and_si256(odd, hi));
 }
 
-/* One 4-row block against input rows m..m+MR-1 (MR 1 or 2), integer codes. */
+/* Per (weight row j, input row i) a vector of partial sums; y is their sum. */
+typedef struct {
+    __m256 v[4][2];
+} Acc;
+
+/* One 4-row block against input rows m..m+MR-1 (MR 1 or 2), integer codes: into acc, with
+   each group's scale applied (zero points not yet). */
 static inline __attribute__((always_inline)) void block_int(
-    int kind, int MR, const int16_t* xq, const float* xscale, const float* xsum,
-    const uint8_t* const* wr, const int* r, const float* scales, const uint8_t* zeros,
-    int64_t gstride, int64_t m, int64_t K, int64_t gs, Prefetch* pf, float out[2][4]) {
-    int64_t G = K / gs, chunk = gs < FLUSH ? gs : FLUSH;
-    int cb = kind == Q_U4 ? 16 : (kind == Q_WIDE ? 64 : 32); /* code bytes per 32 features */
+    int kind, int MR, const int16_t* xq, const uint8_t* const* wr, const float* const* sr,
+    int64_t m, int64_t K, int64_t gs, Prefetch* pf, Acc* acc) {
+    const int S = step_features(kind), V = step_vectors(kind), B = step_bytes(kind);
     const int16_t* x0 = xq + m * K;
     const int16_t* x1 = MR == 2 ? x0 + K : x0;
-    __m128 tot0 = _mm_setzero_ps(), tot1 = tot0;
-    for (int64_t g = 0; g < G; g++) {
-        __m128 sc = four_f(scales, gstride, g, r);
-        __m128 z = kind == Q_FP8 ? _mm_setzero_ps() : four_z(zeros, gstride, g, r);
-        __m128 sum0 = _mm_setzero_ps(), sum1 = sum0;
-        for (int64_t c0 = g * gs; c0 < (g + 1) * gs; c0 += chunk) {
-            __m256i a0[4], a1[4];
-            for (int j = 0; j < 4; j++) a0[j] = a1[j] = _mm256_setzero_si256();
-            for (int64_t k = c0; k < c0 + chunk; k += 32) {
-                prefetch_step(pf);
-                __m256i u0 = _mm256_loadu_si256((const __m256i*)(x0 + k));
-                __m256i v0 = _mm256_loadu_si256((const __m256i*)(x0 + k + 16));
-                __m256i u1 = _mm256_loadu_si256((const __m256i*)(x1 + k));
-                __m256i v1 = _mm256_loadu_si256((const __m256i*)(x1 + k + 16));
-                for (int j = 0; j < 4; j++) {
-                    __m256i wa, wb;
-                    widen_int(kind, wr[j] + k / 32 * cb, &wa, &wb);
-                    a0[j] = DOT16(DOT16(a0[j], wa, u0), wb, v0);
-                    if (MR == 2) a1[j] = DOT16(DOT16(a1[j], wa, u1), wb, v1);
-                }
-            }
-            sum0 = _mm_add_ps(sum0, hsum4(_mm256_cvtepi32_ps(a0[0]), _mm256_cvtepi32_ps(a0[1]),
-                                          _mm256_cvtepi32_ps(a0[2]), _mm256_cvtepi32_ps(a0[3])));
-            if (MR == 2)
-                sum1 = _mm_add_ps(sum1,
-                                  hsum4(_mm256_cvtepi32_ps(a1[0]), _mm256_cvtepi32_ps(a1[1]),
-                                        _mm256_cvtepi32_ps(a1[2]), _mm256_cvtepi32_ps(a1[3])));
-        }
-        /* (dot - zero * xsum) * scale, four output rows at once */
-        sum0 = _mm_fnmadd_ps(z, _mm_set1_ps(xsum[m * G + g]), sum0);
-        tot0 = _mm_fmadd_ps(sum0, sc, tot0);
-        if (MR == 2) {
-            sum1 = _mm_fnmadd_ps(z, _mm_set1_ps(xsum[(m + 1) * G + g]), sum1);
-            tot1 = _mm_fmadd_ps(sum1, sc, tot1);
-        }
-    }
-    _mm_storeu_ps(out[0], _mm_mul_ps(tot0, _mm_set1_ps(xscale[m])));
-    if (MR == 2) _mm_storeu_ps(out[1], _mm_mul_ps(tot1, _mm_set1_ps(xscale[m + 1])));
-}
-
-/* The same for fp8 codes against fp32 x. */
-static inline __attribute__((always_inline)) void block_fp8(
-    int MR, const float* xf, const uint8_t* const* wr, const int* r, const float* scales,
-    int64_t gstride, int64_t m, int64_t K, int64_t gs, Prefetch* pf, float out[2][4]) {
-    int64_t G = K / gs;
-    const float* x0 = xf + m * K;
-    const float* x1 = MR == 2 ? x0 + K : x0;
-    __m128 tot0 = _mm_setzero_ps(), tot1 = tot0;
-    for (int64_t g = 0; g < G; g++) {
-        __m256 a0[4], a1[4];
-        for (int j = 0; j < 4; j++) a0[j] = a1[j] = _mm256_setzero_ps();
-        for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
+    for (int j = 0; j < 4; j++) acc->v[j][0] = acc->v[j][1] = _mm256_setzero_ps();
+    /* a group longer than FLUSH (a whole row, per channel) is summed a chunk at a time; a
+       chunk never runs past its group (K = 1536 per channel: 1024 + 512) */
+    for (int64_t c0 = 0, g = 0, end; c0 < K; c0 = end, g += end == (g + 1) * gs) {
+        end = (g + 1) * gs < c0 + FLUSH ? (g + 1) * gs : c0 + FLUSH;
+        __m256i a0[4], a1[4];
+        for (int j = 0; j < 4; j++) a0[j] = a1[j] = _mm256_setzero_si256();
+        for (int64_t k = c0; k < end; k += S) {
             prefetch_step(pf);
             for (int j = 0; j < 4; j++) {
-                for (int h = 0; h < 32; h += 16) {
-                    __m128i v = _mm_loadu_si128((const __m128i*)(wr[j] + k + h));
-                    __m256 wa = fp8x8(v), wb = fp8x8(_mm_unpackhi_epi64(v, v));
-                    a0[j] = _mm256_fmadd_ps(wa, _mm256_loadu_ps(x0 + k + h), a0[j]);
-                    a0[j] = _mm256_fmadd_ps(wb, _mm256_loadu_ps(x0 + k + h + 8), a0[j]);
-                    if (MR == 2) {
-                        a1[j] = _mm256_fmadd_ps(wa, _mm256_loadu_ps(x1 + k + h), a1[j]);
-                        a1[j] = _mm256_fmadd_ps(wb, _mm256_loadu_ps(x1 + k + h + 8), a1[j]);
+                __m256i e[4];
+                extract(kind, wr[j] + k / S * B, e);
+#ifdef __AVX512VNNI__
+                for (int v = 0; v < V; v++) {
+                    a0[j] = DOT16(a0[j], e[v], _mm256_loadu_si256((const __m256i*)(x0 + k + 16 * v)));
+                    if (MR == 2)
+                        a1[j] = DOT16(a1[j], e[v], _mm256_loadu_si256((const __m256i*)(x1 + k + 16 * v)));
+                }
+#else
+                /* products summed as a tree: one add on the accumulator's chain per step */
+                __m256i t0 = _mm256_add_epi32(
+                    _mm256_madd_epi16(e[0], _mm256_loadu_si256((const __m256i*)(x0 + k))),
+                    _mm256_madd_epi16(e[1], _mm256_loadu_si256((const __m256i*)(x0 + k + 16))));
+                if (V == 4)
+                    t0 = _mm256_add_epi32(t0, _mm256_add_epi32(
+                        _mm256_madd_epi16(e[2], _mm256_loadu_si256((const __m256i*)(x0 + k + 32))),
+                        _mm256_madd_epi16(e[3], _mm256_loadu_si256((const __m256i*)(x0 + k + 48)))));
+                a0[j] = _mm256_add_epi32(a0[j], t0);
+                if (MR == 2) {
+                    __m256i t1 = _mm256_add_epi32(
+                        _mm256_madd_epi16(e[0], _mm256_loadu_si256((const __m256i*)(x1 + k))),
+                        _mm256_madd_epi16(e[1], _mm256_loadu_si256((const __m256i*)(x1 + k + 16))));
+                    if (V == 4)
+                        t1 = _mm256_add_epi32(t1, _mm256_add_epi32(
+                            _mm256_madd_epi16(e[2], _mm256_loadu_si256((const __m256i*)(x1 + k + 32))),
+                            _mm256_madd_epi16(e[3], _mm256_loadu_si256((const __m256i*)(x1 + k + 48)))));
+                    a1[j] = _mm256_add_epi32(a1[j], t1);
+                }
+#endif
+            }
+        }
+        for (int j = 0; j < 4; j++) {
+            __m256 s = _mm256_broadcast_ss(sr[j] + g);
+            acc->v[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[j]), s, acc->v[j][0]);
+            if (MR == 2)
+                acc->v[j][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[j]), s, acc->v[j][1]);
+        }
+    }
+}
+
+/* The same for fp8 codes against fp32 x (one or two rows), converting in registers. */
+static inline __attribute__((always_inline)) void block_fp8(
+    int MR, const float* xf, const uint8_t* const* wr, const float* const* sr, int64_t m,
+    int64_t K, int64_t gs, Prefetch* pf, Acc* acc) {
+    const float* x0 = xf + m * K;
+    const float* x1 = MR == 2 ? x0 + K : x0;
+    for (int j = 0; j < 4; j++) acc->v[j][0] = acc->v[j][1] = _mm256_setzero_ps();
+    for (int64_t g0 = 0, g = 0; g0 < K; g0 += gs, g++) {
+        /* FMAs only (no VMULPS): Zen 3 multiplies a subnormal weight at full speed in an FMA,
+           not in a VMULPS (measured: random codes, 1 in 16 subnormal, 1.9x the time). One
+           row: two chains per weight row; two rows: one each (registers). */
+        __m256 a0[4], a1[4];
+        for (int j = 0; j < 4; j++) a0[j] = a1[j] = _mm256_setzero_ps();
+        for (int64_t k = g0; k < g0 + gs; k += 32) {
+            prefetch_step(pf);
+            for (int j = 0; j < 4; j++) {
+                __m256 w[4];
+                fp8x32(wr[j] + k, w);
+                if (MR == 1) {
+                    a0[j] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(x0 + k), a0[j]);
+                    a1[j] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x0 + k + 8), a1[j]);
+                    a0[j] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x0 + k + 16), a0[j]);
+                    a1[j] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x0 + k + 24), a1[j]);
+                } else {
+                    for (int v = 0; v < 4; v++) {
+                        a0[j] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(x0 + k + 8 * v), a0[j]);
+                        a1[j] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(x1 + k + 8 * v), a1[j]);
                     }
                 }
             }
         }
-        __m128 sc = _mm_mul_ps(four_f(scales, gstride, g, r), _mm_set1_ps(256.0f));
-        tot0 = _mm_fmadd_ps(hsum4(a0[0], a0[1], a0[2], a0[3]), sc, tot0);
-        if (MR == 2) tot1 = _mm_fmadd_ps(hsum4(a1[0], a1[1], a1[2], a1[3]), sc, tot1);
+        for (int j = 0; j < 4; j++) {
+            __m256 s = _mm256_broadcast_ss(sr[j] + g);
+            if (MR == 1) {
+                acc->v[j][0] = _mm256_fmadd_ps(_mm256_add_ps(a0[j], a1[j]), s, acc->v[j][0]);
+            } else {
+                acc->v[j][0] = _mm256_fmadd_ps(a0[j], s, acc->v[j][0]);
+                acc->v[j][1] = _mm256_fmadd_ps(a1[j], s, acc->v[j][1]);
+            }
+        }
     }
-    _mm_storeu_ps(out[0], tot0);
-    if (MR == 2) _mm_storeu_ps(out[1], tot1);
 }
 
-static inline __attribute__((always_inline)) void qgemv_kind(
+/* fp8, many input rows: the block converted (scales applied) KC features at a time into
+   `wf` [4][KC] and every pair of rows run over that with FMAs only; acc has a slot per row. */
+#define KC 256
+static inline __attribute__((always_inline)) void block_fp8_many(
+    const float* xf, const uint8_t* const* wr, const float* const* sr, int64_t M, int64_t K,
+    int64_t gs, Prefetch* pf, float* wf, Acc* acc) {
+    for (int64_t p = 0; p < (M + 1) / 2; p++)
+        for (int j = 0; j < 4; j++) acc[p].v[j][0] = acc[p].v[j][1] = _mm256_setzero_ps();
+    /* w' * 2^64 * scale: no fp32 subnormals (the first product an FMA: see block_fp8) */
+    const __m256 lift = _mm256_set1_ps(0x1p64f), zero = _mm256_setzero_ps();
+    int64_t g = 0, left = gs; /* the group of feature k0, and its features from k0 on */
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        int64_t kc = K - k0 < KC ? K - k0 : KC;
+        int64_t g0 = g, left0 = left;
+        for (int j = 0; j < 4; j++) {
+            g = g0, left = left0;
+            for (int64_t k = 0; k < kc; k += 32) {
+                prefetch_step(pf);
+                __m256 w[4];
+                fp8x32(wr[j] + k0 + k, w);
+                __m256 s = _mm256_broadcast_ss(sr[j] + g);
+                for (int v = 0; v < 4; v++)
+                    _mm256_storeu_ps(wf + j * KC + k + 8 * v,
+                                     _mm256_mul_ps(_mm256_fmadd_ps(w[v], lift, zero), s));
+                if ((left -= 32) == 0) g++, left = gs;
+            }
+        }
+        for (int64_t m = 0, p = 0; m < M; m += 2, p++) {
+            const float* x0 = xf + m * K + k0;
+            const float* x1 = m + 1 < M ? x0 + K : x0;
+            __m256 a0[4], a1[4];
+            for (int j = 0; j < 4; j++) a0[j] = acc[p].v[j][0], a1[j] = acc[p].v[j][1];
+            for (int64_t k = 0; k < kc; k += 8) {
+                __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k);
+                for (int j = 0; j < 4; j++) {
+                    __m256 w = _mm256_loadu_ps(wf + j * KC + k);
+                    a0[j] = _mm256_fmadd_ps(w, u, a0[j]);
+                    a1[j] = _mm256_fmadd_ps(w, v, a1[j]);
+                }
+            }
+            for (int j = 0; j < 4; j++) acc[p].v[j][0] = a0[j], acc[p].v[j][1] = a1[j];
+        }
+    }
+}
+
+/* sum over groups of scale * zero * xsum[m], per (weight row j, input row m), into the
+   partial-sum vectors (negated), so the final horizontal sum takes it along. */
+static inline void zero_points(const float* const* sr, const uint8_t* const* zr, const float* xsum,
+                               int64_t m, int MR, int64_t G, Acc* acc) {
+    for (int j = 0; j < 4; j++)
+        for (int i = 0; i < MR; i++) {
+            const float* xs = xsum + (m + i) * G;
+            int64_t g = 0;
+            __m256 c = _mm256_setzero_ps();
+            for (; g + 8 <= G; g += 8) {
+                __m256 z = _mm256_cvtepi32_ps(
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(zr[j] + g))));
+                c = _mm256_fmadd_ps(_mm256_mul_ps(z, _mm256_loadu_ps(sr[j] + g)),
+                                    _mm256_loadu_ps(xs + g), c);
+            }
+            float tail = 0;
+            for (; g < G; g++) tail += sr[j][g] * (float)zr[j][g] * xs[g];
+            c = _mm256_add_ps(c, _mm256_setr_ps(tail, 0, 0, 0, 0, 0, 0, 0));
+            acc->v[j][i] = _mm256_sub_ps(acc->v[j][i], c);
+        }
+}
+
+/* One block against one or two input rows. Every call below has constant arguments, so each
+   is compiled for its kind and row count (the parallel region's body is outlined, where a
+   kind passed down would reach the loops as a variable). */
+static void run_block(int kind, int mr, const int16_t* xq, const float* xf,
+                      const uint8_t* const* wr, const float* const* sr, int64_t m, int64_t K,
+                      int64_t gs, Prefetch* pf, Acc* acc) {
+    switch (kind * 2 + (mr - 1)) {
+    case Q_U8 * 2: block_int(Q_U8, 1, xq, wr, sr, m, K, gs, pf, acc); break;
+    case Q_U8 * 2 + 1: block_int(Q_U8, 2, xq, wr, sr, m, K, gs, pf, acc); break;
+    case Q_U4 * 2: block_int(Q_U4, 1, xq, wr, sr, m, K, gs, pf, acc); break;
+    case Q_U4 * 2 + 1: block_int(Q_U4, 2, xq, wr, sr, m, K, gs, pf, acc); break;
+    case Q_U4W * 2: block_int(Q_U4W, 1, xq, wr, sr, m, K, gs, pf, acc); break;
+    case Q_U4W * 2 + 1: block_int(Q_U4W, 2, xq, wr, sr, m, K, gs, pf, acc); break;
+    case Q_FP8 * 2: block_fp8(1, xf, wr, sr, m, K, gs, pf, acc); break;
+    default: block_fp8(2, xf, wr, sr, m, K, gs, pf, acc);
+    }
+}
+
+static void qgemv_kind(
     int kind, const void* x, int x_bf16, const uint8_t* codes, int64_t cstride,
     const float* scales, const uint8_t* zeros, int64_t gstride, void* y, int out_bf16,
     int64_t M, int64_t N, int64_t K, int64_t gs) {
     int64_t G = K / gs;
     int16_t* xq = NULL;
     float *xf = NULL, *xscale = NULL, *xsum = NULL;
+    int* xexp = NULL;
     if (kind == Q_FP8) {
         xf = (float*)malloc(sizeof(float) * M * K);
-        for (int64_t i = 0; i < M * K; i++)
-            xf[i] = x_bf16 ? bf16_to_f32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
+        xexp = (int*)malloc(sizeof(int) * M);
     } else {
         xq = (int16_t*)malloc(sizeof(int16_t) * M * K);
         xscale = (float*)malloc(sizeof(float) * M);
         xsum = (float*)malloc(sizeof(float) * M * G);
-        for (int64_t m = 0; m < M; m++) quantize_x(kind, x, x_bf16, m, K, gs, xq, xscale, xsum);
     }
     int64_t blocks = (N + 3) / 4;
-    /* More than one pass over a block (M > 2): its integer codes are widened once into a
-       scratch that stays in L1/L2, so the passes spend their instructions on products only. */
-    int widen_once = kind != Q_FP8 && M > 2;
+    int many = kind == Q_FP8 && M > 2;
+    int64_t steps = many ? K / 32 * 4 : K / step_features(kind) * ((M + 1) / 2);
     #pragma omp parallel
     {
-        int16_t* wide = widen_once ? (int16_t*)malloc(sizeof(int16_t) * 4 * K) : NULL;
+        /* fp8's weights are fp32 subnormals where their codes are (fp8x32): a thread that
+           treats subnormal inputs as zero (MXCSR's DAZ, torch.set_flush_denormal) would drop
+           them, so it is cleared here and restored at the end */
+        unsigned int csr = _mm_getcsr();
+        if (kind == Q_FP8) _mm_setcsr(csr & ~0x0040u);
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            if (kind == Q_FP8) convert_x(x, x_bf16, m, K, xf, xexp);
+            else quantize_x(kind, x, x_bf16, m, K, gs, xq, xscale, xsum);
+        }
+        float* wf = many ? (float*)aligned_alloc(64, sizeof(float) * 4 * KC) : NULL;
+        Acc* accs = many ? (Acc*)aligned_alloc(64, sizeof(Acc) * ((M + 1) / 2)) : NULL;
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             int64_t n0 = b * 4;
             int rows = N - n0 < 4 ? (int)(N - n0) : 4;
-            int r[4];
             const uint8_t* wr[4];
+            const float* sr[4];
+            const uint8_t* zr[4];
             for (int j = 0; j < 4; j++) {
-                r[j] = (int)(n0 + (j < rows ? j : 0));
-                wr[j] = codes + r[j] * cstride;
+                int64_t r = n0 + (j < rows ? j : 0);
+                wr[j] = codes + r * cstride;
+                sr[j] = scales + r * gstride;
+                zr[j] = zeros ? zeros + r * gstride : NULL;
             }
             int64_t block_bytes = 4 * cstride;
             Prefetch pf = {ahead(codes + n0 * cstride, block_bytes, n0 + 4 * PF_BLOCKS < N),
-                           block_bytes / 64, K / 32 * ((M + 1) / 2), 0, 0};
-            if (wide) {
-                int cb = kind == Q_U4 ? 16 : 32;
-                for (int j = 0; j < 4; j++) {
-                    int16_t* dst = wide + j * K;
-                    for (int64_t k = 0; k < K; k += 32) {
-                        __m256i wa, wb;
-                        widen_int(kind, wr[j] + k / 32 * cb, &wa, &wb);
-                        _mm256_storeu_si256((__m256i*)(dst + k), wa);
-                        _mm256_storeu_si256((__m256i*)(dst + k + 16), wb);
-                    }
-                    wr[j] = (const uint8_t*)dst;
-                }
-            }
+                           block_bytes / 64, steps, 0, 0};
+            if (many) block_fp8_many(xf, wr, sr, M, K, gs, &pf, wf, accs);
             for (int64_t m = 0; m < M; m += 2) {
-                float out[2][4];
+                Acc one;
+                Acc* acc = many ? &accs[m / 2] : &one;
                 int mr = M - m >= 2 ? 2 : 1;
-                if (kind == Q_FP8) {
-                    if (mr == 2) block_fp8(2, xf, wr, r, scales, gstride, m, K, gs, &pf, out);
-                    else block_fp8(1, xf, wr, r, scales, gstride, m, K, gs, &pf, out);
-                } else if (wide) {
-                    if (mr == 2)
-                        block_int(Q_WIDE, 2, xq, xscale, xsum, wr, r, scales, zeros, gstride, m,
-                                  K, gs, &pf, out);
-                    else
-                        block_int(Q_WIDE, 1, xq, xscale, xsum, wr, r, scales, zeros, gstride, m,
-                                  K, gs, &pf, out);
-                } else if (mr == 2) {
-                    block_int(kind, 2, xq, xscale, xsum, wr, r, scales, zeros, gstride, m, K, gs,
-                              &pf, out);
-                } else {
-                    block_int(kind, 1, xq, xscale, xsum, wr, r, scales, zeros, gstride, m, K, gs,
-                              &pf, out);
-                }
-                for (int i = 0; i < mr; i++)
+                if (!many) run_block(kind, mr, xq, xf, wr, sr, m, K, gs, &pf, acc);
+                if (kind != Q_FP8 && zeros) zero_points(sr, zr, xsum, m, mr, G, acc);
+                for (int i = 0; i < mr; i++) {
+                    __m128 t = hsum4(acc->v[0][i], acc->v[1][i], acc->v[2][i], acc->v[3][i]);
+                    float out[4];
+                    _mm_storeu_ps(out, t);
+                    /* fp8: the weights' 2^-120, the 2^64 of the many-row path and x's power of
+                       two undone, in double (the factor alone may pass fp32's range) */
+                    double f = kind == Q_FP8 ? ldexp(1.0, (many ? 56 : 120) - xexp[m + i])
+                                             : (double)xscale[m + i];
                     for (int j = 0; j < rows; j++)
-                        store(y, (m + i) * N + n0 + j, out[i][j], out_bf16);
+                        store(y, (m + i) * N + n0 + j, (float)(out[j] * f), out_bf16);
+                }
             }
         }
-        free(wide);
+        free(wf);
+        free(accs);
+        _mm_setcsr(csr);
     }
     free(xq);
     free(xf);
+    free(xexp);
     free(xscale);
     free(xsum);
 }
@@ -272,16 +488,28 @@ static inline __attribute__((always_inline)) void qgemv_kind(
 /* y[M, N] (fp32, or bf16 where out_bf16) = x[M, K] (fp32, or bf16 where x_bf16) @ W.T; W's
    row n has its codes at codes + n * cstride, its groups' scales (zero points) at
    scales (zeros) + n * gstride. */
-#define QGEMV(NAME, KIND)                                                                     \
-    void NAME(const void* x, int x_bf16, const uint8_t* codes, int64_t cstride,             \
-              const float* scales, const uint8_t* zeros, int64_t gstride, void* y,          \
-              int out_bf16, int64_t M, int64_t N, int64_t K, int64_t gs) {                   \
-        qgemv_kind(KIND, x, x_bf16, codes, cstride, scales, zeros, gstride, y, out_bf16, M, \
-                   N, K, gs);                                                               \
-    }
-QGEMV(qgemv_u8, Q_U8)
-QGEMV(qgemv_u4, Q_U4)
-QGEMV(qgemv_fp8, Q_FP8)
+void qgemv_u8(const void* x, int x_bf16, const uint8_t* codes, int64_t cstride,
+              const float* scales, const uint8_t* zeros, int64_t gstride, void* y, int out_bf16,
+              int64_t M, int64_t N, int64_t K, int64_t gs) {
+    qgemv_kind(Q_U8, x, x_bf16, codes, cstride, scales, zeros, gstride, y, out_bf16, M, N, K,
+               gs);
+}
+void qgemv_u4(const void* x, int x_bf16, const uint8_t* codes, int64_t cstride,
+              const float* scales, const uint8_t* zeros, int64_t gstride, void* y, int out_bf16,
+              int64_t M, int64_t N, int64_t K, int64_t gs) {
+    if (gs % 64 == 0)
+        qgemv_kind(Q_U4, x, x_bf16, codes, cstride, scales, zeros, gstride, y, out_bf16, M, N,
+                   K, gs);
+    else
+        qgemv_kind(Q_U4W, x, x_bf16, codes, cstride, scales, zeros, gstride, y, out_bf16, M,
+                   N, K, gs);
+}
+void qgemv_fp8(const void* x, int x_bf16, const uint8_t* codes, int64_t cstride,
+               const float* scales, const uint8_t* zeros, int64_t gstride, void* y,
+               int out_bf16, int64_t M, int64_t N, int64_t K, int64_t gs) {
+    qgemv_kind(Q_FP8, x, x_bf16, codes, cstride, scales, zeros, gstride, y, out_bf16, M, N, K,
+               gs);
+}
 
 /* Rows [r0, r1) of W dequantized into out [r1 - r0, K] fp32: (code - zero) * scale, exact in
    fp32 for every format here. For many input rows (prefill) a chunk of rows is dequantized

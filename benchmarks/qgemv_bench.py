@@ -1,0 +1,125 @@
+"""The quantized GEMV (csrc/qgemv.c) one linear at a time, against the bf16 GEMV and panel
+kernels on the same shape in the same run, at decode row counts, with the read bandwidth
+measured in the same run: for each format, the rate its bytes stream at and that rate over the
+machine's (the share of its own roofline), and its time over the faster bf16 kernel's.
+
+Weights are cold as in a decode step: each pass cycles over enough distinct copies to miss the
+last-level cache. Codes are random (the kernels' speed does not depend on the values), so the
+8B shapes need no quantizing pass.
+
+    python benchmarks/qgemv_bench.py --shapes 3072x1024,1024x3072 --rows 1,2,4,8,16
+    python benchmarks/qgemv_bench.py --shapes 12288x4096 --rows 1,8 --formats int8,int4
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from minisgl.layers import cpu_build, cpu_kernels
+from minisgl.quant import cpu_gemv
+from minisgl.quant.qtensor import FP8, QTensor
+
+COLD_BYTES = 80 << 20  # over the 32 MiB L3 of the machines measured so far
+SHAPES = "3072x1024,1024x3072,1024x2048,12288x4096"  # Qwen3-0.6B gate/up, down, o; 8B gate/up
+FORMATS = ("int8", "int4", "fp8")
+
+
+def random_weight(fmt: str, n: int, k: int, g: torch.Generator) -> QTensor:
+    """A weight in the layout --quantization makes (int8 per channel, int4 and fp8 group 128)."""
+    if fmt == "int8":
+        codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+        zeros = torch.full((n, 1), 128, dtype=torch.uint8)
+        return QTensor(codes, torch.rand(n, 1, generator=g) * 1e-2, zeros, None, 8, 0, k)
+    groups = k // 128
+    scales = torch.rand(n, groups, generator=g) * 1e-2
+    if fmt == "int4":
+        codes = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+        zeros = torch.randint(0, 16, (n, groups), generator=g, dtype=torch.uint8)
+        return QTensor(codes, scales, zeros, None, 4, 128, k)
+    codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # no NaN
+    return QTensor(codes.view(FP8), scales, None, None, 8, 128, k)
+
+
+def timed(fn, clock) -> float:  # noqa: ANN001
+    t0 = clock()
+    fn()
+    return clock() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", default=SHAPES, help="N x K (output x input features), commas")
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 kernels")
+    ap.add_argument(
+        "--hot",
+        action="store_true",
+        help="one copy of each weight, cached: the kernels' issue rate without memory's limit",
+    )
+    ap.add_argument(
+        "--clock",
+        default="wall",
+        choices=("wall", "cpu"),
+        help="cpu: the process's CPU time (with --threads 1 on a shared machine: leaves out "
+        "time other work held the core)",
+    )
+    args = ap.parse_args(argv)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    cold = 0 if args.hot else COLD_BYTES
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    formats = args.formats.split(",")
+    read = cpu_kernels.read_bandwidth() or float("nan")
+    print(
+        f"CPU: {cpu_build.cpu_info()[0]}, build {cpu_kernels.build_id()}, "
+        f"{torch.get_num_threads()} threads, {args.clock} clock, {'hot' if args.hot else 'cold'} "
+        f"weights, read {read / 1e9:.1f} GB/s (measured now)"
+    )
+    g = torch.Generator().manual_seed(0)
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        cases: dict[str, tuple[list, int]] = {}
+        if not args.no_bf16:
+            count = max(1 if args.hot else 2, -(-cold // (n * k * 2)))
+            floats = [(torch.randn(n, k, generator=g) * 0.02).bfloat16() for _ in range(count)]
+            panels = [cpu_kernels.panel_pack(w) for w in floats]
+            cases["bf16 gemv"] = ([(cpu_kernels.gemv, w) for w in floats], n * k * 2)
+            cases["bf16 panel"] = ([(cpu_kernels.panel, p) for p in panels], n * k * 2)
+        for fmt in formats:
+            w0 = random_weight(fmt, n, k, g)
+            count = max(1 if args.hot else 2, -(-cold // w0.nbytes()))
+            ws = [w0] + [random_weight(fmt, n, k, g) for _ in range(count - 1)]
+            cases[fmt] = ([(cpu_gemv.qgemv, w) for w in ws], w0.nbytes())
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, k, generator=g).bfloat16()
+            runs = {
+                name: (lambda pairs=pairs, x=x: [fn(x, w) for fn, w in pairs])
+                for name, (pairs, _) in cases.items()
+            }
+            times = {name: float("inf") for name in runs}
+            for fn in runs.values():
+                fn()  # warm-up
+            for _ in range(args.reps):  # interleaved: a burst of other work hits them all
+                for name, fn in runs.items():
+                    times[name] = min(times[name], timed(fn, clock) / len(cases[name][0]))
+            bf16 = min((t for name, t in times.items() if name.startswith("bf16")), default=None)
+            for name, t in times.items():
+                nbytes = cases[name][1]
+                rel = f"{t / bf16:5.2f}x bf16" if bf16 else ""
+                print(
+                    f"{n}x{k} rows {rows:3d} {name:<11} {t * 1e6:9.1f} us {nbytes / t / 1e9:6.1f}"
+                    f" GB/s {nbytes / t / read:5.0%} of read  {rel}"
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
