@@ -61,6 +61,75 @@ def test_gemv_equals_the_dequantized_matmul(rows: int, dtype: torch.dtype) -> No
         assert bool(((ours.float() - ref).abs() <= tol * terms + x_err + 1e-6).all()), name
 
 
+def _close(x: torch.Tensor, w: QTensor, ours: torch.Tensor) -> bool:
+    """ours within test_gemv_equals_the_dequantized_matmul's bound of x @ dequantized w.T."""
+    deq = dequantize(w, torch.float32)
+    ref = F.linear(x.float(), deq)
+    terms = F.linear(x.float().abs(), deq.abs())
+    tol = 1e-5 if x.dtype == torch.float32 else 1e-2
+    x_err = _x_step(x) / 2 * deq.abs().sum(1) if w.codes.dtype != FP8 else 0
+    return bool(((ours.float() - ref).abs() <= tol * terms + x_err + 1e-6).all())
+
+
+def _random(kind: str, n: int, k: int, group: int, g: torch.Generator) -> QTensor:
+    groups = k // group if group else 1
+    scales = torch.rand(n, groups, generator=g) + 0.01
+    if kind == "fp8":
+        codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+        codes[codes % 128 == 127] = 0  # no NaN
+        return QTensor(codes.view(FP8), scales, None, None, 8, group, k)
+    top = 16 if kind == "int4" else 256
+    q = torch.randint(0, top, (n, k), generator=g)
+    zeros = torch.randint(0, top, (n, groups), generator=g).to(torch.uint8)
+    codes = pack_nibbles(q) if kind == "int4" else q.to(torch.uint8)
+    return QTensor(codes, scales, zeros, None, 4 if kind == "int4" else 8, group, k)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("group", [32, 64, 128, 0])
+def test_every_group_size_and_row_count(kind: str, group: int) -> None:
+    """Groups of 32 (4-bit: a 64-feature load would span two groups, another code path), 64,
+    128 and a whole row, K not a multiple of the kernels' larger steps (K = 1056 = 33 x 32
+    where the groups allow it), rows 1-5 and 9 (pairs, a last odd row; fp8 above two rows
+    converts once per block), a weight whose rows are not a multiple of the 4-row block."""
+    g = torch.Generator().manual_seed(group + len(kind))
+    k = 1056 if group in (32, 0) else 1152
+    w = _random(kind, 37, k, group, g)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, k, generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            assert _close(x.to(dtype), w, cpu_gemv.qgemv(x.to(dtype), w)), (rows, dtype)
+
+
+def test_a_row_long_group_stops_at_the_row_end() -> None:
+    """Per-channel 8-bit weights (one group per row) with K = 1536 (Qwen2.5-1.5B's hidden
+    size): the kernel sums a long group 1024 features at a time, and the second chunk must
+    end at K, not run 512 features past it into the next row's codes and past x."""
+    g = torch.Generator().manual_seed(5)
+    w = _random("int8", 8, 1536, 0, g)
+    x = torch.randn(2, 1536, generator=g)
+    assert _close(x, w, cpu_gemv.qgemv(x, w))
+
+
+def test_fp8_subnormal_codes_survive_flush_denormal() -> None:
+    """fp8 codes become fp32 subnormals inside the kernel: with torch.set_flush_denormal(True)
+    (MXCSR's denormals-are-zero) they must still count."""
+    k = 256
+    codes = torch.tensor([1, 2, 3, 7, 0x81, 0x86], dtype=torch.uint8).repeat(4, k // 6 + 1)
+    codes = codes[:, :k].contiguous()  # subnormal codes only: +-2^-9 .. 7 x 2^-9
+    w = QTensor(codes.view(FP8), torch.ones(4, 2), None, None, 8, 128, k)
+    x = torch.rand(3, k) + 0.5
+    ref = F.linear(x, dequantize(w, torch.float32))
+    assert bool(ref.abs().min() > 0.01)
+    assert torch.set_flush_denormal(True)  # x86 with SSE3: every CPU the kernels build for
+    try:
+        got = [cpu_gemv.qgemv(x[:m], w) for m in (1, 3)]
+    finally:
+        torch.set_flush_denormal(False)
+    for y in got:
+        assert torch.allclose(y, ref[: y.shape[0]], rtol=1e-5, atol=0), y
+
+
 def test_a_sliced_weight_is_read_in_place() -> None:
     """A tensor-parallel shard of the input features (codes and scales narrowed: strided rows)
     multiplies as the same shard copied out."""
