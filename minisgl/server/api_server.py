@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -16,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from minisgl.message.api_to_tokenizer import DetokenizeOnly, TokenizeOnly
 from minisgl.message.detokenizer_to_api import ErrorReply, TokenizerReply
+from minisgl.server.api_key import APIKeyCheck
 from minisgl.server.body_limit import BodySizeLimit
 from minisgl.server.chat_output import ChatOutput
 from minisgl.server.context import ServerContext
@@ -80,22 +80,12 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
     app = FastAPI(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=ctx.args.max_request_body_bytes)
-
-    @app.middleware("http")
-    async def auth(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        key = ctx.args.api_key
-        path = request.url.path
-        # /openapi.json too: with a key set, even the API's shape is for key holders only.
-        guarded = path.startswith(("/v1", "/internal", "/tokenize", "/detokenize"))
-        guarded = guarded or path == "/openapi.json"
-        guarded = guarded or (path == "/metrics" and ctx.args.metrics_require_api_key)
-        if key and guarded:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return error_response(401, "invalid or missing API key (Authorization: Bearer)")
-        return await call_next(request)
+    # Added last, so it runs first: a request without the key is refused before its body is read.
+    app.add_middleware(
+        APIKeyCheck,
+        api_key=ctx.args.api_key,
+        metrics_require_key=ctx.args.metrics_require_api_key,
+    )
 
     # The bodies are declared as the pydantic models, so /openapi.json describes them; a
     # validation failure is a 400 (errors.install_handlers), an oversized body a 413.

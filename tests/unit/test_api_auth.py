@@ -27,3 +27,26 @@ def test_openapi_needs_the_key_when_one_is_set() -> None:
 
 def test_openapi_is_open_without_a_key() -> None:
     assert _client().get("/openapi.json").status_code == 200
+
+
+def test_no_request_goes_through_base_http_middleware() -> None:
+    # Starlette's BaseHTTPMiddleware (what `@app.middleware("http")` installs) runs the app in a
+    # task of its own and passes every response chunk between two tasks: API-server CPU on the
+    # path of each first token. Every middleware of the app is plain ASGI.
+    from starlette.middleware.base import BaseHTTPMiddleware
+
+    app = build_app(
+        ServerContext(args=ServerArgs(model="m", api_key="k"), manager=None, metrics=None),  # type: ignore[arg-type]
+        Hooks(),
+    )
+    assert app.user_middleware, "the API key and body limit middlewares are installed"
+    assert not [m for m in app.user_middleware if issubclass(m.cls, BaseHTTPMiddleware)]
+
+
+def test_key_checked_on_guarded_paths_only() -> None:
+    client = _client(api_key="sk-1")
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer sk-1"}).status_code == 200
+    assert client.get("/health").status_code == 503  # no key needed (here: not ready yet)
+    guarded = _client(api_key="sk-1", metrics_require_api_key=True)
+    assert guarded.get("/metrics").status_code == 401
