@@ -219,61 +219,157 @@ typedef struct {
     __m256 v[4][2];
 } Acc;
 
-/* One 4-row block against input rows m..m+MR-1 (MR 1 or 2), integer codes: into acc, with
-   each group's scale applied (zero points not yet). */
+/* Pins v to one register at this point: integer adds reassociate, and GCC otherwise regroups
+   the accumulators' adds into trees whose temporaries spill them. */
+#define KEEP(v) __asm__("" : "+x"(v))
+
+/* Byte offset of feature k's step in a row of codes. */
+static inline int64_t code_at(int kind, int64_t k) { return kind == Q_U8 ? k : k >> 1; }
+
+/* One 4-row block against input row m, integer codes extracted in registers: into acc
+   (column 0), each group's scale applied (zero points not yet). A group longer than FLUSH (a
+   whole row, per channel) is summed a chunk at a time; a chunk never runs past its group. */
 static inline __attribute__((always_inline)) void block_int(
-    int kind, int MR, const int16_t* xq, const uint8_t* const* wr, const float* const* sr,
-    int64_t m, int64_t K, int64_t gs, Prefetch* pf, Acc* acc) {
-    const int S = step_features(kind), V = step_vectors(kind), B = step_bytes(kind);
+    int kind, const int16_t* xq, const uint8_t* const* wr, const float* const* sr, int64_t m,
+    int64_t K, int64_t gs, Prefetch* pf, Acc* acc) {
+    const int S = step_features(kind), V = step_vectors(kind);
     const int16_t* x0 = xq + m * K;
-    const int16_t* x1 = MR == 2 ? x0 + K : x0;
-    for (int j = 0; j < 4; j++) acc->v[j][0] = acc->v[j][1] = _mm256_setzero_ps();
-    /* a group longer than FLUSH (a whole row, per channel) is summed a chunk at a time; a
-       chunk never runs past its group (K = 1536 per channel: 1024 + 512) */
+    for (int j = 0; j < 4; j++) acc->v[j][0] = _mm256_setzero_ps();
     for (int64_t c0 = 0, g = 0, end; c0 < K; c0 = end, g += end == (g + 1) * gs) {
         end = (g + 1) * gs < c0 + FLUSH ? (g + 1) * gs : c0 + FLUSH;
-        __m256i a0[4], a1[4];
-        for (int j = 0; j < 4; j++) a0[j] = a1[j] = _mm256_setzero_si256();
+        __m256i a[4];
+        for (int j = 0; j < 4; j++) a[j] = _mm256_setzero_si256();
         for (int64_t k = c0; k < end; k += S) {
             prefetch_step(pf);
             for (int j = 0; j < 4; j++) {
                 __m256i e[4];
-                extract(kind, wr[j] + k / S * B, e);
+                extract(kind, wr[j] + code_at(kind, k), e);
 #ifdef __AVX512VNNI__
-                for (int v = 0; v < V; v++) {
-                    a0[j] = DOT16(a0[j], e[v], _mm256_loadu_si256((const __m256i*)(x0 + k + 16 * v)));
-                    if (MR == 2)
-                        a1[j] = DOT16(a1[j], e[v], _mm256_loadu_si256((const __m256i*)(x1 + k + 16 * v)));
-                }
+                for (int v = 0; v < V; v++)
+                    a[j] = DOT16(a[j], e[v], _mm256_loadu_si256((const __m256i*)(x0 + k + 16 * v)));
 #else
                 /* products summed as a tree: one add on the accumulator's chain per step */
-                __m256i t0 = _mm256_add_epi32(
+                __m256i t = _mm256_add_epi32(
                     _mm256_madd_epi16(e[0], _mm256_loadu_si256((const __m256i*)(x0 + k))),
                     _mm256_madd_epi16(e[1], _mm256_loadu_si256((const __m256i*)(x0 + k + 16))));
                 if (V == 4)
-                    t0 = _mm256_add_epi32(t0, _mm256_add_epi32(
+                    t = _mm256_add_epi32(t, _mm256_add_epi32(
                         _mm256_madd_epi16(e[2], _mm256_loadu_si256((const __m256i*)(x0 + k + 32))),
                         _mm256_madd_epi16(e[3], _mm256_loadu_si256((const __m256i*)(x0 + k + 48)))));
-                a0[j] = _mm256_add_epi32(a0[j], t0);
-                if (MR == 2) {
-                    __m256i t1 = _mm256_add_epi32(
-                        _mm256_madd_epi16(e[0], _mm256_loadu_si256((const __m256i*)(x1 + k))),
-                        _mm256_madd_epi16(e[1], _mm256_loadu_si256((const __m256i*)(x1 + k + 16))));
-                    if (V == 4)
-                        t1 = _mm256_add_epi32(t1, _mm256_add_epi32(
-                            _mm256_madd_epi16(e[2], _mm256_loadu_si256((const __m256i*)(x1 + k + 32))),
-                            _mm256_madd_epi16(e[3], _mm256_loadu_si256((const __m256i*)(x1 + k + 48)))));
-                    a1[j] = _mm256_add_epi32(a1[j], t1);
-                }
+                a[j] = _mm256_add_epi32(a[j], t);
 #endif
             }
         }
-        for (int j = 0; j < 4; j++) {
-            __m256 s = _mm256_broadcast_ss(sr[j] + g);
-            acc->v[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[j]), s, acc->v[j][0]);
-            if (MR == 2)
-                acc->v[j][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[j]), s, acc->v[j][1]);
+        for (int j = 0; j < 4; j++)
+            acc->v[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[j]),
+                                           _mm256_broadcast_ss(sr[j] + g), acc->v[j][0]);
+    }
+}
+
+/* Two input rows, integer codes extracted in registers, two weight rows at a time (4x2
+   accumulators, the codes and x at once spill AVX2's 16 registers): each code is extracted
+   twice, where writing it to a scratch and reading it back costs more at two rows. */
+static inline __attribute__((always_inline)) void block_int2(
+    int kind, const int16_t* xq, const uint8_t* const* wr, const float* const* sr, int64_t m,
+    int64_t K, int64_t gs, Prefetch* pf, Acc* acc) {
+    const int S = step_features(kind), V = step_vectors(kind);
+    const int16_t* x0 = xq + m * K;
+    const int16_t* x1 = x0 + K;
+    for (int j = 0; j < 4; j++) acc->v[j][0] = acc->v[j][1] = _mm256_setzero_ps();
+    for (int64_t c0 = 0, g = 0, end; c0 < K; c0 = end, g += end == (g + 1) * gs) {
+        end = (g + 1) * gs < c0 + FLUSH ? (g + 1) * gs : c0 + FLUSH;
+        for (int jh = 0; jh < 4; jh += 2) {
+            __m256i a0 = _mm256_setzero_si256(), a1 = a0, b0 = a0, b1 = a0;
+            for (int64_t k = c0; k < end; k += S) {
+                prefetch_step(pf);
+                __m256i e[4], f[4];
+                extract(kind, wr[jh] + code_at(kind, k), e);
+                extract(kind, wr[jh + 1] + code_at(kind, k), f);
+                for (int v = 0; v < V; v++) {
+                    __m256i u = _mm256_loadu_si256((const __m256i*)(x0 + k + 16 * v));
+                    __m256i w = _mm256_loadu_si256((const __m256i*)(x1 + k + 16 * v));
+                    a0 = DOT16(a0, e[v], u);
+                    b0 = DOT16(b0, e[v], w);
+                    a1 = DOT16(a1, f[v], u);
+                    b1 = DOT16(b1, f[v], w);
+                    KEEP(a0);
+                    KEEP(b0);
+                    KEEP(a1);
+                    KEEP(b1);
+                }
+            }
+            __m256 s = _mm256_broadcast_ss(sr[jh] + g), t = _mm256_broadcast_ss(sr[jh + 1] + g);
+            acc->v[jh][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0), s, acc->v[jh][0]);
+            acc->v[jh][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b0), s, acc->v[jh][1]);
+            acc->v[jh + 1][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1), t, acc->v[jh + 1][0]);
+            acc->v[jh + 1][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b1), t, acc->v[jh + 1][1]);
         }
+    }
+}
+
+/* Several input rows, integer codes: the block's codes are extracted once per segment (<= SEG
+   features of one group) into `ws` [4][SEG] int16, in x's layout, and every pair of input
+   rows runs over that with loads and multiply-adds only (extracting again per pair would
+   cost as much as the products; keeping 4x2 accumulators and the extracted codes in
+   registers at once spills on AVX2's 16 registers). acc: a slot per pair of rows. */
+#define SEG 512
+static inline __attribute__((always_inline)) void pair_int(
+    int MR, const int16_t* x0, const int16_t* x1, const int16_t* ws, int64_t n, Prefetch* pf,
+    const float* const* sr, int64_t g, Acc* acc) {
+    /* named accumulators, not arrays (GCC kept an array of them in memory here), each
+       pinned after its add (KEEP): integer adds reassociate, and GCC regrouped them into
+       trees whose temporaries spilled the accumulators */
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+#define PAIR_ROW(a, b, j)                                                              \
+    {                                                                                  \
+        __m256i w = _mm256_loadu_si256((const __m256i*)(ws + (j) * SEG + k + h));      \
+        a = DOT16(a, w, u);                                                            \
+        KEEP(a);                                                                       \
+        if (MR == 2) b = DOT16(b, w, v);                                               \
+        if (MR == 2) KEEP(b);                                                          \
+    }
+    for (int64_t k = 0; k < n; k += 32) {
+        prefetch_step(pf);
+        for (int h = 0; h < 32; h += 16) {
+            __m256i u = _mm256_loadu_si256((const __m256i*)(x0 + k + h));
+            __m256i v = MR == 2 ? _mm256_loadu_si256((const __m256i*)(x1 + k + h)) : u;
+            PAIR_ROW(a0, b0, 0)
+            PAIR_ROW(a1, b1, 1)
+            PAIR_ROW(a2, b2, 2)
+            PAIR_ROW(a3, b3, 3)
+        }
+    }
+#undef PAIR_ROW
+    __m256i as[4] = {a0, a1, a2, a3}, bs[4] = {b0, b1, b2, b3};
+    for (int j = 0; j < 4; j++) {
+        __m256 s = _mm256_broadcast_ss(sr[j] + g);
+        acc->v[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(as[j]), s, acc->v[j][0]);
+        if (MR == 2) acc->v[j][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bs[j]), s, acc->v[j][1]);
+    }
+}
+
+static inline __attribute__((always_inline)) void block_int_many(
+    int kind, const int16_t* xq, const uint8_t* const* wr, const float* const* sr, int64_t M,
+    int64_t K, int64_t gs, Prefetch* pf, int16_t* ws, Acc* acc) {
+    const int S = step_features(kind), V = step_vectors(kind);
+    for (int64_t p = 0; p < (M + 1) / 2; p++)
+        for (int j = 0; j < 4; j++) acc[p].v[j][0] = acc[p].v[j][1] = _mm256_setzero_ps();
+    for (int64_t c0 = 0, g = 0, end; c0 < K; c0 = end, g += end == (g + 1) * gs) {
+        end = (g + 1) * gs < c0 + SEG ? (g + 1) * gs : c0 + SEG;
+        for (int j = 0; j < 4; j++)
+            for (int64_t k = c0; k < end; k += S) {
+                prefetch_step(pf);
+                __m256i e[4];
+                extract(kind, wr[j] + code_at(kind, k), e);
+                for (int v = 0; v < V; v++)
+                    _mm256_storeu_si256((__m256i*)(ws + j * SEG + (k - c0) + 16 * v), e[v]);
+            }
+        int64_t m = 0;
+        for (; m + 1 < M; m += 2)
+            pair_int(2, xq + m * K + c0, xq + (m + 1) * K + c0, ws, end - c0, pf, sr, g,
+                     &acc[m / 2]);
+        if (m < M) pair_int(1, xq + m * K + c0, NULL, ws, end - c0, pf, sr, g, &acc[m / 2]);
     }
 }
 
@@ -387,21 +483,32 @@ static inline void zero_points(const float* const* sr, const uint8_t* const* zr,
         }
 }
 
-/* One block against one or two input rows. Every call below has constant arguments, so each
-   is compiled for its kind and row count (the parallel region's body is outlined, where a
-   kind passed down would reach the loops as a variable). */
-static void run_block(int kind, int mr, const int16_t* xq, const float* xf,
-                      const uint8_t* const* wr, const float* const* sr, int64_t m, int64_t K,
-                      int64_t gs, Prefetch* pf, Acc* acc) {
-    switch (kind * 2 + (mr - 1)) {
-    case Q_U8 * 2: block_int(Q_U8, 1, xq, wr, sr, m, K, gs, pf, acc); break;
-    case Q_U8 * 2 + 1: block_int(Q_U8, 2, xq, wr, sr, m, K, gs, pf, acc); break;
-    case Q_U4 * 2: block_int(Q_U4, 1, xq, wr, sr, m, K, gs, pf, acc); break;
-    case Q_U4 * 2 + 1: block_int(Q_U4, 2, xq, wr, sr, m, K, gs, pf, acc); break;
-    case Q_U4W * 2: block_int(Q_U4W, 1, xq, wr, sr, m, K, gs, pf, acc); break;
-    case Q_U4W * 2 + 1: block_int(Q_U4W, 2, xq, wr, sr, m, K, gs, pf, acc); break;
-    case Q_FP8 * 2: block_fp8(1, xf, wr, sr, m, K, gs, pf, acc); break;
-    default: block_fp8(2, xf, wr, sr, m, K, gs, pf, acc);
+/* One block against one input row, or (many) against all of them. Every call below has
+   constant arguments, so each is compiled for its kind (the parallel region's body is
+   outlined, where a kind passed down would reach the loops as a variable). */
+static void run_block(int kind, int many, const int16_t* xq, const float* xf,
+                      const uint8_t* const* wr, const float* const* sr, int64_t m, int64_t M,
+                      int64_t K, int64_t gs, Prefetch* pf, void* scratch, Acc* acc) {
+    if (many) {
+        switch (kind) {
+        case Q_U8: block_int_many(Q_U8, xq, wr, sr, M, K, gs, pf, scratch, acc); break;
+        case Q_U4: block_int_many(Q_U4, xq, wr, sr, M, K, gs, pf, scratch, acc); break;
+        case Q_U4W: block_int_many(Q_U4W, xq, wr, sr, M, K, gs, pf, scratch, acc); break;
+        default: block_fp8_many(xf, wr, sr, M, K, gs, pf, scratch, acc);
+        }
+        return;
+    }
+    int two = M - m >= 2;
+    switch (kind * 2 + two) {
+    case Q_U8 * 2: block_int(Q_U8, xq, wr, sr, m, K, gs, pf, acc); break;
+    case Q_U4 * 2: block_int(Q_U4, xq, wr, sr, m, K, gs, pf, acc); break;
+    case Q_U4W * 2: block_int(Q_U4W, xq, wr, sr, m, K, gs, pf, acc); break;
+    case Q_U8 * 2 + 1: block_int2(Q_U8, xq, wr, sr, m, K, gs, pf, acc); break;
+    case Q_U4 * 2 + 1: block_int2(Q_U4, xq, wr, sr, m, K, gs, pf, acc); break;
+    case Q_U4W * 2 + 1: block_int2(Q_U4W, xq, wr, sr, m, K, gs, pf, acc); break;
+    default:
+        if (M - m >= 2) block_fp8(2, xf, wr, sr, m, K, gs, pf, acc);
+        else block_fp8(1, xf, wr, sr, m, K, gs, pf, acc);
     }
 }
 
@@ -422,8 +529,13 @@ static void qgemv_kind(
         xsum = (float*)malloc(sizeof(float) * M * G);
     }
     int64_t blocks = (N + 3) / 4;
-    int many = kind == Q_FP8 && M > 2;
-    int64_t steps = many ? K / 32 * 4 : K / step_features(kind) * ((M + 1) / 2);
+    /* One or two rows: codes turned into numbers in registers, per pass; more: once per
+       block (integer codes into a scratch per segment, block_int_many; fp8 to fp32 with its
+       scales, block_fp8_many) and every pass over that scratch. */
+    int many = M > 2;
+    int64_t steps = kind == Q_FP8 ? (many ? K / 32 * 4 : K / 32 * ((M + 1) / 2))
+                                  : (many ? K / step_features(kind) * 4 + K / 32 * ((M + 1) / 2)
+                                          : K / step_features(kind) * (M == 2 ? 2 : 1));
     #pragma omp parallel
     {
         /* fp8's weights are fp32 subnormals where their codes are (fp8x32): a thread that
@@ -436,7 +548,10 @@ static void qgemv_kind(
             if (kind == Q_FP8) convert_x(x, x_bf16, m, K, xf, xexp);
             else quantize_x(kind, x, x_bf16, m, K, gs, xq, xscale, xsum);
         }
-        float* wf = many ? (float*)aligned_alloc(64, sizeof(float) * 4 * KC) : NULL;
+        /* fp8: [4][KC] fp32; integer codes: [4][SEG] int16 */
+        void* scratch = many ? aligned_alloc(64, kind == Q_FP8 ? sizeof(float) * 4 * KC
+                                                               : sizeof(int16_t) * 4 * SEG)
+                             : NULL;
         Acc* accs = many ? (Acc*)aligned_alloc(64, sizeof(Acc) * ((M + 1) / 2)) : NULL;
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
@@ -454,12 +569,12 @@ static void qgemv_kind(
             int64_t block_bytes = 4 * cstride;
             Prefetch pf = {ahead(codes + n0 * cstride, block_bytes, n0 + 4 * PF_BLOCKS < N),
                            block_bytes / 64, steps, 0, 0};
-            if (many) block_fp8_many(xf, wr, sr, M, K, gs, &pf, wf, accs);
+            if (many) run_block(kind, 1, xq, xf, wr, sr, 0, M, K, gs, &pf, scratch, accs);
             for (int64_t m = 0; m < M; m += 2) {
                 Acc one;
                 Acc* acc = many ? &accs[m / 2] : &one;
                 int mr = M - m >= 2 ? 2 : 1;
-                if (!many) run_block(kind, mr, xq, xf, wr, sr, m, K, gs, &pf, acc);
+                if (!many) run_block(kind, 0, xq, xf, wr, sr, m, M, K, gs, &pf, NULL, acc);
                 if (kind != Q_FP8 && zeros) zero_points(sr, zr, xsum, m, mr, G, acc);
                 for (int i = 0; i < mr; i++) {
                     __m128 t = hsum4(acc->v[0][i], acc->v[1][i], acc->v[2][i], acc->v[3][i]);
@@ -474,7 +589,7 @@ static void qgemv_kind(
                 }
             }
         }
-        free(wf);
+        free(scratch);
         free(accs);
         _mm_setcsr(csr);
     }
