@@ -11,16 +11,21 @@ mixture of experts only the k routed experts per layer at B=1).
     python benchmarks/decode_step.py --dtype bfloat16 --batches 1,8,32 --context 320
     python benchmarks/decode_step.py --model-shape qwen3-30b-a3b --num-layers 4 --batches 1
     python benchmarks/decode_step.py --profile 1     # torch profiler table for B=1 decode
+    python benchmarks/decode_step.py --timings       # each case's spread of step times, and
+                                                     # what happened during its steps
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import math
+import resource
 import statistics
 import sys
 import time
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import torch
@@ -113,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--profile", type=int, default=0, help="profile decode at this batch size")
+    ap.add_argument(
+        "--timings",
+        action="store_true",
+        help="per case: step-time percentiles, and per step the page faults, context switches "
+        "(involuntary: another task took a core) and garbage collections, with the median of "
+        "the steps that no other task interrupted",
+    )
     ap.add_argument("--cpu-kernel-tuning", default="cached", choices=("cached", "full", "off"))
     ap.add_argument(
         "--cpu-weight-copies-max-gb",
@@ -167,15 +179,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     times = {(q, k): [] for q, (_, cases, *_) in builds.items() for k in cases}
+    events: dict[tuple[str, str], list[StepEvents]] = {key: [] for key in times}
     for runner, cases, *_ in builds.values():
         for inp, *_ in cases.values():
             runner.forward(inp)  # warm-up: kernels built, tables cached
     for _ in range(args.repeats):
         for name in next(iter(builds.values()))[1]:
             for q, (runner, cases, *_) in builds.items():
+                before = StepEvents.now()
                 t0 = clock()
                 runner.forward(cases[name][0])
                 times[(q, name)].append(clock() - t0)
+                events[(q, name)].append(StepEvents.now() - before)
     print(machine.describe())
     first = next(iter(builds))
     for q, (_, cases, params, weight_bytes) in builds.items():
@@ -193,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{tokens / best:8.1f} tok/s (best)  roofline {floor * 1e3:7.1f} ms ({bound}): "
                 f"{floor / best:4.0%}" + (f"  {vs:.2f}x {first}'s speed" if q != first else "")
             )
+            if args.timings:
+                print(spread(mine[name], events[(q, name)]))
         print(batch_ratios(cases, mine, machine, args.dtype))
     return 0
 
@@ -243,6 +260,53 @@ def _build(
         flops = 2.0 * ((params - head) * n + head * len(inp.sample_rows))
         cases[f"prefill {n} tok ({args.prefill_len}/req)"] = (inp, n, weight_bytes, flops)
     return runner, cases, params, weight_bytes
+
+
+@dataclass(frozen=True)
+class StepEvents:
+    """What the process went through during a step: page faults, context switches (voluntary:
+    a thread waited; involuntary: another task took its core) and garbage collections."""
+
+    faults: int
+    waits: int
+    preempted: int
+    collections: int
+
+    @staticmethod
+    def now() -> StepEvents:
+        use = resource.getrusage(resource.RUSAGE_SELF)
+        runs = sum(g["collections"] for g in gc.get_stats())
+        faults = use.ru_minflt + use.ru_majflt
+        return StepEvents(faults, use.ru_nvcsw, use.ru_nivcsw, runs)
+
+    def __sub__(self, other: StepEvents) -> StepEvents:
+        return StepEvents(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
+def spread(times: list[float], events: list[StepEvents]) -> str:
+    """A case's step times as percentiles, what its steps went through on average, and the
+    median of the steps no other task interrupted next to that of those it did."""
+    ms = sorted(t * 1e3 for t in times)
+    n = len(events)
+    quiet = [t * 1e3 for t, e in zip(times, events) if e.preempted == 0]
+    hit = [t * 1e3 for t, e in zip(times, events) if e.preempted > 0]
+
+    def pct(p: float) -> float:
+        return ms[min(n - 1, int(p * n))]
+
+    def med(v: list[float]) -> str:
+        return f"{statistics.median(v):.1f} ms ({len(v)} steps)" if v else "none"
+
+    def mean(field: str) -> float:
+        return sum(getattr(e, field) for e in events) / n
+
+    return (
+        f"    steps: p10 {pct(0.1):.1f}  p50 {statistics.median(ms):.1f}  p90 {pct(0.9):.1f}  "
+        f"max {ms[-1]:.1f} ms, median/best {statistics.median(ms) / ms[0]:.2f}; per step "
+        f"{mean('faults'):.1f} page faults, {mean('waits'):.1f} waits, "
+        f"{mean('preempted'):.1f} preemptions, {mean('collections'):.2f} gc runs\n"
+        f"    median of the steps not preempted: {med(quiet)}; preempted: {med(hit)}"
+    )
 
 
 def batch_ratios(
