@@ -446,17 +446,25 @@ static inline __attribute__((always_inline)) void block_fp8_many(
         for (int64_t m = 0, p = 0; m < M; m += 2, p++) {
             const float* x0 = xf + m * K + k0;
             const float* x1 = m + 1 < M ? x0 + K : x0;
-            __m256 a0[4], a1[4];
-            for (int j = 0; j < 4; j++) a0[j] = acc[p].v[j][0], a1[j] = acc[p].v[j][1];
+            /* named accumulators (an array of them stayed in memory) */
+            __m256 a0 = acc[p].v[0][0], a1 = acc[p].v[1][0], a2 = acc[p].v[2][0],
+                   a3 = acc[p].v[3][0];
+            __m256 b0 = acc[p].v[0][1], b1 = acc[p].v[1][1], b2 = acc[p].v[2][1],
+                   b3 = acc[p].v[3][1];
             for (int64_t k = 0; k < kc; k += 8) {
-                __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k);
-                for (int j = 0; j < 4; j++) {
-                    __m256 w = _mm256_loadu_ps(wf + j * KC + k);
-                    a0[j] = _mm256_fmadd_ps(w, u, a0[j]);
-                    a1[j] = _mm256_fmadd_ps(w, v, a1[j]);
-                }
+                if ((k & 31) == 0) prefetch_step(pf); /* the next blocks, during every pass */
+                __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k), w;
+                w = _mm256_loadu_ps(wf + k);
+                a0 = _mm256_fmadd_ps(w, u, a0), b0 = _mm256_fmadd_ps(w, v, b0);
+                w = _mm256_loadu_ps(wf + KC + k);
+                a1 = _mm256_fmadd_ps(w, u, a1), b1 = _mm256_fmadd_ps(w, v, b1);
+                w = _mm256_loadu_ps(wf + 2 * KC + k);
+                a2 = _mm256_fmadd_ps(w, u, a2), b2 = _mm256_fmadd_ps(w, v, b2);
+                w = _mm256_loadu_ps(wf + 3 * KC + k);
+                a3 = _mm256_fmadd_ps(w, u, a3), b3 = _mm256_fmadd_ps(w, v, b3);
             }
-            for (int j = 0; j < 4; j++) acc[p].v[j][0] = a0[j], acc[p].v[j][1] = a1[j];
+            acc[p].v[0][0] = a0, acc[p].v[1][0] = a1, acc[p].v[2][0] = a2, acc[p].v[3][0] = a3;
+            acc[p].v[0][1] = b0, acc[p].v[1][1] = b1, acc[p].v[2][1] = b2, acc[p].v[3][1] = b3;
         }
     }
 }
@@ -533,7 +541,7 @@ static void qgemv_kind(
        block (integer codes into a scratch per segment, block_int_many; fp8 to fp32 with its
        scales, block_fp8_many) and every pass over that scratch. */
     int many = M > 2;
-    int64_t steps = kind == Q_FP8 ? (many ? K / 32 * 4 : K / 32 * ((M + 1) / 2))
+    int64_t steps = kind == Q_FP8 ? K / 32 * ((M + 1) / 2 + (many ? 4 : 0))
                                   : (many ? K / step_features(kind) * 4 + K / 32 * ((M + 1) / 2)
                                           : K / step_features(kind) * (M == 2 ? 2 : 1));
     #pragma omp parallel
