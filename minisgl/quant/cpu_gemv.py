@@ -1,8 +1,8 @@
 """Matmuls over quantized weights on the CPU, by the C kernels in layers/csrc/qgemv.c:
 
-- `qgemv`: reads each code byte once and widens it in registers (integer codes against x
-  quantized per row to 16-bit integers, fp8 through fp16), so a decode step streams the
-  quantized bytes (a half or a quarter of bf16's) and nothing else;
+- `qgemv`: reads each code byte once and widens it in registers or an L1 scratch (integer
+  codes against x quantized per row to 16-bit integers, fp8 codes as fp32 bit patterns), so a
+  decode step streams the quantized bytes (a half or a quarter of bf16's) and nothing else;
 - `dequant_gemm` / `dequant_torch`: for many rows (prefill), a chunk of weight rows
   dequantized once into fp32 by C and multiplied by our fp32 GEMM or by torch's (MKL/oneDNN).
 

@@ -1,5 +1,6 @@
 /* Matmuls over quantized weights (minisgl/quant/qtensor.py's layout), each code byte read once
-   per call and turned into numbers in registers, never into a dequantized copy of the weight:
+   per call from memory and turned into numbers in registers or an L1 scratch, never into a
+   dequantized copy of the weight:
 
      y[m, n] = sum_g scale[n, g] * (sum_{k in g} x[m, k] * code[n, k] - zero[n, g] * xsum[m, g])
 
@@ -11,28 +12,35 @@
    overflow) and become fp32 once per group, times the group's scale; the zero points are
    subtracted once per block through the groups' integer sums of x.
 
-   Codes become 16-bit lanes without a shuffle, so a code byte costs two or three single-cycle
+   Codes become 16-bit lanes without a shuffle, so a code byte costs one or two single-cycle
    integer ops besides its share of a VPMADDWD (the first version widened with VPMOVZXBW, a
-   lane-crossing op one pipe issues every 1.25 cycles on Zen 3: it bounded one row at half the
-   bandwidth): x is laid out, when it is quantized, in the order the codes come out of a
-   32-byte load:
+   lane-crossing op one pipe issues every 1.25 cycles on Zen 3, and divided per group): x is
+   laid out, when it is quantized, in the order the codes come out of a 32-byte load:
    - 8-bit: a 16-bit lane of the load holds two codes; a mask gives the even feature, a shift
      the odd one (x per 32 features: evens, then odds);
    - 4-bit: a 16-bit lane holds four codes (features 4l..4l+3 of 64); masks and shifts give
      four vectors, vector s holding features 4l+s (x per 64 features in that order). Groups of
      32 (a 64-feature load would span two groups) widen 16 bytes with VPMOVZXBW instead and
-     take the 8-bit layout.
-   fp8 e4m3: no integer form; a byte becomes an fp16 with a shift and a mask (sign kept, the
-   exponent and mantissa moved down one bit: the value times 2^-8 exactly, subnormals included)
-   and F16C widens that to fp32 for an FMA; the 2^8 is folded into the group's scale. x stays
-   fp32, in the lane order the in-lane unpacks leave (per 32: 0-7, 16-23, 8-15, 24-31).
+     take the 8-bit layout (Q_U4W).
+   fp8 e4m3: no integer form, and no F16C either (VCVTPH2PS is 2 uops per 8 on Zen 3 and
+   bounded one row at the memory's rate): a code becomes the top half of an fp32 with a shift
+   and a mask, its value times 2^-120 exactly (fp8x32), and x is scaled by a power of two per
+   row so that the products stay normal; the powers of two are undone per output.
 
-   Blocks of 4 weight rows are split over the threads. Each block meets the input rows two at
-   a time (one at the end) while it stays in L1, and the next blocks are prefetched across all
-   of those passes (common.h), as the bf16 GEMV does. With more than two input rows, fp8
-   converts a chunk of the block to fp32 once (scales applied) and every pass runs FMAs only;
-   integer codes are cheap enough to extract again in each pass. x is quantized (converted)
-   row by row inside the same parallel region, so a call wakes the threads once. */
+   Blocks of 4 weight rows are split over the threads; the next blocks are prefetched across
+   every pass a block takes (common.h), as the bf16 GEMV does. One input row: codes extracted
+   in registers, 4 weight rows at once. Two: integer codes extracted in registers two weight
+   rows at a time (4x2 accumulators with the codes and x spill AVX2's 16 registers), fp8 pairs
+   in registers. Three or more: each code is turned into numbers once per block, integer codes
+   into an int16 scratch per segment of <= 512 features, fp8 into fp32 with its scales, and
+   every pair of input rows runs over the scratch (in L1) with loads and multiply-adds only.
+
+   What bounds it on a 2-core Zen 3 (AVX2): one row streams the codes at about the bf16
+   GEMV's byte rate; from 2 rows on, the products: a VPMADDWD and the VPADDD after it issue
+   at ~0.85 cycles per 16 products there (~19 per cycle, little more than FMA's 16), so
+   8-bit rows cost about what bf16 rows do. AVX512-VNNI (VPDPWSSD, the AVX-512 build) fuses
+   the two. x is quantized (converted) row by row inside the same parallel region, so a call
+   wakes the threads once. */
 #include "common.h"
 
 /* Q_U4W: 4-bit codes whose groups (32 features) are shorter than a 64-feature load. */
