@@ -116,14 +116,17 @@ class _Lib:
                 self.qgemv[kind], self.qdequant[kind] = qfn, dfn
         # Many rows over quantized weights, a panel dequantized once for all of them
         # (qdequant.c; minisgl/quant/cpu_panel.py): qgemv's arguments.
+        # qpanel16_*: integer codes against x quantized per row to int16.
         self.qpanel: dict[str, Any] = {}
-        for kind in ("u4", "u8", "fp8"):
-            pfn: Any = getattr(lib, f"qpanel_{kind}", None)
-            if pfn is not None:
-                pfn.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
-                pfn.argtypes += [i64] * 4
-                pfn.restype = None
-                self.qpanel[kind] = pfn
+        self.qpanel16: dict[str, Any] = {}
+        for name, table in (("qpanel", self.qpanel), ("qpanel16", self.qpanel16)):
+            for kind in ("u4", "u8", "fp8"):
+                pfn: Any = getattr(lib, f"{name}_{kind}", None)
+                if pfn is not None:
+                    pfn.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+                    pfn.argtypes += [i64] * 4
+                    pfn.restype = None
+                    table[kind] = pfn
         lib.stream_read.argtypes = [ptr, i64]
         lib.stream_read.restype = ctypes.c_float
         self.stream_read = lib.stream_read

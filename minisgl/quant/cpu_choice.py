@@ -6,7 +6,8 @@ The candidates (cpu_gemv.py), all reading the quantized weight as loaded (no sec
 - "dequant_gemm": a chunk of rows dequantized once into fp32, then our fp32 GEMM;
 - "dequant_torch": the same chunk multiplied by torch's fp32 matmul (MKL / oneDNN);
 - "dequant_panel": 16 rows at a time dequantized once into a register tile's layout, for all
-  input rows (cpu_panel.py); the default for many rows.
+  input rows (cpu_panel.py); the default for many rows;
+- "int16_panel": the same with integer codes against x quantized per row to int16 (VPMADDWD).
 Which wins at which row count depends on the CPU (FMA width, integer multiply rate, MKL), so
 nothing is a fixed row limit: each shape and code kind is timed per bucket at start-up, or read
 from the cache. Tuning "off": qgemv up to cpu_kernels.MAX_ROWS rows, then dequant_panel.
@@ -27,13 +28,14 @@ from minisgl.quant.qtensor import QTensor
 
 logger = logging.getLogger(__name__)
 
-CANDIDATES = ("qgemv", "dequant_gemm", "dequant_torch", "dequant_panel")
+CANDIDATES = ("qgemv", "dequant_gemm", "dequant_torch", "dequant_panel", "int16_panel")
 Run = Callable[[torch.Tensor, QTensor], torch.Tensor]
 _RUN: dict[str, Run] = {
     "qgemv": cpu_gemv.qgemv,
     "dequant_gemm": cpu_gemv.dequant_gemm,
     "dequant_torch": cpu_gemv.dequant_torch,
     "dequant_panel": cpu_panel.dequant_panel,
+    "int16_panel": cpu_panel.int16_panel,
 }
 # Timing passes: as cpu_linear's (cold weights, bounded FLOPs, best of a few interleaved).
 _COLD_BYTES = 48 << 20

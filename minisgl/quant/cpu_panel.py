@@ -3,7 +3,9 @@ layers/csrc/qdequant.c: each thread dequantizes 16 weight rows at a time, a segm
 time, into fp32 laid out for a 6x16 register tile, once for every input row, and multiplies
 there. The values are qtensor.dequantize's exactly, the products and sums fp32 (as the bf16
 panel kernel's), so the result is the dequantized weight's matmul to fp32 rounding; weights as
-cpu_gemv.usable takes them. A candidate of the quantized chooser (cpu_choice.py)."""
+cpu_gemv.usable takes them. `int16_panel`: the same blocking with x quantized per row to int16
+and integer codes multiplied in int32 (VPMADDWD), where that is faster. Candidates of the
+quantized chooser (cpu_choice.py)."""
 
 from __future__ import annotations
 
@@ -20,13 +22,28 @@ def dequant_panel(
     """x [M, K] @ weight.T -> [M, N] in `out_dtype` (default x's dtype), any M."""
     lib = cpu_kernels.load()
     assert lib is not None
+    return _run(lib.qpanel[cpu_gemv.kind(w)], x, w, out_dtype)
+
+
+def int16_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """As dequant_panel, integer codes multiplied by x quantized per row to int16 (as the decode
+    GEMV does) with VPMADDWD, whose multiply-adds issue on more of an AVX2 core's pipes than
+    fp32 FMAs. fp8 codes, which have no integer form, take dequant_panel."""
+    lib = cpu_kernels.load()
+    assert lib is not None
+    kind = cpu_gemv.kind(w)
+    fn = lib.qpanel16.get(kind) or lib.qpanel[kind]
+    return _run(fn, x, w, out_dtype)
+
+
+def _run(fn, x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None) -> torch.Tensor:  # noqa: ANN001
     out_dtype = out_dtype or x.dtype
     x_bf16 = x.dtype == torch.bfloat16
     xc = x.contiguous() if x_bf16 or x.dtype == torch.float32 else x.float().contiguous()
     (m, k), n = xc.shape, w.codes.shape[0]
     y = torch.empty(m, n, dtype=torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
     zeros = w.zeros.data_ptr() if w.zeros is not None else None
-    lib.qpanel[cpu_gemv.kind(w)](
+    fn(
         xc.data_ptr(),
         int(x_bf16),
         w.codes.data_ptr(),

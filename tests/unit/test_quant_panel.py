@@ -1,7 +1,8 @@
-"""The many-row matmul over quantized weights (csrc/qdequant.c) equals the dequantized weight's
+"""The many-row matmuls over quantized weights (csrc/qdequant.c) equal the dequantized weight's
 matmul to fp32 rounding: every code kind (4-bit, 8-bit, fp8 e4m3 with its subnormals and
-signs), groups of 32, 64, 128 and whole rows, odd row counts, K across the kernel's chunk and
-segment edges, output rows past a multiple of 16, a tensor-parallel shard's strided codes."""
+signs), groups of 32, 64, 128 and whole rows, odd row counts, K across the kernels' chunk,
+run and segment edges, output rows past a multiple of 16, a tensor-parallel shard's strided
+codes; the int16 one on x as it quantizes it (per row to int16, as the decode GEMV)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from minisgl.layers import cpu_kernels
 from minisgl.quant import cpu_choice, cpu_gemv
-from minisgl.quant.cpu_panel import dequant_panel
+from minisgl.quant.cpu_panel import dequant_panel, int16_panel
 from minisgl.quant.qtensor import FP8, QTensor, dequantize
 from minisgl.quant.quantize import quantize
 from minisgl.quant.scheme import load_scheme
@@ -26,26 +27,52 @@ def _scheme(method: str, group: int | None):  # noqa: ANN202
     return s if group is None else dataclasses.replace(s, group_size=group)
 
 
+def _int16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the int16 kernel multiplies it (scale max|x| / 32767 per row, nearest integer),
+    and the step of those integers per row."""
+    xf = x.float()
+    step = xf.abs().amax(dim=1, keepdim=True) / 32767
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    return torch.round(xf * (1 / step)).clamp(-32767, 32767) * step, step
+
+
 def _check(x: torch.Tensor, w: QTensor) -> None:
     assert cpu_gemv.usable(x, w)
-    ours = dequant_panel(x, w, torch.float32)
     deq = dequantize(w, torch.float32)
+    ours = dequant_panel(x, w, torch.float32)
     ref = F.linear(x.float(), deq)
     # Another summation order: off by fp32 rounding of the terms summed, nothing more (the
     # weights are the dequantized ones exactly, x is multiplied as it is).
     terms = F.linear(x.float().abs(), deq.abs())
     assert ours.shape == ref.shape
     assert bool(((ours - ref).abs() <= 1e-5 * terms + 1e-30).all())
+    ours16 = int16_panel(x, w, torch.float32)
+    if w.codes.dtype == FP8:  # no integer form: the fp32 kernel
+        assert torch.equal(ours16, ours)
+        return
+    xq, step = _int16(x)
+    ref16 = F.linear(xq.double(), deq.double()).float()
+    # exact integer sums, fp32 rounding in the scales; a tie x * (1 / step) may round the
+    # other way: one step of one feature
+    tol = 1e-5 * F.linear(xq.abs(), deq.abs()) + step * deq.abs().amax(dim=1)
+    assert bool(((ours16 - ref16).abs() <= tol).all())
 
 
-# (method, group) x (N, K): K below one tile chunk, across chunks (256), across the 2048-feature
-# segment; N not a multiple of 16.
+# Each group size with each code kind; K below one tile chunk (128), across chunks (768), across
+# the 2048-feature segment (2432); N not a multiple of 16.
 @pytest.mark.parametrize(
-    "method,group",
-    [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128), ("fp8", 32), ("fp8", 64)]
-    + [("fp8", 128)],
+    "method,group,n,k",
+    [
+        ("int8", None, 37, 128),
+        ("int8", None, 20, 2048 + 384),
+        ("int4", 32, 16, 768),
+        ("int4", 64, 37, 128),
+        ("int4", 128, 20, 2048 + 384),
+        ("fp8", 32, 37, 128),
+        ("fp8", 64, 16, 768),
+        ("fp8", 128, 20, 2048 + 384),
+    ],
 )
-@pytest.mark.parametrize("n,k", [(37, 128), (16, 768), (20, 2048 + 384)])
 def test_panel_equals_the_dequantized_matmul(method: str, group: int | None, n: int, k: int):
     g = torch.Generator().manual_seed(n + k)
     w = quantize(torch.randn(n, k, generator=g), _scheme(method, group))
@@ -84,7 +111,7 @@ def test_shard_of_rows_and_of_input_features() -> None:
 
 def test_chooser_runs_it_for_many_rows() -> None:
     """A candidate of the quantized chooser: a kernel whose picks name it runs it."""
-    assert "dequant_panel" in cpu_choice.CANDIDATES
+    assert {"dequant_panel", "int16_panel"} <= set(cpu_choice.CANDIDATES)
     w = quantize(
         torch.randn(64, 256, generator=torch.Generator().manual_seed(3)), _scheme("int4", 64)
     )
