@@ -432,8 +432,9 @@ static inline __attribute__((always_inline)) void block_fp8_many(
     int64_t gs, Prefetch* pf, float* wf, Acc* acc) {
     for (int64_t p = 0; p < (M + 1) / 2; p++)
         for (int j = 0; j < 4; j++) acc[p].v[j][0] = acc[p].v[j][1] = _mm256_setzero_ps();
-    /* w' * 2^64 * scale: no fp32 subnormals (the first product an FMA: see block_fp8) */
-    const __m256 lift = _mm256_set1_ps(0x1p64f), zero = _mm256_setzero_ps();
+    /* w' * (scale * 2^40), one FMA (see block_fp8): normal fp32 for any scale from 2^-37
+       (subnormal codes) to 2^88, and one rounding, as dequantize's code * scale */
+    const __m256 zero = _mm256_setzero_ps();
     int64_t g = 0, left = gs; /* the group of feature k0, and its features from k0 on */
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         int64_t kc = K - k0 < KC ? K - k0 : KC;
@@ -444,10 +445,9 @@ static inline __attribute__((always_inline)) void block_fp8_many(
                 prefetch_step(pf);
                 __m256 w[4];
                 fp8x32(wr[j] + k0 + k, w);
-                __m256 s = _mm256_broadcast_ss(sr[j] + g);
+                __m256 s = _mm256_set1_ps(sr[j][g] * 0x1p40f);
                 for (int v = 0; v < 4; v++)
-                    _mm256_storeu_ps(wf + j * KC + k + 8 * v,
-                                     _mm256_mul_ps(_mm256_fmadd_ps(w[v], lift, zero), s));
+                    _mm256_storeu_ps(wf + j * KC + k + 8 * v, _mm256_fmadd_ps(w[v], s, zero));
                 if ((left -= 32) == 0) g++, left = gs;
             }
         }
@@ -596,9 +596,9 @@ static void qgemv_kind(
                     __m128 t = hsum4(acc->v[0][i], acc->v[1][i], acc->v[2][i], acc->v[3][i]);
                     float out[4];
                     _mm_storeu_ps(out, t);
-                    /* fp8: the weights' 2^-120, the 2^64 of the many-row path and x's power of
+                    /* fp8: the weights' 2^-120, the 2^40 of the many-row path and x's power of
                        two undone, in double (the factor alone may pass fp32's range) */
-                    double f = kind == Q_FP8 ? ldexp(1.0, (many ? 56 : 120) - xexp[m + i])
+                    double f = kind == Q_FP8 ? ldexp(1.0, (many ? 80 : 120) - xexp[m + i])
                                              : (double)xscale[m + i];
                     for (int j = 0; j < rows; j++)
                         store(y, (m + i) * N + n0 + j, (float)(out[j] * f), out_bf16);
