@@ -1,13 +1,16 @@
-"""Where a streamed request's time goes outside the forward pass (the per-request timeline).
+"""Where a request's time goes outside the forward pass (the per-request timeline).
 
 Starts `python -m minisgl` with MINISGL_TIMELINE set (see minisgl/timeline.py) on the random
-Qwen3-0.6B-shaped model, sends --requests streamed completions one at a time at idle (a short
-prompt, --max-tokens tokens each, ignore_eos), and prints for the median request:
-- each hop from HTTP received to the first byte written, and TTFT minus the prefill forward;
-- the inter-token latency at the client against the decode step the scheduler measured.
+Qwen3-0.6B-shaped model and sends --requests requests of each --kinds one at a time at idle
+through the official openai client (one client, keep-alive, as an application): a 6-token chat
+turn ("chat") and a short completion prompt ("completion"), each streamed ("...-stream") and
+not. For each kind it prints the median of every hop from HTTP received to the first byte
+written (stream) or the reply written (not), TTFT at the client minus the prefill forward, and
+for streams the inter-token latency at the client against the decode step the scheduler timed.
 Targets (issue 12): TTFT at idle <= one prefill forward + 15 ms; ITL <= one decode step + 3 ms.
 
     python benchmarks/serving_timeline.py [--model DIR] [--requests 5] [--max-tokens 64]
+    python benchmarks/serving_timeline.py --kinds completion-stream --max-tokens 1
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -29,6 +33,8 @@ from minisgl import timeline
 from minisgl.layers.cpu_build import cpu_info
 
 PROMPT = "The quick brown fox jumps"  # a handful of tokens
+CHAT = [{"role": "user", "content": "Name three colors."}]  # 6 tokens before the template's
+KINDS = ("chat-stream", "chat", "completion-stream", "completion")
 
 
 def free_port() -> int:
@@ -37,27 +43,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def stream_one(
-    client: httpx.Client, base: str, max_tokens: int
-) -> tuple[float, list[float], float]:
-    """(seconds to the first content chunk, wall-clock arrival times of every content chunk,
-    wall-clock send time). One client for every request, as an application's OpenAI client:
-    a new httpx client per request costs ~30 ms of its own set-up (SSL context) before it
-    sends anything, which the timeline would count as the server's."""
-    body = {
-        "model": "m",
-        "prompt": PROMPT,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "temperature": 0,
-        "stream": True,
-    }
+def send_one(client: Any, kind: str, max_tokens: int) -> tuple[float, list[float], float]:
+    """(seconds to the first content, wall-clock arrival times of every content chunk (the
+    whole reply's, not streamed), wall-clock send time)."""
+    stream = kind.endswith("-stream")
+    common = {"model": "m", "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    common["extra_body"] = {"ignore_eos": True}
     times: list[float] = []
     t0 = time.time()
-    with client.stream("POST", base + "/v1/completions", json=body, timeout=300) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {") and '"text":""' not in line:
-                times.append(time.time())
+    if kind.startswith("chat"):
+        reply = client.chat.completions.create(messages=CHAT, **common)
+    else:
+        reply = client.completions.create(prompt=PROMPT, **common)
+    if not stream:
+        return time.time() - t0, [time.time()], t0
+    for chunk in reply:
+        choice = chunk.choices[0] if chunk.choices else None
+        text = (choice.delta.content if kind.startswith("chat") else choice.text) if choice else ""
+        if text:
+            times.append(time.time())
     return times[0] - t0, times, t0
 
 
@@ -65,11 +69,8 @@ def gaps(events: list[tuple[str, float]]) -> dict[str, float]:
     first = {}
     for stage, t in events:
         first.setdefault(stage, t)
-    out = {}
-    for a, b in zip(timeline.STAGES, timeline.STAGES[1:]):
-        if a in first and b in first:
-            out[f"{a} -> {b}"] = first[b] - first[a]
-    return out
+    stages = [st for st in timeline.STAGES if st in first]
+    return {f"{a} -> {b}": first[b] - first[a] for a, b in zip(stages, stages[1:])}
 
 
 def main() -> int:
@@ -78,8 +79,12 @@ def main() -> int:
     ap.add_argument("--fixture-dir", default="/tmp/minisgl-bench-models")
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"some of {', '.join(KINDS)}")
     ap.add_argument("--extra", default="", help="more server flags, space-separated")
     args = ap.parse_args()
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if unknown := set(kinds) - set(KINDS):
+        ap.error(f"unknown kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
     if args.model:
         model = Path(args.model)
     else:
@@ -90,6 +95,7 @@ def main() -> int:
             write_fixture_model(model, preset="0.6b", dtype="bfloat16")
     port = free_port()
     base = f"http://127.0.0.1:{port}"
+    runs: dict[str, list[tuple[float, list[float], float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tl = os.path.join(tmp, "timeline.txt")
         cmd = [sys.executable, "-m", "minisgl", "--model", str(model), "--dtype", "bfloat16"]
@@ -114,17 +120,16 @@ def main() -> int:
                 if proc.poll() is not None:
                     print(Path(tmp, "server.log").read_text()[-3000:])
                     return 1
-            client = httpx.Client()
-            stream_one(client, base, 4)  # warm-up (and the connection opened)
+            import openai
+
+            client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+            for kind in kinds:
+                send_one(client, kind, 4)  # warm-up (and the connection opened)
             Path(tl).write_text("")
-            client_ttft, client_itl, sent, got = [], [], [], []
-            for _ in range(args.requests):
-                ttft, times, t0 = stream_one(client, base, args.max_tokens)
-                client_ttft.append(ttft)
-                sent.append(t0)
-                got.append(times[0])
-                client_itl += [b - a for a, b in zip(times, times[1:])]
-                time.sleep(0.3)  # idle between requests
+            for kind in kinds:
+                for _ in range(args.requests):
+                    runs.setdefault(kind, []).append(send_one(client, kind, args.max_tokens))
+                    time.sleep(0.3)  # idle between requests
             events = timeline.read(tl)
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -138,33 +143,53 @@ def main() -> int:
         for a, b in zip(steps, steps[1:])
         if a[0] == "step_end" and b[0] == "step_begin" and b[1] - a[1] < 0.25
     ]
-    per_req = [gaps(ev) for ev in events.values()]
-    for g, t0, t1, ev in zip(per_req, sent, got, events.values()):
-        first = dict(reversed(ev))
-        g["client sent -> received"] = first["received"] - t0
-        g["first_byte -> client got"] = t1 - first.get("first_byte", t1)
     name, flags = cpu_info()
     noted = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
     print(f"CPU: {name} [{noted}], {os.cpu_count()} cores")
-    print(f"{len(per_req)} requests at idle, prompt {PROMPT!r}, {args.max_tokens} tokens each")
-    for key in per_req[0] if per_req else []:
-        vals = [g[key] for g in per_req if key in g]
-        print(f"  {key:<28} median {statistics.median(vals) * 1e3:7.2f} ms")
-    prefill = statistics.median(
-        [g["scheduled -> forwarded"] for g in per_req if "scheduled -> forwarded" in g]
-    )
-    ttft = statistics.median(client_ttft)
+    print(f"{args.requests} requests of each kind at idle, {args.max_tokens} tokens each")
     decode_steps = sorted(durations)[: max(1, len(durations) * 9 // 10)]  # prefills are longest
-    step = statistics.median(decode_steps)
-    itl = statistics.median(client_itl)
-    print(f"TTFT (client) median {ttft * 1e3:.1f} ms; prefill step {prefill * 1e3:.1f} ms; "
-          f"outside the forward: {(ttft - prefill) * 1e3:.1f} ms (target <= 15)")  # fmt: skip
+    step = statistics.median(decode_steps) if decode_steps else 0.0
+    # Request ids, in the order sent: chat ids start "chatcmpl-", completions "cmpl-".
+    by_prefix: dict[str, list[list[tuple[str, float]]]] = {}
+    for rid, ev in sorted(events.items(), key=lambda kv: kv[1][0][1]):
+        by_prefix.setdefault(rid.split("-")[0], []).append(ev)
+    for kind in kinds:
+        evs = by_prefix.get("chatcmpl" if kind.startswith("chat") else "cmpl", [])
+        mine, evs[:] = evs[: len(runs[kind])], evs[len(runs[kind]) :]
+        report(kind, runs[kind], mine, step)
     if between:
         print(f"between steps (scheduler loop outside engine.step) median "
               f"{statistics.median(between) * 1e3:.2f} ms")  # fmt: skip
-    print(f"ITL (client) median {itl * 1e3:.2f} ms; decode step median {step * 1e3:.2f} ms; "
-          f"difference {(itl - step) * 1e3:.2f} ms (target <= 3)")  # fmt: skip
     return 0
+
+
+def report(
+    kind: str,
+    runs: list[tuple[float, list[float], float]],
+    events: list[list[tuple[str, float]]],
+    step: float,
+) -> None:
+    """One kind's hops (medians over its requests), TTFT against the prefill step, ITL."""
+    per_req = [gaps(ev) for ev in events]
+    last = "first_byte" if kind.endswith("-stream") else "replied"
+    for g, (_, times, t0), ev in zip(per_req, runs, events):
+        first = dict(reversed(ev))
+        g["client sent -> received"] = first["received"] - t0
+        g[f"{last} -> client got"] = times[0] - first.get(last, times[0])
+    print(f"{kind}:")
+    for key in per_req[0] if per_req else []:
+        vals = [g[key] for g in per_req if key in g]
+        print(f"  {key:<28} median {statistics.median(vals) * 1e3:7.2f} ms")
+    prefills = [g["scheduled -> forwarded"] for g in per_req if "scheduled -> forwarded" in g]
+    prefill = statistics.median(prefills) if prefills else 0.0
+    ttft = statistics.median(r[0] for r in runs)
+    print(f"  TTFT (client) median {ttft * 1e3:.1f} ms; prefill step {prefill * 1e3:.1f} ms; "
+          f"outside the forward: {(ttft - prefill) * 1e3:.1f} ms (target <= 15)")  # fmt: skip
+    itl = [b - a for _, times, _ in runs for a, b in zip(times, times[1:])]
+    if itl and step:
+        med = statistics.median(itl)
+        print(f"  ITL (client) median {med * 1e3:.2f} ms; decode step median {step * 1e3:.2f} "
+              f"ms; difference {(med - step) * 1e3:.2f} ms (target <= 3)")  # fmt: skip
 
 
 if __name__ == "__main__":

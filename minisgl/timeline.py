@@ -10,6 +10,7 @@ that file: `<time.time()> <pid> <rid> <stage>`. Stages in a request's order:
     forwarded    scheduler: that step's forward pass and sampling are done (first token)
     detokenized  detokenizer: the first text is sent to the API server
     first_byte   API server: the first content chunk is handed to the HTTP response
+    replied      API server: a reply that is not streamed is handed to the HTTP response
     token        API server: every later content chunk (inter-token latency)
 
 The scheduler also writes `step_begin`/`step_end` under rid "-" around every step, so the time
@@ -27,7 +28,16 @@ from typing import IO
 _PATH = os.environ.get("MINISGL_TIMELINE") or None
 _FILE: IO[str] | None = None
 
-STAGES = ("received", "tokenized", "queued", "scheduled", "forwarded", "detokenized", "first_byte")
+STAGES = (
+    "received",
+    "tokenized",
+    "queued",
+    "scheduled",
+    "forwarded",
+    "detokenized",
+    "first_byte",
+    "replied",
+)
 
 
 def enabled() -> bool:

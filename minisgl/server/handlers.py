@@ -331,7 +331,9 @@ async def _collect(
             choices=[CompletionChoice(**c) for c in choices.body_choices()],
             usage=usage,
         )
-    return JSONResponse(body.model_dump())
+    response = JSONResponse(body.model_dump())
+    timeline.mark(tracker.rid, "replied")
+    return response
 
 
 def _chat_choice(entry: dict[str, Any], outputs: list[ChatOutput] | None) -> ChatChoice:
