@@ -62,6 +62,9 @@ class Run:
     kept: int
     verifies: int  # request-steps that verified drafts
     outputs: list[list[int]]
+    # The controller's costs at the end (spec only): a step of every stream verifying K drafts
+    # over a plain step of them, as it measured them (speculative/adaptive.py).
+    verify_cost: float | None = None
 
 
 def run(llm, prompts: list[list[int]], out_len: int) -> Run:  # noqa: ANN001
@@ -87,7 +90,13 @@ def run(llm, prompts: list[list[int]], out_len: int) -> Run:  # noqa: ANN001
     assert start is not None
     seconds = time.perf_counter() - start
     tokens = sum(len(v) - 1 for v in outs.values())
-    return Run(seconds, tokens, steps, drafted, kept, verifies, [outs[k] for k in sorted(outs)])
+    verify_cost = None
+    if engine.adaptive is not None:
+        n, k = len(prompts), engine.args.speculative_num_draft_tokens
+        cost = engine.adaptive.cost
+        verify_cost = cost.seconds(n * (k + 1), True) / cost.seconds(n, False)
+    outputs = [outs[k] for k in sorted(outs)]
+    return Run(seconds, tokens, steps, drafted, kept, verifies, outputs, verify_cost)
 
 
 def workloads(llm, starts: list[int], out_len: int, seed: int) -> dict[str, list[list[int]]]:  # noqa: ANN001
@@ -173,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{'workload':<18} {'streams':>7} {'plain tok/s':>11} {'spec tok/s':>10} "
         f"{'ratio':>6} {'accept':>7} {'kept/verify':>11} {'tok/step':>8} {'drafts/step':>11} "
-        f"{'same output':>11}"
+        f"{'same output':>11} {'verify cost':>11}"
     )
     for name, n in cases:
         p_runs, s_runs = results[(name, n, "plain")], results[(name, n, "spec")]
@@ -194,13 +203,16 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{name:<18} {n:>7} {p_rate:>11.2f} {s_rate:>10.2f} {s_rate / p_rate:>6.2f} "
             f"{accept:>7.2f} {per_verify:>11.2f} {per_step:>8.2f} "
-            f"{s.drafted / s.steps if s.steps else 0.0:>11.2f} {f'{same}/{n * len(p_runs)}':>11}"
+            f"{s.drafted / s.steps if s.steps else 0.0:>11.2f} {f'{same}/{n * len(p_runs)}':>11} "
+            f"{s.verify_cost or 0.0:>10.2f}x"
         )
     print(
         "accept: drafts kept / drafts verified; kept/verify: drafts kept per request and "
         "verify step (+1 own token = vLLM's and SGLang's acceptance length); tok/step: decode "
         "tokens per stream and step; drafts/step: drafts verified per decode step (all "
-        "streams); same output: streams whose greedy tokens equal plain decoding's"
+        "streams); same output: streams whose greedy tokens equal plain decoding's; verify "
+        "cost: what the controller measured a step of every stream verifying K drafts to cost, "
+        "over a plain step of them (drafts pay only where it is below 1 + K x acceptance)"
     )
     plain.shutdown()
     spec.shutdown()

@@ -10,8 +10,8 @@ from minisgl.speculative.adaptive import PRIOR_SLOPE_RATIO, StepCostModel
 
 
 class FrozenCost(StepCostModel):
-    """A step costs 1 + PRIOR_SLOPE_RATIO * n seconds (+0 verifying); the timings the engine
-    reports are recorded in `seen`, not fitted."""
+    """A step costs 1 + PRIOR_SLOPE_RATIO * n seconds (+0 verifying) at every size, as if
+    measured just now; the timings the engine reports are recorded in `seen`, not fitted."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -23,6 +23,9 @@ class FrozenCost(StepCostModel):
     @property
     def coefficients(self) -> tuple[float, float, float]:
         return 1.0, PRIOR_SLOPE_RATIO, 0.0
+
+    def age(self, scored_tokens: int, verify: bool) -> float:
+        return 0.0  # every size is known: no step is held plain to time it
 
 
 def freeze_step_costs(engine) -> FrozenCost:
