@@ -259,3 +259,42 @@ def test_elementwise_kernels_agree_split_or_not(dtype: torch.dtype) -> None:
         lib.norm_parallel_min.value, lib.silu_parallel_min.value = saved
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+def test_matmuls_give_the_same_bits_however_the_threads_share_the_work() -> None:
+    """The GEMV and panel matmuls hand out their weight blocks to whichever thread is free
+    (a thread that finishes first takes blocks from the end of another's run): each output is
+    still computed by one thread in one order, so one thread, all threads and repeated calls
+    agree to the bit."""
+    torch.manual_seed(0)
+    n, k = 1000, 512  # many blocks and panels, N not a multiple of either
+    w = torch.randn(n, k).bfloat16()
+    packed = cpu_kernels.panel_pack(w)
+    x = torch.randn(8, k).bfloat16()
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for count in (1, max(threads, 2)):
+            torch.set_num_threads(count)
+            runs += [(cpu_kernels.gemv(x, w), cpu_kernels.panel(x, packed)) for _ in range(5)]
+    finally:
+        torch.set_num_threads(threads)
+    for gemv_out, panel_out in runs[1:]:
+        assert torch.equal(gemv_out, runs[0][0]) and torch.equal(panel_out, runs[0][1])
+
+
+def test_decode_attention_is_deterministic_across_calls() -> None:
+    """A request's key chunks are attended by whichever thread is free and merged by the one
+    that finishes its last chunk, with no barrier in between: every merge must still see all of
+    its chunks, in the same order, call after call."""
+    torch.manual_seed(0)
+    hq, hkv, d, slots = 8, 2, 64, 2048
+    k_pool = torch.randn(slots, hkv, d).bfloat16()
+    v_pool = torch.randn(slots, hkv, d).bfloat16()
+    lens = torch.tensor([1, 65, 300, 1000, 17, 513, 128, 2000], dtype=torch.int64)
+    table = torch.stack([torch.randperm(slots) for _ in range(len(lens))])
+    q = torch.randn(len(lens), hq, d).bfloat16()
+    first = cpu_kernels.decode_attention(q, k_pool, v_pool, table, lens, d**-0.5)
+    for _ in range(30):
+        again = cpu_kernels.decode_attention(q, k_pool, v_pool, table, lens, d**-0.5)
+        assert torch.equal(again, first)

@@ -28,8 +28,10 @@ static float softmax_partial(float* s, int64_t n, int64_t n4, float* mx_out) {
    task takes a request's keys in a chunk of up to 128 with all heads at once: memory is read
    front to back (reading one head's 256-byte piece of every row instead ran at half the
    bandwidth). Requests are split into chunks so that small batches still feed every thread;
-   each chunk leaves its softmax max, sum and unnormalised output, merged per request at the end
-   (the split-K "flash decoding" merge). Scores: four keys at a time, two query heads per pass
+   each chunk leaves its softmax max, sum and unnormalised output, merged per request (the
+   split-K "flash decoding" merge) by the thread that finishes the request's last chunk, and
+   each thread converts the query of the request it attends: the call's threads meet only at
+   its end, not at a barrier after the conversion and another after the chunks. Scores: four keys at a time, two query heads per pass
    (one combined horizontal sum). Values: four keys at a time into the chunk's [Hq, D]
    accumulator, which stays in L1. Rows PF_KEYS keys ahead are prefetched by hand.
    bf16 keys and values are read 16 at a time: one 32-byte load, a shift gives the 8 even values
@@ -186,23 +188,28 @@ void NAME(const void* q, int64_t q_stride, int q_bf16, KT* kp, KT* vp,          
     int64_t chunk, T, *first, *owner, row_bytes = Hkv * D * (int64_t)sizeof(KT);            \
     if (k_new) write_new(kp, vp, k_new, k_stride, v_new, v_stride, new_slots, B, row_bytes); \
     float* part = plan_chunks(lens, B, Hq, D, &chunk, &T, &first, &owner);                  \
-    float* qf = (float*)malloc(sizeof(float) * B * Hq * D);                                 \
+    int64_t* done = (int64_t*)calloc(B, sizeof(int64_t)); /* chunks attended per request */ \
     int64_t stride = Hq * (D + 2);                                                          \
     _Pragma("omp parallel")                                                                 \
     {                                                                                       \
-        gather_queries(q, q_stride, q_bf16, B, Hq, D, PERM, qf);                            \
         float* sc = (float*)malloc(sizeof(float) * Hq * chunk);                             \
-        _Pragma("omp for schedule(dynamic)")                                                \
+        float* qf = (float*)malloc(sizeof(float) * Hq * D);                                 \
+        int64_t held = -1; /* the request whose query qf holds */                           \
+        _Pragma("omp for schedule(dynamic) nowait")                                         \
         for (int64_t t = 0; t < T; t++) {                                                   \
             int64_t b = owner[t], c0 = (t - first[b]) * chunk;                              \
             int64_t n = lens[b] - c0 < chunk ? lens[b] - c0 : chunk;                        \
-            NAME##_chunk(qf + b * Hq * D, kp, vp, slots + b * kmax + c0, n, Hq, Hkv, D,     \
-                         scale, sc, part + t * stride);                                     \
+            if (b != held) gather_query(q, b * q_stride, q_bf16, Hq, D, PERM, qf);          \
+            held = b;                                                                       \
+            NAME##_chunk(qf, kp, vp, slots + b * kmax + c0, n, Hq, Hkv, D, scale, sc,       \
+                         part + t * stride);                                                \
+            /* The thread that finishes a request's last chunk merges its chunks. */        \
+            if (__atomic_add_fetch(&done[b], 1, __ATOMIC_ACQ_REL) == first[b + 1] - first[b]) \
+                merge_request(part, first, b, Hq, D, PERM, out, out_bf16);                  \
         }                                                                                   \
-        free(sc);                                                                           \
-        merge_chunks(part, first, B, Hq, D, PERM, out, out_bf16);                           \
+        free(sc); free(qf);                                                                 \
     }                                                                                       \
-    free(part); free(first); free(owner); free(qf);                                         \
+    free(part); free(first); free(owner); free(done);                                       \
 }
 
 /* The step's new keys and values into the pool before they are attended: one row of
@@ -239,14 +246,14 @@ static inline void gather_head(const void* q, int64_t src, int q_bf16, int64_t D
     }
 }
 
-/* q [B, Hq, D] (tokens q_stride apart) to fp32 in the kernel's stored order (inside a parallel
-   region: the requests are shared among its threads). */
-static void gather_queries(const void* q, int64_t q_stride, int q_bf16, int64_t B, int64_t Hq,
-                           int64_t D, int perm, float* qf) {
-    #pragma omp for schedule(static)
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < Hq; h++)
-            gather_head(q, b * q_stride + h * D, q_bf16, D, perm, qf + (b * Hq + h) * D);
+/* One request's query (its Hq heads from `src`) to fp32 in the kernel's stored order, by the
+   thread about to attend a chunk of that request's keys: a thread's consecutive chunks are
+   mostly one request's, so it converts each query about once, and no thread waits at a
+   barrier for all of them to be converted (each barrier a decode step crosses is a point where
+   a thread another task held up stalls the step). */
+static void gather_query(const void* q, int64_t src, int q_bf16, int64_t Hq, int64_t D, int perm,
+                         float* qf) {
+    for (int64_t h = 0; h < Hq; h++) gather_head(q, src + h * D, q_bf16, D, perm, qf + h * D);
 }
 
 /* o (D values in the stored order) times `scale`, written in order at out + base. bf16 from
@@ -291,38 +298,35 @@ static float* plan_chunks(const int64_t* lens, int64_t B, int64_t Hq, int64_t D,
     return (float*)malloc(sizeof(float) * *T * Hq * (D + 2));
 }
 
-/* Per request and head: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, back in the
-   head's order (inside a parallel region: the requests are shared among its threads). */
-static void merge_chunks(const float* part, const int64_t* first, int64_t B, int64_t Hq,
-                         int64_t D, int perm, void* out, int out_bf16) {
-    int64_t stride = Hq * (D + 2);
+/* Request b, per head: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c over its chunks,
+   back in the head's order. */
+static void merge_request(const float* part, const int64_t* first, int64_t b, int64_t Hq,
+                          int64_t D, int perm, void* out, int out_bf16) {
+    int64_t stride = Hq * (D + 2), t0 = first[b], t1 = first[b + 1];
     float o[1024]; /* D <= 1024: checked by the caller */
-    #pragma omp for schedule(static)
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t h = 0; h < Hq; h++) {
-            int64_t t0 = first[b], t1 = first[b + 1], base = (b * Hq + h) * D;
-            if (t1 - t0 == 1) { /* one chunk: its output over its sum */
-                const float* p = part + t0 * stride;
-                write_head(p + h * D, 1.f / p[Hq * D + Hq + h], D, perm, out, base, out_bf16);
-                continue;
-            }
-            float mx = -INFINITY, total = 0.f;
-            for (int64_t t = t0; t < t1; t++) {
-                float m = part[t * stride + Hq * D + h];
-                mx = m > mx ? m : mx;
-            }
-            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
-            for (int64_t t = t0; t < t1; t++) {
-                const float* p = part + t * stride;
-                float w = expf(p[Hq * D + h] - mx);
-                total += w * p[Hq * D + Hq + h];
-                __m256 w8 = _mm256_set1_ps(w);
-                for (int64_t d = 0; d < D; d += 8)
-                    _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w8, _mm256_loadu_ps(p + h * D + d),
-                                                            _mm256_loadu_ps(o + d)));
-            }
-            write_head(o, 1.f / total, D, perm, out, base, out_bf16);
+    for (int64_t h = 0; h < Hq; h++) {
+        int64_t base = (b * Hq + h) * D;
+        if (t1 - t0 == 1) { /* one chunk: its output over its sum */
+            const float* p = part + t0 * stride;
+            write_head(p + h * D, 1.f / p[Hq * D + Hq + h], D, perm, out, base, out_bf16);
+            continue;
         }
+        float mx = -INFINITY, total = 0.f;
+        for (int64_t t = t0; t < t1; t++) {
+            float m = part[t * stride + Hq * D + h];
+            mx = m > mx ? m : mx;
+        }
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
+        for (int64_t t = t0; t < t1; t++) {
+            const float* p = part + t * stride;
+            float w = expf(p[Hq * D + h] - mx);
+            total += w * p[Hq * D + Hq + h];
+            __m256 w8 = _mm256_set1_ps(w);
+            for (int64_t d = 0; d < D; d += 8)
+                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w8, _mm256_loadu_ps(p + h * D + d),
+                                                        _mm256_loadu_ps(o + d)));
+        }
+        write_head(o, 1.f / total, D, perm, out, base, out_bf16);
     }
 }
 

@@ -75,6 +75,62 @@ static inline void prefetch_step(Prefetch* p) { /* no division: this runs every 
         _mm_prefetch(p->base + 64 * p->issued++, _MM_HINT_T0);
 }
 
+/* How the matmuls share their items (weight blocks, panels) among the threads. Each thread
+   starts on its own contiguous run of the items, in order, as schedule(static) would (one
+   memory stream per thread, the prefetch running on into its next item); a thread out of work
+   then takes items one at a time from the end of a run still being worked on. A call thus no
+   longer waits for the slowest thread's whole half: when another process holds a core for a
+   while (a shared or merely not quite idle machine), the other thread does the rest of the
+   work instead of idling at the join; that wait was what put a decode step's median above
+   its best. One item per claim: a compare-and-swap on a line its owner mostly holds. */
+#define SHARE_MAX 64
+typedef struct {
+    uint64_t word; /* next item (low 32 bits), end of the run (high 32) */
+    char pad[56];
+} Share;
+
+/* Runs for `parts` threads over items [0, n) (n < 2^31). */
+static inline void shares_init(Share* s, int parts, int64_t n) {
+    for (int t = 0; t < parts; t++)
+        s[t].word = ((uint64_t)(n * (t + 1) / parts) << 32) | (uint64_t)(n * t / parts);
+}
+
+static inline int64_t share_front(Share* s) {
+    uint64_t v = __atomic_load_n(&s->word, __ATOMIC_RELAXED);
+    for (;;) {
+        uint32_t next = (uint32_t)v, end = (uint32_t)(v >> 32);
+        if (next >= end) return -1;
+        if (__atomic_compare_exchange_n(&s->word, &v, v + 1, 1, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED))
+            return next;
+    }
+}
+
+static inline int64_t share_back(Share* s) {
+    uint64_t v = __atomic_load_n(&s->word, __ATOMIC_RELAXED);
+    for (;;) {
+        uint32_t next = (uint32_t)v, end = (uint32_t)(v >> 32);
+        if (next >= end) return -1;
+        if (__atomic_compare_exchange_n(&s->word, &v, v - (1ull << 32), 1, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED))
+            return end - 1;
+    }
+}
+
+/* Thread t's next item: its own run front to back, then the others' from their ends; -1 when
+   every item is taken. */
+static inline int64_t share_next(Share* s, int parts, int t) {
+    int64_t i = share_front(&s[t % parts]);
+    for (int o = 1; i < 0 && o < parts; o++) i = share_back(&s[(t + o) % parts]);
+    return i;
+}
+
+/* The number of runs for a call: one per thread the next parallel region may have. */
+static inline int share_parts(void) {
+    int n = omp_get_max_threads();
+    return n < 1 ? 1 : (n > SHARE_MAX ? SHARE_MAX : n);
+}
+
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t b = (uint32_t)v << 16;
     float f;

@@ -6,8 +6,11 @@
 void NAME(const float* x, const WT* w, void* y, int64_t M, int64_t N, int64_t K,            \
           int out_bf16) {                                                                   \
     int64_t blocks = (N + 3) / 4;                                                           \
-    _Pragma("omp parallel for schedule(static)")                                            \
-    for (int64_t b = 0; b < blocks; b++) {                                                  \
+    Share shares[SHARE_MAX] __attribute__((aligned(64)));                                   \
+    int parts = share_parts();                                                              \
+    shares_init(shares, parts, blocks);                                                     \
+    _Pragma("omp parallel")                                                                 \
+    for (int64_t b; (b = share_next(shares, parts, omp_get_thread_num())) >= 0;) {          \
         int64_t n0 = b * 4;                                                                 \
         int rows = N - n0 < 4 ? (int)(N - n0) : 4;                                          \
         const WT* w0 = w + n0 * K;                                                          \
@@ -77,8 +80,11 @@ void gemv_bf16(const void* x, const uint16_t* w, void* y, int64_t M, int64_t N, 
             }
     const __m256i hi_mask = _mm256_set1_epi32((int)0xFFFF0000u);
     int64_t blocks = (N + 3) / 4;
-    #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
+    Share shares[SHARE_MAX] __attribute__((aligned(64)));
+    int parts = share_parts();
+    shares_init(shares, parts, blocks);
+    #pragma omp parallel
+    for (int64_t b; (b = share_next(shares, parts, omp_get_thread_num())) >= 0;) {
         int64_t n0 = b * 4;
         int rows = N - n0 < 4 ? (int)(N - n0) : 4;
         const uint16_t* wr[4];

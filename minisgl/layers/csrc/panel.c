@@ -192,10 +192,13 @@ void panel_bf16(const void* x, const uint16_t* p, void* y, int64_t M, int64_t N,
     }
     int64_t panels = (N + 15) / 16;
     const char* end = (const char*)(p + panels * K * 16);
+    Share shares[SHARE_MAX] __attribute__((aligned(64)));
+    int parts = share_parts();
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
         int64_t mb = M - m0 < MB ? M - m0 : MB;
-        #pragma omp parallel for schedule(static)
-        for (int64_t q = 0; q < panels; q++) {
+        shares_init(shares, parts, panels);
+        #pragma omp parallel
+        for (int64_t q; (q = share_next(shares, parts, omp_get_thread_num())) >= 0;) {
             float acc[MB * 16];
             for (int64_t i = 0; i < mb * 16; i++) acc[i] = 0.f;
             panel_rows(xf + m0 * K, K, mb, p + q * K * 16, acc, end);
