@@ -79,10 +79,11 @@ static inline void prefetch_step(Prefetch* p) { /* no division: this runs every 
    starts on its own contiguous run of the items, in order, as schedule(static) would (one
    memory stream per thread, the prefetch running on into its next item); a thread out of work
    then takes items one at a time from the end of a run still being worked on. A call thus no
-   longer waits for the slowest thread's whole half: when another process holds a core for a
-   while (a shared or merely not quite idle machine), the other thread does the rest of the
-   work instead of idling at the join; that wait was what put a decode step's median above
-   its best. One item per claim: a compare-and-swap on a line its owner mostly holds. */
+   longer waits for the slowest thread's whole half: when another process slows or holds a
+   core for a while, the other thread does the rest of the work instead of idling at the join
+   (the join itself still waits for the held thread's item in hand). On an idle machine the
+   runs end together and it is schedule(static). One item per claim: a compare-and-swap on a
+   line its owner mostly holds. */
 #define SHARE_MAX 64
 typedef struct {
     uint64_t word; /* next item (low 32 bits), end of the run (high 32) */
