@@ -263,7 +263,9 @@ static inline __attribute__((always_inline)) __m128i q16_codes8(int kind, const 
                                                                 int64_t k) {
     if (kind == QD_U8) return _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(c + k)));
     /* 4 bytes, feature 2j in the low nibble of byte j */
-    __m128i v = _mm_cvtsi32_si128(*(const int32_t*)(c + k / 2));
+    int32_t word;
+    __builtin_memcpy(&word, c + k / 2, 4); /* unaligned, and no type punning */
+    __m128i v = _mm_cvtsi32_si128(word);
     __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
     __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
     return _mm_cvtepu8_epi16(_mm_unpacklo_epi8(lo, hi));
@@ -312,7 +314,9 @@ static inline void NAME(const int16_t* x, int64_t ldx, int64_t pairs, const int1
         __m256i we = _mm256_loadu_si256((const __m256i*)(w + p * 32));                       \
         __m256i wo = _mm256_loadu_si256((const __m256i*)(w + p * 32 + 16));                  \
         _Pragma("GCC unroll 6") for (int i = 0; i < R; i++) {                                \
-            __m256i a = _mm256_set1_epi32(*(const int32_t*)(x + i * ldx + 2 * p));           \
+            int32_t pair;                                                                    \
+            __builtin_memcpy(&pair, x + i * ldx + 2 * p, 4);                                 \
+            __m256i a = _mm256_set1_epi32(pair);                                             \
             e[i] = _mm256_add_epi32(e[i], _mm256_madd_epi16(we, a));                         \
             o[i] = _mm256_add_epi32(o[i], _mm256_madd_epi16(wo, a));                         \
         }                                                                                    \
