@@ -168,12 +168,7 @@ def summary(model: nn.Module, scheme: QuantScheme | None, head: QuantScheme | No
         head_what, floats = "float", "embeddings, norms, LM head, routers"
     else:
         head_what = head.describe() if head is not None else "quantized"
-        tied = any(
-            isinstance(m, VocabParallelEmbedding)
-            and not isinstance(m, ParallelLMHead)
-            and m.weight is quantized_head
-            for m in model.modules()
-        )
+        tied = quantized_head.looked_up
         head_what += " (the tied embedding looks its rows up in it)" if tied else ""
         floats = "norms, routers" if tied else "embeddings, norms, routers"
     return (
