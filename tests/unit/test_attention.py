@@ -193,3 +193,23 @@ def test_pool_size_accounting() -> None:
     assert per_page == 2 * 28 * 16 * 8 * 128 * 2
     pool = KVPool(2, 3, PAGE, 2, D, torch.bfloat16, "cpu")
     assert pool.k_buffers[1].shape == (3 * PAGE, 2, D) and pool.num_slots == 12
+
+
+def test_short_extends_run_row_by_row_on_the_decode_kernel() -> None:
+    """A short prompt's prefill (the first token of a chat turn) takes the decode kernel's path,
+    one query row at a time, instead of a K/V gather and an SDPA call per layer; long extends,
+    and short ones after a long cached prefix, stay with SDPA."""
+    pool = KVPool(1, NUM_PAGES, PAGE, 2, D, torch.float32, "cpu")
+    attn = create_attention_backend("torch", pool, 4, 2, D, D**-0.5)
+    assert isinstance(attn, TorchAttentionBackend) and attn.cpu_decode
+
+    def groups(prefix: list[int], extend: list[int]) -> list[bool]:
+        free = iter(range(NUM_PAGES))
+        tables = [[next(free) for _ in range(-(-(p + e) // PAGE))] for p, e in zip(prefix, extend)]
+        meta = attn.prepare(BatchLayout(PAGE, prefix, extend, tables))
+        return [g.decode_kernel for g in meta.groups]  # type: ignore[attr-defined]
+
+    assert groups([0], [6]) == [True]
+    assert groups([5, 0], [1, 6]) == [True, True]  # a decode beside a short prompt
+    assert groups([0], [40]) == [False]
+    assert groups([300], [8]) == [False]  # 8 rows would each read 300+ keys
