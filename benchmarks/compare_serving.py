@@ -332,7 +332,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-gib", type=int, default=1, help="KV cache budget for each server")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--startup-timeout", type=float, default=900.0)
+    # vLLM 0.32 compiles its model at every start (its AOT cache fails to load beside torch
+    # 2.13: "no attribute finalize_loading"): ~6 min of a busy 2-core machine, then warm-up.
+    p.add_argument("--startup-timeout", type=float, default=1800.0)
     p.add_argument("--output-file", default=None, help="all results as JSON")
     p.add_argument("--quick", action="store_true", help="smoke run: at most 8 x 8 tokens each")
     p.add_argument(
