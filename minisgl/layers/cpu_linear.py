@@ -334,6 +334,7 @@ def choose(
         plan = Plan(shape, "cached", got, defaults, row)
     else:
         spreads: list[float] = []
+        others = kernel_choice.OtherWork()
         timings = measure(weights, x_dtype, out_dtype, avail, spreads=spreads)
         plan = Plan(shape, "measured", timings, defaults, row)
         if kernel_choice.disturbed(spreads):
@@ -344,6 +345,15 @@ def choose(
                 "the cores): using the defaults, measuring again next start",
                 shape,
                 sorted(spreads)[len(spreads) // 2],
+            )
+        elif (share := others.share()) > kernel_choice.OTHER_WORK_LIMIT:
+            # A steady load: the picks are the best we know now, but not for a quiet start.
+            plan = Plan(shape, "measured beside other work", timings, defaults, row)
+            logger.warning(
+                "CPU matmul timings for %s taken while other processes used %.0f%% of the "
+                "cores: not cached, measuring again next start",
+                shape,
+                100 * share,
             )
         else:
             cache.put({shape: {n: timings[n] for n in avail}})

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,6 +245,53 @@ def disturbed(spreads: Sequence[float], limit: float = 1.5) -> bool:
     a disturbed run are used but not cached, so a later start measures again."""
     ordered = sorted(spreads)
     return bool(ordered) and ordered[len(ordered) // 2] > limit
+
+
+# The share of our CPUs' time that other processes (or the hypervisor, as steal) may take while
+# the candidates are timed for the timings still to be cached. A steady load slows every pass
+# alike, so the spreads above miss it, yet it decides the picks: timings taken beside other
+# busy processes, cached, once left a quiet machine's B=1 decode a third slower at every start.
+OTHER_WORK_LIMIT = 0.1
+
+
+class OtherWork:
+    """CPU time the rest of the machine spent on our CPUs since construction, from /proc/stat
+    minus this process's own (Linux; elsewhere it reads 0)."""
+
+    def __init__(self) -> None:
+        self._cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self._start = _cpu_times(self._cpus)
+
+    def share(self) -> float:
+        """Others' CPU seconds over the CPU seconds our CPUs had since construction."""
+        end = _cpu_times(self._cpus)
+        if self._start is None or end is None or not self._cpus:
+            return 0.0
+        wall = end[0] - self._start[0]
+        if wall <= 0:
+            return 0.0
+        others = (end[1] - self._start[1]) - (end[2] - self._start[2])
+        # Both counts tick in 1/CLK_TCK s per CPU: what a short window cannot tell from noise.
+        slack = (len(self._cpus) + 1) / os.sysconf("SC_CLK_TCK")
+        return max(0.0, others - slack) / (wall * len(self._cpus))
+
+
+def _cpu_times(cpus: Sequence[int]) -> tuple[float, float, float] | None:
+    """(monotonic seconds, busy seconds of `cpus`, this process's CPU seconds)."""
+    wanted = {f"cpu{c}" for c in cpus}
+    busy = 0
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                fields = line.split()
+                if fields and fields[0] in wanted:
+                    # user nice system idle iowait irq softirq steal: all but idle and iowait
+                    ticks = [int(v) for v in fields[1:9]]
+                    busy += sum(ticks) - ticks[3] - ticks[4]
+    except (OSError, ValueError):
+        return None
+    own = os.times()
+    return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
 
 
 def forced(name: str, available: Sequence[str], default: Sequence[str]) -> tuple[str, ...]:

@@ -95,9 +95,14 @@ def choose(
         result = kernel_choice.pick(got, default_picks()), "cached"
     else:
         spreads: list[float] = []
+        others = kernel_choice.OtherWork()
         timings = measure(weights, x_dtype, spreads)
         if kernel_choice.disturbed(spreads):
             result = default_picks(), "defaults: timings disturbed, not cached"
+        elif (
+            others.share() > kernel_choice.OTHER_WORK_LIMIT
+        ):  # a steady load: the best picks for now, not for later
+            result = kernel_choice.pick(timings, default_picks()), "measured beside other work"
         else:
             cache.put({shape: timings})
             result = kernel_choice.pick(timings, default_picks()), "measured"

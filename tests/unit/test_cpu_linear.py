@@ -409,3 +409,33 @@ def test_a_weight_kept_row_major_gets_row_picks_even_where_those_were_dropped(
     x = torch.randn(100, 64).bfloat16()
     want = F.linear(x.double(), shared.weight.double())
     torch.testing.assert_close(shared.kernel(x).double(), want, rtol=2e-2, atol=0.1)
+
+
+class _OtherWork:
+    """kernel_choice.OtherWork with a fixed share of the CPUs held by other processes."""
+
+    held = 0.0
+
+    def share(self) -> float:
+        return self.held
+
+
+def test_timings_beside_a_steady_load_are_used_but_not_cached(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every pass slowed alike (no spread), but other processes were busy: the measured picks
+    serve this start, and the next start measures again (and caches, once it is quiet)."""
+    w = weight()
+    timings = Timings(winners_from(cpu_linear.available(w, w.dtype)))
+    monkeypatch.setattr(cpu_linear, "measure", timings)
+    monkeypatch.setattr(cpu_linear.kernel_choice, "OtherWork", _OtherWork)
+    monkeypatch.setattr(_OtherWork, "held", 0.5)
+    busy = cpu_linear.CpuLinearKernel.create(w)
+    monkeypatch.setattr(cpu_linear, "_MEMO", {})  # a restart, now quiet: measures again
+    monkeypatch.setattr(_OtherWork, "held", 0.0)
+    quiet = cpu_linear.CpuLinearKernel.create(w)
+    assert timings.calls == 2 and busy is not None and quiet is not None
+    assert busy.picks == quiet.picks
+    monkeypatch.setattr(cpu_linear, "_MEMO", {})
+    cpu_linear.CpuLinearKernel.create(w)
+    assert timings.calls == 2  # cached

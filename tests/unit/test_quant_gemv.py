@@ -191,7 +191,11 @@ def test_measured_picks_dispatch_by_row_count(tmp_path, monkeypatch: pytest.Monk
     monkeypatch.setattr(cpu_choice, "_MAX_REPEATS", 2)  # quick: the picks are not the point
     ws = [_weights()["int8"]] * 2
     picks, source = cpu_choice.choose(ws, torch.float32, "full")
-    assert source in ("measured", "defaults: timings disturbed, not cached")
+    assert source in (
+        "measured",
+        "measured beside other work",
+        "defaults: timings disturbed, not cached",
+    )
     assert len(picks) == len(kernel_choice.BUCKETS) and set(picks) <= set(cpu_choice.CANDIDATES)
     if source == "measured":
         monkeypatch.setattr(cpu_choice, "_MEMO", {})
