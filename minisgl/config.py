@@ -125,6 +125,12 @@ class EngineArgs:
         4,
         "most draft tokens proposed per request and step (shrunk per request when few are accepted)",
     )
+    disable_speculative_adaptive: bool = _f(
+        False,
+        "speculative decoding: every request gets --speculative-num-draft-tokens drafts each "
+        "step (as SGLang and vLLM do) instead of as many as its acceptance and the measured "
+        "step costs make worth it",
+    )
     speculative_draft_model_path: str | None = _f(
         None, "EAGLE-3 draft head: hub id or local directory (config.json + safetensors)"
     )

@@ -107,7 +107,9 @@ class Engine:
             assert self.drafter is not None
             # How many drafts each request gets per step, from its acceptance and the measured
             # cost of this engine's steps (speculative/adaptive.py).
-            self.adaptive = AdaptiveSpeculation(args.speculative_num_draft_tokens)
+            self.adaptive = AdaptiveSpeculation(
+                args.speculative_num_draft_tokens, adaptive=not args.disable_speculative_adaptive
+            )
             self.scheduler.on_release = self._release_speculation
 
     # -- requests -------------------------------------------------------------------------

@@ -255,10 +255,14 @@ class AdaptiveSpeculation:
     leaves. Requests are keyed by anything hashable (the engine uses their ids).
     """
 
-    def __init__(self, max_draft_tokens: int, cost: StepCostModel | None = None) -> None:
+    def __init__(
+        self, max_draft_tokens: int, cost: StepCostModel | None = None, adaptive: bool = True
+    ) -> None:
         if max_draft_tokens < 1:
             raise ValueError(f"max_draft_tokens must be >= 1, got {max_draft_tokens}")
         self.max_draft_tokens = max_draft_tokens
+        # False: every request gets all the drafts its limit allows (the user's choice).
+        self.adaptive = adaptive
         self.cost = cost if cost is not None else StepCostModel()
         self._reqs: dict[Hashable, _Request] = {}
 
@@ -324,6 +328,8 @@ class AdaptiveSpeculation:
         if len(keys) != len(limits):
             raise ValueError("one limit per request")
         caps = [min(self.max_draft_tokens, max(lim, 0)) for lim in limits]
+        if not self.adaptive:
+            return caps
         counts = [0] * len(keys)
         reqs = self._reqs
         states = []

@@ -404,3 +404,14 @@ def test_a_decode_batch_whose_plain_step_was_not_timed_runs_one_plain() -> None:
     assert ctl.plan(["r"], [100], scored_tokens=1, emitted_tokens=1) == [4]
     ctl.observe_step(5, 4, 0.2)
     assert ctl.plan(["r"], [100], scored_tokens=1, emitted_tokens=1) == [0]  # refreshed
+
+
+def test_without_adaptivity_every_request_gets_its_limit() -> None:
+    """--disable-speculative-adaptive: all the drafts the limits allow, whatever the costs and
+    the acceptance say (a big batch, requests whose drafts all failed)."""
+    ctl = AdaptiveSpeculation(4, trained(*CPU, ns=range(1, 300, 7)), adaptive=False)
+    for _ in range(20):
+        ctl.verified("a", 4, 0)
+    keys = ["a"] + [f"r{i}" for i in range(63)]
+    limits = [9, 2, 0] + [4] * 61
+    assert ctl.plan(keys, limits, scored_tokens=64, emitted_tokens=64) == [4, 2, 0] + [4] * 61
