@@ -122,6 +122,9 @@ def _eagle3_llm(model_dir: Path, head: Path, **kw):
     from minisgl import LLM
 
     kw.setdefault("page_size", 4)
+    tp = kw.get("tp_size", 1) > 1
+    if tp:  # rank 0's engine is a subprocess: no frozen costs there, so no adaptivity
+        kw["disable_speculative_adaptive"] = True
     llm = LLM(
         str(model_dir),
         dtype="float32",
@@ -131,7 +134,7 @@ def _eagle3_llm(model_dir: Path, head: Path, **kw):
         speculative_num_draft_tokens=4,
         **kw,
     )
-    if kw.get("tp_size", 1) == 1:  # (with TP, rank 0's engine is a subprocess)
+    if not tp:
         freeze_step_costs(llm.engine)  # draft counts must not follow this machine's load
     return llm
 

@@ -34,9 +34,14 @@ def _llm(model_dir: Path | str, spec: bool, **kw) -> LLM:
     kw.setdefault("cpu_kernel_tuning", "off")  # kernel choice never changes tokens
     if spec:
         kw.update(speculative_algorithm="ngram", speculative_num_draft_tokens=K)
+    # Draft counts must not follow this machine's load: the step costs frozen, or with TP
+    # (rank 0's engine a subprocess) no adaptivity at all.
+    tp = kw.get("tp_size", 1) > 1
+    if spec and tp:
+        kw["disable_speculative_adaptive"] = True
     llm = LLM(str(model_dir), dtype="float32", **kw)
-    if spec and kw.get("tp_size", 1) == 1:  # (with TP, rank 0's engine is a subprocess)
-        freeze_step_costs(llm.engine)  # draft counts must not follow this machine's load
+    if spec and not tp:
+        freeze_step_costs(llm.engine)
     return llm
 
 
