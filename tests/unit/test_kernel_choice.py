@@ -224,10 +224,11 @@ def test_other_processes_cpu_time_is_seen() -> None:
         for _ in range(min(len(cpus), 4))
     ]
     try:
-        time.sleep(0.3)  # started
         others = kc.OtherWork()
-        time.sleep(0.6)
-        assert others.share() > 2 * kc.OTHER_WORK_LIMIT
+        deadline = time.monotonic() + 30
+        while (share := others.share()) <= 2 * kc.OTHER_WORK_LIMIT:
+            assert time.monotonic() < deadline, share
+            time.sleep(0.1)
     finally:
         for b in burners:
             b.kill()
