@@ -5,8 +5,9 @@ per-user cache (one shared library per instruction set and source digest) and la
 that file. Two builds exist:
 - "avx2": AVX2 + FMA, every kernel;
 - "avx512": the same kernels compiled for AVX-512 plus an AVX-512 GEMV (gemv_avx512.c), with
-  native bf16 dot products where the CPU has AVX512-BF16, and the quantized GEMV's integer dot
-  products in one instruction where it has AVX512-VNNI.
+  native bf16 dot products where the CPU has AVX512-BF16, the quantized GEMV's integer dot
+  products in one instruction where it has AVX512-VNNI, and AMX tile kernels (csrc/amx.h)
+  where it has AMX-TILE, AMX-BF16 and AMX-INT8.
 The build is chosen from the CPU's flags at load time; MINISGL_CPU_ISA=avx2 forces the AVX2
 build on an AVX-512 machine (to compare them). Torch-free.
 """
@@ -40,6 +41,7 @@ COMMON_SOURCES = (
     "qdequant.c",
 )
 AVX512_NEEDS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+AMX_NEEDS = frozenset({"amx_tile", "amx_bf16", "amx_int8"})
 
 
 @cache
@@ -78,6 +80,9 @@ def compile_flags(isa: str, flags: frozenset[str]) -> list[str]:
             out.append("-mavx512bf16")
         if "avx512_vnni" in flags:  # the quantized GEMV's int16 dot products (qgemv.c)
             out.append("-mavx512vnni")
+        # AMX tiles (csrc/amx.h): bf16 and int8 tile dot products where the CPU has them all.
+        if flags >= AMX_NEEDS:
+            out += ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
     return out
 
 

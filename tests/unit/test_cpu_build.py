@@ -34,6 +34,14 @@ def test_native_bf16_dot_products_only_where_the_cpu_has_them() -> None:
     assert all(p.is_file() for p in cpu_build.sources("avx512"))
 
 
+def test_amx_tiles_only_where_the_cpu_has_all_three() -> None:
+    amx = AVX512 | {"amx_tile", "amx_bf16", "amx_int8"}
+    flags = cpu_build.compile_flags("avx512", amx)
+    assert {"-mamx-tile", "-mamx-bf16", "-mamx-int8"} <= set(flags)
+    assert "-mamx-tile" not in cpu_build.compile_flags("avx512", amx - {"amx_int8"})
+    assert "-mamx-tile" not in cpu_build.compile_flags("avx2", amx)
+
+
 def test_every_build_this_cpu_runs_compiles(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
