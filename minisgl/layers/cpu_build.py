@@ -39,6 +39,7 @@ COMMON_SOURCES = (
     "stream.c",
     "qgemv.c",
     "qdequant.c",
+    "qamx.c",
 )
 AVX512_NEEDS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 AMX_NEEDS = frozenset({"amx_tile", "amx_bf16", "amx_int8"})

@@ -127,6 +127,19 @@ class _Lib:
                     pfn.argtypes += [i64] * 4
                     pfn.restype = None
                     table[kind] = pfn
+        # The same over AMX tiles, bf16 activations only (qamx.c): in a build that targets
+        # AMX, once the kernel granted this process the tile state.
+        self.qamx: dict[str, Any] = {}
+        ready: Any = getattr(lib, "qamx_ready", None)
+        if ready is not None:
+            ready.restype = ctypes.c_int
+            for kind in ("u4", "u8", "fp8"):
+                afn: Any = getattr(lib, f"qamx_{kind}", None)
+                if afn is not None and ready():
+                    afn.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+                    afn.argtypes += [i64] * 4
+                    afn.restype = None
+                    self.qamx[kind] = afn
         lib.stream_read.argtypes = [ptr, i64]
         lib.stream_read.restype = ctypes.c_float
         self.stream_read = lib.stream_read

@@ -6,11 +6,14 @@ The candidates (cpu_gemv.py), all reading the quantized weight as loaded (no sec
 - "dequant_gemm": a chunk of rows dequantized once into fp32, then our fp32 GEMM;
 - "dequant_torch": the same chunk multiplied by torch's fp32 matmul (MKL / oneDNN);
 - "dequant_panel": 16 rows at a time dequantized once into a register tile's layout, for all
-  input rows (cpu_panel.py); the default for many rows;
-- "int16_panel": the same with integer codes against x quantized per row to int16 (VPMADDWD).
+  input rows (cpu_panel.py);
+- "int16_panel": the same with integer codes against x quantized per row to int16 (VPMADDWD);
+- "amx_panel": a panel dequantized once into bf16 and multiplied on AMX tiles (bf16 x; where
+  the CPU and build have no AMX, or x is fp32, it runs dequant_panel).
 Which wins at which row count depends on the CPU (FMA width, integer multiply rate, MKL), so
 nothing is a fixed row limit: each shape and code kind is timed per bucket at start-up, or read
-from the cache. Tuning "off": qgemv up to cpu_kernels.MAX_ROWS rows, then dequant_panel.
+from the cache. Tuning "off": qgemv up to cpu_kernels.MAX_ROWS rows, then amx_panel where AMX
+runs, else dequant_panel.
 """
 
 from __future__ import annotations
@@ -28,7 +31,14 @@ from minisgl.quant.qtensor import QTensor
 
 logger = logging.getLogger(__name__)
 
-CANDIDATES = ("qgemv", "dequant_gemm", "dequant_torch", "dequant_panel", "int16_panel")
+CANDIDATES = (
+    "qgemv",
+    "dequant_gemm",
+    "dequant_torch",
+    "dequant_panel",
+    "int16_panel",
+    "amx_panel",
+)
 Run = Callable[[torch.Tensor, QTensor], torch.Tensor]
 _RUN: dict[str, Run] = {
     "qgemv": cpu_gemv.qgemv,
@@ -36,6 +46,7 @@ _RUN: dict[str, Run] = {
     "dequant_torch": cpu_gemv.dequant_torch,
     "dequant_panel": cpu_panel.dequant_panel,
     "int16_panel": cpu_panel.int16_panel,
+    "amx_panel": cpu_panel.amx_panel,
 }
 # Timing passes: as cpu_linear's (cold weights, bounded FLOPs, best of a few interleaved).
 _COLD_BYTES = 48 << 20
@@ -56,10 +67,12 @@ class QuantKernel:
 
 
 def default_picks() -> tuple[str, ...]:
+    """Untuned: qgemv for few rows, then the panel on AMX tiles where this build and CPU have
+    them (it runs the fp32 panel for fp32 x), else the fp32 panel."""
     small = cpu_kernels.MAX_ROWS
-    return tuple(
-        "qgemv" if (last or small + 1) <= small else "dequant_panel" for _, last in BUCKETS
-    )
+    lib = cpu_kernels.load()
+    many = "amx_panel" if lib is not None and lib.qamx else "dequant_panel"
+    return tuple("qgemv" if (last or small + 1) <= small else many for _, last in BUCKETS)
 
 
 def shape_key(w: QTensor, x_dtype: torch.dtype) -> ShapeKey:

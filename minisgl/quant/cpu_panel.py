@@ -4,8 +4,9 @@ time, into fp32 laid out for a 6x16 register tile, once for every input row, and
 there. The values are qtensor.dequantize's exactly, the products and sums fp32 (as the bf16
 panel kernel's), so the result is the dequantized weight's matmul to fp32 rounding; weights as
 cpu_gemv.usable takes them. `int16_panel`: the same blocking with x quantized per row to int16
-and integer codes multiplied in int32 (VPMADDWD), where that is faster. Candidates of the
-quantized chooser (cpu_choice.py)."""
+and integer codes multiplied in int32 (VPMADDWD), where that is faster. `amx_panel`: on AMX
+tiles, the panel dequantized once into bf16 (qamx.c). Candidates of the quantized chooser
+(cpu_choice.py)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,20 @@ def int16_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = Non
     assert lib is not None
     kind = cpu_gemv.kind(w)
     fn = lib.qpanel16.get(kind) or lib.qpanel[kind]
+    return _run(fn, x, w, out_dtype)
+
+
+def amx_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """As dequant_panel on AMX tiles (qamx.c): a panel of weight rows dequantized once into
+    bf16 (the dequantized weight rounded to bf16, as a bf16 twin of the model holds it) and
+    multiplied with bf16 activations by TDPBF16PS, fp32 sums. fp32 activations (which bf16
+    would round) and CPUs or builds without AMX take dequant_panel."""
+    lib = cpu_kernels.load()
+    assert lib is not None
+    kind = cpu_gemv.kind(w)
+    fn = lib.qamx.get(kind)
+    if fn is None or x.dtype != torch.bfloat16:
+        fn = lib.qpanel[kind]
     return _run(fn, x, w, out_dtype)
 
 

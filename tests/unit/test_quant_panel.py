@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from minisgl.layers import cpu_kernels
 from minisgl.quant import cpu_choice, cpu_gemv
-from minisgl.quant.cpu_panel import dequant_panel, int16_panel
+from minisgl.quant.cpu_panel import amx_panel, dequant_panel, int16_panel
 from minisgl.quant.qtensor import FP8, QTensor, dequantize
 from minisgl.quant.quantize import quantize
 from minisgl.quant.scheme import load_scheme
@@ -118,3 +118,71 @@ def test_chooser_runs_it_for_many_rows() -> None:
     kernel = cpu_choice.QuantKernel(["dequant_panel"] * 6)
     x = torch.randn(70, 256)
     assert torch.equal(kernel(x, w), dequant_panel(x, w))
+
+
+_AMX = bool((lib := cpu_kernels.load()) is not None and lib.qamx)
+
+
+@pytest.mark.skipif(not _AMX, reason="no AMX tiles on this CPU or build (qamx.c)")
+@pytest.mark.parametrize(
+    "method,group,n,k",
+    [("int8", None, 37, 1024), ("int4", 128, 101, 640), ("fp8", 128, 45, 2048 + 384)],
+)
+def test_amx_panel_equals_the_bf16_dequantized_matmul(
+    method: str, group: int | None, n: int, k: int
+) -> None:
+    """On AMX: the dequantized weight rounded once to bf16 (what a bf16 twin of the model
+    holds), multiplied by bf16 x with fp32 sums; every row count around the 16-row tiles and
+    32-row blocks, odd N (a panel's rows past N), one thread and all of them to the bit."""
+    g = torch.Generator().manual_seed(n + k)
+    w = quantize(torch.randn(n, k, generator=g), _scheme(method, group))
+    deq = dequantize(w, torch.float32).bfloat16().double()
+    threads = torch.get_num_threads()
+    for rows in (1, 2, 8, 16, 17, 64, 300):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        ref = F.linear(x.double(), deq)
+        terms = F.linear(x.double().abs(), deq.abs())
+        outs = []
+        try:
+            for count in (1, max(threads, 2)):
+                torch.set_num_threads(count)
+                outs.append(amx_panel(x, w, torch.float32))
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(outs[0], outs[1])
+        # products exact in fp32, sums in fp32: a few units of fp32 rounding of the terms
+        assert bool(((outs[0].double() - ref).abs() <= 1e-6 * terms + 1e-30).all())
+        out_bf16 = amx_panel(x, w)
+        assert out_bf16.dtype == torch.bfloat16
+        assert torch.equal(out_bf16, outs[0].bfloat16())
+
+
+@pytest.mark.skipif(not _AMX, reason="no AMX tiles on this CPU or build (qamx.c)")
+def test_amx_panel_reads_a_shard_and_every_fp8_code() -> None:
+    """A tensor-parallel shard's strided codes and group scales; every e4m3 byte but NaN."""
+    g = torch.Generator().manual_seed(5)
+    full = quantize(torch.randn(64, 1024, generator=g), _scheme("int4", 128))
+    n, k = 48, 512
+    codes = torch.arange(256, dtype=torch.uint8).repeat(n * k // 256).view(n, k)
+    codes[codes % 128 == 127] = 0
+    every = QTensor(codes.view(FP8), torch.rand(n, 1) + 0.5, None, None, 8, 0, k)
+    for w in (full.narrow(0, 16, 33), full.narrow(1, 512, 512), every):
+        x = torch.randn(19, w.in_features, generator=g).bfloat16()
+        deq = dequantize(w, torch.float32).bfloat16().double()
+        ref = F.linear(x.double(), deq)
+        terms = F.linear(x.double().abs(), deq.abs())
+        out = amx_panel(x, w, torch.float32).double()
+        assert bool(((out - ref).abs() <= 1e-6 * terms + 1e-30).all())
+
+
+def test_amx_panel_is_a_candidate_and_fp32_x_takes_the_fp32_panel() -> None:
+    """fp32 activations (which bf16 tiles would round) run dequant_panel, here or anywhere;
+    the untuned picks run it for many rows where AMX runs."""
+    assert "amx_panel" in cpu_choice.CANDIDATES
+    g = torch.Generator().manual_seed(6)
+    w = quantize(torch.randn(40, 256, generator=g), _scheme("int4", 64))
+    x = torch.randn(33, 256, generator=g)
+    assert torch.equal(amx_panel(x, w), dequant_panel(x, w))
+    picks = cpu_choice.default_picks()
+    assert picks[-1] == ("amx_panel" if _AMX else "dequant_panel")
+    assert torch.equal(cpu_choice.QuantKernel(picks)(x, w), dequant_panel(x, w))

@@ -1,0 +1,225 @@
+/* Many rows (prefill) over quantized weights on AMX: y[M, N] = x[M, K] @ W.T with x in bf16,
+   W as minisgl/quant/qtensor.py holds it (codes, per-row per-group scales and zero points).
+
+   The fp32 panel kernels (qdequant.c) run at the FMA units' rate; a bf16 model's prefill
+   runs on AMX tiles (oneDNN, ~10x that on a Sapphire Rapids core), so a quantized prefill on
+   them took 4-6x bf16's time. Here each thread dequantizes a panel of NP weight rows ONCE per
+   call into bf16, in the layout AMX's B operand reads (VNNI pairs: [K/2][16 rows][2
+   features]), and every 32 input rows then multiply it with TDPBF16PS: x's rows are the A
+   tiles straight from memory (16 rows x 32 features, no packing), the weight the B tiles,
+   fp32 sums in 4 C tiles (2 x 2: one tile load per dot product). The panel (NP x K bf16,
+   <= ~768 KB) stays in L2 while all of x passes over it, so no weight byte is read twice
+   from memory and the dequantization costs ~1/M of the arithmetic per weight.
+
+   Values: qtensor.dequantize's fp32 ((code - zero) exact, one rounding in the multiply by the
+   scale) rounded once to bf16 (nearest even), the weights a bf16 twin of the dequantized model
+   holds; products exact in fp32, sums in fp32. fp8 e4m3 widens exactly through fp16, times
+   2^-8 folded into the scale (as qdequant.c).
+
+   Compiled where the build targets AMX-TILE, AMX-BF16 and AVX512-BF16 (cpu_build.py); the
+   entry points exist only there and run only after amx_ready() (amx.h) granted the tiles. */
+#include "common.h"
+#include "amx.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+
+enum { QA_U8 = 0, QA_U4 = 1, QA_FP8 = 2 };
+
+#define QA_PANEL_BYTES (768 << 10) /* a thread's dequantized panel: within L2 */
+
+/* 32 codes of a row from feature k (one group: gs % 32 == 0) -> 32 bf16 in feature order,
+   as 16 dwords: dword p holds features k + 2p (low half) and k + 2p + 1. */
+static inline __attribute__((always_inline)) __m512i qa_deq32(int kind, const uint8_t* c,
+                                                               int64_t k, float scale,
+                                                               float zero) {
+    __m512 a, b;
+    if (kind == QA_FP8) { /* byte -> top of an fp16, sign kept, exponent+mantissa down one */
+        __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(c + k)));
+        h = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(h, 8), 1),
+                             _mm512_set1_epi16((short)0xBFFF));
+        __m512 s = _mm512_set1_ps(scale * 256.0f);
+        a = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), s);
+        b = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), s);
+    } else {
+        __m128i lo, hi;
+        if (kind == QA_U8) {
+            lo = _mm_loadu_si128((const __m128i*)(c + k));
+            hi = _mm_loadu_si128((const __m128i*)(c + k + 16));
+        } else { /* 16 bytes, feature 2j in the low nibble of byte j */
+            __m128i v = _mm_loadu_si128((const __m128i*)(c + k / 2));
+            __m128i l = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+            __m128i h = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+            lo = _mm_unpacklo_epi8(l, h);
+            hi = _mm_unpackhi_epi8(l, h);
+        }
+        __m512 s = _mm512_set1_ps(scale), z = _mm512_set1_ps(zero);
+        a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
+        b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+        a = _mm512_mul_ps(_mm512_sub_ps(a, z), s); /* as qtensor.dequantize */
+        b = _mm512_mul_ps(_mm512_sub_ps(b, z), s);
+    }
+    return (__m512i)_mm512_cvtne2ps_pbh(b, a); /* a: the low 16 features */
+}
+
+/* r[i] dword j -> r[j] dword i (16 x 16 dwords). */
+static inline __attribute__((always_inline)) void qa_transpose16(__m512i* r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* each 128-bit lane L of r[4a + b] now holds column 4L'... of rows 4a..4a+3: regroup lanes */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
+    }
+}
+
+/* Weight rows n0..n0+15 (past N: zeros) dequantized into wb [K/2][16][2] bf16. */
+static inline __attribute__((always_inline)) void qa_dequant16(
+    int kind, const uint8_t* codes, int64_t cstride, const float* scales, const uint8_t* zeros,
+    int64_t gstride, int64_t n0, int64_t N, int64_t K, int64_t gs, uint16_t* wb) {
+    for (int64_t k = 0; k < K; k += 32) {
+        int64_t g = k / gs;
+        __m512i r[16];
+        for (int j = 0; j < 16; j++) {
+            int64_t n = n0 + j;
+            if (n >= N) {
+                r[j] = _mm512_setzero_si512();
+                continue;
+            }
+            float s = scales[n * gstride + g];
+            float z = kind == QA_FP8 ? 0.0f : (float)zeros[n * gstride + g];
+            r[j] = qa_deq32(kind, codes + n * cstride, k, s, z);
+        }
+        qa_transpose16(r); /* r[p]: feature pair p of the 16 rows */
+        for (int p = 0; p < 16; p++) _mm512_store_si512((__m512i*)(wb + (k / 2 + p) * 32), r[p]);
+    }
+}
+
+/* C tile (16 input rows x 16 outputs, fp32) in `c` -> y rows m0.., outputs n0.. (bounded). */
+static inline void qa_store(const float* c, void* y, int out_bf16, int64_t m0, int64_t rows,
+                            int64_t n0, int64_t cols, int64_t N) {
+    __mmask16 mask = (__mmask16)((1u << cols) - 1);
+    for (int64_t i = 0; i < rows; i++) {
+        __m512 v = _mm512_load_ps(c + 16 * i);
+        if (out_bf16)
+            _mm256_mask_storeu_epi16((uint16_t*)y + (m0 + i) * N + n0, mask,
+                                     (__m256i)_mm512_cvtneps_pbh(v));
+        else
+            _mm512_mask_storeu_ps((float*)y + (m0 + i) * N + n0, mask, v);
+    }
+}
+
+/* 32 input rows (xa: rows 0-15, xb: 16-31, `ldx` bf16 apart) against 32 weight rows (wb0,
+   wb1: dequantized subpanels) over K; the four 16 x 16 results stored into y. */
+static inline void qa_tile2x2(const uint16_t* xa, const uint16_t* xb, int64_t ldx,
+                              const uint16_t* wb0, const uint16_t* wb1, int64_t K, float* cbuf,
+                              void* y, int out_bf16, int64_t m0, int64_t M, int64_t n0,
+                              int64_t N) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32) {
+        _tile_loadd(4, xa + k, ldx * 2);
+        _tile_loadd(5, xb + k, ldx * 2);
+        _tile_loadd(6, wb0 + k * 16, 64);
+        _tile_loadd(7, wb1 + k * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, cbuf, 64);
+    _tile_stored(1, cbuf + 256, 64);
+    _tile_stored(2, cbuf + 512, 64);
+    _tile_stored(3, cbuf + 768, 64);
+    for (int t = 0; t < 4; t++) {
+        int64_t mm = m0 + (t >> 1) * 16, nn = n0 + (t & 1) * 16;
+        int64_t rows = M - mm < 16 ? M - mm : 16, cols = N - nn < 16 ? N - nn : 16;
+        if (rows > 0 && cols > 0) qa_store(cbuf + 256 * t, y, out_bf16, mm, rows, nn, cols, N);
+    }
+}
+
+static inline __attribute__((always_inline)) void qamx_kind(
+    int kind, const uint16_t* x, const uint8_t* codes, int64_t cstride, const float* scales,
+    const uint8_t* zeros, int64_t gstride, void* y, int out_bf16, int64_t M, int64_t N,
+    int64_t K, int64_t gs) {
+    /* the last partial block of 32 input rows, zero-padded (A tiles are 16 full rows) */
+    int64_t full = M / 32 * 32;
+    uint16_t* xpad = 0;
+    if (full < M) {
+        xpad = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * 32 * K);
+        memset(xpad, 0, sizeof(uint16_t) * 32 * K);
+        memcpy(xpad, x + full * K, sizeof(uint16_t) * (M - full) * K);
+    }
+    /* panel rows: a multiple of 32, within QA_PANEL_BYTES, and enough panels for the threads */
+    int threads = omp_get_max_threads();
+    int64_t per_thread = ((N + threads - 1) / threads + 31) / 32 * 32;
+    int64_t fit = QA_PANEL_BYTES / (2 * K) / 32 * 32;
+    int64_t np = per_thread < fit ? per_thread : fit;
+    if (np < 32) np = 32;
+    int64_t panels = (N + np - 1) / np;
+    #pragma omp parallel
+    {
+        AmxConfig cfg;
+        amx_config_init(&cfg);
+        for (int t = 0; t < 8; t++) amx_config_tile(&cfg, t, 16, 64);
+        amx_config(&cfg);
+        uint16_t* wb = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * np * K);
+        float* cbuf = (float*)aligned_alloc(64, sizeof(float) * 4 * 256);
+        #pragma omp for schedule(static)
+        for (int64_t q = 0; q < panels; q++) {
+            int64_t p0 = q * np, rows = N - p0 < np ? (N - p0 + 31) / 32 * 32 : np;
+            for (int64_t s = 0; s < rows; s += 16)
+                qa_dequant16(kind, codes, cstride, scales, zeros, gstride, p0 + s, N, K, gs,
+                             wb + s * K);
+            for (int64_t m0 = 0; m0 < M; m0 += 32) {
+                const uint16_t* xa = m0 < full ? x + m0 * K : xpad;
+                for (int64_t s = 0; s < rows; s += 32)
+                    qa_tile2x2(xa, xa + 16 * K, K, wb + s * K, wb + (s + 16) * K, K, cbuf, y,
+                               out_bf16, m0, M, p0 + s, N);
+            }
+        }
+        free(wb);
+        free(cbuf);
+        amx_release();
+    }
+    free(xpad);
+}
+
+/* 1 where these kernels may run (the tiles granted to this process), else 0. */
+int qamx_ready(void) { return amx_ready(); }
+
+/* y[M, N] (fp32, or bf16 where out_bf16) = x[M, K] (bf16 only: x_bf16 must be 1) @ W.T; the
+   arguments are qgemv.c's. */
+#define QAMX(NAME, KIND)                                                                      \
+    void NAME(const void* x, int x_bf16, const uint8_t* codes, int64_t cstride,             \
+              const float* scales, const uint8_t* zeros, int64_t gstride, void* y,          \
+              int out_bf16, int64_t M, int64_t N, int64_t K, int64_t gs) {                   \
+        (void)x_bf16;                                                                       \
+        qamx_kind(KIND, (const uint16_t*)x, codes, cstride, scales, zeros, gstride, y,      \
+                  out_bf16, M, N, K, gs);                                                   \
+    }
+QAMX(qamx_u8, QA_U8)
+QAMX(qamx_u4, QA_U4)
+QAMX(qamx_fp8, QA_FP8)
+
+#else
+typedef int qamx_not_built; /* no AMX in this build: no entry points (cpu_kernels.py) */
+#endif
