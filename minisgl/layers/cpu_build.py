@@ -40,6 +40,7 @@ COMMON_SOURCES = (
     "qgemv.c",
     "qdequant.c",
     "qamx.c",
+    "amx.c",
 )
 AVX512_NEEDS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 AMX_NEEDS = frozenset({"amx_tile", "amx_bf16", "amx_int8"})

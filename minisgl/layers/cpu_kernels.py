@@ -149,6 +149,16 @@ class _Lib:
         # Where the elementwise kernels start splitting rows over the threads (common.h).
         self.norm_parallel_min = ctypes.c_int64.in_dll(lib, "norm_parallel_min")
         self.silu_parallel_min = ctypes.c_int64.in_dll(lib, "silu_parallel_min")
+        # The AMX matmul (amx.c): in every build, 0 from amx_available where it cannot run
+        # (no AMX in the build or the CPU, or the OS refused the tile state).
+        lib.amx_available.argtypes = []
+        lib.amx_available.restype = ctypes.c_int
+        lib.amx_bf16.argtypes = args
+        lib.amx_bf16.restype = ctypes.c_int
+        self.amx: Any = lib.amx_bf16 if lib.amx_available() else None
+        self.amx_prefetch_hint: Any = (
+            ctypes.c_int.in_dll(lib, "amx_prefetch_hint") if self.amx is not None else None
+        )
         # The AVX-512 GEMV exists in that build only.
         self.gemv512_bf16: Any = getattr(lib, "gemv512_bf16", None)
         self.gemv512_f32: Any = getattr(lib, "gemv512_f32", None)
@@ -338,6 +348,40 @@ def gemv512(
     y = torch.empty(m, n, dtype=out_dtype)
     fn = lib.gemv512_bf16 if weight.dtype == torch.bfloat16 else lib.gemv512_f32
     fn(xc.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, int(out_dtype == torch.bfloat16))
+    return y
+
+
+def supports_amx(x_dtype: torch.dtype, weight: torch.Tensor) -> bool:
+    """The AMX matmul (csrc/amx.c) takes bf16 x with a bf16 weight whose K is a multiple of 32,
+    where the CPU has AMX and the OS grants its tile state."""
+    lib = load()
+    return (
+        lib is not None
+        and lib.amx is not None
+        and x_dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and supports(weight)
+        and weight.shape[1] % 32 == 0
+    )
+
+
+def amx(
+    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """x [M, K] @ weight.T -> [M, N] in `out_dtype` (default x's dtype) on AMX tiles, any M,
+    straight from the row-major weight (see supports_amx)."""
+    lib = load()
+    assert lib is not None and lib.amx is not None
+    out_dtype = out_dtype or x.dtype
+    xc = x.contiguous()
+    m, k = xc.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype)
+    done = lib.amx(
+        xc.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, int(out_dtype == torch.bfloat16)
+    )
+    if not done:
+        raise RuntimeError(f"AMX matmul refused x {tuple(xc.shape)} @ W {tuple(weight.shape)}.T")
     return y
 
 

@@ -7,6 +7,7 @@ shape, the dtype and the row count, so it is measured (kernel_choice.py keeps th
 the candidates
 - "gemv": our AVX2 GEMV (cpu_kernels.py; weights streamed once, fp32 compute);
 - "gemv512": our AVX-512 GEMV (native bf16 dot products where the CPU has them);
+- "amx": our AMX matmul (bf16 tiles, any row count, the weight as loaded: csrc/amx.c);
 - "gemm": our blocked GEMM (fp32 compute from bf16 or fp32 weights, no weight copy);
 - "torch": plain F.linear (MKL for fp32);
 - "panel": our matmul from bf16 weights repacked into 16-column panels (any row count: small
@@ -15,7 +16,7 @@ the candidates
 are timed per distinct weight shape and dtype for each row-count bucket at start-up, and a
 layer then dispatches on its input's row count with a list lookup.
 
-Weights once: the first four read the weight as loaded ("row" layout), panel and oneDNN read
+Weights once: the first five read the weight as loaded ("row" layout), panel and oneDNN read
 their own layout of it. By default a layer keeps one layout, the one whose candidates are
 least slow over all the row counts against the best of all (kernel_choice.single_layout), and
 the others are dropped: no second copy of any weight. EngineArgs.cpu_weight_copies_max_gb lets
@@ -62,7 +63,7 @@ from minisgl.layers.kernel_choice import (
 logger = logging.getLogger(__name__)
 
 # Listed with the copy-free ones first: ties go to the earlier one.
-CANDIDATES = ("gemv", "gemv512", "gemm", "torch", "panel", "onednn")
+CANDIDATES = ("gemv", "gemv512", "amx", "gemm", "torch", "panel", "onednn")
 # Timing: at least this many bytes of distinct weights per pass (more than a last-level cache,
 # so each pass reads from memory as a decode step does), at most this many FLOPs per pass.
 _COLD_BYTES = 48 << 20
@@ -121,6 +122,8 @@ _RUN: dict[str, Callable[..., torch.Tensor]] = {
     "gemv512": lambda x, w, p, o: (
         cpu_kernels.gemv512(x, w, o) if x.dtype == w.dtype else cpu_kernels.gemv(x, w, o)
     ),
+    # bf16 tiles: an x of another dtype goes in rounded to bf16, as F.linear's ("torch") does.
+    "amx": lambda x, w, p, o: cpu_kernels.amx(x.to(w.dtype), w, o),
     "gemm": lambda x, w, p, o: cpu_kernels.gemm(x, w, o),
     "torch": lambda x, w, p, o: _cast(F.linear(x.to(w.dtype), w), o),
     "panel": lambda x, w, p, o: cpu_kernels.panel(x, p, o),
@@ -152,6 +155,8 @@ def available(weight: torch.Tensor, x_dtype: torch.dtype, copies: bool = True) -
         out.append("gemv")
         if cpu_kernels.supports_gemv512(x_dtype, weight):
             out.append("gemv512")
+        if cpu_kernels.supports_amx(x_dtype, weight):
+            out.append("amx")
         out.append("gemm")
     out.append("torch")
     if copies and ours and cpu_kernels.supports_panel(weight):

@@ -134,6 +134,7 @@ def one_layout(
 LAYOUT = {
     "gemv": "row",
     "gemv512": "row",
+    "amx": "row",
     "gemm": "row",
     "torch": "row",
     "panel": "panel",

@@ -165,7 +165,7 @@ def test_prefix_then_chunks_then_decode_match_transformers(tmp_path: Path) -> No
         torch.testing.assert_close(logits, hf_logits(hf, seq), atol=1e-4, rtol=1e-4)
 
 
-MATMULS = ["measured", "gemv", "gemv512", "gemm", "torch", "panel", "onednn"]
+MATMULS = ["measured", "gemv", "gemv512", "amx", "gemm", "torch", "panel", "onednn"]
 
 
 @pytest.mark.parametrize("matmul", MATMULS)

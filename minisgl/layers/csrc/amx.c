@@ -1,0 +1,239 @@
+/* y[M, N] = x[M, K] @ W[N, K].T on AMX tiles, straight from the weight as loaded (row-major
+   bf16): no second copy of the weights, and one kernel for every row count from 1 to prefill.
+
+   AMX multiplies C[16 x 16] += A[16 x 32] . B[32 x 16] with B in the "VNNI" layout (k in
+   pairs: B's row kp holds, for each of its 16 columns, elements 2kp and 2kp + 1). A row-major
+   weight is exactly an A operand (16 weight rows x 32 consecutive k, loaded with the rows'
+   stride), so the kernel computes C^T = W . x^T: A = 16 weight rows, B = x^T (x packed per call
+   into the pair layout, cheap: activations are small), C = 16 outputs x 16 input rows, written
+   back transposed. A thread's item is a block of 32 weight rows (two A tiles, contiguous in
+   memory): it is read from memory once and used against every 16-row tile of x (from the
+   caches after the first), two x tiles at a time (4 C + 2 A + 2 B = the 8 tiles).
+
+   The weights stream from memory: a block's tile loads read 32 rows at once, which the
+   hardware prefetcher cannot follow, so the next block is prefetched by hand, in memory order,
+   spread over the current block's k steps (over all its passes when x has more than 32 rows).
+
+   x rows are padded with zeros to a multiple of 16 (the padding costs tile arithmetic, not
+   memory time), a last block of fewer than 32 weight rows is copied into a zero-padded buffer
+   (so no tile reads past the weight). K must be a multiple of 32 (cpu_kernels.supports_amx). */
+#include "amx.h"
+#include "common.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+
+#define ROWS 32 /* weight rows per item: two A tiles */
+
+/* Where the next block is prefetched to (0: L1, 1: L2, 2: no prefetch): set from Python for
+   measurements; the default is L2, since one block (32 rows x K) is larger than L1 at the
+   K of a model's matmuls. */
+int amx_prefetch_hint = 1;
+
+static inline void prefetch_line(const char* p) {
+    if (amx_prefetch_hint == 0)
+        _mm_prefetch(p, _MM_HINT_T0);
+    else if (amx_prefetch_hint == 1)
+        _mm_prefetch(p, _MM_HINT_T1);
+}
+
+/* Issues `lines` cache lines of `base` evenly over `steps` calls of pf_step. */
+typedef struct {
+    const char* base;
+    int64_t lines, steps, issued, credit;
+} Ahead;
+
+static inline void pf_step(Ahead* p) {
+    if (!p->base) return;
+    for (p->credit += p->lines; p->credit >= p->steps; p->credit -= p->steps)
+        prefetch_line(p->base + 64 * p->issued++);
+}
+
+/* 16x16 transpose of 32-bit lanes in registers: r[i][j] -> r[j][i]. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* u[4i + j], lane L: column 4L + j of rows 4i..4i+3 */
+        u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; j++) {
+        __m512 v = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88);
+        __m512 w = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xDD);
+        __m512 v2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
+        __m512 w2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xDD);
+        r[j] = _mm512_shuffle_f32x4(v, v2, 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(v, v2, 0xDD);
+        r[4 + j] = _mm512_shuffle_f32x4(w, w2, 0x88);
+        r[12 + j] = _mm512_shuffle_f32x4(w, w2, 0xDD);
+    }
+}
+
+/* x rows [16 mt, 16 mt + 16) x k pairs [16 kb, 16 kb + 16) into the pair layout: 16 rows of
+   kp, each the 16 x rows' (2 kp, 2 kp + 1) as one 32-bit lane; rows past M are zeros. */
+static void pack_x_block(const uint32_t* x, int64_t M, int64_t half, int64_t mt, int64_t kb,
+                         uint32_t* dst) {
+    __m512 r[16];
+    for (int i = 0; i < 16; i++) {
+        int64_t m = mt * 16 + i;
+        r[i] = m < M ? _mm512_loadu_ps(x + m * half + kb * 16) : _mm512_setzero_ps();
+    }
+    transpose16(r);
+    for (int j = 0; j < 16; j++) _mm512_store_ps(dst + j * 16, r[j]);
+}
+
+/* A C tile (16 weight rows x 16 x rows, fp32) to y, transposed: y[m0 + i][n0 + j] for
+   i < mrows, j < ncols. */
+static void store_c(const float* c, void* y, int64_t N, int64_t m0, int mrows, int64_t n0,
+                    int ncols, int out_bf16) {
+    __m512 r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(c + i * 16);
+    transpose16(r);
+    __mmask16 mask = (__mmask16)((1u << ncols) - 1);
+    for (int i = 0; i < mrows; i++) {
+        int64_t at = (m0 + i) * N + n0;
+        if (out_bf16) { /* round to nearest even, as common.h's store() */
+            __m512i b = _mm512_castps_si512(r[i]);
+            __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+            b = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+            __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16));
+            _mm256_mask_storeu_epi16((uint16_t*)y + at, mask, h);
+        } else {
+            _mm512_mask_storeu_ps((float*)y + at, mask, r[i]);
+        }
+    }
+}
+
+/* Tiles 0-3 += A (weight rows a, a + 16 rows) . B (x tiles b0, b1) over all of K:
+   C0 = a.b0, C1 = a.b1, C2 = a'.b0, C3 = a'.b1. */
+static inline void dot2x2(const uint16_t* a, int64_t K, const uint32_t* b0, const uint32_t* b1,
+                          int64_t kblocks, Ahead* pf) {
+    const uint16_t* a2 = a + 16 * K;
+    for (int64_t kb = 0; kb < kblocks; kb++) {
+        _tile_loadd(4, a + kb * 32, K * 2);
+        _tile_loadd(6, b0 + kb * 256, 64);
+        _tile_loadd(5, a2 + kb * 32, K * 2);
+        _tile_loadd(7, b1 + kb * 256, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+        pf_step(pf);
+    }
+}
+
+/* The same with one x tile: C0 = a.b0, C2 = a'.b0. */
+static inline void dot2x1(const uint16_t* a, int64_t K, const uint32_t* b0, int64_t kblocks,
+                          Ahead* pf) {
+    const uint16_t* a2 = a + 16 * K;
+    for (int64_t kb = 0; kb < kblocks; kb++) {
+        _tile_loadd(4, a + kb * 32, K * 2);
+        _tile_loadd(6, b0 + kb * 256, 64);
+        _tile_loadd(5, a2 + kb * 32, K * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        pf_step(pf);
+    }
+}
+
+/* One item: weight rows [n0, n0 + 32) (`a`, stride K) against every x tile. */
+static void block(const uint16_t* a, const uint32_t* xp, int64_t M, int64_t N, int64_t K,
+                  int64_t n0, void* y, int out_bf16, const char* next, float* cbuf) {
+    int64_t kblocks = K / 32, mtiles = (M + 15) / 16, tile = (K / 2) * 16;
+    int ncols0 = N - n0 < 16 ? (int)(N - n0) : 16;
+    int ncols1 = N - n0 - 16 < 16 ? (int)(N - n0 - 16) : 16;
+    int64_t passes = (mtiles + 1) / 2;
+    Ahead pf = {next, next ? ROWS * K * 2 / 64 : 0, passes * kblocks, 0, 0};
+    for (int64_t mt = 0; mt < mtiles; mt += 2) {
+        int two = mt + 1 < mtiles;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        if (two)
+            dot2x2(a, K, xp + mt * tile, xp + (mt + 1) * tile, kblocks, &pf);
+        else
+            dot2x1(a, K, xp + mt * tile, kblocks, &pf);
+        _tile_stored(0, cbuf, 64);
+        _tile_stored(1, cbuf + 256, 64);
+        _tile_stored(2, cbuf + 512, 64);
+        _tile_stored(3, cbuf + 768, 64);
+        for (int t = 0; t < 1 + two; t++) {
+            int64_t m0 = (mt + t) * 16;
+            int mrows = M - m0 < 16 ? (int)(M - m0) : 16;
+            store_c(cbuf + 256 * t, y, N, m0, mrows, n0, ncols0, out_bf16);
+            if (ncols1 > 0) store_c(cbuf + 512 + 256 * t, y, N, m0, mrows, n0 + 16, ncols1, out_bf16);
+        }
+    }
+}
+
+static void config_tiles(void) {
+    AmxConfig c;
+    amx_config_init(&c);
+    for (int t = 0; t < 8; t++) amx_config_tile(&c, t, 16, 64);
+    amx_config(&c);
+}
+
+int amx_available(void) { return amx_ready(); }
+
+/* x [M, K] bf16, W [N, K] bf16 row-major, y [M, N] bf16 (out_bf16) or fp32; K % 32 == 0.
+   Returns 0 when AMX cannot be used in this process (nothing computed). */
+int amx_bf16(const uint16_t* x, const uint16_t* w, void* y, int64_t M, int64_t N, int64_t K,
+             int out_bf16) {
+    if (!amx_ready() || K % 32 || M <= 0 || N <= 0) return 0;
+    int64_t mtiles = (M + 15) / 16, half = K / 2, kblocks = K / 32;
+    int64_t items = (N + ROWS - 1) / ROWS;
+    uint32_t* xp = (uint32_t*)aligned_alloc(64, (size_t)(mtiles * half * 16 * 4));
+    if (!xp) return 0;
+    Share shares[SHARE_MAX];
+    int parts = share_parts();
+    shares_init(shares, parts, items);
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < mtiles * kblocks; p++) {
+            int64_t mt = p / kblocks, kb = p % kblocks;
+            pack_x_block((const uint32_t*)x, M, half, mt, kb, xp + mt * half * 16 + kb * 256);
+        }
+        config_tiles();
+        float cbuf[4 * 256] __attribute__((aligned(64)));
+        uint16_t* pad = 0;
+        int64_t expect = -1;
+        for (int64_t q; (q = share_next(shares, parts, omp_get_thread_num())) >= 0;) {
+            int64_t n0 = q * ROWS;
+            const uint16_t* a = w + n0 * K;
+            if (N - n0 < ROWS) { /* a last, short block: zero-padded rows, read no further */
+                if (!pad) pad = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * ROWS * K);
+                __builtin_memset(pad, 0, sizeof(uint16_t) * ROWS * K);
+                __builtin_memcpy(pad, a, sizeof(uint16_t) * (N - n0) * K);
+                a = pad;
+            } else if (q != expect) { /* not the block prefetched: fetch it all now */
+                for (int64_t l = 0; l < ROWS * K * 2 / 64; l++)
+                    prefetch_line((const char*)a + 64 * l);
+            }
+            const char* next = q + 2 <= items - 1 || (q + 1 < items && N % ROWS == 0)
+                                   ? (const char*)(a + ROWS * K)
+                                   : 0;
+            if (amx_prefetch_hint == 2) next = 0;
+            block(a, xp, M, N, K, n0, y, out_bf16, next, cbuf);
+            expect = q + 1;
+        }
+        amx_release();
+        free(pad);
+    }
+    free(xp);
+    return 1;
+}
+
+#else
+int amx_available(void) { return 0; }
+int amx_bf16(const uint16_t* x, const uint16_t* w, void* y, int64_t M, int64_t N, int64_t K,
+             int out_bf16) {
+    (void)x, (void)w, (void)y, (void)M, (void)N, (void)K, (void)out_bf16;
+    return 0;
+}
+#endif

@@ -1,0 +1,136 @@
+"""The AMX bf16 matmul (csrc/amx.c) over row-major weights: x @ W.T for every row count, odd
+output sizes, both output dtypes and any thread count; which shapes it takes; that the chooser
+can pick it and then keeps the one row-major weight."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl.layers import cpu_build, cpu_kernels, cpu_linear, kernel_choice
+from minisgl.layers.kernel_choice import BUCKETS
+
+
+def _amx_here() -> bool:
+    return cpu_kernels.supports_amx(torch.bfloat16, torch.zeros(16, 32, dtype=torch.bfloat16))
+
+
+needs_amx = pytest.mark.skipif(
+    not _amx_here(), reason="this CPU (or its OS, or the kernels' build) has no AMX-BF16"
+)
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x @ w.T in float64 (bf16 products are exact there) and the bound on an fp32 sum's error:
+    K roundings of at most 2^-24 each of the partial sums, which are bounded by |x| @ |w|.T."""
+    exact = F.linear(x.double(), w.double())
+    bound = F.linear(x.double().abs(), w.double().abs()) * x.shape[1] * 2.0**-24
+    return exact, bound
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 15, 16, 17, 33, 100, 300])
+def test_matches_an_exact_product_for_every_row_count(m: int) -> None:
+    g = torch.Generator().manual_seed(m)
+    for n, k in [(200, 96), (40, 64), (33, 1024)]:  # n not a multiple of 16 (nor of 32)
+        w = torch.randn(n, k, generator=g).bfloat16()
+        x = torch.randn(m, k, generator=g).bfloat16()
+        exact, bound = _reference(x, w)
+        y32 = cpu_kernels.amx(x, w, torch.float32)
+        assert y32.shape == (m, n) and y32.dtype == torch.float32
+        assert ((y32.double() - exact).abs() <= bound + 1e-30).all()
+        y16 = cpu_kernels.amx(x, w)  # x's dtype: bf16, the fp32 result rounded once
+        assert y16.dtype == torch.bfloat16
+        assert torch.equal(y16, y32.bfloat16())
+
+
+@needs_amx
+def test_two_threads_compute_what_one_does() -> None:
+    """Each block of weight rows is computed whole by one thread in one order, so the split
+    (and which thread takes which block) never changes a result."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(1000, 256, generator=g).bfloat16()
+    x = torch.randn(37, 256, generator=g).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.amx(x, w, torch.float32)
+        torch.set_num_threads(2)
+        two = cpu_kernels.amx(x, w, torch.float32)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@needs_amx
+def test_takes_bf16_with_k_a_multiple_of_32_only() -> None:
+    w = torch.zeros(64, 48, dtype=torch.bfloat16)
+    assert not cpu_kernels.supports_amx(torch.bfloat16, w)  # K % 32 != 0
+    assert cpu_kernels.supports_amx(torch.bfloat16, torch.zeros(64, 64, dtype=torch.bfloat16))
+    assert not cpu_kernels.supports_amx(torch.float32, torch.zeros(64, 64, dtype=torch.bfloat16))
+    assert not cpu_kernels.supports_amx(torch.float32, torch.zeros(64, 64))
+    assert "amx" not in cpu_linear.available(w, torch.bfloat16)
+
+
+@needs_amx
+def test_the_chooser_can_pick_it_and_keeps_the_row_major_weight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    assert "amx" in cpu_linear.available(w, torch.bfloat16)
+    assert kernel_choice.LAYOUT["amx"] == "row"
+    # Measured fastest from 9 rows on (as the real timings have it on this kind of CPU).
+    timings: dict[str, list[float | None]] = {
+        name: [None] * len(BUCKETS) for name in cpu_linear.CANDIDATES
+    }
+    timings["gemv512"] = [1.0, 1.0, 1.0, 5.0, 20.0, 100.0]
+    timings["amx"] = [2.0, 2.0, 2.0, 2.0, 4.0, 30.0]
+    timings["torch"] = [9.0, 9.0, 9.0, 9.0, 9.0, 60.0]
+    timings["panel"] = [1.0, 1.0, 1.0, 4.0, 15.0, 40.0]
+    monkeypatch.delenv("MINISGL_CPU_LINEAR", raising=False)
+    monkeypatch.setattr(cpu_linear, "measure", lambda *a, **k: timings)
+    monkeypatch.setattr(cpu_linear, "tuning_cache", lambda: _NoCache())
+    plan = cpu_linear.choose([w], torch.bfloat16, None, "full")
+    picks = plan.single()
+    assert picks is not None and picks[3:] == ("amx", "amx", "amx")
+    kernel = cpu_linear.CpuLinearKernel.create(w, tuning="full")
+    assert kernel is not None and kernel.picks == picks and kernel.packed == {}
+    assert kernel.weight is not None and kernel.weight.data_ptr() == w.data_ptr()
+    x = torch.randn(40, 64).bfloat16()
+    torch.testing.assert_close(kernel(x), F.linear(x, w), rtol=1e-2, atol=1e-2)
+
+
+def test_forced_everywhere_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MINISGL_CPU_LINEAR=amx: every row count on AMX where it runs, the defaults elsewhere."""
+    monkeypatch.setenv("MINISGL_CPU_LINEAR", "amx")
+    w = torch.randn(48, 64).bfloat16()
+    kernel = cpu_linear.CpuLinearKernel.create(w)
+    assert kernel is not None
+    if _amx_here():
+        assert kernel.picks == ("amx",) * len(BUCKETS)
+    else:
+        assert "amx" not in kernel.picks
+
+
+def test_builds_without_amx_say_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AVX2 build compiles the AMX source too and reports no AMX (never a crash)."""
+    _, flags = cpu_build.cpu_info()
+    if cpu_build.pick_isa(flags, "avx2") is None:
+        pytest.skip("this CPU has no AVX2: no kernels at all")
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))
+    path = cpu_build.build("avx2", flags)
+    assert path is not None
+    lib = ctypes.CDLL(str(path))
+    assert lib.amx_available() == 0
+
+
+class _NoCache:
+    def get(self, *args: object) -> None:
+        return None
+
+    def put(self, *args: object) -> None:
+        return None
