@@ -9,13 +9,16 @@ last-level cache. Codes are random (the kernels' speed does not depend on the va
 
     python benchmarks/qgemv_bench.py --shapes 3072x1024,1024x3072 --rows 1,2,4,8,16
     python benchmarks/qgemv_bench.py --shapes 12288x4096 --rows 1,8 --formats int8,int4
+    python benchmarks/qgemv_bench.py --formats none --threads 1 --clock cpu  # bf16 kernels only
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -23,7 +26,18 @@ from minisgl.layers import cpu_build, cpu_kernels
 from minisgl.quant import cpu_gemv
 from minisgl.quant.qtensor import FP8, QTensor
 
-COLD_BYTES = 80 << 20  # over the 32 MiB L3 of the machines measured so far
+
+def cold_bytes() -> int:
+    """Bytes of weight copies to cycle over so that none is still cached: twice the largest
+    cache sysfs reports (480 MiB of L3 on a recent Xeon), at least 80 MiB."""
+    largest = 0
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        text = Path(path).read_text().strip()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        largest = max(largest, int(text.rstrip("KMG")) * scale)
+    return max(80 << 20, 2 * largest)
+
+
 SHAPES = "3072x1024,1024x3072,1024x2048,12288x4096"  # Qwen3-0.6B gate/up, down, o; 8B gate/up
 FORMATS = ("int8", "int4", "fp8")
 
@@ -73,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    cold = 0 if args.hot else COLD_BYTES
+    cold = 0 if args.hot else cold_bytes()
     if args.threads:
         torch.set_num_threads(args.threads)
-    formats = args.formats.split(",")
+    formats = [f for f in args.formats.split(",") if f not in ("", "none")]
     read = cpu_kernels.read_bandwidth() or float("nan")
     print(
         f"CPU: {cpu_build.cpu_info()[0]}, build {cpu_kernels.build_id()}, "
@@ -93,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             panels = [cpu_kernels.panel_pack(w) for w in floats]
             cases["bf16 gemv"] = ([(cpu_kernels.gemv, w) for w in floats], n * k * 2)
             cases["bf16 panel"] = ([(cpu_kernels.panel, p) for p in panels], n * k * 2)
+            if cpu_kernels.supports_gemv512(torch.bfloat16, floats[0]):
+                cases["bf16 gemv512"] = ([(cpu_kernels.gemv512, w) for w in floats], n * k * 2)
         for fmt in formats:
             w0 = random_weight(fmt, n, k, g)
             count = max(1 if args.hot else 2, -(-cold // w0.nbytes()))

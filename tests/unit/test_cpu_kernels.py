@@ -62,24 +62,33 @@ def test_panel_matmul_matches_reference(rows: int, k: int) -> None:
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17, 70])
-def test_avx512_gemv_matches_reference(wdtype: torch.dtype, rows: int) -> None:
-    """x in the weight's dtype (bf16 products are exact, sums in fp32, as oneDNN's)."""
+@pytest.mark.parametrize("rows", [*range(1, 17), 17, 70])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_avx512_gemv_matches_reference(wdtype: torch.dtype, rows: int, threads: int) -> None:
+    """x in the weight's dtype (bf16 products are exact, sums in fp32, as oneDNN's). Every
+    tile the kernel picks by row count (8x1, 8x2, passes of 1-4 rows over half blocks), N
+    ending in a partial 8-row block of more and of fewer than 4 rows, and blocks far enough
+    ahead for the prefetch; on one thread and on two."""
     torch.manual_seed(rows)
-    n, k = 37, 96
-    w = torch.randn(n, k).to(wdtype)
-    x = torch.randn(rows, k).to(wdtype)
     lib = cpu_kernels.load()
-    if lib is None or lib.gemv512_bf16 is None:  # the AVX2 build: no such candidate
-        assert not cpu_kernels.supports_gemv512(wdtype, w)
-        return
-    assert cpu_kernels.supports_gemv512(wdtype, w)
-    ref = F.linear(x.double(), w.double())
-    y = cpu_kernels.gemv512(x, w, torch.float32)
-    assert y.dtype == torch.float32 and y.shape == (rows, n)
-    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
-    yb = cpu_kernels.gemv512(x, w)
-    assert yb.dtype == wdtype and torch.equal(yb, y.to(wdtype))
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for n, k in ((37, 96), (43, 64), (3, 32)):
+            w = torch.randn(n, k).to(wdtype)
+            x = torch.randn(rows, k).to(wdtype)
+            if lib is None or lib.gemv512_bf16 is None:  # the AVX2 build: no such candidate
+                assert not cpu_kernels.supports_gemv512(wdtype, w)
+                return
+            assert cpu_kernels.supports_gemv512(wdtype, w)
+            ref = F.linear(x.double(), w.double())
+            y = cpu_kernels.gemv512(x, w, torch.float32)
+            assert y.dtype == torch.float32 and y.shape == (rows, n)
+            torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+            yb = cpu_kernels.gemv512(x, w)
+            assert yb.dtype == wdtype and torch.equal(yb, y.to(wdtype))
+    finally:
+        torch.set_num_threads(saved)
 
 
 def test_read_bandwidth_is_measured() -> None:
