@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from minisgl import heap
 from minisgl.config import EngineArgs
 from minisgl.engine.cuda_graph import DecodeGraphs, graphs_wanted, is_graph_decode
 from minisgl.engine.memory import agree_num_pages, default_num_pages
@@ -166,6 +167,10 @@ class ModelRunner:
         )
         self.decode_graphs: DecodeGraphs | None = None
         self.warm_up(backend)  # before the decode graphs: their capture must not compile
+        if self.device.type == "cpu":
+            # The weights are in place: from here on a step's freed temporaries stay mapped
+            # for the next step (heap.py).
+            heap.keep_freed_memory()
         if eager_why is None:
             self.decode_graphs = DecodeGraphs.start(
                 lambda ids, pos, meta, rows: self.model(ids, pos, self.attn, meta, rows),
