@@ -280,16 +280,22 @@ def test_matmuls_give_the_same_bits_however_the_threads_share_the_work() -> None
     w = torch.randn(n, k).bfloat16()
     packed = cpu_kernels.panel_pack(w)
     x = torch.randn(8, k).bfloat16()
+    wide = cpu_kernels.supports_gemv512(x.dtype, w)  # the AVX-512 GEMV, where it is built
+
+    def outputs() -> list[torch.Tensor]:
+        out = [cpu_kernels.gemv(x, w), cpu_kernels.panel(x, packed)]
+        return out + [cpu_kernels.gemv512(x[:rows], w) for rows in (1, 2, 8) if wide]
+
     threads = torch.get_num_threads()
     runs = []
     try:
         for count in (1, max(threads, 2)):
             torch.set_num_threads(count)
-            runs += [(cpu_kernels.gemv(x, w), cpu_kernels.panel(x, packed)) for _ in range(5)]
+            runs += [outputs() for _ in range(5)]
     finally:
         torch.set_num_threads(threads)
-    for gemv_out, panel_out in runs[1:]:
-        assert torch.equal(gemv_out, runs[0][0]) and torch.equal(panel_out, runs[0][1])
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(run, runs[0], strict=True))
 
 
 def test_decode_attention_is_deterministic_across_calls() -> None:
