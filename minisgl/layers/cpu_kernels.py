@@ -353,11 +353,13 @@ def gemv512(
 
 def supports_amx(x_dtype: torch.dtype, weight: torch.Tensor) -> bool:
     """The AMX matmul (csrc/amx.c) takes bf16 x with a bf16 weight whose K is a multiple of 32,
-    where the CPU has AMX and the OS grants its tile state."""
+    where the CPU has AMX and the OS grants its tile state (MINISGL_CPU_AMX=0: never, to
+    compare)."""
     lib = load()
     return (
         lib is not None
         and lib.amx is not None
+        and os.environ.get("MINISGL_CPU_AMX", "1") not in ("0", "false", "no")
         and x_dtype == torch.bfloat16
         and weight.dtype == torch.bfloat16
         and supports(weight)

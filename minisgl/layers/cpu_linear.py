@@ -26,10 +26,12 @@ what they would have bought.
 
 Tuning modes (EngineArgs.cpu_kernel_tuning): "cached" (default: measure shapes the on-disk
 cache lacks), "full" (measure all again), "off" (no timing: GEMV up to 16 rows, then our
-GEMM; oneDNN instead where the CPU multiplies bf16 natively and copies are allowed).
+GEMM; oneDNN instead where the CPU multiplies bf16 natively and copies are allowed; where AMX
+runs, AMX from 2 rows on).
 Switches: MINISGL_CPU_PREPACK=0: plain F.linear everywhere; MINISGL_CPU_KERNELS=0: no C
-kernels; MINISGL_CPU_ONEDNN_GEMM=0: never a oneDNN copy; MINISGL_CPU_LINEAR=<candidate>: that
-candidate for every row count where it can run (the parity tests force each in turn).
+kernels; MINISGL_CPU_ONEDNN_GEMM=0: never a oneDNN copy; MINISGL_CPU_AMX=0: no AMX candidate;
+MINISGL_CPU_LINEAR=<candidate>: that candidate for every row count where it can run (the parity
+tests force each in turn).
 
 For other layers (e.g. a fused MoE): `CpuLinearKernel.create(W)` gives a callable
 x [M, K] -> x @ W.T, tuned once per shape per process; `create_group` does a list of
@@ -174,7 +176,11 @@ def available(weight: torch.Tensor, x_dtype: torch.dtype, copies: bool = True) -
 
 
 def default_picks(avail: Sequence[str], weight_dtype: torch.dtype) -> tuple[str, ...]:
-    """Without measuring (tuning "off"): the choice that was tuned on an AVX2 machine."""
+    """Without measuring (tuning "off", or timings a busy machine disturbed): the choice that
+    was tuned on an AVX2 machine; where AMX runs, AMX from 2 rows on (measured on a Xeon with
+    AMX: ahead of every other candidate there, and it needs no weight copy)."""
+    if "amx" in avail:
+        return tuple("gemv" if last == 1 else "amx" for _, last in BUCKETS)
     if "gemv" in avail:
         native = weight_dtype == torch.bfloat16 and native_bf16() and "onednn" in avail
         big = "onednn" if native else "gemm"

@@ -77,6 +77,14 @@ def test_takes_bf16_with_k_a_multiple_of_32_only() -> None:
 
 
 @needs_amx
+def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.zeros(64, 64, dtype=torch.bfloat16)
+    monkeypatch.setenv("MINISGL_CPU_AMX", "0")
+    assert not cpu_kernels.supports_amx(torch.bfloat16, w)
+    assert "amx" not in cpu_linear.available(w, torch.bfloat16)
+
+
+@needs_amx
 def test_the_chooser_can_pick_it_and_keeps_the_row_major_weight(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -102,6 +110,18 @@ def test_the_chooser_can_pick_it_and_keeps_the_row_major_weight(
     assert kernel.weight is not None and kernel.weight.data_ptr() == w.data_ptr()
     x = torch.randn(40, 64).bfloat16()
     torch.testing.assert_close(kernel(x), F.linear(x, w), rtol=1e-2, atol=1e-2)
+
+
+@needs_amx
+def test_untimed_defaults_run_amx_from_two_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start that does not time (tuning "off", or timings other work disturbed) still gets
+    the tiles, on the row-major weight alone."""
+    monkeypatch.delenv("MINISGL_CPU_LINEAR", raising=False)
+    w = torch.randn(48, 64).bfloat16()
+    picks = cpu_linear.default_picks(cpu_linear.available(w, w.dtype), w.dtype)
+    assert picks == ("gemv",) + ("amx",) * (len(BUCKETS) - 1)
+    kernel = cpu_linear.CpuLinearKernel.create(w, tuning="off")
+    assert kernel is not None and kernel.picks == picks and kernel.packed == {}
 
 
 def test_forced_everywhere_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
