@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from minisgl import hugepages
 from minisgl.layers import cpu_build, cpu_kernels, kernel_choice
 from minisgl.layers.kernel_choice import (
     BUCKETS,
@@ -478,6 +479,8 @@ def prepack_modules(
     groups: dict[tuple[Any, ...], list[Any]] = {}
     for m in modules:
         w = m.weight
+        if _eligible(w):  # timed and kept on the pages it will be streamed from
+            hugepages.move_onto(w)
         # The layouts it may be kept in alone: a weight read elsewhere keeps its row-major
         # one, which is then the one; rows are read from the row-major weight or the panels.
         allowed = ("row",) if id(w) in shared else ("row", "panel") if id(w) in lookup else LAYOUTS

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 import torch
 
 from minisgl import hugepages
 from minisgl.kvcache.kv_pool import KVPool
-from minisgl.layers import cpu_kernels
+from minisgl.layers import cpu_kernels, cpu_linear
 
 
 def _thp_mode() -> str:
@@ -57,3 +59,33 @@ def test_kv_pool_and_panel_weights_use_them() -> None:
         for t in (pool.k_buffers[1], packed.data):
             middle = t.data_ptr() + t.numel() * t.element_size() // 2
             assert _huge_kb_under(middle) >= 2048
+
+
+def test_row_major_weights_a_cpu_layer_keeps_move_onto_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The weights as loaded sit on small pages; the chooser puts the ones it times and keeps
+    on huge pages, in place (a tied embedding sharing the Parameter follows), same values."""
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MINISGL_CPU_LINEAR", raising=False)
+    if not cpu_kernels.load():
+        return
+    w = torch.nn.Parameter(torch.randn(2048, 1024).bfloat16(), requires_grad=False)
+    before, values = w.data_ptr(), w.detach().clone()
+    layer = SimpleNamespace(weight=w, kernel_out_dtype=None, kernel=None)
+    cpu_linear.prepack_modules([layer], "off")
+    assert layer.weight is w and torch.equal(w, values) and w.data_ptr() != before
+    if _thp_mode() in ("always", "madvise"):
+        assert _huge_kb_under(w.data_ptr() + w.numel()) >= 2048  # the middle of its 4 MiB
+    x = torch.randn(1, 1024).bfloat16()
+    assert layer.kernel is not None and torch.equal(layer.kernel(x), layer.kernel(x))
+
+
+def test_views_and_small_tensors_stay_where_they_are() -> None:
+    base = torch.zeros(4096, 1024)
+    view = base[1024:]  # moving it would leave its base behind: a second copy
+    small = torch.zeros(16, 16)
+    for t in (view, small):
+        ptr = t.data_ptr()
+        hugepages.move_onto(t)
+        assert t.data_ptr() == ptr
