@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from minisgl import hugepages
 from minisgl.layers import cpu_build, cpu_kernels
 from minisgl.quant import cpu_gemv
 from minisgl.quant.qtensor import FP8, QTensor
@@ -103,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         cases: dict[str, tuple[list, int]] = {}
         if not args.no_bf16:
             count = max(1 if args.hot else 2, -(-cold // (n * k * 2)))
-            floats = [(torch.randn(n, k, generator=g) * 0.02).bfloat16() for _ in range(count)]
+            # On huge pages as the panels are (panel_pack): the layouts compared on equal terms.
+            floats = [
+                hugepages.empty(n, k, dtype=torch.bfloat16).copy_(torch.randn(n, k, generator=g))
+                for _ in range(count)
+            ]
             panels = [cpu_kernels.panel_pack(w) for w in floats]
             cases["bf16 gemv"] = ([(cpu_kernels.gemv, w) for w in floats], n * k * 2)
             cases["bf16 panel"] = ([(cpu_kernels.panel, p) for p in panels], n * k * 2)
