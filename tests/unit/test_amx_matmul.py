@@ -49,6 +49,18 @@ def test_matches_an_exact_product_for_every_row_count(m: int) -> None:
 
 
 @needs_amx
+def test_prefill_sized_inputs_go_a_chunk_of_rows_at_a_time() -> None:
+    """More rows than a pass keeps in L2 (at most 512 of K=1024 on any CPU) are multiplied in
+    chunks, each with its own packed x: every chunk's rows land where they belong."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 1024, generator=g).bfloat16()
+    x = torch.randn(1100, 1024, generator=g).bfloat16()
+    exact, bound = _reference(x, w)
+    y = cpu_kernels.amx(x, w, torch.float32)
+    assert ((y.double() - exact).abs() <= bound + 1e-30).all()
+
+
+@needs_amx
 def test_two_threads_compute_what_one_does() -> None:
     """Each block of weight rows is computed whole by one thread in one order, so the split
     (and which thread takes which block) never changes a result."""
