@@ -10,6 +10,7 @@ per-row generators.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -35,9 +36,25 @@ class SamplingBatch:
     top_k: torch.Tensor | None  # [B] long, 0 where disabled; None: none set
     top_p: torch.Tensor | None  # [B] float32; None: none set
     min_p: torch.Tensor | None  # [B] float32; None: none set
-    keys: torch.Tensor  # [B] int64: 32-bit hash of (seed, step)
+    seeds: list[int]
+    steps: list[int]
+    device: torch.device | str
     candidates: int = 0  # top candidates that hold every filtered row's kept set (see below)
     top_k_max: int = 0  # the largest top_k asked (0: none)
+
+    @cached_property
+    def keys(self) -> torch.Tensor:
+        """[B] int64: 32-bit hash of (seed, step), made on first use: only a random draw reads
+        it, and it is ~40 small torch ops a step that an all-greedy batch never needs."""
+
+        def dev(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(self.device)
+
+        # Any Python int seed: its low and high 32-bit halves are hashed together with the step.
+        lo = [s & _M32 for s in self.seeds]
+        hi = [(s >> 32) & _M32 for s in self.seeds]
+        keys = _hash32(_hash32(dev(lo)) ^ dev(hi))
+        return _hash32(keys ^ dev([s & _M32 for s in self.steps]))
 
     @classmethod
     def build(
@@ -59,11 +76,6 @@ class SamplingBatch:
         def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device)
 
-        # Any Python int seed: its low and high 32-bit halves are hashed together with the step.
-        lo = [s & _M32 for s in seeds]
-        hi = [(s >> 32) & _M32 for s in seeds]
-        keys = _hash32(_hash32(dev(lo, torch.int64)) ^ dev(hi, torch.int64))
-        keys = _hash32(keys ^ dev([s & _M32 for s in steps], torch.int64))
         return cls(
             all_greedy=all(greedy),
             any_greedy=any(greedy),
@@ -72,7 +84,9 @@ class SamplingBatch:
             top_k=dev(top_k, torch.int64) if any(top_k) else None,
             top_p=dev(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
             min_p=dev(min_p, torch.float32) if any(m > 0.0 for m in min_p) else None,
-            keys=keys,
+            seeds=list(seeds),
+            steps=list(steps),
+            device=device,
             candidates=candidates,
             top_k_max=max(top_k),
         )

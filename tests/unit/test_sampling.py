@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from minisgl.layers.sampling import INVALID_TOKEN, SamplingBatch, filtered_probs, sample
@@ -38,6 +39,20 @@ def test_greedy_is_argmax() -> None:
     logits = torch.randn(5, 50)
     batch = SamplingBatch.build([SamplingParams(temperature=0)] * 5, [0] * 5, [1] * 5, "cpu")
     assert batch.all_greedy
+    assert torch.equal(sample(logits, batch), logits.argmax(-1))
+
+
+def test_an_all_greedy_batch_hashes_no_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a random draw reads the (seed, step) keys: a greedy decode step does not pay the
+    ~40 small torch ops that make them."""
+    from minisgl.layers import sampling
+
+    def refuse(x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("a greedy batch hashed its seeds")
+
+    monkeypatch.setattr(sampling, "_hash32", refuse)
+    logits = torch.randn(3, 50)
+    batch = SamplingBatch.build([SamplingParams(temperature=0)] * 3, [4] * 3, [1, 2, 3], "cpu")
     assert torch.equal(sample(logits, batch), logits.argmax(-1))
 
 
