@@ -1,5 +1,5 @@
-"""The quantized GEMV (csrc/qgemv.c) one linear at a time, against the bf16 GEMV and panel
-kernels on the same shape in the same run, at decode row counts, with the read bandwidth
+"""The quantized GEMV (csrc/qgemv.c) one linear at a time, against the bf16 kernels (gemv,
+panel, and where the build and the CPU have them gemv512 and amx) on the same shape in the same run, at decode row counts, with the read bandwidth
 measured in the same run: for each format, the rate its bytes stream at and that rate over the
 machine's (the share of its own roofline), and its time over the faster bf16 kernel's.
 
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from roofline import read_bandwidth
 
 from minisgl import hugepages
 from minisgl.layers import cpu_build, cpu_kernels
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     formats = [f for f in args.formats.split(",") if f not in ("", "none")]
-    read = cpu_kernels.read_bandwidth() or float("nan")
+    read = read_bandwidth(clock)  # on the kernels' clock
     print(
         f"CPU: {cpu_build.cpu_info()[0]}, build {cpu_kernels.build_id()}, "
         f"{torch.get_num_threads()} threads, {args.clock} clock, {'hot' if args.hot else 'cold'} "
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             cases["bf16 panel"] = ([(cpu_kernels.panel, p) for p in panels], n * k * 2)
             if cpu_kernels.supports_gemv512(torch.bfloat16, floats[0]):
                 cases["bf16 gemv512"] = ([(cpu_kernels.gemv512, w) for w in floats], n * k * 2)
+            if cpu_kernels.supports_amx(torch.bfloat16, floats[0]):
+                cases["bf16 amx"] = ([(cpu_kernels.amx, w) for w in floats], n * k * 2)
         for fmt in formats:
             w0 = random_weight(fmt, n, k, g)
             count = max(1 if args.hot else 2, -(-cold // w0.nbytes()))

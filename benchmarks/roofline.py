@@ -59,7 +59,8 @@ class Machine:
         return (mem, "memory") if mem >= comp else (comp, "compute")
 
 
-def _read_bandwidth(clock: Callable[[], float]) -> float:
+def read_bandwidth(clock: Callable[[], float]) -> float:
+    """Bytes per second the threads read from memory, timed by `clock` (the kernels' clock)."""
     lib = cpu_kernels.load()
     buf = torch.ones(1 << 28)  # 1 GiB
     best = float("inf")
@@ -106,7 +107,7 @@ def measure(
     peaks, by = {}, {}
     for d in dtypes:
         peaks[d], by[d] = _matmul_peak(getattr(torch, d), clock)
-    bandwidth = _read_bandwidth(clock)
+    bandwidth = read_bandwidth(clock)
     return Machine(
         model, noted, torch.get_num_threads(), bandwidth, peaks, by, cpu_kernels.fma_flops()
     )
