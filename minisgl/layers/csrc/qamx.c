@@ -89,25 +89,50 @@ static inline __attribute__((always_inline)) void qa_transpose16(__m512i* r) {
     }
 }
 
-/* Weight rows n0..n0+15 (past N: zeros) dequantized into wb [K/2][16][2] bf16. */
+/* 4-bit codes: the 16 values a (row, group) can take, (code - zero) * scale rounded to bf16,
+   as a table VPERMW looks 32 codes up in at once (exact: each entry is dequantize's value). */
+static inline __m512i qa_u4_table(float scale, float zero) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 v = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(zero)), _mm512_set1_ps(scale));
+    return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* 16 bytes of 4-bit codes (feature 2p in byte p's low nibble) -> 16 dwords, dword p holding
+   features 2p and 2p + 1 as bf16 from `table`. */
+static inline __m512i qa_u4_lookup(const uint8_t* c, __m512i table) {
+    __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)c));
+    __m512i idx = _mm512_and_si512(_mm512_or_si512(d, _mm512_slli_epi32(d, 12)),
+                                   _mm512_set1_epi32(0x000F000F));
+    return _mm512_permutexvar_epi16(idx, table);
+}
+
+/* Weight rows n0..n0+15 (past N: zeros) dequantized into wb [K/2][16][2] bf16, a group at a
+   time: each row's scale and zero point (or 4-bit table) read once per group. */
 static inline __attribute__((always_inline)) void qa_dequant16(
     int kind, const uint8_t* codes, int64_t cstride, const float* scales, const uint8_t* zeros,
     int64_t gstride, int64_t n0, int64_t N, int64_t K, int64_t gs, uint16_t* wb) {
-    for (int64_t k = 0; k < K; k += 32) {
-        int64_t g = k / gs;
-        __m512i r[16];
-        for (int j = 0; j < 16; j++) {
-            int64_t n = n0 + j;
-            if (n >= N) {
-                r[j] = _mm512_setzero_si512();
-                continue;
-            }
-            float s = scales[n * gstride + g];
-            float z = kind == QA_FP8 ? 0.0f : (float)zeros[n * gstride + g];
-            r[j] = qa_deq32(kind, codes + n * cstride, k, s, z);
+    int live = N - n0 < 16 ? (int)(N - n0) : 16;
+    const uint8_t* row[16];
+    for (int j = 0; j < 16; j++) row[j] = codes + (n0 + (j < live ? j : 0)) * cstride;
+    float sf[16], zf[16];
+    __m512i tab[16];
+    for (int64_t g0 = 0, g = 0; g0 < K; g0 += gs, g++) {
+        for (int j = 0; j < live; j++) {
+            sf[j] = scales[(n0 + j) * gstride + g];
+            zf[j] = kind == QA_FP8 ? 0.0f : (float)zeros[(n0 + j) * gstride + g];
+            if (kind == QA_U4) tab[j] = qa_u4_table(sf[j], zf[j]);
         }
-        qa_transpose16(r); /* r[p]: feature pair p of the 16 rows */
-        for (int p = 0; p < 16; p++) _mm512_store_si512((__m512i*)(wb + (k / 2 + p) * 32), r[p]);
+        for (int64_t k = g0; k < g0 + gs; k += 32) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) {
+                if (j >= live) r[j] = _mm512_setzero_si512();
+                else if (kind == QA_U4) r[j] = qa_u4_lookup(row[j] + k / 2, tab[j]);
+                else r[j] = qa_deq32(kind, row[j], k, sf[j], zf[j]);
+            }
+            qa_transpose16(r); /* r[p]: feature pair p of the 16 rows */
+            for (int p = 0; p < 16; p++)
+                _mm512_store_si512((__m512i*)(wb + (k / 2 + p) * 32), r[p]);
+        }
     }
 }
 
