@@ -5,6 +5,11 @@ frees pages within one step; when idle it blocks on the inbox with a short timeo
 stats go out every STATS_INTERVAL seconds, busy or idle, so the API server's gauges stay fresh.
 A request whose grammar is not compiled yet waits beside the loop (the engine's compile worker
 compiles it) and is added when its grammar is ready, or ends with the compile's 400.
+
+A request's registration with the detokenizer (its stop strings) is held back and sent just
+before the next message to the detokenizer, usually the first step's tokens: the detokenizer and
+the API server (which it acknowledges) then wake once, after the forward pass, instead of in the
+middle of it, where on a machine with few cores they take time from the compute threads.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ class SchedulerLoop:
         self.last_stats = 0.0
         self.unscheduled: list[str] = []  # added since the last step (timeline only)
         self.compiling: dict[str, TokenizedRequest] = {}  # rid -> request waiting for its grammar
+        self.registrations: list[RequestRegistered] = []  # not sent yet: see the module doc
 
     def run(self, life: WorkerLife) -> None:
         while life.alive():
@@ -83,6 +89,17 @@ class SchedulerLoop:
                 self.step()
             if time.monotonic() - self.last_stats >= STATS_INTERVAL:
                 self.send_stats()
+            self.flush()  # a registration no step has carried yet (e.g. none ran)
+
+    def send(self, msg: Any) -> None:
+        """To the detokenizer, after the registrations held back (they must precede it)."""
+        self.flush()
+        self.to_detok.put(msg)
+
+    def flush(self) -> None:
+        for reg in self.registrations:
+            self.to_detok.put(reg)
+        self.registrations = []
 
     def coalesce(self) -> None:
         """Take the rest of a burst that woke an idle loop (see COALESCE_GAP)."""
@@ -100,14 +117,14 @@ class SchedulerLoop:
         elif isinstance(msg, AbortRequest):
             if msg.index is None and self.compiling.pop(msg.rid, None) is not None:
                 self.log.info("rid=%s aborted while its grammar compiled", msg.rid)
-                self.to_detok.put(RequestEnded(msg.rid, "abort"))
+                self.send(RequestEnded(msg.rid, "abort"))
             elif self.engine.abort_request(msg.rid, msg.index):
                 which = "" if msg.index is None else f" (sample {msg.index})"
                 self.log.info("rid=%s aborted%s", msg.rid, which)
-                self.to_detok.put(RequestEnded(msg.rid, "abort", index=msg.index))
+                self.send(RequestEnded(msg.rid, "abort", index=msg.index))
         elif isinstance(msg, Ping):
             msg.hops.append("scheduler")
-            self.to_detok.put(msg)
+            self.send(msg)
 
     def add(self, req: TokenizedRequest) -> None:
         engine = self.engine
@@ -151,7 +168,7 @@ class SchedulerLoop:
 
     def reject(self, rid: str, exc: ValueError) -> None:
         self.log.info("rid=%s rejected: %s", rid, exc)
-        self.to_detok.put(RequestEnded(rid, "error", str(exc), 400, getattr(exc, "param", None)))
+        self.send(RequestEnded(rid, "error", str(exc), 400, getattr(exc, "param", None)))
 
     def admit(self, req: TokenizedRequest) -> None:
         engine = self.engine
@@ -173,9 +190,9 @@ class SchedulerLoop:
             len(req.prompt_ids),
             params.max_tokens,
         )
-        # Same socket as the outputs, sent before any of them: the detokenizer knows the
-        # request's stop strings before its first token arrives.
-        self.to_detok.put(
+        # Same socket as the outputs, sent before any of them (send() flushes it first): the
+        # detokenizer knows the request's stop strings before its first token arrives.
+        self.registrations.append(
             RequestRegistered(
                 req.rid,
                 list(params.stop),
@@ -230,9 +247,9 @@ class SchedulerLoop:
                     "rid=%s finished (%s): %d tokens", o.rid, o.finish_reason, o.completion_tokens
                 )
             if o.error is not None:  # the engine dropped it: its final reply is this error
-                self.to_detok.put(RequestEnded(o.rid, "error", o.error, 500, None))
+                self.send(RequestEnded(o.rid, "error", o.error, 500, None))
         if batch:
-            self.to_detok.put(TokenBatch(batch))
+            self.send(TokenBatch(batch))
 
     def count_verify(self, drafts: int, kept: int) -> None:
         self.spec_draft_tokens_total += drafts
@@ -254,9 +271,7 @@ class SchedulerLoop:
             # Tensor parallel: every rank's own books, so leaks on any rank show (idle only:
             # the followers answer between steps).
             stats["ranks"] = [dataclasses.asdict(s) for s in rank_stats()]
-        self.to_detok.put(
-            SchedulerStatsUpdate(stats, self.batch_sizes, time.time(), self.accept_lengths)
-        )
+        self.send(SchedulerStatsUpdate(stats, self.batch_sizes, time.time(), self.accept_lengths))
         self.batch_sizes = []
         self.accept_lengths = []
         self.last_stats = time.monotonic()

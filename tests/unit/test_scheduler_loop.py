@@ -1,5 +1,6 @@
 """The scheduler worker's loop: requests sent together reach the engine before its first step,
-so they are prefilled together; a request that comes later does not hold up the first."""
+so they are prefilled together; a request that comes later does not hold up the first; nothing
+goes to the detokenizer while a step's forward pass runs."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from minisgl.engine.worker import COALESCE_MAX, SchedulerLoop
+from minisgl.message.scheduler_to_detokenizer import RequestRegistered, TokenBatch
 from minisgl.message.tokenizer_to_scheduler import TokenizedRequest
 from minisgl.sampling_params import SamplingParams
 
@@ -92,3 +94,55 @@ def test_a_later_request_does_not_delay_the_first() -> None:
     steps = run([(0.0, request("a")), (later, request("b"))], steps=2)
     assert steps == [["a"], ["b"]]
     assert time.monotonic() - t0 >= later
+
+
+class TokenEngine(Engine):
+    """Each step gives every request it ran one token, and records what the detokenizer had
+    been sent when the step began."""
+
+    def __init__(self, sent: list[Any]) -> None:
+        super().__init__()
+        self.sent = sent
+        self.sent_at_step: list[int] = []
+
+    def step(self) -> list[Any]:
+        self.sent_at_step.append(len(self.sent))
+        rids = self.waiting
+        super().step()
+        return [
+            SimpleNamespace(rid=r, new_token_ids=[7], finished=True, finish_reason="length",
+                            prompt_tokens=3, cached_tokens=0, completion_tokens=1,
+                            queue_time=0.0, index=0, logprobs=None, prompt_logprobs=None,
+                            spec_draft_tokens=0, error=None)
+            for r in rids
+        ]  # fmt: skip
+
+
+def test_registration_goes_with_the_first_tokens_not_during_the_forward() -> None:
+    sent: list[Any] = []
+    engine = TokenEngine(sent)
+    loop = SchedulerLoop(
+        engine, Inbox([(0.0, request("a"))]), SimpleNamespace(put=sent.append),
+        logging.getLogger("t"),
+    )  # fmt: skip
+    loop.send_stats = lambda: None  # type: ignore[method-assign]
+    loop.run(Life(engine, 1))  # type: ignore[arg-type]
+    # The detokenizer (and the API server it acknowledges) woke for nothing during the step...
+    assert engine.sent_at_step == [0]
+    # ...and learns the request's stop strings before its first token, in one burst.
+    assert [type(m) for m in sent] == [RequestRegistered, TokenBatch]
+    assert sent[0].rid == "a"
+
+
+def test_a_held_registration_precedes_an_abort() -> None:
+    sent: list[Any] = []
+    engine = Engine()
+    engine.abort_request = lambda rid, index: True  # type: ignore[attr-defined]
+    loop = SchedulerLoop(
+        engine, Inbox([]), SimpleNamespace(put=sent.append), logging.getLogger("t")
+    )
+    loop.handle(request("a"))
+    from minisgl.message.api_to_tokenizer import AbortRequest
+
+    loop.handle(AbortRequest("a"))
+    assert [type(m).__name__ for m in sent] == ["RequestRegistered", "RequestEnded"]
