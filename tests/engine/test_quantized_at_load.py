@@ -53,6 +53,14 @@ def test_greedy_tokens_equal_the_quantized_then_dequantized_weights(
     assert ours == greedy(_twin(method, tmp_path / "twin"))
 
 
+def test_int4_in_bfloat16_equals_the_twin(tmp_path: Path) -> None:
+    """In bf16 the prefill chunks past 16 rows run the AMX panel where the CPU has it (each
+    4-bit (row, group) looked up in a bf16 table): the twin's weights rounded to bf16 are
+    those values, so the tokens are the twin's."""
+    ours = greedy(source("quant"), dtype="bfloat16", quantization="int4")
+    assert ours == greedy(_twin("int4", tmp_path / "twin"), dtype="bfloat16")
+
+
 def test_an_untied_head_is_quantized_and_its_embedding_stays_float(tmp_path: Path) -> None:
     # fp8 layers with the int8 head: the head's format is its own, not the layers'.
     ours = greedy(source("quant", tied=False), quantization="fp8")
