@@ -181,14 +181,37 @@ static inline void qa_tile2x2(const uint16_t* xa, const uint16_t* xb, int64_t ld
     }
 }
 
+/* At most 16 input rows (a decode batch): one A tile of exactly those rows (the tiles are
+   configured with M rows), two weight subpanels, two C tiles; no padding rows multiplied. */
+static inline void qa_tile1x2(const uint16_t* x, int64_t M, const uint16_t* wb0,
+                              const uint16_t* wb1, int64_t K, float* cbuf, void* y, int out_bf16,
+                              int64_t n0, int64_t N) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t k = 0; k < K; k += 32) {
+        _tile_loadd(4, x + k, K * 2);
+        _tile_loadd(6, wb0 + k * 16, 64);
+        _tile_loadd(7, wb1 + k * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_stored(0, cbuf, 64);
+    _tile_stored(1, cbuf + 256, 64);
+    for (int t = 0; t < 2; t++) {
+        int64_t nn = n0 + t * 16, cols = N - nn < 16 ? N - nn : 16;
+        if (cols > 0) qa_store(cbuf + 256 * t, y, out_bf16, 0, M, nn, cols, N);
+    }
+}
+
 static inline __attribute__((always_inline)) void qamx_kind(
     int kind, const uint16_t* x, const uint8_t* codes, int64_t cstride, const float* scales,
     const uint8_t* zeros, int64_t gstride, void* y, int out_bf16, int64_t M, int64_t N,
     int64_t K, int64_t gs) {
     /* the last partial block of 32 input rows, zero-padded (A tiles are 16 full rows) */
     int64_t full = M / 32 * 32;
+    int small = M <= 16;
     uint16_t* xpad = 0;
-    if (full < M) {
+    if (full < M && !small) {
         xpad = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * 32 * K);
         memset(xpad, 0, sizeof(uint16_t) * 32 * K);
         memcpy(xpad, x + full * K, sizeof(uint16_t) * (M - full) * K);
@@ -205,6 +228,8 @@ static inline __attribute__((always_inline)) void qamx_kind(
         AmxConfig cfg;
         amx_config_init(&cfg);
         for (int t = 0; t < 8; t++) amx_config_tile(&cfg, t, 16, 64);
+        if (small) /* C and A tiles of M rows (qa_tile1x2) */
+            for (int t = 0; t < 6; t++) amx_config_tile(&cfg, t, (int)M, 64);
         amx_config(&cfg);
         uint16_t* wb = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * np * K);
         float* cbuf = (float*)aligned_alloc(64, sizeof(float) * 4 * 256);
@@ -214,7 +239,9 @@ static inline __attribute__((always_inline)) void qamx_kind(
             for (int64_t s = 0; s < rows; s += 16)
                 qa_dequant16(kind, codes, cstride, scales, zeros, gstride, p0 + s, N, K, gs,
                              wb + s * K);
-            for (int64_t m0 = 0; m0 < M; m0 += 32) {
+            for (int64_t s = 0; small && s < rows; s += 32)
+                qa_tile1x2(x, M, wb + s * K, wb + (s + 16) * K, K, cbuf, y, out_bf16, p0 + s, N);
+            for (int64_t m0 = 0; !small && m0 < M; m0 += 32) {
                 const uint16_t* xa = m0 < full ? x + m0 * K : xpad;
                 for (int64_t s = 0; s < rows; s += 32)
                     qa_tile2x2(xa, xa + 16 * K, K, wb + s * K, wb + (s + 16) * K, K, cbuf, y,
