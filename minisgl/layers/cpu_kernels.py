@@ -644,11 +644,13 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sum_into_x: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """weight * normalise(x [+ residual]) over the last dim; `weight` is [D] or [H, D] (per
     head: x is [T, H, D]). `rope`: (cos, signed sin) per token, [T, 1, D] in x's dtype, applied
     after (as rotary.apply_rotary; D <= 512). Returns (out, x + residual or None) as new
-    contiguous tensors."""
+    contiguous tensors; with `sum_into_x` the sum is written over a contiguous x instead (one
+    allocation fewer: each is a torch op, and a decode step's small ops are its overhead)."""
     lib = load()
     assert lib is not None
     d = x.shape[-1]
@@ -660,7 +662,10 @@ def rms_norm(
     w = weight.contiguous()
     # Sizes as ints, not a torch.Size: torch parses those ~2x faster (85 norms a step).
     out = torch.empty(*x.shape, dtype=x.dtype)
-    res_out = torch.empty(*x.shape, dtype=x.dtype) if residual is not None else None
+    res_out = None
+    if residual is not None:
+        in_place = sum_into_x and x.is_contiguous()
+        res_out = x if in_place else torch.empty(*x.shape, dtype=x.dtype)
     res_in = residual.contiguous() if residual is not None else None
     fn = lib.norm_bf16 if x.dtype == torch.bfloat16 else lib.norm_f32
     cos, sin = (rope[0].contiguous(), rope[1].contiguous()) if rope is not None else (None, None)

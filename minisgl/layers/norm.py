@@ -22,9 +22,10 @@ class RMSNorm(nn.Module):
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual)."""
+        """(norm(x + residual), x + residual). x is a sublayer's fresh output that nothing
+        else reads: on CPU the sum goes into its storage (no second buffer a call)."""
         if x.dim() == 2 and cpu_kernels.rms_norm_supported(x):
-            out, summed = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
+            out, summed = cpu_kernels.rms_norm(x, self.weight, self.eps, residual, sum_into_x=True)
             assert summed is not None
             return out, summed
         x = x + residual
