@@ -49,9 +49,11 @@ from minisgl.process import (
 )
 
 STATS_INTERVAL = 0.25  # seconds; the API server's gauges are never older than this plus a step
-# Waking from idle, the loop keeps taking messages while they come this close together (at most
-# COALESCE_MAX in all), so requests sent together (a client's burst, passing the tokenizer one
-# by one) are prefilled in one step rather than the first alone and the rest a step later.
+# Waking from idle with a request that says more are right behind it (TokenizedRequest.more: the
+# API server or the tokenizer held others), the loop keeps taking messages while they come this
+# close together (at most COALESCE_MAX in all), so requests sent together (a client's burst,
+# passing the tokenizer one by one) are prefilled in one step rather than the first alone and the
+# rest a step later. A lone request is not held up: its prefill starts at once.
 COALESCE_GAP = 0.002
 COALESCE_MAX = 0.006
 COMPILE_POLL = 0.005  # idle but for grammars compiling: how often to look for them
@@ -73,6 +75,7 @@ class SchedulerLoop:
         self.unscheduled: list[str] = []  # added since the last step (timeline only)
         self.compiling: dict[str, TokenizedRequest] = {}  # rid -> request waiting for its grammar
         self.registrations: list[RequestRegistered] = []  # not sent yet: see the module doc
+        self.burst_open = False  # the last request taken said more are right behind it
 
     def run(self, life: WorkerLife) -> None:
         while life.alive():
@@ -81,7 +84,7 @@ class SchedulerLoop:
             msgs = self.inbox.get_all(timeout=0 if busy else idle_wait)
             for msg in msgs:
                 self.handle(msg)
-            if msgs and not busy:
+            if msgs and not busy and self.burst_open:
                 self.coalesce()
             if self.compiling:
                 self.collect_grammars()
@@ -104,7 +107,7 @@ class SchedulerLoop:
     def coalesce(self) -> None:
         """Take the rest of a burst that woke an idle loop (see COALESCE_GAP)."""
         deadline = time.monotonic() + COALESCE_MAX
-        while (left := deadline - time.monotonic()) > 0:
+        while self.burst_open and (left := deadline - time.monotonic()) > 0:
             msgs = self.inbox.get_all(timeout=min(COALESCE_GAP, left))
             if not msgs:
                 return
@@ -113,6 +116,7 @@ class SchedulerLoop:
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, TokenizedRequest):
+            self.burst_open = msg.more
             self.add(msg)
         elif isinstance(msg, AbortRequest):
             if msg.index is None and self.compiling.pop(msg.rid, None) is not None:

@@ -27,6 +27,9 @@ class TokenizeRequest:
     echo: bool = False  # the reply starts with the prompt's text (decoded: an ids prompt)
     # Special tokens kept in the text even when skipping them: the tags the parsers read.
     keep_special: list[str] = field(default_factory=list)
+    # The API server held other generation requests, not yet sent on, when it sent this one
+    # (a burst): the scheduler waits for them before its next step instead of prefilling apart.
+    more: bool = False
 
 
 @register("abort")

@@ -20,6 +20,7 @@ class TokenizedRequest:
     skip_special_tokens: bool = True
     echo: bool = False
     keep_special: list[str] = field(default_factory=list)  # see TokenizeRequest
+    more: bool = False  # more requests on their way right behind this one (see TokenizeRequest)
 
 
 KINDS: tuple[type, ...] = (TokenizedRequest, AbortRequest, Ping)

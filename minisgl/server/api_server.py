@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from minisgl.message.api_to_tokenizer import DetokenizeOnly, TokenizeOnly
 from minisgl.message.detokenizer_to_api import ErrorReply, TokenizerReply
 from minisgl.server.api_key import APIKeyCheck
+from minisgl.server.arrivals import CountArrivals
 from minisgl.server.body_limit import BodySizeLimit
 from minisgl.server.chat_output import ChatOutput
 from minisgl.server.context import ServerContext
@@ -86,6 +87,8 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
         api_key=ctx.args.api_key,
         metrics_require_key=ctx.args.metrics_require_api_key,
     )
+    # Outermost: a generation request is counted from the moment the server starts on it.
+    app.add_middleware(CountArrivals, arrivals=ctx.manager.arrivals)
 
     # The bodies are declared as the pydantic models, so /openapi.json describes them; a
     # validation failure is a 400 (errors.install_handlers), an oversized body a 413.

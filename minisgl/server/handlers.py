@@ -18,6 +18,7 @@ from minisgl import timeline
 from minisgl.message.api_to_tokenizer import TokenizeRequest
 from minisgl.message.detokenizer_to_api import ErrorReply, TextOutput
 from minisgl.sampling_params import SamplingParams
+from minisgl.server.arrivals import more_behind
 from minisgl.server.chat_output import ChatOutput
 from minisgl.server.choices import Choices
 from minisgl.server.context import ServerContext
@@ -239,6 +240,8 @@ async def serve_request(
     )
     log.info("rid=%s received: %s stream=%s n=%d", rid, kind, req.stream, req.n)
     timeline.mark(rid, "received")
+    counted = getattr(request.state, "arrival_count", None)
+    tok_req.more = await more_behind(ctx.manager.arrivals, counted, not ctx.manager.requests)
     try:
         state = ctx.manager.submit(tok_req)
     except (TypeError, ValueError, OverflowError) as exc:  # e.g. a 2**70 in chat_template_kwargs

@@ -72,6 +72,8 @@ async def serve_prompts(
                     max_tokens=req.limit(),
                     skip_special_tokens=req.skip_special_tokens,
                     echo=req.echo and prompt_text is None,  # the detokenizer decodes ids
+                    # Another sequence of this request follows it (a burst of its own).
+                    more=p_index < len(prompts) - 1 or sample < samples - 1,
                     **fields,
                 )
                 state = ctx.manager.submit(tok_req)
@@ -84,6 +86,9 @@ async def serve_prompts(
     except BaseException:
         _abort_all(ctx, choices)
         raise
+    counted = getattr(request.state, "arrival_count", None)
+    if counted is not None:
+        counted.leave()  # handed on
     log.info("rid=%s received: completion of %d prompts stream=%s", base, len(prompts), req.stream)
     if req.stream:
         # A stream's status goes out with its first byte: every prompt and sample must have

@@ -114,7 +114,9 @@ def run_tokenizer_worker(
     worker = TokenizerLoop(tokenizer, to_scheduler, to_api, sandbox, log)
     while life.alive():
         # A render in the sandbox is checked on often; otherwise the inbox wakes the loop.
-        for msg in inbox.get_all(timeout=0.005 if worker.rendering else 0.1):
+        msgs = inbox.get_all(timeout=0.005 if worker.rendering else 0.1)
+        for i, msg in enumerate(msgs):
+            worker.queued_behind = len(msgs) - 1 - i  # requests of a burst right behind this
             worker.handle(msg)
         worker.collect_renders()
     if sandbox is not None:
@@ -144,6 +146,7 @@ class TokenizerLoop:
         self.sandbox = sandbox
         self.log = log
         self.rendering: dict[str, TokenizeRequest | TokenizeOnly] = {}  # rid -> its message
+        self.queued_behind = 0  # messages received with the one in hand, not handled yet
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, TokenizeRequest | TokenizeOnly) and self._to_sandbox(msg):
@@ -218,5 +221,6 @@ class TokenizerLoop:
                 msg.skip_special_tokens,
                 msg.echo,
                 msg.keep_special,
+                more=msg.more or self.queued_behind > 0,
             )
         )

@@ -68,8 +68,8 @@ class Life:
         return len(self.engine.steps) < self.steps
 
 
-def request(rid: str) -> TokenizedRequest:
-    return TokenizedRequest(rid, [1, 2, 3], SamplingParams(), 4, time.time())
+def request(rid: str, more: bool = False) -> TokenizedRequest:
+    return TokenizedRequest(rid, [1, 2, 3], SamplingParams(), 4, time.time(), more=more)
 
 
 def run(schedule: list[tuple[float, Any]], steps: int) -> list[list[str]]:
@@ -83,9 +83,29 @@ def run(schedule: list[tuple[float, Any]], steps: int) -> list[list[str]]:
 
 
 def test_a_burst_is_prefilled_in_one_step() -> None:
-    # One request at a time from the tokenizer, half a millisecond apart.
-    burst = [(0.0005 * i, request(f"r{i}")) for i in range(4)]
+    # One request at a time from the tokenizer, half a millisecond apart, each but the last
+    # saying more are behind it.
+    burst = [(0.0005 * i, request(f"r{i}", more=i < 3)) for i in range(4)]
     assert run(burst, steps=1) == [["r0", "r1", "r2", "r3"]]
+
+
+def test_a_lone_request_is_stepped_without_waiting_for_a_burst() -> None:
+    engine = Engine()
+    inbox = Inbox([(0.0, request("a"))])
+    waits: list[float] = []
+    get_all = inbox.get_all
+
+    def recording(timeout: float | None = None) -> list[Any]:
+        if not engine.steps and inbox.start is not None:  # between the request and its step
+            waits.append(timeout or 0.0)
+        return get_all(timeout)
+
+    inbox.get_all = recording  # type: ignore[method-assign]
+    loop = SchedulerLoop(engine, inbox, SimpleNamespace(put=lambda m: None), logging.getLogger("t"))
+    loop.send_stats = lambda: None  # type: ignore[method-assign]
+    loop.run(Life(engine, 1))  # type: ignore[arg-type]
+    assert engine.steps == [["a"]]
+    assert not any(waits), waits  # no wait for requests that nobody said were coming
 
 
 def test_a_later_request_does_not_delay_the_first() -> None:
