@@ -61,6 +61,17 @@ def random_weight(fmt: str, n: int, k: int, g: torch.Generator) -> QTensor:
     return QTensor(codes.view(FP8), scales, None, None, 8, 128, k)
 
 
+def gemv512_l1(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """cpu_kernels.gemv512 with its prefetch into L1 (T0) instead of L2 (T1)."""
+    lib = cpu_kernels.load()
+    assert lib is not None and lib.gemv512_prefetch_l1 is not None
+    lib.gemv512_prefetch_l1.value = 1
+    try:
+        return cpu_kernels.gemv512(x, w)
+    finally:
+        lib.gemv512_prefetch_l1.value = 0
+
+
 def timed(fn, clock) -> float:  # noqa: ANN001
     t0 = clock()
     fn()
@@ -115,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             cases["bf16 panel"] = ([(cpu_kernels.panel, p) for p in panels], n * k * 2)
             if cpu_kernels.supports_gemv512(torch.bfloat16, floats[0]):
                 cases["bf16 gemv512"] = ([(cpu_kernels.gemv512, w) for w in floats], n * k * 2)
+                # The same with its prefetch into L1 rather than L2.
+                t0 = [(gemv512_l1, w) for w in floats]
+                cases["bf16 gemv512 T0"] = (t0, n * k * 2)
             if cpu_kernels.supports_amx(torch.bfloat16, floats[0]):
                 cases["bf16 amx"] = ([(cpu_kernels.amx, w) for w in floats], n * k * 2)
         for fmt in formats:
@@ -139,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 nbytes = cases[name][1]
                 rel = f"{t / bf16:5.2f}x bf16" if bf16 else ""
                 print(
-                    f"{n}x{k} rows {rows:3d} {name:<11} {t * 1e6:9.1f} us {nbytes / t / 1e9:6.1f}"
+                    f"{n}x{k} rows {rows:3d} {name:<15} {t * 1e6:9.1f} us {nbytes / t / 1e9:6.1f}"
                     f" GB/s {nbytes / t / read:5.0%} of read  {rel}"
                 )
     return 0

@@ -166,6 +166,10 @@ class _Lib:
             if wide is not None:
                 wide.argtypes = args
                 wide.restype = None
+        # Its prefetch into L1 instead of L2 (benchmarks compare the two): 0 or 1.
+        self.gemv512_prefetch_l1: Any = (
+            ctypes.c_int.in_dll(lib, "gemv512_prefetch_l1") if self.gemv512_bf16 else None
+        )
 
 
 _LIB: _Lib | None = None

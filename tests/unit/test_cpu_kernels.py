@@ -91,6 +91,25 @@ def test_avx512_gemv_matches_reference(wdtype: torch.dtype, rows: int, threads: 
         torch.set_num_threads(saved)
 
 
+def test_avx512_gemv_prefetch_switch_changes_no_result() -> None:
+    """gemv512's prefetch into L1 instead of L2 (a switch the benchmarks flip) only moves
+    lines between caches: the same bits, and the switch back at its default afterwards."""
+    lib = cpu_kernels.load()
+    if lib is None or lib.gemv512_bf16 is None:  # the AVX2 build: no such kernel
+        return
+    torch.manual_seed(0)
+    w = torch.randn(203, 256).bfloat16()  # blocks far enough ahead for the prefetch to run
+    for rows in (1, 2, 5):
+        x = torch.randn(rows, 256).bfloat16()
+        assert lib.gemv512_prefetch_l1.value == 0
+        y = cpu_kernels.gemv512(x, w, torch.float32)
+        lib.gemv512_prefetch_l1.value = 1
+        try:
+            assert torch.equal(cpu_kernels.gemv512(x, w, torch.float32), y)
+        finally:
+            lib.gemv512_prefetch_l1.value = 0
+
+
 def test_read_bandwidth_is_measured() -> None:
     bw = cpu_kernels.read_bandwidth(64 << 20, repeats=1)
     assert bw is not None and bw > 1e8

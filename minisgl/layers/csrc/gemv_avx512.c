@@ -19,11 +19,20 @@
    (VDPBF16PS), not by memory: the AMX kernel (amx.c) serves those. */
 #include "common.h"
 
-/* The Prefetch of common.h with the lines sent to L2 (see above). */
+/* Where the prefetched lines go: 0 L2 (T1, the default, see above), 1 L1 (T0, as gemv.c):
+   a switch for the benchmarks (qgemv_bench.py) to compare the two on other CPUs. */
+int gemv512_prefetch_l1 = 0;
+
+/* The Prefetch of common.h with the lines sent where gemv512_prefetch_l1 says. */
 static inline void prefetch_step_l2(Prefetch* p) {
     if (!p->base) return;
-    for (p->credit += p->lines; p->credit >= p->steps; p->credit -= p->steps)
-        _mm_prefetch(p->base + 64 * p->issued++, _MM_HINT_T1);
+    for (p->credit += p->lines; p->credit >= p->steps; p->credit -= p->steps) {
+        const char* line = p->base + 64 * p->issued++;
+        if (gemv512_prefetch_l1)
+            _mm_prefetch(line, _MM_HINT_T0);
+        else
+            _mm_prefetch(line, _MM_HINT_T1);
+    }
 }
 
 /* R weight rows (wr) x MR input rows from row m of x: y[m + i, n0 + j] for j < rows. LOAD
