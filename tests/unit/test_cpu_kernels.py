@@ -4,12 +4,15 @@ to them (every matmul candidate, tails included) and paged decode attention with
 from __future__ import annotations
 
 import ctypes
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl.layers import cpu_kernels
+from minisgl.layers import cpu_build, cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2 kernels here")
 
@@ -108,6 +111,32 @@ def test_avx512_gemv_prefetch_switch_changes_no_result() -> None:
             assert torch.equal(cpu_kernels.gemv512(x, w, torch.float32), y)
         finally:
             lib.gemv512_prefetch_l1.value = 0
+
+
+@pytest.mark.skipif(
+    cpu_build.pick_isa(cpu_build.cpu_info()[1]) != "avx512", reason="no AVX-512 on this CPU"
+)
+def test_avx512_gemv_without_native_bf16_matches_reference(tmp_path: Path) -> None:
+    """gemv512 as built for an AVX-512 CPU without AVX512-BF16 (Skylake-X, Ice Lake): bf16
+    widened to fp32 FMAs, the loop 16 values a step. This CPU may have native bf16 dot products
+    and then never runs that path in its own build: compiled here without them."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc is not None
+    flags = cpu_build.compile_flags("avx512", cpu_build.cpu_info()[1] - {"avx512_bf16"})
+    src, lib_path = cpu_build.CSRC / "gemv_avx512.c", tmp_path / "gemv512.so"
+    cmd = [cc, "-O2", *flags, "-fopenmp", "-fPIC", "-shared", str(src), "-o", str(lib_path)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    lib = ctypes.CDLL(str(lib_path))
+    fn = lib.gemv512_bf16
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn.restype = None
+    torch.manual_seed(0)
+    for rows in (1, 2, 3, 5, 9):
+        w, x = torch.randn(37, 96).bfloat16(), torch.randn(rows, 96).bfloat16()
+        y = torch.empty(rows, 37)
+        fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, 37, 96, 0)
+        ref = F.linear(x.double(), w.double())
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
 
 
 def test_read_bandwidth_is_measured() -> None:
