@@ -5,6 +5,8 @@ goes to the detokenizer while a step's forward pass runs."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -166,3 +168,24 @@ def test_a_held_registration_precedes_an_abort() -> None:
 
     loop.handle(AbortRequest("a"))
     assert [type(m).__name__ for m in sent] == ["RequestRegistered", "RequestEnded"]
+
+
+def test_the_message_thread_keeps_its_priority_when_compute_threads_are_niced() -> None:
+    """libzmq's I/O thread carries the step's tokens out: it must not inherit the nice that
+    the main thread and the compute threads created after it get."""
+    code = (
+        "import os, threading\n"
+        "def nice(path):\n"
+        "    return int(open(path).read().rsplit(')', 1)[1].split()[16])\n"
+        "from minisgl.engine.worker import messaging_context\n"
+        "ctx = messaging_context(5)\n"
+        "others = [t for t in os.listdir('/proc/self/task') if int(t) != threading.get_native_id()]\n"
+        "print('main', nice('/proc/thread-self/stat'))\n"
+        "print('messaging', *[nice(f'/proc/self/task/{t}/stat') for t in others])\n"
+        "t = threading.Thread(target=lambda: print('compute', nice('/proc/thread-self/stat')))\n"
+        "t.start(); t.join()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    got = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()}
+    assert got["main"] == ["5"] and got["compute"] == ["5"], got
+    assert got["messaging"] and set(got["messaging"]) == {"0"}, got  # I/O (and reaper) thread
