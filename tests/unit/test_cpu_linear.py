@@ -138,8 +138,15 @@ def test_off_never_measures(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_linear, "measure", timings)
     kernel = cpu_linear.CpuLinearKernel.create(w, tuning="off")
     assert timings.calls == 0
+    assert kernel is not None and kernel.picks == row_defaults(w)
+
+
+def row_defaults(w: torch.Tensor) -> tuple[str, ...]:
+    """The untimed picks a layer runs by default (one layout, no copy): the defaults among the
+    candidates on the weight as loaded (where the CPU multiplies bf16 natively without AMX,
+    the defaults would name oneDNN, whose copy is not allowed by default)."""
     avail = cpu_linear.available(w, w.dtype)
-    assert kernel is not None and kernel.picks == cpu_linear.default_picks(avail, w.dtype)
+    return cpu_linear.default_picks([a for a in avail if LAYOUT[a] == "row"], w.dtype)
 
 
 def test_bad_mode_is_refused() -> None:
@@ -310,7 +317,7 @@ def test_timings_from_a_busy_machine_give_the_defaults_and_are_not_cached(
     timings = Timings(winners_from(avail), spread=3.0)
     monkeypatch.setattr(cpu_linear, "measure", timings)
     kernel = cpu_linear.CpuLinearKernel.create(w)
-    assert kernel is not None and kernel.picks == cpu_linear.default_picks(avail, w.dtype)
+    assert kernel is not None and kernel.picks == row_defaults(w)
     monkeypatch.setattr(cpu_linear, "_MEMO", {})  # a restart measures again
     cpu_linear.CpuLinearKernel.create(w)
     assert timings.calls == 2
