@@ -124,7 +124,7 @@ def llama_cpp_peer(
     kv_tokens = args.kv_gib * (1 << 30) // KV_BYTES_PER_TOKEN_0_6B
     slots = max(WORKLOADS[w][1] for w in args.workloads)
     command = server_args(gguf, port, args.cores, slots, kv_tokens, SERVED_NAME)
-    return Peer("llama.cpp", str(llama.server), command, {}, [])
+    return Peer("llama.cpp", str(llama.server), command + args.llama_cpp_args.split(), {}, [])
 
 
 def peers(
@@ -330,6 +330,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "or LLAMA_CPP_BIN)")  # fmt: skip
     p.add_argument("--llama-cpp-python", default=bench_python,
                    help="the Python that runs convert_hf_to_gguf.py (or LLAMA_CPP_PYTHON)")  # fmt: skip
+    p.add_argument("--llama-cpp-args", default="",
+                   help="more llama-server flags, space-separated (e.g. --no-repack where its "
+                   "AMX matmul faults: see llama_cpp_peer.py)")  # fmt: skip
     p.add_argument("--formats", default="bf16",
                    help=f"weight formats, comma-separated: {', '.join(GGUF_TYPES)}")  # fmt: skip
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores for each server")

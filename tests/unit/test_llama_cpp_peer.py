@@ -112,3 +112,15 @@ def test_without_a_build_the_peer_is_skipped_with_the_reason(
     assert "build llama.cpp first" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         serving.parse_args(["--formats", "q5_k"])
+
+
+def test_extra_llama_server_flags_are_passed_on(serving, tmp_path: Path) -> None:
+    tree = _tree(tmp_path / "llama.cpp")
+    args = serving.parse_args(
+        ["--peers", "minisgl,llama.cpp", "--formats", "int8", "--llama-cpp-dir", str(tree),
+         "--llama-cpp-python", sys.executable, "--llama-cpp-args", "--no-repack -lv 1"]
+    )  # fmt: skip
+    work = tmp_path / "work"
+    work.mkdir()
+    found = {p.name: p for p in serving.peers(args, tmp_path / "model", 8123, "int8", work)}
+    assert found["llama.cpp"].command[-3:] == ["--no-repack", "-lv", "1"]
