@@ -331,8 +331,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-cpp-python", default=bench_python,
                    help="the Python that runs convert_hf_to_gguf.py (or LLAMA_CPP_PYTHON)")  # fmt: skip
     p.add_argument("--llama-cpp-args", default="",
-                   help="more llama-server flags, space-separated (e.g. --llama-cpp-args=--no-repack where its "
-                   "AMX matmul faults: see llama_cpp_peer.py)")  # fmt: skip
+                   help="more llama-server flags, space-separated, after '=' (e.g. "
+                   "--llama-cpp-args=--no-repack where its AMX matmul faults: see "
+                   "llama_cpp_peer.py)")  # fmt: skip
     p.add_argument("--formats", default="bf16",
                    help=f"weight formats, comma-separated: {', '.join(GGUF_TYPES)}")  # fmt: skip
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores for each server")

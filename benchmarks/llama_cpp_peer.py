@@ -24,10 +24,10 @@ PYTHONPATH here:
 
 On an Intel Xeon with AMX (KVM guest, avx512_bf16/amx_int8), b11434 built with GGML_NATIVE=ON
 serves bf16 but its Q8_0 and Q4_0 servers die at the first matmul (general protection fault at
-`ldtilecfg` in ggml_backend_amx_mul_mat). `--llama-cpp-args=--no-repack` (with the `=`) turns off its extra
-CPU buffer types (AMX and the x86 repacked layouts) and it then serves; a build without AMX
-(GGML_NATIVE=OFF with the AVX-512 options named, GGML_AMX_* off) keeps the repacked Q4_0
-kernels and is the fairer peer there.
+`ldtilecfg` in ggml_backend_amx_mul_mat). `--llama-cpp-args=--no-repack` (with the `=`) turns
+off its extra CPU buffer types (AMX and the x86 repacked layouts) and it then serves; a build
+without AMX (GGML_NATIVE=OFF with the AVX-512 options named, GGML_AMX_* off) keeps the
+repacked Q4_0 kernels and is the fairer peer there.
 """
 
 from __future__ import annotations
