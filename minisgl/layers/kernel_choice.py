@@ -36,15 +36,18 @@ BUCKETS: tuple[tuple[int, int | None], ...] = (
     (5, 8),
     (9, 16),
     (17, 64),
-    (65, None),
+    (65, 512),
+    (513, None),
 )
 BUCKET_NAMES = tuple(f"{a}" if a == b else (f"{a}-{b}" if b else f">{a - 1}") for a, b in BUCKETS)
 # The row count timed for each bucket: its top (the costliest case a bucket's pick must serve),
-# and for the open bucket a prefill-sized chunk.
-TIMED_ROWS = (1, 4, 8, 16, 64, 256)
+# and for the two prefill buckets a chunk of their size: which kernel wins a short prompt's
+# prefill and a long chunk's differs (on a Xeon with AMX, our AMX kernel ahead at 256 rows and
+# oneDNN's at 3840: one open bucket timed at 256 ran long prefills 8-15% slower).
+TIMED_ROWS = (1, 4, 8, 16, 64, 256, 1024)
 MODES = ("cached", "full", "off")
 # Rows above which every bucket lookup is the last bucket's.
-_TABLE_ROWS = 65
+_TABLE_ROWS = 513
 
 
 def bucket_of(rows: int) -> int:
@@ -104,7 +107,7 @@ COPY_WORTH_ONE_BUCKET = 0.25
 def policy(candidates: Sequence[str]) -> str:
     """What the cached timings cover, for the cache key: new candidates re-measure. (Margins
     and the copy allowance only turn timings into picks, at every start.)"""
-    return f"{','.join(candidates)};timings"
+    return f"{','.join(candidates)};timings at {','.join(map(str, TIMED_ROWS))} rows"
 
 
 def one_layout(

@@ -166,7 +166,7 @@ def test_onednn_copy_only_where_a_pick_needs_it(monkeypatch: pytest.MonkeyPatch)
     kernel = cpu_linear.CpuLinearKernel.create(w)
     assert kernel is not None and not kernel.packed
     monkeypatch.setattr(cpu_linear, "_MEMO", {})
-    monkeypatch.setattr(cpu_linear, "measure", Timings([ours[0]] * 5 + ["onednn"]))
+    monkeypatch.setattr(cpu_linear, "measure", Timings([ours[0]] * 6 + ["onednn"]))
     layer = Layer(w)
     cpu_linear.prepack_modules([layer], "full", copies_max_bytes=1 << 30)
     kernel = layer.kernel
@@ -185,10 +185,10 @@ def test_panel_copy_only_where_a_pick_needs_it(monkeypatch: pytest.MonkeyPatch) 
         return
     assert "panel" not in cpu_linear.available(w, w.dtype, copies=False)
     assert "panel" not in cpu_linear.available(weight(torch.float32), torch.float32)
-    monkeypatch.setattr(cpu_linear, "measure", Timings(["panel"] * 4 + ["gemm"] * 2))
+    monkeypatch.setattr(cpu_linear, "measure", Timings(["panel"] * 4 + ["gemm"] * 3))
     # One layout by default: the panels, which won more of the row counts, serve them all.
     kernel = cpu_linear.CpuLinearKernel.create(w)
-    assert kernel is not None and kernel.picks == ("panel",) * 6 and kernel.weight is None
+    assert kernel is not None and kernel.picks == ("panel",) * 7 and kernel.weight is None
     layer = Layer(w)
     cpu_linear.prepack_modules([layer], copies_max_bytes=1 << 30)
     kernel = layer.kernel
@@ -224,7 +224,7 @@ def test_a_weight_no_pick_reads_is_dropped_unless_shared(
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=0.1)
 
     mixed = Layer(torch.randn(32, 64).bfloat16())
-    monkeypatch.setattr(cpu_linear, "measure", Timings(["gemv"] + ["panel"] * 5))
+    monkeypatch.setattr(cpu_linear, "measure", Timings(["gemv"] + ["panel"] * 6))
     big = Layer(torch.randn(4096, 256).bfloat16())  # 2 MiB: the log line says so
     with caplog.at_level(logging.INFO, logger="minisgl.layers.cpu_linear"):
         cpu_linear.prepack_modules([mixed, big], "cached", copies_max_bytes=1 << 30)
@@ -245,7 +245,7 @@ def test_forcing_a_candidate(monkeypatch: pytest.MonkeyPatch, name: str) -> None
     kernel = cpu_linear.CpuLinearKernel.create(w)
     avail = cpu_linear.available(w, w.dtype)
     if name not in avail:  # not on this CPU: the defaults, never a failure
-        assert kernel is not None and kernel.picks == cpu_linear.default_picks(avail, w.dtype)
+        assert kernel is not None and kernel.picks == row_defaults(w)
         return
     if name == "torch":
         assert kernel is None  # plain F.linear is what the layer does anyway
@@ -371,7 +371,7 @@ def test_no_second_copy_is_kept_unless_asked_for(
     layouts, most gain per byte first, only as far as the allowance goes."""
     if "panel" not in cpu_linear.available(weight(), torch.bfloat16):
         return
-    mixed = ["gemv"] * 4 + ["panel"] * 2
+    mixed = ["gemv"] * 4 + ["panel"] * 3
 
     def model() -> list[Layer]:
         return [Layer(weight()), Layer(weight() * 2), Layer(torch.randn(32, 64).bfloat16())]
@@ -385,7 +385,7 @@ def test_no_second_copy_is_kept_unless_asked_for(
     line = next(r.getMessage() for r in caplog.records if "CPU matmul kernels" in r.getMessage())
     assert "second weight copies" not in line
     assert "--cpu-weight-copies-max-gb 0): copies not kept: 48x64" in line
-    assert "rows 17-64 10.00x, >64 10.00x faster" in line
+    assert "rows 17-64 10.00x, 65-512 10.00x, >512 10.00x faster" in line
     for rows in (1, 100):  # one layout still serves every row count
         x = torch.randn(rows, 64).bfloat16()
         want = F.linear(x.double(), w0.double())
@@ -412,7 +412,7 @@ def test_a_weight_kept_row_major_gets_row_picks_even_where_those_were_dropped(
 
     def measure(weights, x_dtype, out_dtype, avail, spreads=None):  # noqa: ANN001, ANN202
         return {
-            n: ([0.1] * 6 if n == "panel" else [1.0] * 5 + [None]) if n in avail else [None] * 6
+            n: ([0.1] * 7 if n == "panel" else [1.0] * 6 + [None]) if n in avail else [None] * 7
             for n in cpu_linear.CANDIDATES
         }
 

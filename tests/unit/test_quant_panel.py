@@ -118,7 +118,7 @@ def test_chooser_runs_it_for_many_rows() -> None:
     w = quantize(
         torch.randn(64, 256, generator=torch.Generator().manual_seed(3)), _scheme("int4", 64)
     )
-    kernel = cpu_choice.QuantKernel(["dequant_panel"] * 6)
+    kernel = cpu_choice.QuantKernel(["dequant_panel"] * 7)
     x = torch.randn(70, 256)
     assert torch.equal(kernel(x, w), dequant_panel(x, w))
 
