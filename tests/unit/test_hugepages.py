@@ -11,25 +11,7 @@ import torch
 from minisgl import hugepages
 from minisgl.kvcache.kv_pool import KVPool
 from minisgl.layers import cpu_kernels, cpu_linear
-
-
-def _thp_mode() -> str:
-    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    text = path.read_text() if path.exists() else ""
-    return text.split("[")[1].split("]")[0] if "[" in text else "none"
-
-
-def _huge_kb_under(addr: int) -> int:
-    """AnonHugePages of the mapping holding `addr`, from /proc/self/smaps."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= addr < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    return 0
+from minisgl.testing.smaps import huge_kb_under, thp_mode
 
 
 def test_buffers_behave_like_torch_ones() -> None:
@@ -43,8 +25,8 @@ def test_buffers_behave_like_torch_ones() -> None:
 def test_large_buffers_get_huge_pages_where_the_system_offers_them() -> None:
     t = hugepages.empty(64 << 20, dtype=torch.uint8)
     t.fill_(1)  # the first touch: where the kernel places the pages
-    if _thp_mode() in ("always", "madvise"):
-        assert _huge_kb_under(t.data_ptr() + (32 << 20)) >= 2048
+    if thp_mode() in ("always", "madvise"):
+        assert huge_kb_under(t.data_ptr() + (32 << 20)) >= 2048
     assert int(t[::4096].sum()) == t[::4096].numel()
 
 
@@ -55,10 +37,10 @@ def test_kv_pool_and_panel_weights_use_them() -> None:
         return
     w = torch.randn(4096, 1024, dtype=torch.bfloat16)
     packed = cpu_kernels.panel_pack(w)
-    if _thp_mode() in ("always", "madvise"):
+    if thp_mode() in ("always", "madvise"):
         for t in (pool.k_buffers[1], packed.data):
             middle = t.data_ptr() + t.numel() * t.element_size() // 2
-            assert _huge_kb_under(middle) >= 2048
+            assert huge_kb_under(middle) >= 2048
 
 
 def test_row_major_weights_a_cpu_layer_keeps_move_onto_them(
@@ -75,8 +57,8 @@ def test_row_major_weights_a_cpu_layer_keeps_move_onto_them(
     layer = SimpleNamespace(weight=w, kernel_out_dtype=None, kernel=None)
     cpu_linear.prepack_modules([layer], "off")
     assert layer.weight is w and torch.equal(w, values) and w.data_ptr() != before
-    if _thp_mode() in ("always", "madvise"):
-        assert _huge_kb_under(w.data_ptr() + w.numel()) >= 2048  # the middle of its 4 MiB
+    if thp_mode() in ("always", "madvise"):
+        assert huge_kb_under(w.data_ptr() + w.numel()) >= 2048  # the middle of its 4 MiB
     x = torch.randn(1, 1024).bfloat16()
     assert layer.kernel is not None and torch.equal(layer.kernel(x), layer.kernel(x))
 

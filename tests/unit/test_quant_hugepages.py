@@ -14,25 +14,7 @@ from minisgl.quant import loading
 from minisgl.quant.quantize import quantize
 from minisgl.quant.scheme import load_scheme
 from minisgl.quant.weight import QuantWeight
-
-
-def _thp_mode() -> str:
-    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    text = path.read_text() if path.exists() else ""
-    return text.split("[")[1].split("]")[0] if "[" in text else "none"
-
-
-def _huge_kb_under(addr: int) -> int:
-    """AnonHugePages of the mapping holding `addr`, from /proc/self/smaps."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= addr < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    return 0
+from minisgl.testing.smaps import huge_kb_under, thp_mode
 
 
 def test_prepare_cpu_moves_codes_onto_huge_pages(
@@ -50,8 +32,8 @@ def test_prepare_cpu_moves_codes_onto_huge_pages(
     values = codes.clone()
     loading.prepare_cpu(torch.nn.ModuleList([w]), torch.bfloat16, "off")
     assert w.codes is codes and torch.equal(codes, values) and codes.data_ptr() != before
-    if _thp_mode() in ("always", "madvise"):
-        assert _huge_kb_under(codes.data_ptr() + codes.numel() // 2) >= 2048
+    if thp_mode() in ("always", "madvise"):
+        assert huge_kb_under(codes.data_ptr() + codes.numel() // 2) >= 2048
     if cpu_kernels.load() is not None:
         assert w.kernel is not None
         x = torch.randn(3, k).bfloat16()

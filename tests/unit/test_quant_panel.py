@@ -6,21 +6,20 @@ codes; the int16 one on x as it quantizes it (per row to int16, as the decode GE
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl.layers import cpu_build, cpu_kernels
+from minisgl.layers import cpu_kernels
 from minisgl.quant import cpu_choice, cpu_gemv
 from minisgl.quant.cpu_panel import amx_panel, dequant_panel, int16_panel
 from minisgl.quant.qtensor import FP8, QTensor, dequantize
 from minisgl.quant.quantize import quantize
 from minisgl.quant.scheme import load_scheme
+from minisgl.testing import builds
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no CPU kernels here")
 
@@ -191,17 +190,11 @@ def test_amx_panel_is_a_candidate_and_fp32_x_takes_the_fp32_panel() -> None:
     assert torch.equal(cpu_choice.QuantKernel(picks)(x, w), dequant_panel(x, w))
 
 
-def test_qamx_builds_without_amx_and_exports_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_qamx_builds_without_amx_and_exports_nothing(tmp_path: Path, isa: str) -> None:
     """The AVX2 build and an AVX-512 build without AMX compile qamx.c too, with no entry
     points (cpu_kernels then offers no AMX panel and amx_panel runs dequant_panel)."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
+    lib = builds.without_amx("qamx.c", isa, tmp_path)
+    if lib is None:
         pytest.skip("no C compiler here")
-    _, flags = cpu_build.cpu_info()
-    plain = flags - cpu_build.AMX_NEEDS
-    for isa in ("avx2", "avx512"):
-        lib = tmp_path / f"qamx-{isa}.so"
-        src = [cpu_build.CSRC / "qamx.c"]
-        error = cpu_build._compile(cc, cpu_build.compile_flags(isa, plain), src, tmp_path, lib)
-        assert error is None, error
-        assert getattr(ctypes.CDLL(str(lib)), "qamx_ready", None) is None
+    assert getattr(lib, "qamx_ready", None) is None
