@@ -345,14 +345,24 @@ def gemv512(
     """As `gemv`, on the AVX-512 build; x in the weight's dtype (see supports_gemv512)."""
     lib = load()
     assert lib is not None and lib.gemv512_bf16 is not None
-    out_dtype = out_dtype or x.dtype
+    fn = lib.gemv512_bf16 if weight.dtype == torch.bfloat16 else lib.gemv512_f32
+    return _row_major_call(fn, x, weight, out_dtype)[0]
+
+
+def _row_major_call(
+    fn: Callable[..., Any], x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None
+) -> tuple[torch.Tensor, Any]:
+    """fn(x, W, y, M, N, K, out_bf16) for x [M, K] and a row-major W [N, K] -> (y [M, N] in
+    `out_dtype`, default x's dtype; what fn returned)."""
     xc = x.contiguous()
     m, k = xc.shape
     n = weight.shape[0]
+    out_dtype = out_dtype or x.dtype
     y = torch.empty(m, n, dtype=out_dtype)
-    fn = lib.gemv512_bf16 if weight.dtype == torch.bfloat16 else lib.gemv512_f32
-    fn(xc.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, int(out_dtype == torch.bfloat16))
-    return y
+    got = fn(
+        xc.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, int(out_dtype == torch.bfloat16)
+    )
+    return y, got
 
 
 def supports_amx(x_dtype: torch.dtype, weight: torch.Tensor) -> bool:
@@ -378,16 +388,9 @@ def amx(
     straight from the row-major weight (see supports_amx)."""
     lib = load()
     assert lib is not None and lib.amx is not None
-    out_dtype = out_dtype or x.dtype
-    xc = x.contiguous()
-    m, k = xc.shape
-    n = weight.shape[0]
-    y = torch.empty(m, n, dtype=out_dtype)
-    done = lib.amx(
-        xc.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, int(out_dtype == torch.bfloat16)
-    )
+    y, done = _row_major_call(lib.amx, x, weight, out_dtype)
     if not done:
-        raise RuntimeError(f"AMX matmul refused x {tuple(xc.shape)} @ W {tuple(weight.shape)}.T")
+        raise RuntimeError(f"AMX matmul refused x {tuple(x.shape)} @ W {tuple(weight.shape)}.T")
     return y
 
 
