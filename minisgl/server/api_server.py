@@ -88,7 +88,7 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
         metrics_require_key=ctx.args.metrics_require_api_key,
     )
     # Outermost: a generation request is counted from the moment the server starts on it.
-    app.add_middleware(CountArrivals, arrivals=ctx.manager.arrivals)
+    app.add_middleware(CountArrivals, arrivals=ctx.arrivals)
 
     # The bodies are declared as the pydantic models, so /openapi.json describes them; a
     # validation failure is a 400 (errors.install_handlers), an oversized body a 413.

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minisgl.config import ServerArgs
+from minisgl.server.arrivals import Arrivals
 from minisgl.server.manager import RequestManager
 
 log = logging.getLogger("minisgl.api")
@@ -29,6 +30,8 @@ class ServerContext:
     reasoning_parser: bool = False  # chat: split <think> blocks into reasoning_content
     tool_call_parser: bool = False  # chat: parse <tool_call> blocks into tool_calls
     special_tags: tuple[str, ...] = ()  # the parsers' tags the tokenizer marks special
+    # Generation requests this server holds that were not handed on yet (arrivals.py).
+    arrivals: Arrivals = field(default_factory=Arrivals)
 
     @property
     def model_name(self) -> str:

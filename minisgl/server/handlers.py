@@ -241,7 +241,7 @@ async def serve_request(
     log.info("rid=%s received: %s stream=%s n=%d", rid, kind, req.stream, req.n)
     timeline.mark(rid, "received")
     counted = getattr(request.state, "arrival_count", None)
-    tok_req.more = await more_behind(ctx.manager.arrivals, counted, not ctx.manager.requests)
+    tok_req.more = await more_behind(ctx.arrivals, counted, not ctx.manager.requests)
     try:
         state = ctx.manager.submit(tok_req)
     except (TypeError, ValueError, OverflowError) as exc:  # e.g. a 2**70 in chat_template_kwargs

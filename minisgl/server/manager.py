@@ -31,7 +31,6 @@ from minisgl.message.detokenizer_to_api import (
 from minisgl.message.endpoints import Endpoints
 from minisgl.message.queue import AsyncPullQueue, PushQueue
 from minisgl.message.scheduler_to_detokenizer import SchedulerStatsUpdate
-from minisgl.server.arrivals import Arrivals
 
 log = logging.getLogger("minisgl.api")
 
@@ -55,7 +54,6 @@ class RequestManager:
         self.endpoints = endpoints
         self.metrics = metrics
         self.requests: dict[str, RequestState] = {}
-        self.arrivals = Arrivals()  # generation requests not handed on yet (arrivals.py)
         self.stats: dict[str, Any] = {}
         self.stats_time = 0.0  # time.time() the last scheduler stats arrived
         self.recent_batch_sizes: collections.deque[int] = collections.deque(maxlen=4096)

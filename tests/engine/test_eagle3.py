@@ -176,7 +176,9 @@ def test_target_returns_the_named_layers_outputs(tmp_path: Path) -> None:
     for j, layer in enumerate((2, 0, 2)):
         want = torch.cat([r[layer + 1][0] for r in ref])
         got = captured.hidden[:, j * 64 : (j + 1) * 64]
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        # fp32 sums in another order than transformers' (our kernels, or oneDNN's AVX-512
+        # paths) differ by up to ~3e-4 after a few random layers (seen on an Intel Xeon).
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
 
 
 # -- the drafter on its own: features stand in for the target's ---------------------------

@@ -255,7 +255,7 @@ def test_no_second_weight_copy_unless_asked_for(
         pytest.skip("no CPU kernels here")
     monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(cpu_linear, "_MEMO", {})
-    fast = ["gemv"] * 4 + ["panel"] * 2
+    fast = ["gemv"] * 4 + ["panel"] * (len(BUCKETS) - 4)
 
     def measure(weights, x_dtype, out_dtype, avail, spreads=None):  # noqa: ANN001, ANN202
         return {
