@@ -5,6 +5,7 @@ products are that large), and every repeated step faults all of their pages in a
 from __future__ import annotations
 
 import resource
+import subprocess
 import sys
 from pathlib import Path
 
@@ -58,3 +59,35 @@ def test_repeated_cpu_prefill_steps_stop_faulting(tiny_model_dir: Path) -> None:
     # least of the later steps: one may still find a hole too small for one of its buffers).
     # Unmapped at free, every step faults in its ~10k pages of logits and activations again.
     assert min(faults[2:]) < 500, faults
+
+
+_HOLES = """
+import ctypes, resource
+import torch
+from minisgl import heap
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallopt(-3, 256 << 20)  # M_MMAP_THRESHOLD: 4 MB blocks from the heap, as loading's are
+
+
+def rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+blocks = [torch.ones(1 << 20) for _ in range(64)]  # 64 x 4 MB, touched
+pin = torch.ones(1 << 20)  # above them: the heap's top is not free
+del blocks
+before = rss_mb()
+assert heap.keep_freed_memory()
+print(before - rss_mb())
+"""
+
+
+def test_memory_loading_freed_in_the_heap_goes_back_when_steps_start_keeping() -> None:
+    """Blocks freed below the heap's top (weights moved onto huge pages, quantization
+    temporaries) are handed back before the runner starts keeping what its steps free."""
+    out = subprocess.run(
+        [sys.executable, "-c", _HOLES], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert float(out.stdout.split()[-1]) > 128, out.stdout  # of the 256 MB freed
