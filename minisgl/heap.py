@@ -41,29 +41,19 @@ _NEVER_TRIM = 2**31 - 1
 _KEPT = False
 
 
-def _mallopt() -> Any:
-    """glibc's mallopt, or None (another C library, or not Linux)."""
+def _glibc() -> Any:
+    """glibc, or None (another C library, or not Linux)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.mallopt
         libc.gnu_get_libc_version  # noqa: B018 (glibc only: musl has mallopt as a no-op stub)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _malloc_trim() -> None:
-    """glibc's malloc_trim(0): every whole free page of the heap back to the kernel."""
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim.argtypes = [ctypes.c_size_t]
-    trim(0)
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    libc.mallopt.restype = ctypes.c_int
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    return libc
 
 
 def keep_freed_memory() -> bool:
@@ -72,11 +62,13 @@ def keep_freed_memory() -> bool:
     global _KEPT
     if _KEPT:
         return True
-    mallopt = _mallopt()
-    if mallopt is None:
+    libc = _glibc()
+    if libc is None:
         return False
-    _malloc_trim()
-    _KEPT = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM))
+    libc.malloc_trim(0)  # every whole free page of the heap back to the kernel first
+    _KEPT = bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM)
+    )
     if _KEPT:
         logger.info("CPU steps reuse the memory they free (malloc: no unmapping, no trimming)")
     return _KEPT
