@@ -45,26 +45,36 @@ def _twin(method: str, out: Path, tied: bool = True, head: str = "int8") -> Path
     return out
 
 
-@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
-def test_greedy_tokens_equal_the_quantized_then_dequantized_weights(
-    method: str, tmp_path: Path
+def _assert_twin_tokens(
+    tmp: Path,
+    method: str,
+    *,
+    dtype: str = "float32",
+    tied: bool = True,
+    head: str = "int8",
+    **flags: str,
 ) -> None:
-    ours = greedy(source("quant"), quantization=method)
-    assert ours == greedy(_twin(method, tmp_path / "twin"))
+    """The source loaded with `flags` generates the greedy tokens of `_twin(method, head)`."""
+    ours = greedy(source("quant", tied), dtype=dtype, **flags)
+    assert ours == greedy(_twin(method, tmp / "twin", tied, head), dtype=dtype)
 
 
-def test_int4_in_bfloat16_equals_the_twin(tmp_path: Path) -> None:
-    """In bf16 the prefill chunks past 16 rows run the AMX panel where the CPU has it (each
-    4-bit (row, group) looked up in a bf16 table): the twin's weights rounded to bf16 are
-    those values, so the tokens are the twin's."""
-    ours = greedy(source("quant"), dtype="bfloat16", quantization="int4")
-    assert ours == greedy(_twin("int4", tmp_path / "twin"), dtype="bfloat16")
+# int4 in bf16: the prefill chunks past 16 rows run the AMX panel where the CPU has it (each
+# 4-bit (row, group) looked up in a bf16 table): the twin's weights rounded to bf16 are those
+# values, so the tokens are the twin's.
+@pytest.mark.parametrize(
+    ("method", "dtype"),
+    [("int8", "float32"), ("int4", "float32"), ("fp8", "float32"), ("int4", "bfloat16")],
+)
+def test_greedy_tokens_equal_the_quantized_then_dequantized_weights(
+    method: str, dtype: str, tmp_path: Path
+) -> None:
+    _assert_twin_tokens(tmp_path, method, dtype=dtype, quantization=method)
 
 
 def test_an_untied_head_is_quantized_and_its_embedding_stays_float(tmp_path: Path) -> None:
     # fp8 layers with the int8 head: the head's format is its own, not the layers'.
-    ours = greedy(source("quant", tied=False), quantization="fp8")
-    assert ours == greedy(_twin("fp8", tmp_path / "twin", tied=False))
+    _assert_twin_tokens(tmp_path, "fp8", tied=False, quantization="fp8")
 
 
 def _vocab_tables(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -74,15 +84,16 @@ def _vocab_tables(model: torch.nn.Module) -> list[torch.Tensor]:
     return [t for t in tensors if t.is_floating_point() and tuple(t.shape) == (VOCAB_SIZE, HIDDEN)]
 
 
+def _load(**flags: str) -> LLM:
+    """The source, small (16 KV pages), loaded with `flags` to look at what the model holds."""
+    return LLM(
+        str(source("quant")), dtype="float32", num_pages=16, cpu_kernel_tuning="off", **flags
+    )
+
+
 def test_only_quantized_bytes_are_held(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="minisgl.models.loader")
-    with LLM(
-        str(source("quant")),
-        dtype="float32",
-        num_pages=16,
-        cpu_kernel_tuning="off",
-        quantization="int4",
-    ) as llm:
+    with _load(quantization="int4") as llm:
         model = llm.engine.runner.model
         held = list(dict.fromkeys(m for m in model.modules() if isinstance(m, QuantWeight)))
         # qkv, o, gate_up, down in each of the 2 layers, and the (tied) LM head
@@ -115,14 +126,7 @@ def test_only_quantized_bytes_are_held(caplog: pytest.LogCaptureFixture) -> None
 
 
 def test_lm_head_quantization_none_keeps_the_head_float(tmp_path: Path) -> None:
-    with LLM(
-        str(source("quant")),
-        dtype="float32",
-        num_pages=16,
-        cpu_kernel_tuning="off",
-        quantization="int8",
-        lm_head_quantization="none",
-    ) as llm:
+    with _load(quantization="int8", lm_head_quantization="none") as llm:
         model = llm.engine.runner.model
         head, embed = model.lm_head, model.model.embed_tokens
         assert not isinstance(head.weight, QuantWeight)
@@ -133,8 +137,7 @@ def test_lm_head_quantization_none_keeps_the_head_float(tmp_path: Path) -> None:
 
 def test_lm_head_quantization_alone_quantizes_a_float_model_head(tmp_path: Path) -> None:
     # No --quantization: the layers stay float, the head is quantized as asked (int4 here).
-    ours = greedy(source("quant"), lm_head_quantization="int4")
-    assert ours == greedy(_twin("none", tmp_path / "twin", head="int4"))
+    _assert_twin_tokens(tmp_path, "none", head="int4", lm_head_quantization="int4")
 
 
 def test_a_quantized_checkpoint_refuses_the_flag(tmp_path: Path) -> None:
