@@ -24,11 +24,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +33,8 @@ from pathlib import Path
 
 import httpx
 import psutil
+
+from minisgl.testing.live_server import free_port, stop_process, wait_http_ok
 
 GIB, MIB = 1 << 30, 1 << 20
 WEIGHTS_LINE = re.compile(r"([\d.]+) MiB quantized in (\d+) weights \+ ([\d.]+) MiB float")
@@ -49,12 +48,6 @@ def log(msg: str) -> None:
 
 def available_gb() -> float:
     return psutil.virtual_memory().available / GIB
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rss_parts(pid: int) -> dict[str, int]:
@@ -88,13 +81,7 @@ def write_checkpoint(args: argparse.Namespace) -> Path:
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    stop_process(proc, timeout_s=60, group=True)  # the server and the workers it spawned
 
 
 def scheduler_pid(base: str) -> int | None:
@@ -117,11 +104,10 @@ def largest_child(proc: subprocess.Popen[bytes]) -> psutil.Process | None:
 def wait_ready(proc: subprocess.Popen[bytes], base: str, args: argparse.Namespace) -> float:
     """Waits for /health; returns the largest child RSS seen meanwhile (bytes). Stops the server
     (SystemExit) if it dies, takes too long, or the machine runs short of memory."""
-    deadline = time.monotonic() + args.startup_timeout
     peak = 0.0
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}) while starting")
+
+    def watch() -> None:
+        nonlocal peak
         if available_gb() < args.stop_below_gb:
             stop(proc)
             raise SystemExit(
@@ -132,12 +118,15 @@ def wait_ready(proc: subprocess.Popen[bytes], base: str, args: argparse.Namespac
         if child is not None:
             with contextlib.suppress(psutil.Error):  # it may have just exited
                 peak = max(peak, child.memory_info().rss)
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return peak
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
+
+    ok = wait_http_ok(
+        proc, f"{base}/health", args.startup_timeout,
+        interval_s=1.0, probe_timeout_s=2.0, each_poll=watch,
+    )  # fmt: skip
+    if ok:
+        return peak
+    if proc.poll() is not None:
+        raise SystemExit(f"the server exited ({proc.returncode}) while starting")
     stop(proc)
     raise SystemExit(f"the server was not ready in {args.startup_timeout:.0f} s")
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +24,8 @@ import httpx
 import kopf
 import yaml
 from k8s_support import CRD_PATH, ROOT
+
+from minisgl.testing.live_server import stop_process
 
 CONNECT_TIMEOUT_S = 3.0
 WAIT_S = 60.0
@@ -215,12 +215,6 @@ def service_account_kubeconfig(api: Api, namespace: str, account: str, path: Pat
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Operator:
     """`python -m minisgl_operator ARGS` as a subprocess, logged to a file."""
 
@@ -243,12 +237,6 @@ class Operator:
         return self.log_path.read_text()
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = stop_process(self.proc, timeout_s=15)
         self._log.close()
-        return self.proc.returncode
+        return code

@@ -25,7 +25,6 @@ from k8s_cluster import (
     CRD_ROOT,
     Api,
     Operator,
-    free_port,
     install_modelserver_crd,
     namespace,
     service_account_kubeconfig,
@@ -34,6 +33,8 @@ from k8s_cluster import (
 from k8s_support import CHART, ROOT
 from minisgl_operator import API_VERSION, GROUP, KIND, PLURAL, VERSION, node_security, spec
 from minisgl_operator.children import KINDS, Cluster, plan
+
+from minisgl.testing.live_server import free_port
 
 pytestmark = pytest.mark.k8s
 

@@ -1,8 +1,6 @@
 """Starting a real minisgl server and a real Prometheus on loopback for the live tests."""
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,36 +12,18 @@ from typing import Any
 import httpx
 import yaml
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from minisgl.testing.live_server import free_port, stop_process, wait_http_ok
 
 
-def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    stop_process(proc, timeout_s=20.0)
 
 
 def _wait_http(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"{url}: process exited {proc.returncode}\n{log.read_text()[-3000:]}"
-            )
-        try:
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    if wait_http_ok(proc, url, timeout_s, probe_timeout_s=2.0):
+        return
+    if proc.poll() is not None:
+        raise RuntimeError(f"{url}: process exited {proc.returncode}\n{log.read_text()[-3000:]}")
     raise RuntimeError(f"{url} not ready in {timeout_s} s\n{log.read_text()[-3000:]}")
 
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,13 +11,9 @@ from typing import Any
 
 import httpx
 
+from minisgl.testing.live_server import free_port, stop_process, wait_http_ok
+
 READY_TIMEOUT = 180.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ServerProcess:
@@ -46,16 +40,10 @@ class ServerProcess:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def wait_ready(self) -> ServerProcess:
-        deadline = time.monotonic() + READY_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        if wait_http_ok(self.proc, f"{self.url}/health", READY_TIMEOUT):
+            return self
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
         raise RuntimeError(f"server not ready in {READY_TIMEOUT} s:\n{self.logs()}")
 
     def logs(self) -> str:
@@ -86,15 +74,9 @@ class ServerProcess:
         self.proc.send_signal(sig)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        code = stop_process(self.proc, 30)
         self._log.close()
-        return self.proc.returncode
+        return code
 
 
 def pid_alive(pid: int) -> bool:
