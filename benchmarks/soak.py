@@ -35,6 +35,8 @@ from typing import Any
 import httpx
 import psutil
 
+from minisgl.testing.live_server import free_port, wait_http_ok
+
 READY_TIMEOUT = 300.0
 
 
@@ -56,35 +58,21 @@ class Sample:
         return (self.latency - self.ttft) / (self.tokens - 1)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_server(model: str | None, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     if model is None:
         from minisgl.testing.fixture import write_fixture_model
 
         model = str(write_fixture_model(Path(tempfile.mkdtemp(prefix="soak-model-")), "tiny"))
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "minisgl", "--model", model, "--port", str(port), *extra]
     if "--dtype" not in extra:
         cmd += ["--dtype", "float32"]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + READY_TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
+    if wait_http_ok(proc, f"{url}/health", READY_TIMEOUT, interval_s=0.3):
+        return proc, url
+    if proc.poll() is not None:
+        raise SystemExit(f"server exited with {proc.returncode}; see {log}")
     proc.kill()
     raise SystemExit(f"server not ready in {READY_TIMEOUT:.0f} s; see {log}")
 

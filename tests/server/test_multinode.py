@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import random
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +18,8 @@ import httpx
 import pytest
 from harness import ServerProcess, free_port, pid_alive
 from openai import OpenAI
+
+from minisgl.testing.live_server import stop_process
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -90,13 +91,7 @@ class Group:
 
     def stop(self) -> None:
         self.node0.stop()
-        if self.node1.poll() is None:
-            self.node1.send_signal(signal.SIGTERM)
-            try:
-                self.node1.wait(30)
-            except subprocess.TimeoutExpired:
-                self.node1.kill()
-                self.node1.wait(10)
+        stop_process(self.node1, 30)
         self.log1.close()
 
 
