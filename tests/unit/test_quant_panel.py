@@ -82,14 +82,19 @@ def test_panel_equals_the_dequantized_matmul(method: str, group: int | None, n: 
         _check(torch.randn(rows, k, generator=g), w)
 
 
+def _every_fp8_code(n: int = 48, k: int = 512) -> QTensor:
+    """An fp8 [n, k] weight holding every e4m3 byte but NaN (subnormals, negative zero), one
+    scale per row (group 0)."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(n * k // 256).view(n, k)
+    codes[codes % 128 == 127] = 0
+    return QTensor(codes.view(FP8), torch.rand(n, 1) + 0.5, None, None, 8, 0, k)
+
+
 def test_fp8_every_code_and_bf16_in_and_out() -> None:
     """Every e4m3 byte but NaN (subnormals, negative zero), one scale per row (group 0), and
     bf16 activations and outputs as a bf16 model passes them."""
-    n, k = 48, 512
-    codes = torch.arange(256, dtype=torch.uint8).repeat(n * k // 256).view(n, k)
-    codes[codes % 128 == 127] = 0
-    w = QTensor(codes.view(FP8), torch.rand(n, 1) + 0.5, None, None, 8, 0, k)
-    x = torch.randn(13, k, generator=torch.Generator().manual_seed(1))
+    w = _every_fp8_code()
+    x = torch.randn(13, w.in_features, generator=torch.Generator().manual_seed(1))
     _check(x, w)
     xb = x.bfloat16()
     out = dequant_panel(xb, w)
@@ -164,10 +169,7 @@ def test_amx_panel_reads_a_shard_and_every_fp8_code() -> None:
     """A tensor-parallel shard's strided codes and group scales; every e4m3 byte but NaN."""
     g = torch.Generator().manual_seed(5)
     full = quantize(torch.randn(64, 1024, generator=g), _scheme("int4", 128))
-    n, k = 48, 512
-    codes = torch.arange(256, dtype=torch.uint8).repeat(n * k // 256).view(n, k)
-    codes[codes % 128 == 127] = 0
-    every = QTensor(codes.view(FP8), torch.rand(n, 1) + 0.5, None, None, 8, 0, k)
+    every = _every_fp8_code()
     for w in (full.narrow(0, 16, 33), full.narrow(1, 512, 512), every):
         x = torch.randn(19, w.in_features, generator=g).bfloat16()
         deq = dequantize(w, torch.float32).bfloat16().double()
