@@ -25,7 +25,7 @@ from roofline import read_bandwidth
 
 from minisgl import hugepages
 from minisgl.layers import cpu_build, cpu_kernels
-from minisgl.quant import cpu_gemv
+from minisgl.quant import cpu_gemv, cpu_panel
 from minisgl.quant.qtensor import FP8, QTensor
 
 
@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             count = max(1 if args.hot else 2, -(-cold // w0.nbytes()))
             ws = [w0] + [random_weight(fmt, n, k, g) for _ in range(count - 1)]
             cases[fmt] = ([(cpu_gemv.qgemv, w) for w in ws], w0.nbytes())
+            lib = cpu_kernels.load()
+            if lib is not None and cpu_gemv.kind(w0) in lib.qamxi:  # AMX-INT8 from the codes
+                cases[f"{fmt} amx"] = ([(cpu_panel.amx_int, w) for w in ws], w0.nbytes())
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, generator=g).bfloat16()
             runs = {

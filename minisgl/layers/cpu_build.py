@@ -40,6 +40,7 @@ COMMON_SOURCES = (
     "qgemv.c",
     "qdequant.c",
     "qamx.c",
+    "qamxi.c",
     "amx.c",
 )
 AVX512_NEEDS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})

@@ -140,6 +140,19 @@ class _Lib:
                     afn.argtypes += [i64] * 4
                     afn.restype = None
                     self.qamx[kind] = afn
+        # Integer codes straight on AMX-INT8 tiles (qamxi.c): where the build targets AMX-INT8
+        # and the tiles were granted; qgemv's arguments.
+        self.qamxi: dict[str, Any] = {}
+        ready_i: Any = getattr(lib, "qamxi_ready", None)
+        if ready_i is not None:
+            ready_i.restype = ctypes.c_int
+            for kind in ("u4", "u8"):
+                ifn: Any = getattr(lib, f"qamxi_{kind}", None)
+                if ifn is not None and ready_i():
+                    ifn.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+                    ifn.argtypes += [i64] * 4
+                    ifn.restype = None
+                    self.qamxi[kind] = ifn
         lib.stream_read.argtypes = [ptr, i64]
         lib.stream_read.restype = ctypes.c_float
         self.stream_read = lib.stream_read

@@ -9,11 +9,14 @@ The candidates (cpu_gemv.py), all reading the quantized weight as loaded (no sec
   input rows (cpu_panel.py);
 - "int16_panel": the same with integer codes against x quantized per row to int16 (VPMADDWD);
 - "amx_panel": a panel dequantized once into bf16 and multiplied on AMX tiles (bf16 x; where
-  the CPU and build have no AMX, or x is fp32, it runs dequant_panel).
+  the CPU and build have no AMX, or x is fp32, it runs dequant_panel);
+- "amx_int": integer codes straight as AMX-INT8 tiles against x quantized per row to int16
+  (qgemv's numerics), a weight byte costing the same work for 1 to 16 rows (cpu_panel.py;
+  fp8 codes and CPUs or builds without AMX-INT8 run qgemv).
 Which wins at which row count depends on the CPU (FMA width, integer multiply rate, MKL), so
 nothing is a fixed row limit: each shape and code kind is timed per bucket at start-up, or read
-from the cache. Tuning "off": qgemv up to cpu_kernels.MAX_ROWS rows, then amx_panel where AMX
-runs, else dequant_panel.
+from the cache. Tuning "off": qgemv for one row, amx_int for 2 to cpu_kernels.MAX_ROWS where
+AMX-INT8 runs (qgemv elsewhere), then amx_panel where AMX runs, else dequant_panel.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ CANDIDATES = (
     "dequant_panel",
     "int16_panel",
     "amx_panel",
+    "amx_int",
 )
 Run = Callable[[torch.Tensor, QTensor], torch.Tensor]
 _RUN: dict[str, Run] = {
@@ -47,6 +51,7 @@ _RUN: dict[str, Run] = {
     "dequant_panel": cpu_panel.dequant_panel,
     "int16_panel": cpu_panel.int16_panel,
     "amx_panel": cpu_panel.amx_panel,
+    "amx_int": cpu_panel.amx_int,
 }
 # Timing passes: as cpu_linear's (cold weights, bounded FLOPs, best of a few interleaved).
 _COLD_BYTES = 48 << 20
@@ -67,12 +72,17 @@ class QuantKernel:
 
 
 def default_picks() -> tuple[str, ...]:
-    """Untuned: qgemv for few rows, then the panel on AMX tiles where this build and CPU have
-    them (it runs the fp32 panel for fp32 x), else the fp32 panel."""
+    """Untuned: qgemv for one row; for few rows amx_int where this build and CPU have AMX-INT8
+    (it runs qgemv for fp8 codes), else qgemv; then the panel on AMX tiles where this build
+    and CPU have them (it runs the fp32 panel for fp32 x), else the fp32 panel."""
     small = cpu_kernels.MAX_ROWS
     lib = cpu_kernels.load()
     many = "amx_panel" if lib is not None and lib.qamx else "dequant_panel"
-    return tuple("qgemv" if (last or small + 1) <= small else many for _, last in BUCKETS)
+    few = "amx_int" if lib is not None and lib.qamxi else "qgemv"
+    return tuple(
+        ("qgemv" if last == 1 else few) if (last or small + 1) <= small else many
+        for _, last in BUCKETS
+    )
 
 
 def shape_key(w: QTensor, x_dtype: torch.dtype) -> ShapeKey:
