@@ -60,51 +60,76 @@ typedef struct {
     int64_t* chunk; /* [chunks + 1]: chunk i is features [chunk[i], chunk[i + 1]), one group */
 } QiCall;
 
-/* Where feature p of a step sits in the step's layout: 8-bit in order, 4-bit low nibbles
-   (even features) first, then high nibbles (odd features). */
-static inline int64_t qi_slot(int bits, int64_t S, int64_t p) {
-    if (bits == 8) return p;
-    return (p & 1) ? S / 2 + p / 2 : p / 2;
+/* 32 int16 of a step (positions p0 .. p0 + 31 of its layout) -> their high bytes (signed)
+   into the hi B tile and low bytes into the lo one: position p is byte p % 4 of row p / 4's
+   4-byte group of this input row (`lane`). */
+static inline void qi_scatter32(__m512i v, int64_t p0, int64_t lane, uint8_t* hi, uint8_t* lo) {
+    const __m256i rows = _mm256_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448);
+    __m256i h = _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8));
+    __m256i l = _mm512_cvtepi16_epi8(v); /* truncates: the low byte */
+    int64_t at = (p0 / 4) * 64 + lane * 4;
+    _mm256_i32scatter_epi32((int*)(hi + at), rows, h, 1);
+    _mm256_i32scatter_epi32((int*)(lo + at), rows, l, 1);
 }
 
 /* x row m -> its int16 codes (qgemv.c's quantize_x: round to nearest even, clamp to
-   +-32767), its scale, its group sums, and its bytes into the B tiles. */
+   +-32767), its scale, its group sums, and its bytes into the B tiles, in each step's layout:
+   8-bit codes in feature order, 4-bit ones low nibbles (the even features) first, then high
+   nibbles (the odd ones). */
 static void qi_prepare_row(QiCall* c, const void* x, int x_bf16, int64_t m, int16_t* tmp) {
     const int64_t K = c->K, S = c->S;
     const float* xf = (const float*)x + m * K;
     const uint16_t* xh = (const uint16_t*)x + m * K;
-    float amax = 0;
-    for (int64_t k = 0; k < K; k++) {
-        float v = fabsf(x_bf16 ? bf16_to_f32(xh[k]) : xf[k]);
-        amax = v > amax ? v : amax;
-    }
+#define QI_LOADX(k)                                                                           \
+    (x_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(                                         \
+                  _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(xh + (k)))), 16)) \
+            : _mm512_loadu_ps(xf + (k)))
+    __m512 amax16 = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(QI_LOADX(k)));
+    float amax = _mm512_reduce_max_ps(amax16);
     float s = amax > 0 ? amax / 32767.0f : 1.0f;
     c->xscale[m] = s;
     const __m512 inv = _mm512_set1_ps(1.0f / s);
     const __m512i top = _mm512_set1_epi32(32767), bottom = _mm512_set1_epi32(-32767);
-    for (int64_t k = 0; k < K; k += 16) {
-        __m512 v = x_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(xh + k))), 16))
-                          : _mm512_loadu_ps(xf + k);
-        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
-        q = _mm512_max_epi32(_mm512_min_epi32(q, top), bottom);
-        _mm256_storeu_si256((__m256i*)(tmp + k), _mm512_cvtepi32_epi16(q));
-    }
     int64_t mt = m / 16, lane = m % 16, steps = K / S;
     for (int64_t g = 0; g < c->G; g++) {
-        int32_t sum = 0;
-        for (int64_t k = g * c->gs; k < (g + 1) * c->gs; k++) sum += tmp[k];
-        c->xsum[(mt * c->G + g) * 16 + lane] = (float)sum;
+        __m512i sum = _mm512_setzero_si512();
+        for (int64_t k = g * c->gs; k < (g + 1) * c->gs; k += 16) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(QI_LOADX(k), inv));
+            q = _mm512_max_epi32(_mm512_min_epi32(q, top), bottom);
+            sum = _mm512_add_epi32(sum, q);
+            _mm256_storeu_si256((__m256i*)(tmp + k), _mm512_cvtepi32_epi16(q));
+        }
+        c->xsum[(mt * c->G + g) * 16 + lane] = (float)_mm512_reduce_add_epi32(sum);
     }
-    int16_t perm[64];
+#undef QI_LOADX
+    /* 4-bit layouts: evens then odds of 64 (two vectors) or of 32 (one) */
+    const __m512i even = _mm512_setr_epi32(0x00020000, 0x00060004, 0x000A0008, 0x000E000C,
+                                           0x00120010, 0x00160014, 0x001A0018, 0x001E001C,
+                                           0x00220020, 0x00260024, 0x002A0028, 0x002E002C,
+                                           0x00320030, 0x00360034, 0x003A0038, 0x003E003C);
+    const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+    const __m512i half = _mm512_setr_epi32(0x00020000, 0x00060004, 0x000A0008, 0x000E000C,
+                                           0x00120010, 0x00160014, 0x001A0018, 0x001E001C,
+                                           0x00030001, 0x00070005, 0x000B0009, 0x000F000D,
+                                           0x00130011, 0x00170015, 0x001B0019, 0x001F001D);
     for (int64_t t = 0; t < steps; t++) {
-        for (int64_t p = 0; p < S; p++) perm[qi_slot(c->bits, S, p)] = tmp[t * S + p];
         uint8_t* hi = c->xb + ((mt * steps + t) * 2) * (S / 4) * 64;
         uint8_t* lo = hi + (S / 4) * 64;
-        for (int64_t p = 0; p < S; p++) {
-            int64_t at = (p / 4) * 64 + lane * 4 + p % 4;
-            hi[at] = (uint8_t)(int8_t)(perm[p] >> 8);
-            lo[at] = (uint8_t)(perm[p] & 255);
+        const int16_t* q = tmp + t * S;
+        if (S == 64) {
+            __m512i a = _mm512_loadu_si512((const void*)q), b = _mm512_loadu_si512((const void*)(q + 32));
+            if (c->bits == 4) {
+                __m512i e = _mm512_permutex2var_epi16(a, even, b);
+                b = _mm512_permutex2var_epi16(a, odd, b);
+                a = e;
+            }
+            qi_scatter32(a, 0, lane, hi, lo);
+            qi_scatter32(b, 32, lane, hi, lo);
+        } else {
+            __m512i a = _mm512_loadu_si512((const void*)q);
+            if (c->bits == 4) a = _mm512_permutexvar_epi16(half, a);
+            qi_scatter32(a, 0, lane, hi, lo);
         }
     }
 }
