@@ -92,6 +92,9 @@ class _Lib:
             fn.argtypes = [ptr, ptr, i64, i64]
             fn.restype = None
         self.silu_mul_bf16, self.silu_mul_f32 = lib.silu_mul_bf16, lib.silu_mul_f32
+        lib.kv_store.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64]
+        lib.kv_store.restype = i64
+        self.kv_store = lib.kv_store
         lib.rows_argmax.argtypes = [ptr, i64, i64, ptr, ptr]
         lib.rows_argmax.restype = None
         self.rows_argmax = lib.rows_argmax
@@ -727,3 +730,48 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     fn = lib.silu_mul_bf16 if x.dtype == torch.bfloat16 else lib.silu_mul_f32
     fn(x.data_ptr(), out.data_ptr(), t, i)
     return out
+
+
+def kv_store_supported(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether kv_store can write these rows ([T, Hkv, D], any token stride) into `pool`
+    [S, Hkv, D]: on CPU, the pool's dtype, each token's heads packed, the pool contiguous."""
+    return (
+        pool.device.type == "cpu"
+        and pool.is_contiguous()
+        and k.shape[1:] == pool.shape[1:]
+        and v.shape[1:] == pool.shape[1:]
+        and can_write_new(pool, k, v)
+        and load() is not None
+    )
+
+
+def kv_store(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """k_pool[slots] = k and v_pool[slots] = v (as index_copy_ along dim 0), rows copied where
+    they lie (k and v are views of the fused qkv output: no gather into a packed tensor first).
+    See kv_store_supported; slots int64 [T]. IndexError for a slot outside the pool, with
+    nothing stored."""
+    lib = load()
+    assert lib is not None
+    slots = slots.to(torch.int64).contiguous()
+    t, size = k.shape[0], k.element_size()
+    assert slots.numel() == t == v.shape[0]
+    bad = lib.kv_store(
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        k_pool.shape[0],
+        slots.data_ptr(),
+        k.data_ptr(),
+        k.stride(0) * size,
+        v.data_ptr(),
+        v.stride(0) * size,
+        t,
+        k_pool[0].numel() * size,
+    )
+    if bad >= 0:
+        raise IndexError(f"KV slot {int(slots[bad])} outside the pool of {k_pool.shape[0]}")

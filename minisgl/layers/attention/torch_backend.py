@@ -341,8 +341,7 @@ class TorchAttentionBackend(AttentionBackend):
         # A plain decode step on CPU: the kernel stores the new rows itself.
         new = (k, v, meta.out_loc) if self._decode_in_place(meta, k_buf, k, v) else None
         if new is None:
-            k_buf.index_copy_(0, meta.out_loc, k)
-            v_buf.index_copy_(0, meta.out_loc, v)
+            self.kv_pool.store(layer_id, meta.out_loc, k, v)
         width = self.num_heads * self.head_dim
         out: torch.Tensor | None = None
         for grp in meta.groups:
