@@ -142,7 +142,8 @@ def peers(
         "minisgl", sys.executable,
         ["-m", "minisgl", "--model", str(model), "--served-model-name", SERVED_NAME,
          "--dtype", "bfloat16", "--device", "cpu", "--num-pages", str(kv_tokens // 16),
-         "--page-size", "16", "--max-seq-len-override", "2048", *quantization, *common],
+         "--page-size", "16", "--max-seq-len-override", "2048", *quantization, *common,
+         *args.minisgl_args.split()],
         threads, [],
     )  # fmt: skip
     found = [minisgl]
@@ -334,6 +335,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="more llama-server flags, space-separated, after '=' (e.g. "
                    "--llama-cpp-args=--no-repack where its AMX matmul faults: see "
                    "llama_cpp_peer.py)")  # fmt: skip
+    p.add_argument("--minisgl-args", default="",
+                   help="more minisgl server flags, space-separated, after '=' (e.g. "
+                   "--minisgl-args=--disable-auto-prefill-chunks for an A/B run)")  # fmt: skip
     p.add_argument("--formats", default="bf16",
                    help=f"weight formats, comma-separated: {', '.join(GGUF_TYPES)}")  # fmt: skip
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores for each server")

@@ -67,6 +67,13 @@ class EngineArgs:
     )
     max_running_requests: int = _f(256, "most requests in one batch")
     max_prefill_tokens: int = _f(4096, "token budget of one step's prefill (chunked prefill)")
+    disable_auto_prefill_chunks: bool = _f(
+        False,
+        "prefill a burst of waiting requests in one step, up to --max-prefill-tokens; by "
+        "default a burst is prefilled a few requests per step in arrival order, in chunks "
+        "sized from the measured step costs, so its first requests get their first tokens "
+        "early (a request alone is never chunked by it)",
+    )
     tp_size: int = _f(1, "tensor-parallel ranks")
     disable_prefix_cache: bool = _f(False, "turn the radix prefix cache off")
     attention_backend: str = _f("auto", "attention implementation", ATTENTION_BACKENDS)

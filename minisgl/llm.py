@@ -53,6 +53,8 @@ class LLM:
         tp_size: int = 1,
         **engine_kwargs: Any,
     ) -> None:
+        # Offline, nobody waits for a first token: a batch's prefill is not split for one.
+        engine_kwargs.setdefault("disable_auto_prefill_chunks", True)
         given = dict(
             model=model,
             dtype=dtype,

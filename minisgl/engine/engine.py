@@ -19,6 +19,7 @@ from minisgl.logprobs import TokenLogprobs
 from minisgl.models.config import ModelConfig
 from minisgl.models.loader import resolve_model_path
 from minisgl.sampling_params import SamplingParams
+from minisgl.scheduler.prefill_budget import PrefillBudget
 from minisgl.scheduler.request import Request
 from minisgl.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from minisgl.speculative import Drafter, make_drafter
@@ -86,6 +87,11 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             enable_prefix_cache=not args.disable_prefix_cache,
         )
+        # A burst's prefill in chunks sized from this engine's measured step costs. Not with
+        # tensor parallelism: every rank schedules for itself, and timings differ per rank.
+        self.prefill_budget: PrefillBudget | None = None
+        if not args.disable_auto_prefill_chunks and args.tp_size == 1:
+            self.prefill_budget = PrefillBudget(args.max_prefill_tokens, args.page_size)
         # Followers of a tensor-parallel group keep exactly the grammars rank 0 sends them.
         limit = None if tp_rank > 0 else CACHE_LIMIT_BYTES
         self.grammars = GrammarBackend(
@@ -253,6 +259,11 @@ class Engine:
         if batch is None:
             return []
         outputs = self._step(batch)
+        if self.prefill_budget is not None:
+            prefill = batch.num_prefill_tokens
+            budget = self.prefill_budget
+            budget.observe(prefill, batch.num_tokens - prefill, time.perf_counter() - started)
+            self.scheduler.soft_prefill_tokens = budget.tokens()
         if self.adaptive is not None and all(s.is_decode for s in batch.seqs):
             # Decode and verify steps only: a prefill chunk's cost per token is another regime.
             drafts = sum(len(s.draft_ids) for s in batch.seqs)

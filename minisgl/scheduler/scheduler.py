@@ -7,7 +7,11 @@ Every `schedule()` builds one batch:
    the prefix cache, where a later recompute may find them), and it returns to the front of
    the waiting queue, to be recomputed from prompt + outputs when admitted again.
 2. Decodes run one token each; partially prefilled requests continue first, in chunks, under
-   the `max_prefill_tokens` budget (decodes do not count against it).
+   the `max_prefill_tokens` budget (decodes do not count against it). A burst is prefilled a
+   few requests per step when `soft_prefill_tokens` is set (the engine sizes it from its
+   measured step costs: prefill_budget.py): a new request joins a step only while the step's
+   prefill is below it, so the first requests of a burst get their first tokens after a short
+   step, not after the whole burst's prefill; a request alone is never chunked by it.
 3. Waiting requests are admitted in arrival order while budget, `max_running_requests` and
    pages allow: the longest whole-page cached prefix is reused (leaving at least one token to
    compute, so there are logits to sample), and pages for the whole remaining prefill are
@@ -87,6 +91,10 @@ class Scheduler:
         self.page_size = page_size
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
+        # A burst's prefill in chunks (see prefill_budget.py): once a step has prefill work,
+        # more waiting requests join it only while it has fewer than this many tokens (the
+        # last one joins whole, up to max_prefill_tokens). None: max_prefill_tokens alone.
+        self.soft_prefill_tokens: int | None = None
         self.max_seq_len = max_seq_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.capacity_tokens = num_pages * page_size
@@ -216,7 +224,14 @@ class Scheduler:
                 n = min(req.num_remaining, budget)
                 budget -= n
                 seqs.append(self._seq(req, n, is_decode=False))
+        soft = (
+            self.max_prefill_tokens
+            if self.soft_prefill_tokens is None
+            else self.soft_prefill_tokens
+        )
         while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
+            if self.max_prefill_tokens - budget >= soft:
+                break  # the rest of a burst waits for the next step; the first ones go first
             req = self.waiting[0]
             if not self._admit(req):
                 break
