@@ -11,6 +11,12 @@ Targets (issue 12): TTFT at idle <= one prefill forward + 15 ms; ITL <= one deco
 
     python benchmarks/serving_timeline.py [--model DIR] [--requests 5] [--max-tokens 64]
     python benchmarks/serving_timeline.py --kinds completion-stream --max-tokens 1
+    python benchmarks/serving_timeline.py --burst 8 --max-tokens 16   # 8 clients at once
+
+With --burst N, N streamed completions of a 128-word prompt are sent at once (as the serving
+benchmark's concurrent workloads do) and each step of the burst is printed: when it ran, how
+long, how many requests were queued since the step before and how many it gave their first
+token, so a burst's split into steps and each request's wait for its first token show.
 """
 
 from __future__ import annotations
@@ -65,6 +71,59 @@ def send_one(client: Any, kind: str, max_tokens: int) -> tuple[float, list[float
     return times[0] - t0, times, t0
 
 
+def send_burst(base: str, n: int, max_tokens: int) -> list[float]:
+    """n streamed completions at once (one thread each); each one's seconds to its first text."""
+    import concurrent.futures
+
+    import openai
+
+    def one(i: int) -> float:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        prompt = " ".join(f"word{(i * 131 + j) % 997}" for j in range(128))
+        return send_one_prompt(client, prompt, max_tokens)
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def send_one_prompt(client: Any, prompt: str, max_tokens: int) -> float:
+    t0 = time.time()
+    reply = client.completions.create(
+        model="m", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    first = None
+    for chunk in reply:
+        if first is None and chunk.choices and chunk.choices[0].text:
+            first = time.time() - t0
+    return first if first is not None else time.time() - t0
+
+
+def burst_steps(
+    events: dict[str, list[tuple[str, float]]], steps: list[tuple[str, float]]
+) -> list[tuple[float, float, int, int]]:
+    """The steps from the burst's first arrival on: (start and length in seconds from that
+    arrival, requests queued since the step before it, requests it gave their first token)."""
+    firsts = [dict(reversed(ev)) for ev in events.values()]
+    firsts = [f for f in firsts if "received" in f]
+    if not firsts:
+        return []
+    t0 = min(f["received"] for f in firsts)
+    spans = [
+        (ta, tb)
+        for (a, ta), (b, tb) in zip(steps, steps[1:])
+        if a == "step_begin" and b == "step_end" and ta >= t0
+    ]
+    out = []
+    for i, (ta, tb) in enumerate(spans):
+        # "scheduled" is marked just before the step begins, "forwarded" just after it ends.
+        nxt = spans[i + 1][0] if i + 1 < len(spans) else float("inf")
+        began = sum(1 for f in firsts if ta - 0.01 <= f.get("scheduled", -1.0) <= ta)
+        gave = sum(1 for f in firsts if tb <= f.get("forwarded", -1.0) < nxt)
+        out.append((ta - t0, tb - ta, began, gave))
+    return out
+
+
 def gaps(events: list[tuple[str, float]]) -> dict[str, float]:
     first = {}
     for stage, t in events:
@@ -81,6 +140,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"some of {', '.join(KINDS)}")
     ap.add_argument("--extra", default="", help="more server flags, space-separated")
+    ap.add_argument("--burst", type=int, default=0, help="send this many requests at once")
     args = ap.parse_args()
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if unknown := set(kinds) - set(KINDS):
@@ -126,6 +186,9 @@ def main() -> int:
             for kind in kinds:
                 send_one(client, kind, 4)  # warm-up (and the connection opened)
             Path(tl).write_text("")
+            if args.burst:
+                ttfts = send_burst(base, args.burst, args.max_tokens)
+                kinds = []
             for kind in kinds:
                 for _ in range(args.requests):
                     runs.setdefault(kind, []).append(send_one(client, kind, args.max_tokens))
@@ -146,6 +209,15 @@ def main() -> int:
     name, flags = cpu_info()
     noted = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
     print(f"CPU: {name} [{noted}], {os.cpu_count()} cores")
+    if args.burst:
+        print(f"a burst of {args.burst} streamed completions, {args.max_tokens} tokens each")
+        for start, length, began, gave in burst_steps(events, steps):
+            print(f"  step at {start * 1e3:8.1f} ms, {length * 1e3:7.1f} ms: {began:3d} newly "
+                  f"queued, first tokens for {gave:3d}")  # fmt: skip
+        ttfts.sort()
+        print(f"  TTFT (client) mean {statistics.mean(ttfts) * 1e3:.0f} ms, median "
+              f"{statistics.median(ttfts) * 1e3:.0f} ms, max {ttfts[-1] * 1e3:.0f} ms")  # fmt: skip
+        return 0
     print(f"{args.requests} requests of each kind at idle, {args.max_tokens} tokens each")
     decode_steps = sorted(durations)[: max(1, len(durations) * 9 // 10)]  # prefills are longest
     step = statistics.median(decode_steps) if decode_steps else 0.0
