@@ -1,10 +1,11 @@
 /* Fused elementwise kernels: residual add + RMSNorm (+ rotary), SiLU x up, and the KV cache's
    row store. Each kernel is written once over a vector type of VL fp32 lanes: 16 in the AVX-512
-   build, 8 in the AVX2 one. A prefill's rows are many and short (128 values per head), so the
-   cost is arithmetic per value, not memory, until the lanes double: on 8 lanes the q/k norm +
-   rotary and the SiLU ran at a third of the memory's speed. bf16 data is converted to fp32
-   with a shift, computed in fp32 and rounded (to nearest even) wherever torch's eager ops in
-   the model dtype round, so results match the PyTorch path up to the order of a sum. */
+   build, 8 in the AVX2 one. A prefill's rows are many and short (128 values per head), and
+   their cost is arithmetic, not memory: mostly the bf16 roundings torch's eager ops imply (the
+   q/k norm + rotary rounds each value five times). bf16 data is converted to fp32 with a
+   shift (pairs of vectors as even and odd lanes: one op per vector each way), computed in
+   fp32 and rounded (to nearest even) wherever torch's eager ops in the model dtype round, so
+   results match the PyTorch path bit for bit up to the order of the sum of squares. */
 /* No fused multiply-adds but the ones asked for: torch's eager `a * b + c * d` rounds both
    products and the sum, and an fp32 model's results should be those bits. */
 #if defined(__clang__)
