@@ -172,7 +172,8 @@ static inline void qi_split_u4(const uint8_t* src, int64_t cstride, int64_t S, u
 }
 
 /* A chunk's int32 sums (4 C tiles in `cb`) folded into acc: times the group's scale, and at
-   the group's end its zero point times x's group sums. */
+   the group's end its zero point times x's group sums. acc[16 r + m]: weight row r, input
+   row m. */
 static inline void qi_fold(const QiCall* c, const int32_t* cb, int64_t n0, int64_t rows,
                            int64_t mt, int64_t g, int last, float* acc) {
     const __m512 xs = _mm512_load_ps(c->xsum + (mt * c->G + g) * 16);
@@ -185,6 +186,32 @@ static inline void qi_fold(const QiCall* c, const int32_t* cb, int64_t n0, int64
             t = _mm512_fnmadd_ps(_mm512_set1_ps((float)c->zeros[(n0 + r) * c->gstride + g]), xs, t);
         __m512 s = _mm512_set1_ps(c->scales[(n0 + r) * c->gstride + g]);
         _mm512_store_ps(acc + 16 * r, _mm512_fmadd_ps(t, s, _mm512_load_ps(acc + 16 * r)));
+    }
+}
+
+/* The same for at most 8 input rows, whose C tiles were stored two to a 64-byte line (rows
+   r and r + 16 of the item side by side, qi_store_tiles): one vector per two weight rows.
+   acc[16 p + m]: weight row p, input row m; acc[16 p + 8 + m]: weight row p + 16. */
+static inline void qi_fold2(const QiCall* c, const int32_t* cb, int64_t n0, int64_t rows,
+                            int64_t mt, int64_t g, int last, float* acc) {
+    const __m512 xs = _mm512_load_ps(c->xsum + (mt * c->G + g) * 16);
+    const __m512 xs2 = _mm512_shuffle_f32x4(xs, xs, 0x44); /* input rows 0-7, twice */
+    const int64_t pairs = rows < 16 ? rows : 16;
+    for (int64_t p = 0; p < pairs; p++) {
+        const int32_t* h = cb + p * 16;
+        __m512i v = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(h), 8),
+                                     _mm512_load_si512(h + 256));
+        __m512 t = _mm512_cvtepi32_ps(v);
+        int64_t a = (n0 + p) * c->gstride + g, b = (n0 + p + 16) * c->gstride + g;
+        int two = p + 16 < rows; /* row p + 16 exists */
+        if (last && c->zeros) {
+            __m512 z = _mm512_mask_mov_ps(_mm512_set1_ps((float)c->zeros[a]), 0xFF00,
+                                          _mm512_set1_ps(two ? (float)c->zeros[b] : 0.0f));
+            t = _mm512_fnmadd_ps(z, xs2, t);
+        }
+        __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(c->scales[a]), 0xFF00,
+                                      _mm512_set1_ps(two ? c->scales[b] : 0.0f));
+        _mm512_store_ps(acc + 16 * p, _mm512_fmadd_ps(t, s, _mm512_load_ps(acc + 16 * p)));
     }
 }
 
@@ -216,6 +243,7 @@ static void qi_item_pass(const QiCall* c, const uint8_t* a, int64_t astride, int
     const uint8_t* xt = c->xb + mt * steps * 2 * (S / 4) * 64;
     const int64_t tb = (S / 4) * 64; /* bytes per B tile */
     const int u4 = c->bits == 4 && split;
+    const int paired = c->M <= 8;
     for (int r = 0; r < QI_ROWS; r++) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
     for (int64_t i = 0; u4 && i < QI_LAG && i < chunks; i++) qi_split_chunk(c, a, astride, ubuf, i);
     for (int64_t i = 0; i < chunks + QI_LAG; i++) {
@@ -244,20 +272,32 @@ static void qi_item_pass(const QiCall* c, const uint8_t* a, int64_t astride, int
                 qi_prefetch(pf);
             }
             int32_t* cb = cbuf + (i % (QI_LAG + 1)) * 1024;
-            _tile_stored(0, cb, 64);
-            _tile_stored(1, cb + 256, 64);
-            _tile_stored(2, cb + 512, 64);
-            _tile_stored(3, cb + 768, 64);
+            if (paired) { /* C tiles of <= 8 columns: rows r and r + 16 share a line */
+                _tile_stored(0, cb, 64);
+                _tile_stored(2, cb + 8, 64);
+                _tile_stored(1, cb + 256, 64);
+                _tile_stored(3, cb + 256 + 8, 64);
+            } else {
+                _tile_stored(0, cb, 64);
+                _tile_stored(1, cb + 256, 64);
+                _tile_stored(2, cb + 512, 64);
+                _tile_stored(3, cb + 768, 64);
+            }
         }
         int64_t j = i - QI_LAG;
-        if (j >= 0)
+        if (j >= 0 && paired)
+            qi_fold2(c, cbuf + (j % (QI_LAG + 1)) * 1024, n0, rows, mt, c->chunk[j] / c->gs,
+                     c->chunk[j + 1] % c->gs == 0, acc);
+        else if (j >= 0)
             qi_fold(c, cbuf + (j % (QI_LAG + 1)) * 1024, n0, rows, mt, c->chunk[j] / c->gs,
                     c->chunk[j + 1] % c->gs == 0, acc);
     }
     for (int64_t i = 0; i < mrows; i++) {
         float f = c->xscale[m0 + i];
-        for (int64_t r = 0; r < rows; r++)
-            store(y, (m0 + i) * c->N + n0 + r, acc[16 * r + i] * f, out_bf16);
+        for (int64_t r = 0; r < rows; r++) {
+            float v = paired ? acc[16 * (r % 16) + 8 * (r / 16) + i] : acc[16 * r + i];
+            store(y, (m0 + i) * c->N + n0 + r, v * f, out_bf16);
+        }
     }
 }
 
