@@ -71,7 +71,7 @@ def test_equals_the_dequantized_matmul_on_int16_x(
     w = _weight(method, group, n, k, n + k)
     g = torch.Generator().manual_seed(k)
     threads = torch.get_num_threads()
-    for rows in (1, 2, 8, 16, 17, 64):
+    for rows in (1, 2, 7, 8, 9, 16, 17, 64):
         x = torch.randn(rows, k, generator=g).bfloat16()
         outs = []
         try:
