@@ -28,6 +28,12 @@
 
    A thread's item is 32 weight rows (two A tiles; 4 C + 2 A + 2 B = the 8 tiles), the next
    item prefetched into L2 across the current one's steps, items shared as amx.c shares them.
+   Measured (Xeon, Sapphire Rapids class under KVM, amx_int8; one thread, cold weights, CPU
+   time, interleaved with qgemv): 8-bit codes at 8 rows 0.60x qgemv's time at 6144x1024 and
+   1024x3072, 1.0-1.1x qgemv's own 1-row time; at 1 row 0.93-1.0x qgemv. 4-bit codes at 8
+   rows 0.55x qgemv, but 1.6x its 1-row time: the tile products and the folds per group bound
+   them, not the bytes. The chooser (cpu_choice.py) picks per row count.
+
    Compiled where the build targets AMX-TILE and AMX-INT8 (cpu_build.py); the entry points
    exist only there and run only after amx_ready() (amx.h) granted the tiles. */
 #include "common.h"
@@ -40,8 +46,8 @@
 #define QI_ROWS 32   /* weight rows per item: two A tiles */
 #define QI_CHUNK 128 /* features whose integer sums combine exactly in int32 */
 
-/* Items ahead the prefetch runs (set from Python for measurements). */
-int qamxi_ahead = 1;
+/* Items ahead the prefetch runs (1, 2 and 3 measured alike: 3072x1024, 1 and 8 rows). */
+#define QI_AHEAD 1
 
 /* One call's shape and x, prepared once for every thread. */
 typedef struct {
@@ -366,12 +372,12 @@ static void qamxi_kind(int bits, const void* x, int x_bf16, const uint8_t* codes
                     memcpy(pad + r * row_bytes, a + r * cstride, (size_t)row_bytes);
                 a = pad, astride = row_bytes;
             } else if (q != expect) { /* not the items prefetched: fetch them all now */
-                for (int64_t i = 0; i < qamxi_ahead && q + i < items && N - (n0 + i * QI_ROWS) >= QI_ROWS; i++)
+                for (int64_t i = 0; i < QI_AHEAD && q + i < items && N - (n0 + i * QI_ROWS) >= QI_ROWS; i++)
                     for (int64_t r = 0; r < QI_ROWS; r++)
                         for (int64_t l = 0; l < row_bytes; l += 64)
                             _mm_prefetch((const char*)a + (i * QI_ROWS + r) * cstride + l, _MM_HINT_T1);
             }
-            int64_t nq = q + qamxi_ahead;
+            int64_t nq = q + QI_AHEAD;
             int next_full = nq < items && N - nq * QI_ROWS >= QI_ROWS;
             int64_t row_lines = (row_bytes + 63) / 64;
             QiAhead pf = {next_full ? (const char*)(codes + nq * QI_ROWS * cstride) : NULL,
