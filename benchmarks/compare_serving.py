@@ -337,7 +337,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "llama_cpp_peer.py)")  # fmt: skip
     p.add_argument("--minisgl-args", default="",
                    help="more minisgl server flags, space-separated, after '=' (e.g. "
-                   "--minisgl-args=--disable-auto-prefill-chunks for an A/B run)")  # fmt: skip
+                   "--minisgl-args='--prefill-chunk-overhead 0' for an A/B run)")  # fmt: skip
     p.add_argument("--formats", default="bf16",
                    help=f"weight formats, comma-separated: {', '.join(GGUF_TYPES)}")  # fmt: skip
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores for each server")

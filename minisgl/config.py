@@ -67,12 +67,14 @@ class EngineArgs:
     )
     max_running_requests: int = _f(256, "most requests in one batch")
     max_prefill_tokens: int = _f(4096, "token budget of one step's prefill (chunked prefill)")
-    disable_auto_prefill_chunks: bool = _f(
-        False,
-        "prefill a burst of waiting requests in one step, up to --max-prefill-tokens; by "
-        "default a burst is prefilled a few requests per step in arrival order, in chunks "
-        "sized from the measured step costs, so its first requests get their first tokens "
-        "early (a request alone is never chunked by it)",
+    prefill_chunk_overhead: float = _f(
+        0.25,
+        "a burst of waiting requests is prefilled a few requests per step, in arrival order, "
+        "so that its first requests get their first tokens early: each step's prompt tokens are "
+        "sized from the measured step costs so that a step's fixed cost is at most this "
+        "fraction of its arithmetic (larger: smaller chunks, earlier first tokens, a longer "
+        "prefill in all); 0 prefills a burst in one step, up to --max-prefill-tokens. A request "
+        "alone is never chunked by it",
     )
     tp_size: int = _f(1, "tensor-parallel ranks")
     disable_prefix_cache: bool = _f(False, "turn the radix prefix cache off")

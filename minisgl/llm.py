@@ -54,7 +54,7 @@ class LLM:
         **engine_kwargs: Any,
     ) -> None:
         # Offline, nobody waits for a first token: a batch's prefill is not split for one.
-        engine_kwargs.setdefault("disable_auto_prefill_chunks", True)
+        engine_kwargs.setdefault("prefill_chunk_overhead", 0.0)
         given = dict(
             model=model,
             dtype=dtype,

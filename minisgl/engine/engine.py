@@ -90,8 +90,10 @@ class Engine:
         # A burst's prefill in chunks sized from this engine's measured step costs. Not with
         # tensor parallelism: every rank schedules for itself, and timings differ per rank.
         self.prefill_budget: PrefillBudget | None = None
-        if not args.disable_auto_prefill_chunks and args.tp_size == 1:
-            self.prefill_budget = PrefillBudget(args.max_prefill_tokens, args.page_size)
+        if args.prefill_chunk_overhead > 0 and args.tp_size == 1:
+            self.prefill_budget = PrefillBudget(
+                args.max_prefill_tokens, args.page_size, args.prefill_chunk_overhead
+            )
         # Followers of a tensor-parallel group keep exactly the grammars rank 0 sends them.
         limit = None if tp_rank > 0 else CACHE_LIMIT_BYTES
         self.grammars = GrammarBackend(

@@ -9,6 +9,7 @@ chunk of n tokens pays a / (b*n) on top of its arithmetic. The chunk is sized so
 at most OVERHEAD: n >= a / (OVERHEAD * b). On a CPU whose prefill is compute-bound from a few
 hundred rows, a is small next to the arithmetic and the chunks are small; where a step's fixed
 cost is large (a GPU's launch, a slow weight read) they are large, up to max_prefill_tokens.
+OVERHEAD is the default of `--prefill-chunk-overhead`.
 
 The line is fitted by least squares over the engine's own prefill steps (their tokens, decodes
 included, against their seconds) with exponential forgetting, so it follows the machine and its
@@ -37,8 +38,11 @@ SMALL_DECODE_ROWS = 8
 class PrefillBudget:
     """The soft per-step prefill budget, learned from step timings."""
 
-    def __init__(self, max_tokens: int, min_tokens: int = 1) -> None:
+    def __init__(self, max_tokens: int, min_tokens: int = 1, overhead: float = OVERHEAD) -> None:
+        if overhead <= 0:
+            raise ValueError(f"the overhead must be > 0, got {overhead}")
         self.max_tokens = max_tokens
+        self.overhead = overhead
         self.min_tokens = max(1, min(min_tokens, max_tokens))
         self._s = [0.0] * 5  # decayed sums: weight, x, y, x^2, x*y over prefill steps
         self._decode_s = 0.0  # decayed mean of small decode steps' seconds
@@ -77,11 +81,12 @@ class PrefillBudget:
         return (a, b) if b > 0 else None
 
     def tokens(self) -> int | None:
-        """The soft budget: the smallest chunk whose fixed cost stays within OVERHEAD of it,
+        """The soft budget: the smallest chunk whose fixed cost stays within the overhead,
         or None (no soft budget) while the costs are unknown."""
         fit = self.line()
         if fit is None:
             return None
         a, b = fit
-        n = math.ceil(a / (OVERHEAD * b)) if a > 0 else self.min_tokens
+        # (less a hair: a fit's rounding must not turn 1000.0000001 into 1001)
+        n = math.ceil(a / (self.overhead * b) - 1e-6) if a > 0 else self.min_tokens
         return max(self.min_tokens, min(self.max_tokens, n))

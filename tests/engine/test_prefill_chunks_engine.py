@@ -53,7 +53,7 @@ def test_a_served_engine_chunks_a_burst_once_it_has_timed_its_steps(tiny_model_d
             device="cpu",
             num_pages=256,
             page_size=4,
-            disable_auto_prefill_chunks=True,
+            prefill_chunk_overhead=0.0,
         )
     )
     assert one_step.prefill_budget is None

@@ -154,3 +154,12 @@ def test_the_fit_follows_a_change_of_speed() -> None:
     feed(budget, 0.06, 0.0003, [128, 1024] * 60)  # twice as fast per token now
     fit = budget.line()
     assert fit is not None and fit[1] == pytest.approx(0.0003, rel=0.05)
+
+
+def test_a_larger_overhead_allowed_gives_smaller_chunks() -> None:
+    tight, loose = PrefillBudget(4096, 16, overhead=0.1), PrefillBudget(4096, 16, overhead=0.5)
+    for budget in (tight, loose):
+        feed(budget, 0.06, 0.0006, [128, 1024, 512])
+    assert tight.tokens() == 1000 and loose.tokens() == 200
+    with pytest.raises(ValueError):
+        PrefillBudget(4096, 16, overhead=0.0)
