@@ -68,7 +68,7 @@ class EngineArgs:
     max_running_requests: int = _f(256, "most requests in one batch")
     max_prefill_tokens: int = _f(4096, "token budget of one step's prefill (chunked prefill)")
     prefill_chunk_overhead: float = _f(
-        0.25,
+        0.1,
         "a burst of waiting requests is prefilled a few requests per step, in arrival order, "
         "so that its first requests get their first tokens early: each step's prompt tokens are "
         "sized from the measured step costs so that a step's fixed cost is at most this "

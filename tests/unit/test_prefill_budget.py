@@ -133,7 +133,7 @@ def test_the_budget_keeps_a_steps_fixed_cost_within_the_overhead() -> None:
 
 def test_compute_bound_prefill_gives_small_chunks_and_a_large_fixed_cost_large_ones() -> None:
     cpu, gpu = PrefillBudget(4096, 16), PrefillBudget(4096, 16)
-    feed(cpu, 0.002, 0.0007, [128, 1024, 512])  # no fixed cost to speak of
+    feed(cpu, 0.0005, 0.0007, [128, 1024, 512])  # no fixed cost to speak of
     feed(gpu, 0.010, 0.000001, [128, 1024, 512])  # launches and weights dwarf the arithmetic
     assert cpu.tokens() == 16
     assert gpu.tokens() == 4096
