@@ -25,7 +25,11 @@ def make(soft: int | None, max_prefill_tokens: int = 4096) -> Scheduler:
 
 def burst(s: Scheduler, n: int, prompt: int = 128, max_tokens: int = 16) -> list[Request]:
     reqs = [
-        Request(f"r{i}", [1000 * (i + 1) + j for j in range(prompt)], SamplingParams(max_tokens))
+        Request(
+            f"r{i}",
+            [1000 * (i + 1) + j for j in range(prompt)],
+            SamplingParams(max_tokens=max_tokens),
+        )
         for i in range(n)
     ]
     for r in reqs:
