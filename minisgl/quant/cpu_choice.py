@@ -71,14 +71,16 @@ class QuantKernel:
         return self._table[kernel_choice.table_index(x.shape[0])](x, w)
 
 
-def default_picks() -> tuple[str, ...]:
+def default_picks(kind: str | None = None) -> tuple[str, ...]:
     """Untuned: qgemv for one row; for few rows amx_int where this build and CPU have AMX-INT8
-    (it runs qgemv for fp8 codes), else qgemv; then the panel on AMX tiles where this build
-    and CPU have them (it runs the fp32 panel for fp32 x), else the fp32 panel."""
+    for codes of `kind` (cpu_gemv.kind; None: any integer codes), else qgemv; then the panel
+    on AMX tiles where this build and CPU have them (it runs the fp32 panel for fp32 x), else
+    the fp32 panel."""
     small = cpu_kernels.MAX_ROWS
     lib = cpu_kernels.load()
     many = "amx_panel" if lib is not None and lib.qamx else "dequant_panel"
-    few = "amx_int" if lib is not None and lib.qamxi else "qgemv"
+    tiles = lib is not None and (kind in lib.qamxi if kind is not None else bool(lib.qamxi))
+    few = "amx_int" if tiles else "qgemv"
     return tuple(
         ("qgemv" if last == 1 else few) if (last or small + 1) <= small else many
         for _, last in BUCKETS
@@ -107,28 +109,29 @@ def choose(
         return None
     if tuning not in kernel_choice.MODES:
         raise ValueError(f"cpu_kernel_tuning must be one of {kernel_choice.MODES}, not {tuning!r}")
+    defaults = default_picks(cpu_gemv.kind(weights[0]))
     if tuning == "off":
-        return default_picks(), "defaults"
+        return defaults, "defaults"
     shape = shape_key(weights[0], x_dtype)
     if (tuning, shape) in _MEMO:
         return _MEMO[(tuning, shape)]
     cache = kernel_choice.TuningCache(cpu_build.cache_dir() / "tuning", machine_key())
     got = cache.get(shape, CANDIDATES) if tuning == "cached" else None
     if got is not None:
-        result = kernel_choice.pick(got, default_picks()), "cached"
+        result = kernel_choice.pick(got, defaults), "cached"
     else:
         spreads: list[float] = []
         others = kernel_choice.OtherWork()
         timings = measure(weights, x_dtype, spreads)
         if kernel_choice.disturbed(spreads):
-            result = default_picks(), "defaults: timings disturbed, not cached"
+            result = defaults, "defaults: timings disturbed, not cached"
         elif (
             others.share() > kernel_choice.OTHER_WORK_LIMIT
         ):  # a steady load: the best picks for now, not for later
-            result = kernel_choice.pick(timings, default_picks()), "measured beside other work"
+            result = kernel_choice.pick(timings, defaults), "measured beside other work"
         else:
             cache.put({shape: timings})
-            result = kernel_choice.pick(timings, default_picks()), "measured"
+            result = kernel_choice.pick(timings, defaults), "measured"
     _MEMO[(tuning, shape)] = result
     return result
 

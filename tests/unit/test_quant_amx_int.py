@@ -119,6 +119,17 @@ def test_chooser_names_it_for_few_rows_only_where_it_runs() -> None:
     assert torch.equal(cpu_choice.QuantKernel(picks)(x, w), expect)
 
 
+def test_fp8_weights_are_told_qgemv_untuned() -> None:
+    """The untuned picks of fp8 weights name qgemv for few rows (what runs them), those of
+    integer codes amx_int where it runs: the start-up log says which kernel runs."""
+    fp8 = _weight("fp8", 128, 48, 256, 9)
+    int8 = _weight("int8", None, 48, 256, 9)
+    picks, _ = cpu_choice.choose([fp8], torch.bfloat16, "off") or ((), "")
+    assert picks[:4] == ("qgemv",) * 4
+    picks, _ = cpu_choice.choose([int8], torch.bfloat16, "off") or ((), "")
+    assert picks[1:4] == ("amx_int" if _AMXI else "qgemv",) * 3
+
+
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 def test_builds_without_amx_and_exports_nothing(tmp_path: Path, isa: str) -> None:
     """The AVX2 build and an AVX-512 build without AMX compile qamxi.c, with no entry points
