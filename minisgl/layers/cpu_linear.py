@@ -90,8 +90,11 @@ def prepack_enabled() -> bool:
 
 
 def native_bf16() -> bool:
-    """The CPU has bf16 dot-product instructions (oneDNN's fast bf16 path)."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    """The CPU has bf16 dot-product instructions and oneDNN may use them (its fast bf16 path).
+    CPUID alone is not enough: ONEDNN_MAX_CPU_ISA can hold oneDNN below them (AVX2, as when
+    emulating an AVX2-only CPU), and then its bf16 matmul is refused or converted."""
+    has = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return bool(has and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def onednn_gemm_enabled() -> bool:

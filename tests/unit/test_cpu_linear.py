@@ -6,6 +6,9 @@ for it and a pick needs it, and every candidate computes the same product."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -453,3 +456,14 @@ def test_timings_beside_a_steady_load_are_used_but_not_cached(
     monkeypatch.setattr(cpu_linear, "_MEMO", {})
     cpu_linear.CpuLinearKernel.create(w)
     assert timings.calls == 2  # cached
+
+
+def test_native_bf16_follows_onednn_isa_cap() -> None:
+    """oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA) has no native bf16 matmul, whatever CPUID says:
+    the untimed defaults and MoE's fallback must not count on one (it was true on an AMX Xeon)."""
+    code = "from minisgl.layers import cpu_linear; print(cpu_linear.native_bf16())"
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "False"
