@@ -132,30 +132,10 @@ class _Lib:
                     table[kind] = pfn
         # The same over AMX tiles, bf16 activations only (qamx.c): in a build that targets
         # AMX, once the kernel granted this process the tile state.
-        self.qamx: dict[str, Any] = {}
-        ready: Any = getattr(lib, "qamx_ready", None)
-        if ready is not None:
-            ready.restype = ctypes.c_int
-            for kind in ("u4", "u8", "fp8"):
-                afn: Any = getattr(lib, f"qamx_{kind}", None)
-                if afn is not None and ready():
-                    afn.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
-                    afn.argtypes += [i64] * 4
-                    afn.restype = None
-                    self.qamx[kind] = afn
+        self.qamx = _tile_kernels(lib, "qamx", ("u4", "u8", "fp8"))
         # Integer codes straight on AMX-INT8 tiles (qamxi.c): where the build targets AMX-INT8
         # and the tiles were granted; qgemv's arguments.
-        self.qamxi: dict[str, Any] = {}
-        ready_i: Any = getattr(lib, "qamxi_ready", None)
-        if ready_i is not None:
-            ready_i.restype = ctypes.c_int
-            for kind in ("u4", "u8"):
-                ifn: Any = getattr(lib, f"qamxi_{kind}", None)
-                if ifn is not None and ready_i():
-                    ifn.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
-                    ifn.argtypes += [i64] * 4
-                    ifn.restype = None
-                    self.qamxi[kind] = ifn
+        self.qamxi = _tile_kernels(lib, "qamxi", ("u4", "u8"))
         lib.stream_read.argtypes = [ptr, i64]
         lib.stream_read.restype = ctypes.c_float
         self.stream_read = lib.stream_read
@@ -775,3 +755,22 @@ def kv_store(
     )
     if bad >= 0:
         raise IndexError(f"KV slot {int(slots[bad])} outside the pool of {k_pool.shape[0]}")
+
+
+def _tile_kernels(lib: Any, prefix: str, kinds: tuple[str, ...]) -> dict[str, Any]:
+    """The AMX entry points `prefix`_<kind> by code kind, where the build has them and
+    `prefix`_ready() was granted the tiles (all take qgemv's arguments)."""
+    ready: Any = getattr(lib, f"{prefix}_ready", None)
+    if ready is None:
+        return {}
+    ready.restype = ctypes.c_int
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    out: dict[str, Any] = {}
+    for kind in kinds:
+        fn: Any = getattr(lib, f"{prefix}_{kind}", None)
+        if fn is not None and ready():
+            fn.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+            fn.argtypes += [i64] * 4
+            fn.restype = None
+            out[kind] = fn
+    return out
