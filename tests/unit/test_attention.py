@@ -107,6 +107,8 @@ CASES = {
     "chunks-crossing-pages": ([3, 4, 5], [6, 9, 2]),
     "long-prefills (per request)": ([0, 0, 20, 0], [40, 35, 30, 38]),
     "long-prefills-and-decodes (per request)": ([0, 5, 20, 0, 9], [40, 1, 30, 38, 1]),
+    "equal-fresh-prompts (one call)": ([0, 0, 0, 6, 0, 0], [30, 30, 30, 30, 24, 24]),
+    "equal-fresh-prompts-and-decodes": ([0, 0, 9, 0, 0], [28, 28, 1, 28, 28]),
 }
 
 
@@ -146,6 +148,27 @@ def test_long_prefills_are_attended_per_request() -> None:
     assert [c.shape for c in group.calls] == [(1, e) for e in extend]
     # Without a cached prefix: SDPA's own causal mask, no tiles.
     assert [c.causal and not c.tiles for c in group.calls] == [True, True, False, True]
+
+
+def test_fresh_prompts_attend_over_their_own_rows() -> None:
+    """Prompts without a cached prefix read their keys from the step's K/V, not gathered back
+    from the pool (no slots), and equal ones next to each other share one causal call; a chunk
+    after a cached prefix still reads the pool."""
+    pool = KVPool(1, NUM_PAGES, PAGE, 2, D, torch.float32, "cpu")
+    attn = create_attention_backend("torch", pool, 4, 2, D, D**-0.5)
+    prefix, extend = CASES["equal-fresh-prompts (one call)"]
+    tables, free = [], iter(range(NUM_PAGES))
+    for p, e in zip(prefix, extend, strict=True):
+        tables.append([next(free) for _ in range(-(-(p + e) // PAGE))])
+    meta = attn.prepare(BatchLayout(PAGE, prefix, extend, tables))
+    (group,) = meta.groups  # type: ignore[attr-defined]
+    calls = [(c.shape, c.start, c.k_slots is None, c.causal) for c in group.calls]
+    assert calls == [
+        ((3, 30), 0, True, True),
+        ((1, 30), 90, False, False),
+        ((2, 24), 120, True, True),
+    ]
+    assert group.out_rows is None  # in step order: no scatter of the outputs
 
 
 def test_too_few_pages_is_an_error() -> None:
