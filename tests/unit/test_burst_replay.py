@@ -4,21 +4,15 @@ allows on a line."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from collections.abc import Callable
+from types import ModuleType
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture
-def burst_replay(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import burst_replay
-
-    yield burst_replay
-    sys.modules.pop("burst_replay", None)
+def burst_replay(import_benchmark: Callable[[str], ModuleType]) -> ModuleType:
+    return import_benchmark("burst_replay")
 
 
 def test_chunks_bring_first_tokens_forward_at_a_bounded_cost(burst_replay) -> None:

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 def test_gpu_check_runs_its_cpu_parts_and_names_the_skipped(
-    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    import_benchmark: Callable[[str], ModuleType],
 ) -> None:
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import gpu_check
+    gpu_check = import_benchmark("gpu_check")
 
     assert gpu_check.main(["--quick", "--model", str(tiny_model_dir)]) == 0
     out = capsys.readouterr().out
@@ -25,12 +25,13 @@ def test_gpu_check_runs_its_cpu_parts_and_names_the_skipped(
     for check in ("decode", "8 x 16"):
         assert f"SKIP {check}: figures of a GPU" in out
     assert "0 failed" in out
-    sys.modules.pop("gpu_check", None)
 
 
-def test_a_clear_divergence_fails_and_a_near_tie_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    from gpu_check import Run, compare
+def test_a_clear_divergence_fails_and_a_near_tie_does_not(
+    import_benchmark: Callable[[str], ModuleType],
+) -> None:
+    gpu_check = import_benchmark("gpu_check")
+    Run, compare = gpu_check.Run, gpu_check.compare
 
     ref = Run([[5, 6, 7, 8]], [[2.0, 2.0, 0.01, 2.0]])
     assert compare(ref, [[5, 6, 9, 9]], 0.05, "x").startswith("2/4")  # after the near-tie

@@ -5,11 +5,12 @@ settings, minisgl's matching --quantization, and a skip (not a crash) when no bu
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 # A stand-in for convert_hf_to_gguf.py: writes its --outfile and records its arguments.
 FAKE_CONVERTER = """import os, sys
 out = sys.argv[sys.argv.index("--outfile") + 1]
@@ -21,15 +22,12 @@ echo "$@" > "$2"
 
 
 @pytest.fixture
-def serving(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
+def serving(
+    monkeypatch: pytest.MonkeyPatch, import_benchmark: Callable[[str], ModuleType]
+) -> ModuleType:
     for var in ("LLAMA_CPP_DIR", "LLAMA_CPP_BIN", "LLAMA_CPP_PYTHON"):
         monkeypatch.delenv(var, raising=False)
-    import compare_serving
-
-    yield compare_serving
-    sys.modules.pop("compare_serving", None)
-    sys.modules.pop("llama_cpp_peer", None)
+    return import_benchmark("compare_serving")
 
 
 def _tree(root: Path) -> Path:

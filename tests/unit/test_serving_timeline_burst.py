@@ -3,21 +3,15 @@ step began and gave their first token), without a server."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from collections.abc import Callable
+from types import ModuleType
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture
-def serving_timeline(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import serving_timeline
-
-    yield serving_timeline
-    sys.modules.pop("serving_timeline", None)
+def serving_timeline(import_benchmark: Callable[[str], ModuleType]) -> ModuleType:
+    return import_benchmark("serving_timeline")
 
 
 def test_a_burst_split_over_two_steps_shows_who_waited(serving_timeline) -> None:
