@@ -48,17 +48,16 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 from llama_cpp_peer import GGUF_TYPES, LlamaCpp, make_gguf, server_args
+
+from minisgl.testing.live_server import free_port, stop_process, wait_http_ok
 
 # Workload name -> (num prompts, max concurrency, output tokens, input tokens; 0: --input-len).
 WORKLOADS: dict[str, tuple[int, int, int, int]] = {
@@ -83,12 +82,6 @@ class Peer:
 
 def log(msg: str) -> None:
     print(msg, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def vllm_preload(python: str) -> dict[str, str]:
@@ -179,30 +172,6 @@ def peers(
     return [p for p in (*found, vllm, transformers) if p.name in names]
 
 
-def wait_ready(proc: subprocess.Popen[bytes], base_url: str, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return False
-        try:
-            if httpx.get(base_url + "/health", timeout=2.0).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    return False
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def run_peer(peer: Peer, args: argparse.Namespace, port: int, workdir: Path) -> dict[str, dict]:
     """Starts the peer's server, runs every workload against it, stops it."""
     if not shutil.which(peer.python) and not Path(peer.python).exists():
@@ -221,7 +190,10 @@ def run_peer(peer: Peer, args: argparse.Namespace, port: int, workdir: Path) -> 
         )  # fmt: skip
     results: dict[str, dict] = {}
     try:
-        if not wait_ready(proc, base_url, args.startup_timeout):
+        health = base_url + "/health"
+        if not wait_http_ok(
+            proc, health, args.startup_timeout, interval_s=1.0, probe_timeout_s=2.0
+        ):
             log(f"[{peer.name}] skipped: server not ready; tail of its log:")
             log(server_log.read_text(errors="replace")[-2000:])
             return {}
@@ -249,7 +221,7 @@ def run_peer(peer: Peer, args: argparse.Namespace, port: int, workdir: Path) -> 
             log(f"[{peer.name}] {name}: {r['output_throughput']:.1f} tok/s, "
                 f"p50 TTFT {r['median_ttft_ms']:.0f} ms, failed {r['failed']}")  # fmt: skip
     finally:
-        stop(proc)
+        stop_process(proc, 30.0, group=True)  # its workers too
     return results
 
 

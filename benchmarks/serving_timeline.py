@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,20 +31,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from minisgl import timeline
 from minisgl.layers.cpu_build import cpu_info
+from minisgl.testing.live_server import free_port, stop_process, wait_http_ok
 
 PROMPT = "The quick brown fox jumps"  # a handful of tokens
 CHAT = [{"role": "user", "content": "Name three colors."}]  # 6 tokens before the template's
 KINDS = ("chat-stream", "chat", "completion-stream", "completion")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def send_one(client: Any, kind: str, max_tokens: int) -> tuple[float, list[float], float]:
@@ -170,16 +161,9 @@ def main() -> int:
             start_new_session=True,
         )
         try:
-            deadline = time.monotonic() + 900
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(base + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(1)
-                if proc.poll() is not None:
-                    print(Path(tmp, "server.log").read_text()[-3000:])
-                    return 1
+            if not wait_http_ok(proc, base + "/health", 900, interval_s=1.0, probe_timeout_s=2.0):
+                print(Path(tmp, "server.log").read_text()[-3000:])
+                return 1
             import openai
 
             client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
@@ -195,8 +179,7 @@ def main() -> int:
                     time.sleep(0.3)  # idle between requests
             events = timeline.read(tl)
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
+            stop_process(proc, 60.0, group=True)
     steps = events.pop("-", [])
     durations = [
         b[1] - a[1] for a, b in zip(steps, steps[1:]) if a[0] == "step_begin" and b[0] == "step_end"
