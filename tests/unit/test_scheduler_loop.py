@@ -11,7 +11,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from minisgl.engine.worker import COALESCE_MAX, SchedulerLoop
+from minisgl.engine.worker import COALESCE_MAX, COALESCE_SHARE, SchedulerLoop
 from minisgl.message.scheduler_to_detokenizer import RequestRegistered, TokenBatch
 from minisgl.message.tokenizer_to_scheduler import TokenizedRequest
 from minisgl.sampling_params import SamplingParams
@@ -111,11 +111,74 @@ def test_a_lone_request_is_stepped_without_waiting_for_a_burst() -> None:
 
 
 def test_a_later_request_does_not_delay_the_first() -> None:
-    later = max(1.0, COALESCE_MAX * 100)
+    later = max(0.2, COALESCE_MAX * 2)
     t0 = time.monotonic()
     steps = run([(0.0, request("a")), (later, request("b"))], steps=2)
     assert steps == [["a"], ["b"]]
     assert time.monotonic() - t0 >= later
+
+
+class SimInbox:
+    """Messages due at given times on a simulated clock, which a wait advances: to the next
+    message's time when it is due within the timeout, else by the whole timeout."""
+
+    def __init__(self, schedule: list[tuple[float, Any]]) -> None:
+        self.schedule = sorted(schedule, key=lambda e: e[0])
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def get_all(self, timeout: float | None = None) -> list[Any]:
+        due = self.now + (timeout or 0.0)
+        if self.schedule and self.schedule[0][0] <= due:
+            self.now = max(self.now, self.schedule[0][0])
+        else:
+            self.now = due
+        ready = [m for t, m in self.schedule if t <= self.now]
+        self.schedule = self.schedule[len(ready) :]
+        return ready
+
+
+class TimedEngine(Engine):
+    """Each step takes `step_s` of the simulated clock, and records when it began."""
+
+    def __init__(self, inbox: SimInbox, step_s: float) -> None:
+        super().__init__()
+        self.inbox, self.step_s = inbox, step_s
+        self.began: list[float] = []
+
+    def step(self) -> list[Any]:
+        self.began.append(self.inbox.now)
+        self.inbox.now += self.step_s
+        return super().step()
+
+
+def run_simulated(schedule: list[tuple[float, Any]], steps: int) -> TimedEngine:
+    inbox = SimInbox(schedule)
+    engine = TimedEngine(inbox, step_s=0.2)
+    loop = SchedulerLoop(engine, inbox, SimpleNamespace(put=lambda m: None), logging.getLogger("t"))
+    loop.clock = inbox.clock  # type: ignore[method-assign]
+    loop.send_stats = lambda: None  # type: ignore[method-assign]
+    loop.run(Life(engine, steps))  # type: ignore[arg-type]
+    return engine
+
+
+def test_a_slowly_handed_over_burst_is_scheduled_in_one_step() -> None:
+    """A burst of 32 the API server hands over 2.5 ms apart (a loaded 2-core machine), after
+    steps of 200 ms: one schedule decision, not the first few requests alone (a fixed 6 ms
+    window split such a burst 9 + 23)."""
+    burst = [(1.0 + 0.0025 * i, request(f"r{i}", more=i < 31)) for i in range(32)]
+    engine = run_simulated([(0.0, request("w")), *burst], steps=2)
+    assert engine.steps == [["w"], [f"r{i}" for i in range(32)]]
+
+
+def test_a_burst_that_stops_coming_waits_at_most_the_window() -> None:
+    """The last request taken said more were behind it, but none came: the step starts once
+    the window (a share of the last step, at most COALESCE_MAX) has passed."""
+    engine = run_simulated([(0.0, request("w")), (1.0, request("a", more=True))], steps=2)
+    assert engine.steps == [["w"], ["a"]]
+    assert 1.0 < engine.began[1] <= 1.0 + min(COALESCE_MAX, COALESCE_SHARE * 0.2) + 1e-9
 
 
 class TokenEngine(Engine):
