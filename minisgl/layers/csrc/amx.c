@@ -100,10 +100,7 @@ static void store_c(const float* c, void* y, int64_t N, int64_t m0, int mrows, i
     for (int i = 0; i < mrows; i++) {
         int64_t at = (m0 + i) * N + n0;
         if (out_bf16) { /* round to nearest even, as common.h's store() */
-            __m512i b = _mm512_castps_si512(r[i]);
-            __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-            b = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-            __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16));
+            __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bias16_bf16(r[i]), 16));
             _mm256_mask_storeu_epi16((uint16_t*)y + at, mask, h);
         } else {
             _mm512_mask_storeu_ps((float*)y + at, mask, r[i]);

@@ -19,12 +19,26 @@ static inline __m256 load_bf16(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 static inline __m256 load_f32(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 round8_bf16(__m256 v) { /* to the nearest bf16, ties to even */
+/* v's bits plus the round-to-nearest-even bias (0x7FFF, + 1 where bit 16 is set): the top
+   half of each lane is then v rounded to bf16 (the bottom half is left over). */
+static inline __m256i bias8_bf16(__m256 v) {
     __m256i b = _mm256_castps_si256(v);
     __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    b = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
-    return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xFFFF0000u)));
+    return _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
 }
+static inline __m256 round8_bf16(__m256 v) { /* to the nearest bf16, ties to even */
+    __m256i top = _mm256_set1_epi32((int)0xFFFF0000u);
+    return _mm256_castsi256_ps(_mm256_and_si256(bias8_bf16(v), top));
+}
+#if defined(__AVX512F__)
+/* bias8_bf16 on 16 lanes; a mask instead of a shift and an and: one op fewer. */
+static inline __m512i bias16_bf16(__m512 v) {
+    __m512i b = _mm512_castps_si512(v);
+    __mmask16 odd = _mm512_test_epi32_mask(b, _mm512_set1_epi32(0x10000));
+    b = _mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF));
+    return _mm512_mask_add_epi32(b, odd, b, _mm512_set1_epi32(1));
+}
+#endif
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -33,15 +47,24 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t b = (uint32_t)v << 16;
+    float f;
+    __builtin_memcpy(&f, &b, 4);
+    return f;
+}
+static inline uint16_t f32_to_bf16(float v) {
+    uint32_t b;
+    __builtin_memcpy(&b, &v, 4);
+    b += 0x7FFF + ((b >> 16) & 1);
+    return (uint16_t)(b >> 16);
+}
+static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+static inline float id_f32(float v) { return v; }
+
 static inline void store(void* y, int64_t i, float v, int out_bf16) {
-    if (out_bf16) {
-        uint32_t b;
-        __builtin_memcpy(&b, &v, 4);
-        b += 0x7FFF + ((b >> 16) & 1); /* round to nearest even */
-        ((uint16_t*)y)[i] = (uint16_t)(b >> 16);
-    } else {
-        ((float*)y)[i] = v;
-    }
+    if (out_bf16) ((uint16_t*)y)[i] = f32_to_bf16(v); /* to the nearest, ties to even */
+    else ((float*)y)[i] = v;
 }
 
 /* Weights are streamed from memory once per call in 4-row blocks, and each block's rows are
@@ -132,20 +155,6 @@ static inline int share_parts(void) {
     return n < 1 ? 1 : (n > SHARE_MAX ? SHARE_MAX : n);
 }
 
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t b = (uint32_t)v << 16;
-    float f;
-    __builtin_memcpy(&f, &b, 4);
-    return f;
-}
-static inline uint16_t f32_to_bf16(float v) {
-    uint32_t b;
-    __builtin_memcpy(&b, &v, 4);
-    b += 0x7FFF + ((b >> 16) & 1);
-    return (uint16_t)(b >> 16);
-}
-static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
-static inline float id_f32(float v) { return v; }
 
 /* expf on 8 lanes (Cephes' polynomial after n*ln2 range reduction; ~1 ulp) for x <= 88. */
 static inline __m256 exp8(__m256 x) {

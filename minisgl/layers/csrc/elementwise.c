@@ -54,14 +54,8 @@ ALWAYS void v_store2_bf16(uint16_t* p, __m512i even, __m512i odd) {
     __m512i hi = _mm512_and_si512(odd, _mm512_set1_epi32((int)0xFFFF0000u));
     _mm512_storeu_si512(p, _mm512_or_si512(hi, _mm512_srli_epi32(even, 16)));
 }
-/* v's bits plus the round-to-nearest-even bias (0x7FFF, + 1 where bit 16 is set): the top
-   half is then v rounded to bf16. A mask instead of a shift and an and: one op fewer. */
-ALWAYS __m512i v_bias_bf16(vf v) {
-    __m512i b = _mm512_castps_si512(v);
-    __mmask16 odd = _mm512_test_epi32_mask(b, _mm512_set1_epi32(0x10000));
-    b = _mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF));
-    return _mm512_mask_add_epi32(b, odd, b, _mm512_set1_epi32(1));
-}
+/* v's bits + the round-to-nearest-even bias: the top halves are v in bf16 (common.h). */
+ALWAYS __m512i v_bias_bf16(vf v) { return bias16_bf16(v); }
 ALWAYS __m512i v_bits(vf v) { return _mm512_castps_si512(v); }
 ALWAYS vf v_round_bf16(vf v) { /* to the nearest bf16, ties to even, kept as fp32 */
     __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
@@ -117,11 +111,7 @@ ALWAYS void v_store2_bf16(uint16_t* p, __m256i even, __m256i odd) {
     __m256i packed = _mm256_blend_epi16(_mm256_srli_epi32(even, 16), odd, 0xAA);
     _mm256_storeu_si256((__m256i*)p, packed);
 }
-ALWAYS __m256i v_bias_bf16(vf v) {
-    __m256i b = _mm256_castps_si256(v);
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    return _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
-}
+ALWAYS __m256i v_bias_bf16(vf v) { return bias8_bf16(v); }
 ALWAYS __m256i v_bits(vf v) { return _mm256_castps_si256(v); }
 #endif
 
