@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -134,17 +135,24 @@ def test_random_batches_match_reference(seed: int) -> None:
     run_case(prefix, extend, 4, 2, seed, path=PATHS[seed % 3])
 
 
-def test_long_prefills_are_attended_per_request() -> None:
-    """The layout the cases above rely on: a chunk of long prompts is not padded to a
-    rectangle."""
+def _planned_group(case: str) -> Any:  # the backend's private _Group
+    """The one group of calls the torch backend plans for CASES[case] (pages in order)."""
     pool = KVPool(1, NUM_PAGES, PAGE, 2, D, torch.float32, "cpu")
     attn = create_attention_backend("torch", pool, 4, 2, D, D**-0.5)
-    prefix, extend = CASES["long-prefills (per request)"]
+    prefix, extend = CASES[case]
     tables, free = [], iter(range(NUM_PAGES))
     for p, e in zip(prefix, extend, strict=True):
         tables.append([next(free) for _ in range(-(-(p + e) // PAGE))])
     meta = attn.prepare(BatchLayout(PAGE, prefix, extend, tables))
     (group,) = meta.groups  # type: ignore[attr-defined]
+    return group
+
+
+def test_long_prefills_are_attended_per_request() -> None:
+    """The layout the cases above rely on: a chunk of long prompts is not padded to a
+    rectangle."""
+    extend = CASES["long-prefills (per request)"][1]
+    group = _planned_group("long-prefills (per request)")
     assert [c.shape for c in group.calls] == [(1, e) for e in extend]
     # Without a cached prefix: SDPA's own causal mask, no tiles.
     assert [c.causal and not c.tiles for c in group.calls] == [True, True, False, True]
@@ -154,14 +162,7 @@ def test_fresh_prompts_attend_over_their_own_rows() -> None:
     """Prompts without a cached prefix read their keys from the step's K/V, not gathered back
     from the pool (no slots), and equal ones next to each other share one causal call; a chunk
     after a cached prefix still reads the pool."""
-    pool = KVPool(1, NUM_PAGES, PAGE, 2, D, torch.float32, "cpu")
-    attn = create_attention_backend("torch", pool, 4, 2, D, D**-0.5)
-    prefix, extend = CASES["equal-fresh-prompts (one call)"]
-    tables, free = [], iter(range(NUM_PAGES))
-    for p, e in zip(prefix, extend, strict=True):
-        tables.append([next(free) for _ in range(-(-(p + e) // PAGE))])
-    meta = attn.prepare(BatchLayout(PAGE, prefix, extend, tables))
-    (group,) = meta.groups  # type: ignore[attr-defined]
+    group = _planned_group("equal-fresh-prompts (one call)")
     calls = [(c.shape, c.start, c.k_slots is None, c.causal) for c in group.calls]
     assert calls == [
         ((3, 30), 0, True, True),
