@@ -41,6 +41,7 @@ COMMON_SOURCES = (
     "qdequant.c",
     "qamx.c",
     "qamxi.c",
+    "qamxf.c",
     "amx.c",
 )
 AVX512_NEEDS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})

@@ -133,9 +133,12 @@ class _Lib:
         # The same over AMX tiles, bf16 activations only (qamx.c): in a build that targets
         # AMX, once the kernel granted this process the tile state.
         self.qamx = _tile_kernels(lib, "qamx", ("u4", "u8", "fp8"))
-        # Integer codes straight on AMX-INT8 tiles (qamxi.c): where the build targets AMX-INT8
-        # and the tiles were granted; qgemv's arguments.
-        self.qamxi = _tile_kernels(lib, "qamxi", ("u4", "u8"))
+        # Few rows straight from the codes on AMX tiles: integer codes on AMX-INT8 (qamxi.c),
+        # fp8 codes converted to bf16 on AMX-BF16 (qamxf.c); where the build targets AMX and
+        # the tiles were granted; qgemv's arguments.
+        self.qamxi = _tile_kernels(lib, "qamxi", ("u4", "u8")) | _tile_kernels(
+            lib, "qamxf", ("fp8",)
+        )
         lib.stream_read.argtypes = [ptr, i64]
         lib.stream_read.restype = ctypes.c_float
         self.stream_read = lib.stream_read

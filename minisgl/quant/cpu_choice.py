@@ -10,13 +10,15 @@ The candidates (cpu_gemv.py), all reading the quantized weight as loaded (no sec
 - "int16_panel": the same with integer codes against x quantized per row to int16 (VPMADDWD);
 - "amx_panel": a panel dequantized once into bf16 and multiplied on AMX tiles (bf16 x; where
   the CPU and build have no AMX, or x is fp32, it runs dequant_panel);
-- "amx_int": integer codes straight as AMX-INT8 tiles against x quantized per row to int16
-  (qgemv's numerics), a weight byte costing the same work for 1 to 16 rows (cpu_panel.py;
-  fp8 codes and CPUs or builds without AMX-INT8 run qgemv).
+- "amx_int": few rows on AMX tiles straight from the codes, a weight byte costing the same
+  work for 1 to 16 rows (cpu_panel.py): integer codes as AMX-INT8 tiles against x quantized
+  per row to int16 (qgemv's numerics), fp8 codes converted exactly to bf16 against bf16 x
+  (fp32 x, and CPUs or builds without the tiles, run qgemv).
 Which wins at which row count depends on the CPU (FMA width, integer multiply rate, MKL), so
 nothing is a fixed row limit: each shape and code kind is timed per bucket at start-up, or read
 from the cache. Tuning "off": qgemv for one row, amx_int for 2 to cpu_kernels.MAX_ROWS where
-AMX-INT8 runs (qgemv elsewhere), then amx_panel where AMX runs, else dequant_panel.
+its tiles run (AMX-INT8; fp8 codes: AMX-BF16 with bf16 x; qgemv elsewhere), then amx_panel
+where AMX runs, else dequant_panel.
 """
 
 from __future__ import annotations
@@ -71,15 +73,21 @@ class QuantKernel:
         return self._table[kernel_choice.table_index(x.shape[0])](x, w)
 
 
-def default_picks(kind: str | None = None) -> tuple[str, ...]:
-    """Untuned: qgemv for one row; for few rows amx_int where this build and CPU have AMX-INT8
-    for codes of `kind` (cpu_gemv.kind; None: any integer codes), else qgemv; then the panel
-    on AMX tiles where this build and CPU have them (it runs the fp32 panel for fp32 x), else
-    the fp32 panel."""
+def default_picks(
+    kind: str | None = None, x_dtype: torch.dtype = torch.bfloat16
+) -> tuple[str, ...]:
+    """Untuned: qgemv for one row; for few rows amx_int where this build and CPU have its
+    tiles for codes of `kind` (cpu_gemv.kind; None: any integer codes) and x of `x_dtype`
+    (fp8 codes: bf16 x only), else qgemv; then the panel on AMX tiles where this build and CPU
+    have them (it runs the fp32 panel for fp32 x), else the fp32 panel."""
     small = cpu_kernels.MAX_ROWS
     lib = cpu_kernels.load()
     many = "amx_panel" if lib is not None and lib.qamx else "dequant_panel"
-    tiles = lib is not None and (kind in lib.qamxi if kind is not None else bool(lib.qamxi))
+    if kind is None:
+        tiles = lib is not None and bool(lib.qamxi.keys() - {"fp8"})
+    else:
+        tiles = lib is not None and kind in lib.qamxi
+        tiles = tiles and (kind != "fp8" or x_dtype == torch.bfloat16)
     few = "amx_int" if tiles else "qgemv"
     return tuple(
         ("qgemv" if last == 1 else few) if (last or small + 1) <= small else many
@@ -109,7 +117,7 @@ def choose(
         return None
     if tuning not in kernel_choice.MODES:
         raise ValueError(f"cpu_kernel_tuning must be one of {kernel_choice.MODES}, not {tuning!r}")
-    defaults = default_picks(cpu_gemv.kind(weights[0]))
+    defaults = default_picks(cpu_gemv.kind(weights[0]), x_dtype)
     if tuning == "off":
         return defaults, "defaults"
     shape = shape_key(weights[0], x_dtype)

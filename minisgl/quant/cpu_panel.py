@@ -5,10 +5,10 @@ there. The values are qtensor.dequantize's exactly, the products and sums fp32 (
 panel kernel's), so the result is the dequantized weight's matmul to fp32 rounding; weights as
 cpu_gemv.usable takes them. `int16_panel`: the same blocking with x quantized per row to int16
 and integer codes multiplied in int32 (VPMADDWD), where that is faster. `amx_panel`: on AMX
-tiles, the panel dequantized once into bf16 (qamx.c). `amx_int`: integer codes straight on
-AMX-INT8 tiles for few rows (decode; qamxi.c), x quantized per row to int16 as the decode GEMV
-does. Candidates of the quantized chooser
-(cpu_choice.py)."""
+tiles, the panel dequantized once into bf16 (qamx.c). `amx_int`: few rows (decode) straight
+from the codes on AMX tiles: integer codes on AMX-INT8 (qamxi.c), x quantized per row to int16
+as the decode GEMV does; fp8 codes converted exactly to bf16 on AMX-BF16 (qamxf.c), bf16 x.
+Candidates of the quantized chooser (cpu_choice.py)."""
 
 from __future__ import annotations
 
@@ -54,14 +54,17 @@ def amx_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None)
 
 
 def amx_int(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Integer codes (8 or 4 bits) as AMX-INT8 tiles straight from the codes, against x
-    quantized per row to int16 (qgemv's numerics) split into a signed high and an unsigned low
-    byte (qamxi.c): each weight byte costs the same work for 1 to 16 input rows. fp8 codes
-    (no integer form) and CPUs or builds without AMX-INT8 take the decode GEMV (qgemv)."""
+    """Few rows on AMX tiles straight from the codes, each weight byte costing the same work
+    for 1 to 16 input rows: integer codes (8 or 4 bits) as AMX-INT8 tiles against x quantized
+    per row to int16 (qgemv's numerics) split into a signed high and an unsigned low byte
+    (qamxi.c); fp8 e4m3 codes converted exactly to bf16 a tile step at a time against bf16 x,
+    each group's fp32 sum times its scale (qamxf.c). fp8 with fp32 x (which bf16 would round)
+    and CPUs or builds without the tiles take the decode GEMV (qgemv)."""
     lib = cpu_kernels.load()
     assert lib is not None
-    fn = lib.qamxi.get(cpu_gemv.kind(w))
-    if fn is None:
+    kind = cpu_gemv.kind(w)
+    fn = lib.qamxi.get(kind)
+    if fn is None or (kind == "fp8" and x.dtype != torch.bfloat16):
         return cpu_gemv.qgemv(x, w, out_dtype)
     return _run(fn, x, w, out_dtype)
 

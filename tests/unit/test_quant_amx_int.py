@@ -2,8 +2,9 @@
 decode GEMV does, the codes multiplied straight as tiles. Equal to the dequantized weight's
 matmul on that x to fp32 rounding for 8-bit and 4-bit codes, groups of 32, 64, 128 and whole
 rows, row counts around the 16-row tiles, odd N (a last short item), a tensor-parallel
-shard's strided codes, one thread and two to the bit; fp8 codes and builds without AMX-INT8
-run qgemv; the chooser's untuned picks name it only where it runs."""
+shard's strided codes, one thread and two to the bit; fp8 codes with fp32 x and builds
+without AMX-INT8 run qgemv (fp8 with bf16 x: test_quant_amx_fp8.py); the chooser's untuned
+picks name it only where it runs."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from minisgl.testing import builds
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no CPU kernels here")
 
-_AMXI = bool((lib := cpu_kernels.load()) is not None and lib.qamxi)
+_AMXI = bool((lib := cpu_kernels.load()) is not None and "u8" in lib.qamxi)
 
 
 def _weight(method: str, group: int | None, n: int, k: int, seed: int) -> QTensor:
@@ -99,8 +100,9 @@ def test_fp32_in_bf16_out_and_a_shard() -> None:
     assert torch.equal(amx_int(xb, w), amx_int(xb, w, torch.float32).bfloat16())
 
 
-def test_fp8_codes_run_qgemv() -> None:
-    """fp8 e4m3 has no integer form: amx_int is the decode GEMV for it, here or anywhere."""
+def test_fp8_codes_with_fp32_x_run_qgemv() -> None:
+    """fp8 codes against fp32 x (which bf16 tiles would round): amx_int is the decode GEMV,
+    here or anywhere (bf16 x: test_quant_amx_fp8.py)."""
     w = _weight("fp8", 128, 40, 256, 7)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(7))
     assert torch.equal(amx_int(x, w), cpu_gemv.qgemv(x, w))
@@ -119,12 +121,16 @@ def test_chooser_names_it_for_few_rows_only_where_it_runs() -> None:
     assert torch.equal(cpu_choice.QuantKernel(picks)(x, w), expect)
 
 
-def test_fp8_weights_are_told_qgemv_untuned() -> None:
-    """The untuned picks of fp8 weights name qgemv for few rows (what runs them), those of
-    integer codes amx_int where it runs: the start-up log says which kernel runs."""
+def test_untuned_picks_name_what_runs_fp8_weights() -> None:
+    """The untuned picks of fp8 weights name amx_int for few rows where its AMX-BF16 kernel
+    runs and x is bf16, qgemv otherwise (what runs them); integer codes amx_int where AMX-INT8
+    runs: the start-up log says which kernel runs."""
     fp8 = _weight("fp8", 128, 48, 256, 9)
     int8 = _weight("int8", None, 48, 256, 9)
+    fp8_tiles = "amx_int" if lib is not None and "fp8" in lib.qamxi else "qgemv"
     picks, _ = cpu_choice.choose([fp8], torch.bfloat16, "off") or ((), "")
+    assert picks[:4] == ("qgemv", fp8_tiles, fp8_tiles, fp8_tiles)
+    picks, _ = cpu_choice.choose([fp8], torch.float32, "off") or ((), "")
     assert picks[:4] == ("qgemv",) * 4
     picks, _ = cpu_choice.choose([int8], torch.bfloat16, "off") or ((), "")
     assert picks[1:4] == ("amx_int" if _AMXI else "qgemv",) * 3
