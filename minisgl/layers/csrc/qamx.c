@@ -150,6 +150,17 @@ static inline void qa_store(const float* c, void* y, int out_bf16, int64_t m0, i
     }
 }
 
+/* `count` C tiles in `cbuf` (256 floats apart) -> y: tile t holds input rows m0 + (t >> 1) * 16
+   and outputs n0 + (t & 1) * 16 on, bounded by M and N (qa_tile2x2's four, qa_tile1x2's two). */
+static inline void qa_store_tiles(const float* cbuf, int count, void* y, int out_bf16,
+                                  int64_t m0, int64_t M, int64_t n0, int64_t N) {
+    for (int t = 0; t < count; t++) {
+        int64_t mm = m0 + (t >> 1) * 16, nn = n0 + (t & 1) * 16;
+        int64_t rows = M - mm < 16 ? M - mm : 16, cols = N - nn < 16 ? N - nn : 16;
+        if (rows > 0 && cols > 0) qa_store(cbuf + 256 * t, y, out_bf16, mm, rows, nn, cols, N);
+    }
+}
+
 /* 32 input rows (xa: rows 0-15, xb: 16-31, `ldx` bf16 apart) against 32 weight rows (wb0,
    wb1: dequantized subpanels) over K; the four 16 x 16 results stored into y. */
 static inline void qa_tile2x2(const uint16_t* xa, const uint16_t* xb, int64_t ldx,
@@ -174,11 +185,7 @@ static inline void qa_tile2x2(const uint16_t* xa, const uint16_t* xb, int64_t ld
     _tile_stored(1, cbuf + 256, 64);
     _tile_stored(2, cbuf + 512, 64);
     _tile_stored(3, cbuf + 768, 64);
-    for (int t = 0; t < 4; t++) {
-        int64_t mm = m0 + (t >> 1) * 16, nn = n0 + (t & 1) * 16;
-        int64_t rows = M - mm < 16 ? M - mm : 16, cols = N - nn < 16 ? N - nn : 16;
-        if (rows > 0 && cols > 0) qa_store(cbuf + 256 * t, y, out_bf16, mm, rows, nn, cols, N);
-    }
+    qa_store_tiles(cbuf, 4, y, out_bf16, m0, M, n0, N);
 }
 
 /* At most 16 input rows (a decode batch): one A tile of exactly those rows (the tiles are
@@ -197,10 +204,7 @@ static inline void qa_tile1x2(const uint16_t* x, int64_t M, const uint16_t* wb0,
     }
     _tile_stored(0, cbuf, 64);
     _tile_stored(1, cbuf + 256, 64);
-    for (int t = 0; t < 2; t++) {
-        int64_t nn = n0 + t * 16, cols = N - nn < 16 ? N - nn : 16;
-        if (cols > 0) qa_store(cbuf + 256 * t, y, out_bf16, 0, M, nn, cols, N);
-    }
+    qa_store_tiles(cbuf, 2, y, out_bf16, 0, M, n0, N);
 }
 
 static inline __attribute__((always_inline)) void qamx_kind(
