@@ -10,7 +10,7 @@ import torch
 
 from minisgl.kvcache.kv_pool import KVPool
 from minisgl.layers import attention
-from minisgl.layers.attention import create_attention_backend, resolve_backend_name
+from minisgl.layers.attention import cpu_prefill, create_attention_backend, resolve_backend_name
 from minisgl.layers.attention.base import BatchLayout, check_page_tables
 from minisgl.layers.attention.paged_plan import build_paged_plan
 from minisgl.layers.attention.torch_backend import TorchAttentionBackend
@@ -170,6 +170,50 @@ def test_fresh_prompts_attend_over_their_own_rows() -> None:
         ((2, 24), 120, True, True),
     ]
     assert group.out_rows is None  # in step order: no scatter of the outputs
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fresh_prompts_at_model_head_sizes_match_the_reference(head_dim: int) -> None:
+    """bf16 prompts without a cached prefix at a model's head size (where the CPU has AMX:
+    the tile kernel, cpu_prefill.py), lengths off the 16-row tiles, beside a decode; the same
+    answers as the reference within bf16 rounding."""
+    hq, hkv, ps = 4, 2, 16
+    prefix, extend = [0, 0, 3, 0, 0], [40, 17, 1, 130, 33]
+    pool = KVPool(1, 64, ps, hkv, head_dim, torch.bfloat16, "cpu")
+    attn = create_attention_backend("torch", pool, hq, hkv, head_dim, head_dim**-0.5)
+    assert isinstance(attn, TorchAttentionBackend)
+    free = iter(range(64))
+    tables = [[next(free) for _ in range(-(-(p + e) // ps))] for p, e in zip(prefix, extend)]
+    g = torch.Generator().manual_seed(head_dim)
+    past = [torch.randn(2, p, hkv, head_dim, generator=g).bfloat16() for p in prefix]
+    for (pk, pv), table, p in zip(past, tables, prefix, strict=True):
+        slots = [table[i // ps] * ps + i % ps for i in range(p)]
+        pool.k_buffers[0][slots], pool.v_buffers[0][slots] = pk, pv
+    t = sum(extend)
+    # As a model hands them over: q and k views of the normed q/k rows, v of the projection's.
+    qk = torch.randn(t, (hq + hkv) * head_dim, generator=g).bfloat16()
+    qkv = torch.randn(t, (hq + 2 * hkv) * head_dim, generator=g).bfloat16()
+    q, k = qk.view(t, hq + hkv, head_dim).split([hq, hkv], dim=1)
+    v = qkv.view(t, hq + 2 * hkv, head_dim)[:, hq + hkv :]
+    meta = attn.prepare(BatchLayout(ps, prefix, extend, tables))
+    amx = cpu_prefill.available(torch.bfloat16, head_dim, hq, hkv)
+    fresh = [grp.fresh_seqs for grp in meta.groups]  # type: ignore[attr-defined]
+    assert [f is not None for f in fresh] == [False, amx]  # the decode's group, the prompts'
+    if fresh[1] is not None:  # the kernel takes these views (no silent fall back to SDPA)
+        assert cpu_prefill.attend(q, k, v, fresh[1], 220, head_dim**-0.5) is not None
+    out = attn.forward(q, k, v, 0, meta).float()
+    start = 0
+    for (pk, pv), p, e in zip(past, prefix, extend, strict=True):
+        rows = slice(start, start + e)
+        full_k, full_v = torch.cat([pk, k[rows]]).double(), torch.cat([pv, v[rows]]).double()
+        group = hq // hkv
+        kk, vv = full_k.repeat_interleave(group, 1), full_v.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[rows].double(), kk) * head_dim**-0.5
+        hidden = torch.arange(p + e)[None, :] > torch.arange(e)[:, None] + p
+        probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+        want = torch.einsum("hqk,khd->qhd", probs, vv).reshape(e, -1).float()
+        torch.testing.assert_close(out[rows], want, atol=2e-2, rtol=2e-2)
+        start += e
 
 
 def test_too_few_pages_is_an_error() -> None:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from minisgl.kvcache.kv_pool import KVPool
 from minisgl.layers import cpu_kernels
+from minisgl.layers.attention import cpu_prefill
 from minisgl.layers.attention.base import (
     AttentionBackend,
     AttentionMetadata,
@@ -75,6 +76,10 @@ class _Group:
     # The decode kernel may store the step's rows itself (one row per request: no row reads
     # another's); False for a short extend's rows, which read each other's keys.
     stores_new: bool = True
+    # Fresh prompts only, for the CPU AMX kernel (cpu_prefill.py): [3, n] first step row, first
+    # output row and length of each; None: the calls above.
+    fresh_seqs: torch.Tensor | None = None
+    fresh_rows: int = 0  # their rows in all
 
 
 @dataclass
@@ -125,6 +130,10 @@ class TorchAttentionBackend(AttentionBackend):
         # and GQA); on CUDA only those without a mask, in half precision (its flash kernel).
         self.sdpa_masked = cpu
         self.sdpa_plain = cpu or kv_pool.dtype in (torch.float16, torch.bfloat16)
+        # Fresh prompts' causal attention on AMX tiles where the CPU has them (bf16).
+        self.cpu_prefill = cpu and cpu_prefill.available(
+            kv_pool.dtype, head_dim, num_heads, num_kv_heads
+        )
 
     def prepare(self, layout: BatchLayout) -> TorchMetadata:
         ps = layout.page_size
@@ -302,12 +311,17 @@ class TorchAttentionBackend(AttentionBackend):
             )
         rows = np.concatenate([np.arange(s, s + e) for s, e in zip(st, ext)])
         identity = len(members) == num_requests and np.array_equal(rows, np.arange(len(rows)))
+        fresh_seqs = None
+        if self.cpu_prefill and all(r[2] for r in runs) and ext.max() <= cpu_prefill.MAX_LEN:
+            fresh_seqs = self._dev(np.stack([st, np.cumsum(ext) - ext, ext]))
         return _Group(
             calls=calls,
             out_rows=None if identity else self._dev(rows),
             valid=None,
             lens=self._dev(pre + ext),
             decode_kernel=False,
+            fresh_seqs=fresh_seqs,
+            fresh_rows=int(ext.sum()),
         )
 
     def _call(
@@ -422,6 +436,10 @@ class TorchAttentionBackend(AttentionBackend):
             return cpu_kernels.decode_attention(
                 qd, k_buf, v_buf, call.k_slots, grp.lens, self.scale, new
             )
+        if grp.fresh_seqs is not None:
+            o = cpu_prefill.attend(q, k, v, grp.fresh_seqs, grp.fresh_rows, self.scale)
+            if o is not None:
+                return o
         outs = [self._attend_call(q, k, v, k_buf, v_buf, c) for c in grp.calls]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 

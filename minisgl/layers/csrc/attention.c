@@ -332,3 +332,306 @@ static void merge_request(const float* part, const int64_t* first, int64_t b, in
 
 ATTN(decode_attn_bf16, uint16_t, load16_bf16, load_bf16, 1)
 ATTN(decode_attn_f32, float, load16_f32, load_f32, 0)
+
+/* Causal attention of fresh prompts (no cached prefix) on AMX tiles, straight from the step's
+   q/k/v rows (views of the qkv projection: rows `q_stride`, `k_stride`, `v_stride` elements
+   apart, a row's heads packed, bf16). Sequence i is the step's rows q_rows[i] .. + lens[i]; its output
+   goes to out rows o_rows[i] .. (out [*, Hq * D], rows `out_stride` apart, bf16). torch's CPU
+   flash kernel ran this at ~1/3 of what the same tiles do in a matmul (Qwen3-0.6B heads,
+   128-token prompts: 11% of a prefill step for ~2% of its arithmetic).
+
+   First every (sequence, KV head)'s keys and values are packed once into AMX B operands
+   (keys: 16 keys x 32 dims per tile, dims in pairs; values: 32 keys x 16 dims, keys in
+   pairs), padded with zeros to whole tiles. Then each item, 16 query rows of one query head,
+   takes its 16 x D queries as D / 32 A tiles, its scores over the keys up to its last row
+   (16 at a time, fp32) into a row buffer, the causal softmax per row (fp32, the
+   probabilities rounded to bf16 for the value product, as torch's flash kernel does), and
+   P . V in 16-dim tiles; the rows are divided by their softmax sums at the end. D is 64 or
+   128 (the A tiles and the four C tiles per pass fit the 8 tiles), lens <= PREFILL_MAX_LEN.
+   Returns 0 where it cannot run (no AMX), 1 when done. */
+#define PREFILL_MAX_LEN 8192
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "amx.h"
+
+static inline __m512 exp16(__m512 x) { /* exp8 (common.h) on 16 lanes */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
+                                                     _mm512_set1_ps(0.5f)),
+                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(y, fx);
+}
+
+/* 16 x 16 transpose of 32-bit lanes in registers (as amx.c's). */
+static inline void pf_transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        __m512i v = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
+        __m512i w = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+        __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+        __m512i w2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+        r[j] = _mm512_shuffle_i32x4(v, v2, 0x88);
+        r[8 + j] = _mm512_shuffle_i32x4(v, v2, 0xDD);
+        r[4 + j] = _mm512_shuffle_i32x4(w, w2, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(w, w2, 0xDD);
+    }
+}
+
+#define TILE_U32 256 /* one B tile: 16 rows x 64 bytes */
+
+/* Keys kb*16 .. +16 (rows of `k`, zeros past n) as D / 32 B tiles: tile c row j, lane n =
+   dims (32c + 2j, 32c + 2j + 1) of key n. */
+static void pack_keys(const uint16_t* k, int64_t stride, int64_t n, int64_t kb, int64_t D,
+                      uint32_t* dst) {
+    for (int64_t c = 0; c < D / 32; c++) {
+        __m512i r[16];
+        for (int i = 0; i < 16; i++) {
+            int64_t key = kb * 16 + i;
+            r[i] = key < n ? _mm512_loadu_si512(k + key * stride + c * 32) : _mm512_setzero_si512();
+        }
+        pf_transpose16(r);
+        for (int j = 0; j < 16; j++) _mm512_store_si512(dst + c * TILE_U32 + j * 16, r[j]);
+    }
+}
+
+/* Keys kb*32 .. +32 of `v` (zeros past n) as D / 16 B tiles: tile c row j, lane n = dim
+   16c + n of keys (32kb + 2j, 32kb + 2j + 1). */
+static void pack_values(const uint16_t* v, int64_t stride, int64_t n, int64_t kb, int64_t D,
+                        uint32_t* dst) {
+    for (int j = 0; j < 16; j++) {
+        int64_t k0 = kb * 32 + 2 * j, k1 = k0 + 1;
+        for (int64_t c = 0; c < D / 16; c++) {
+            __m512i lo = k0 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                      (const __m256i*)(v + k0 * stride + c * 16)))
+                                : _mm512_setzero_si512();
+            __m512i hi = k1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                      (const __m256i*)(v + k1 * stride + c * 16)))
+                                : _mm512_setzero_si512();
+            _mm512_store_si512(dst + c * TILE_U32 + j * 16,
+                               _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+
+/* Per-call scratch, kept between calls (a step's layers ask for the same sizes). */
+static void* pf_scratch = NULL;
+static size_t pf_scratch_bytes = 0;
+static void* scratch(size_t bytes) {
+    if (bytes > pf_scratch_bytes) {
+        free(pf_scratch);
+        pf_scratch = NULL;
+        pf_scratch_bytes = 0;
+        if (posix_memalign(&pf_scratch, 64, bytes) != 0) return NULL;
+        pf_scratch_bytes = bytes;
+    }
+    return pf_scratch;
+}
+
+/* Softmax of row buffer s[0 .. n) (raw scores, times `scale`) into bf16 p[0 .. n32) (zeros
+   past n); returns the sum of the fp32 exponentials. */
+static float softmax_row(const float* s, int64_t n, int64_t n32, float scale, uint16_t* p) {
+    __m512 sc = _mm512_set1_ps(scale), mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, s + i));
+    }
+    __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * scale), tot = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n32; i += 16) {
+        int64_t left = n - i;
+        __mmask16 m = left >= 16 ? (__mmask16)0xFFFF
+                      : left > 0 ? (__mmask16)((1u << left) - 1)
+                                 : (__mmask16)0;
+        __m512 e = _mm512_maskz_mov_ps(
+            m, exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, s + i), sc, top)));
+        tot = _mm512_add_ps(tot, e);
+        __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bias16_bf16(e), 16));
+        _mm256_storeu_si256((__m256i*)(p + i), h);
+    }
+    return _mm512_reduce_add_ps(tot);
+}
+
+/* One item: query rows r0 .. r0 + nr of a sequence's head (q: its row 0, head h), keys and
+   values packed (kp, vp), output rows to `o` (its row 0, head h). */
+static void prefill_item(const uint16_t* q, int64_t q_stride, const uint32_t* kp,
+                         const uint32_t* vp, int64_t r0, int nr, int64_t D, float scale,
+                         uint16_t* o, int64_t out_stride, float* s, uint16_t* p, int64_t sp_len,
+                         uint16_t* qbuf, float* obuf) {
+    int64_t nk = r0 + nr, nkb = (nk + 15) / 16, nk32 = (nk + 31) / 32 * 32, nc = D / 32;
+    for (int i = 0; i < 16; i++) /* the 16 x D queries, zero rows past nr */
+        for (int64_t d = 0; d < D; d += 32)
+            _mm512_store_si512(qbuf + i * D + d, i < nr ? _mm512_loadu_si512(q + (r0 + i) * q_stride + d)
+                                                      : _mm512_setzero_si512());
+    _tile_loadd(4, qbuf, D * 2); /* tile numbers are immediates */
+    _tile_loadd(5, qbuf + 32, D * 2);
+    if (nc == 4) {
+        _tile_loadd(6, qbuf + 64, D * 2);
+        _tile_loadd(7, qbuf + 96, D * 2);
+    }
+    /* Scores: two key blocks at a time (C tiles 0, 1; B tiles 2, 3). Tile numbers must be
+       constants: the A tiles are 4 .. 4 + nc - 1 with nc 2 or 4. */
+    for (int64_t kb = 0; kb < nkb; kb += 2) {
+        const uint32_t* b0 = kp + kb * nc * TILE_U32;
+        int two = kb + 1 < nkb;
+        _tile_zero(0);
+        _tile_zero(1);
+#define QK_STEP(C, A)                                                                      \
+    _tile_loadd(2, b0 + (C) * TILE_U32, 64);                                               \
+    _tile_dpbf16ps(0, A, 2);                                                               \
+    if (two) {                                                                             \
+        _tile_loadd(3, b0 + (nc + (C)) * TILE_U32, 64);                                    \
+        _tile_dpbf16ps(1, A, 3);                                                           \
+    }
+        QK_STEP(0, 4)
+        QK_STEP(1, 5)
+        if (nc == 4) {
+            QK_STEP(2, 6)
+            QK_STEP(3, 7)
+        }
+#undef QK_STEP
+        _tile_stored(0, s + kb * 16, sp_len * 4);
+        if (two) _tile_stored(1, s + kb * 16 + 16, sp_len * 4);
+    }
+    float inv[16];
+    for (int i = 0; i < 16; i++) {
+        if (i < nr) {
+            inv[i] = 1.f / softmax_row(s + i * sp_len, r0 + i + 1, nk32, scale, p + i * sp_len);
+        } else {
+            memset(p + i * sp_len, 0, nk32 * 2);
+            inv[i] = 0.f;
+        }
+    }
+    /* P . V: 64 dims a pass (C tiles 0-3), P in A tile 4, values in B tiles 5, 6. */
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        const int64_t c0 = d0 / 16;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < nk32 / 32; kb++) {
+            const uint32_t* b = vp + kb * (D / 16) * TILE_U32 + c0 * TILE_U32;
+            _tile_loadd(4, p + kb * 32, sp_len * 2);
+            _tile_loadd(5, b, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, b + TILE_U32, 64);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(5, b + 2 * TILE_U32, 64);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(6, b + 3 * TILE_U32, 64);
+            _tile_dpbf16ps(3, 4, 6);
+        }
+        _tile_stored(0, obuf + d0, D * 4);
+        _tile_stored(1, obuf + d0 + 16, D * 4);
+        _tile_stored(2, obuf + d0 + 32, D * 4);
+        _tile_stored(3, obuf + d0 + 48, D * 4);
+    }
+    for (int i = 0; i < nr; i++) {
+        __m512 w = _mm512_set1_ps(inv[i]);
+        for (int64_t d = 0; d < D; d += 16) {
+            __m512 x = _mm512_mul_ps(_mm512_loadu_ps(obuf + i * D + d), w);
+            __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bias16_bf16(x), 16));
+            _mm256_storeu_si256((__m256i*)(o + (r0 + i) * out_stride + d), h);
+        }
+    }
+}
+
+int prefill_attn_amx(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
+                     const uint16_t* v, int64_t v_stride, const int64_t* q_rows, const int64_t* o_rows,
+                     const int64_t* lens, int64_t nseq, int64_t Hq, int64_t Hkv, int64_t D,
+                     float scale, uint16_t* out, int64_t out_stride) {
+    if (!amx_ready() || (D != 64 && D != 128) || Hq % Hkv != 0) return 0;
+    int64_t group = Hq / Hkv, max_len = 0, blocks = 0;
+    for (int64_t i = 0; i < nseq; i++) {
+        if (lens[i] > PREFILL_MAX_LEN) return 0;
+        max_len = lens[i] > max_len ? lens[i] : max_len;
+        blocks += (lens[i] + 15) / 16;
+    }
+    /* A task: a run of query blocks of one (sequence, KV head), its keys and values packed
+       into the thread's buffers first (they stay in its L2 for the run's query heads and
+       blocks). Runs are split so that there are a few tasks per thread. */
+    int threads = omp_get_max_threads();
+    int64_t per_task = blocks * Hkv / (4 * (int64_t)threads);
+    per_task = per_task < 1 ? 1 : per_task;
+    int64_t* tofs = (int64_t*)malloc(sizeof(int64_t) * (nseq + 1));
+    tofs[0] = 0;
+    for (int64_t i = 0; i < nseq; i++)
+        tofs[i + 1] = tofs[i] + Hkv * (((lens[i] + 15) / 16 + per_task - 1) / per_task);
+    int64_t sp_len = (max_len + 31) / 32 * 32 + 32;
+    size_t kv_bytes = (size_t)((max_len + 31) / 32) * 2 * (D / 32) * TILE_U32 * 4 +
+                      (size_t)((max_len + 31) / 32) * (D / 16) * TILE_U32 * 4;
+    size_t per_thread = kv_bytes + 16 * sp_len * 4 + 16 * sp_len * 2 + 16 * D * 2 + 16 * D * 4;
+    char* mem = (char*)scratch(per_thread * threads);
+    if (!mem) {
+        free(tofs);
+        return 0;
+    }
+#pragma omp parallel
+    {
+        char* mine = mem + per_thread * omp_get_thread_num();
+        uint32_t* kp = (uint32_t*)mine;
+        uint32_t* vp = kp + ((max_len + 31) / 32) * 2 * (D / 32) * TILE_U32;
+        float* s = (float*)(mine + kv_bytes);
+        uint16_t* p = (uint16_t*)(s + 16 * sp_len);
+        uint16_t* qbuf = p + 16 * sp_len;
+        float* obuf = (float*)(qbuf + 16 * D);
+        AmxConfig cfg;
+        amx_config_init(&cfg);
+        for (int tile = 0; tile < 8; tile++) amx_config_tile(&cfg, tile, 16, 64);
+        amx_config(&cfg);
+#pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < tofs[nseq]; task++) {
+            int64_t i = 0;
+            while (tofs[i + 1] <= task) i++;
+            int64_t n = lens[i], nqb = (n + 15) / 16, local = task - tofs[i];
+            int64_t runs = (nqb + per_task - 1) / per_task;
+            int64_t hk = local / runs, qb0 = (local % runs) * per_task;
+            int64_t qb1 = qb0 + per_task < nqb ? qb0 + per_task : nqb;
+            int64_t nk = qb1 * 16 < n ? qb1 * 16 : n; /* the keys the run's last row sees */
+            const uint16_t* kr = k + q_rows[i] * k_stride + hk * D;
+            const uint16_t* vr = v + q_rows[i] * v_stride + hk * D;
+            for (int64_t b = 0; b < (nk + 15) / 16; b++)
+                pack_keys(kr, k_stride, nk, b, D, kp + b * (D / 32) * TILE_U32);
+            for (int64_t b = 0; b < (nk + 31) / 32; b++)
+                pack_values(vr, v_stride, nk, b, D, vp + b * (D / 16) * TILE_U32);
+            for (int64_t h = hk * group; h < (hk + 1) * group; h++)
+                for (int64_t qb = qb0; qb < qb1; qb++) {
+                    int nr = n - qb * 16 < 16 ? (int)(n - qb * 16) : 16;
+                    prefill_item(q + q_rows[i] * q_stride + h * D, q_stride, kp, vp, qb * 16, nr,
+                                 D, scale, out + o_rows[i] * out_stride + h * D, out_stride, s,
+                                 p, sp_len, qbuf, obuf);
+                }
+        }
+        amx_release();
+    }
+    free(tofs);
+    return 1;
+}
+#else
+int prefill_attn_amx(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
+                     const uint16_t* v, int64_t v_stride, const int64_t* q_rows, const int64_t* o_rows,
+                     const int64_t* lens, int64_t nseq, int64_t Hq, int64_t Hkv, int64_t D,
+                     float scale, uint16_t* out, int64_t out_stride) {
+    (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)q_rows;
+    (void)o_rows;
+    (void)lens, (void)nseq, (void)Hq, (void)Hkv, (void)D, (void)scale, (void)out;
+    (void)out_stride;
+    return 0;
+}
+#endif
