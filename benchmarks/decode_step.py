@@ -11,6 +11,9 @@ mixture of experts only the k routed experts per layer at B=1).
     python benchmarks/decode_step.py --dtype bfloat16 --batches 1,8,32 --context 320
     python benchmarks/decode_step.py --model-shape qwen3-30b-a3b --num-layers 4 --batches 1
     python benchmarks/decode_step.py --profile 1     # torch profiler table for B=1 decode
+    python benchmarks/decode_step.py --quantization int4 --breakdown 1
+                                                     # B=1 step: ms per part (matmuls by shape,
+                                                     # attention, norms, sampling, the rest)
     python benchmarks/decode_step.py --timings       # each case's spread of step times, and
                                                      # what happened during its steps
 """
@@ -25,8 +28,11 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import astuple, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from bench_models import MODEL_SHAPES, decode_bytes_per_token
@@ -111,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         help="int8|int4|fp8, or several comma-separated ('none' for the float model): each "
         "measured on the same fixture in one run, side by side",
     )
+    ap.add_argument(
+        "--lm-head-quantization",
+        default="auto",
+        choices=("auto", "none", "int8", "int4", "fp8"),
+        help="the LM head's format (auto: int8 per channel under --quantization, float for "
+        "the float model); a 151936-row head is a large share of a 4-bit step's bytes",
+    )
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=320)
     ap.add_argument("--prefill-tokens", type=int, default=4096, help="0: skip prefill")
@@ -118,6 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--profile", type=int, default=0, help="profile decode at this batch size")
+    ap.add_argument(
+        "--breakdown",
+        type=int,
+        default=0,
+        help="decode at this batch size: ms per step in each part (timers around the calls, "
+        "no profiler: its per-op cost would swamp a 1-row step's small ops), per format",
+    )
     ap.add_argument(
         "--timings",
         action="store_true",
@@ -178,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
         return 0
 
+    if args.breakdown:
+        runners = {q: b[0] for q, b in builds.items()}
+        print(breakdown(runners, decode_input(args.breakdown, args.context), args.repeats, clock))
+        return 0
+
     times = {(q, k): [] for q, (_, cases, *_) in builds.items() for k in cases}
     events: dict[tuple[str, str], list[StepEvents]] = {key: [] for key in times}
     for runner, cases, *_ in builds.values():
@@ -233,6 +258,7 @@ def _build(
         cpu_kernel_tuning=args.cpu_kernel_tuning,
         cpu_weight_copies_max_gb=args.cpu_weight_copies_max_gb,
         quantization=quantization if quantization not in ("", "none") else None,
+        lm_head_quantization=args.lm_head_quantization,
     )
     runner = ModelRunner(eargs, model, config, max_seq_len=4096)
     params, weight_bytes = linear_weights(runner.model)
@@ -260,6 +286,122 @@ def _build(
         flops = 2.0 * ((params - head) * n + head * len(inp.sample_rows))
         cases[f"prefill {n} tok ({args.prefill_len}/req)"] = (inp, n, weight_bytes, flops)
     return runner, cases, params, weight_bytes
+
+
+class PartTimer:
+    """Seconds per named part of a step, by wrappers around the callables that do each part.
+    A part's time is its own: what wrapped calls inside it took is theirs (a matmul's Python
+    and the C kernel it calls are two parts); what no wrapper covers (the model's Python
+    between the calls, torch's small ops) is the step's rest."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.seconds: dict[str, float] = {}
+        self._inner: list[float] = []  # per open call: its wrapped callees' time so far
+
+    def wrap(self, name: str | Callable[..., str], fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*a: Any, **kw: Any) -> Any:
+            self._inner.append(0.0)
+            t0 = self.clock()
+            try:
+                return fn(*a, **kw)
+            finally:
+                took = self.clock() - t0
+                inner = self._inner.pop()
+                if self._inner:
+                    self._inner[-1] += took
+                key = name(*a) if callable(name) else name
+                self.seconds[key] = self.seconds.get(key, 0.0) + took - inner
+
+        return timed
+
+
+def _shape_name(m: Any, x: torch.Tensor) -> str:
+    n, k = m.weight.shape[-2:]
+    return f"matmul {n}x{k} (Python)"
+
+
+@contextmanager
+def _timed_parts(timer: PartTimer) -> Iterator[None]:
+    """Wrap the step's parts (class methods, module functions, the C entry points) while
+    inside."""
+    from minisgl.layers import cpu_kernels
+    from minisgl.layers.attention.torch_backend import TorchAttentionBackend
+    from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from minisgl.layers.linear import LinearBase
+    from minisgl.layers.norm import RMSNorm
+
+    lib = cpu_kernels.load()
+    patches: list[tuple[Any, str, str | Callable[..., str]]] = [
+        (LinearBase, "matmul", _shape_name),
+        (ParallelLMHead, "forward", "LM head (Python)"),
+        (VocabParallelEmbedding, "forward", "embedding"),
+        (RMSNorm, "add_forward", "norms (Python)"),
+        (RMSNorm, "forward", "norms (Python)"),
+        (cpu_kernels, "rms_norm", "norm kernels' Python"),
+        (TorchAttentionBackend, "forward", "attention (Python)"),
+        (TorchAttentionBackend, "prepare", "attention metadata"),
+        (cpu_kernels, "silu_mul", "SiLU x up (Python)"),
+        (ModelRunner, "_sample", "sampling"),
+    ]
+    tables: list[tuple[dict[str, Any], str, str]] = []
+    if lib is not None:
+        patches += [
+            (lib, "attn_bf16", "C attention"),
+            (lib, "attn_f32", "C attention"),
+            (lib, "norm_bf16", "C norms"),
+            (lib, "norm_f32", "C norms"),
+            (lib, "silu_mul_bf16", "C SiLU x up"),
+            (lib, "silu_mul_f32", "C SiLU x up"),
+            (lib, "bf16", "C float matmuls"),
+            (lib, "gemv512_bf16", "C float matmuls"),
+            (lib, "amx", "C float matmuls"),
+            (lib, "panel", "C float matmuls"),
+        ]
+        for table in ("qgemv", "qamxi", "qamx", "qpanel", "qpanel16"):
+            tables += [(getattr(lib, table), kind, f"C {table}") for kind in getattr(lib, table)]
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+    kept = [(t, kind, t[kind]) for t, kind, _ in tables]
+    try:
+        for obj, attr, name in patches:
+            if getattr(obj, attr) is not None:
+                setattr(obj, attr, timer.wrap(name, getattr(obj, attr)))
+        for t, kind, name in tables:
+            t[kind] = timer.wrap(name, t[kind])
+        yield
+    finally:
+        for obj, attr, fn in saved:
+            setattr(obj, attr, fn)
+        for t, kind, fn in kept:
+            t[kind] = fn
+
+
+def breakdown(
+    runners: dict[str, ModelRunner], inp: ForwardInput, repeats: int, clock: Callable[[], float]
+) -> str:
+    """Per format, ms per step in each part (the median over `repeats` interleaved steps per
+    part), the step itself, and the rest no part covers."""
+    parts: dict[str, dict[str, list[float]]] = {q: {} for q in runners}
+    for runner in runners.values():
+        runner.forward(inp)
+    for _ in range(max(3, repeats)):
+        for q, runner in runners.items():
+            timer = PartTimer(clock)
+            with _timed_parts(timer):
+                t0 = clock()
+                runner.forward(inp)
+                total = clock() - t0
+            timer.seconds["rest (model's Python, torch ops)"] = total - sum(timer.seconds.values())
+            timer.seconds["step"] = total
+            for k, v in timer.seconds.items():
+                parts[q].setdefault(k, []).append(v)
+    names = list(dict.fromkeys(k for p in parts.values() for k in p))
+    names.sort(key=lambda k: (k == "step", k.startswith("rest"), not k.startswith("C "), k))
+    rows = [f"{'ms per step (median)':<36}" + "".join(f"{q:>10}" for q in runners)]
+    for k in names:
+        cells = [statistics.median(parts[q][k]) * 1e3 if k in parts[q] else 0.0 for q in runners]
+        rows.append(f"{k:<36}" + "".join(f"{c:10.2f}" for c in cells))
+    return "\n".join(rows)
 
 
 @dataclass(frozen=True)
