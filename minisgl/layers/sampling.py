@@ -31,8 +31,8 @@ INVALID_TOKEN = -1
 class SamplingBatch:
     all_greedy: bool
     any_greedy: bool
-    greedy: torch.Tensor  # [B] bool
-    temperature: torch.Tensor  # [B] float32 (1 for greedy rows)
+    greedy_rows: list[bool]
+    temperatures: list[float]  # 1 for greedy rows
     top_k: torch.Tensor | None  # [B] long, 0 where disabled; None: none set
     top_p: torch.Tensor | None  # [B] float32; None: none set
     min_p: torch.Tensor | None  # [B] float32; None: none set
@@ -41,6 +41,17 @@ class SamplingBatch:
     device: torch.device | str
     candidates: int = 0  # top candidates that hold every filtered row's kept set (see below)
     top_k_max: int = 0  # the largest top_k asked (0: none)
+
+    @cached_property
+    def greedy(self) -> torch.Tensor:
+        """[B] bool, made on first use: an all-greedy batch (a decode step's usual case) never
+        reads it, and each small tensor is a few torch ops on cold caches in a 1-row step."""
+        return torch.tensor(self.greedy_rows, dtype=torch.bool).to(self.device)
+
+    @cached_property
+    def temperature(self) -> torch.Tensor:
+        """[B] float32, made on first use (as `greedy`)."""
+        return torch.tensor(self.temperatures, dtype=torch.float32).to(self.device)
 
     @cached_property
     def keys(self) -> torch.Tensor:
@@ -79,8 +90,8 @@ class SamplingBatch:
         return cls(
             all_greedy=all(greedy),
             any_greedy=any(greedy),
-            greedy=dev(greedy, torch.bool),
-            temperature=dev(temps, torch.float32),
+            greedy_rows=greedy,
+            temperatures=temps,
             top_k=dev(top_k, torch.int64) if any(top_k) else None,
             top_p=dev(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
             min_p=dev(min_p, torch.float32) if any(m > 0.0 for m in min_p) else None,

@@ -37,6 +37,15 @@ from minisgl.quant.weight import QuantWeight
 logger = logging.getLogger(__name__)
 
 
+def plain_submodules(module: nn.Module) -> None:
+    """Each direct submodule also as a plain instance attribute, read without nn.Module's
+    __getattr__ (a Python call after a failed lookup, per read). A decode step reads ~20 a
+    layer, each on cold caches: the matmuls between them stream the caches out. Assigning a
+    submodule again goes through nn.Module.__setattr__, which drops the plain copy first, so a
+    read never sees a stale module."""
+    module.__dict__.update(module._modules)
+
+
 @dataclass(frozen=True)
 class AttentionOptions:
     """What the attention block of one family has on top of plain GQA + RoPE."""
@@ -80,6 +89,7 @@ class Qwen3Attention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.eps = config.rms_norm_eps
         self._qk_weight: torch.Tensor | None = None
+        plain_submodules(self)
 
     def forward(
         self,
@@ -90,16 +100,18 @@ class Qwen3Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x)
+        # Modules' forward called directly: nn.Module.__call__'s hook checks cost more than
+        # a 1-row step's small ops (no hooks are ever set on these).
+        qkv = self.qkv_proj.forward(x)
         # q and k heads side by side: one norm and one rotation for both (per-head weights).
-        qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
+        qk, v = qkv.view(t, hq + 2 * hkv, d).split((hq + hkv, hkv), 1)
         if self.qk_norm:
             qk = head_rms_norm_rotary(qk, self.qk_weight(), self.eps, cos, sin)
         else:
             qk = apply_rotary(qk, cos, sin)
-        v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-        o = attn.forward(qk[:, :hq], qk[:, hq:], v, self.layer_id, meta)
-        return self.o_proj(o)
+        q, k = qk.split((hq, hkv), 1)
+        o = attn.forward(q, k, v, self.layer_id, meta)
+        return self.o_proj.forward(o)
 
     def qk_weight(self) -> torch.Tensor:
         """[Hq + Hkv, D]: q_norm's weight on the query heads, k_norm's on the key heads."""
@@ -123,9 +135,10 @@ class Qwen3MLP(nn.Module):
             config.hidden_size, [inter, inter], tp_rank, tp_size
         )
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp_rank, tp_size)
+        plain_submodules(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
 
     @staticmethod
     def weight_names() -> set[str]:
@@ -175,6 +188,7 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp = make_mlp(config, layer_id, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        plain_submodules(self)
 
     @property
     def mlp_weights(self) -> Mlp:
@@ -194,9 +208,9 @@ class Qwen3DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, cos, sin, attn, meta)
+        h = self.self_attn.forward(h, cos, sin, attn, meta)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        return self.mlp.forward(h), residual
 
 
 class Qwen3Model(nn.Module):
@@ -276,7 +290,7 @@ class Qwen3ForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, cos, sin, attn, meta)
+            x, residual = layer.forward(x, residual, cos, sin, attn, meta)
             if i in capture:
                 assert captured is not None
                 captured[i] = x + residual

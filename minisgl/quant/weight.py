@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from minisgl.quant import cpu_gemv
 from minisgl.quant.matmul import qlinear
 from minisgl.quant.qtensor import FP8, QTensor, dequantize, take_rows
 
@@ -60,6 +61,11 @@ class QuantWeight(nn.Module):
         # the buffers in a layout `rows` cannot read (cuda_matmul.py); None: from the buffers.
         self.lookup: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None
         self.looked_up = False  # an embedding table too (a tied LM head): see `rows`
+        # The whole weight's view, made once (see `whole`), and per x dtype whether the CPU
+        # kernels take it: a decode step multiplies ~110 times, each call's Python on cold
+        # caches (the matmuls before it streamed them out).
+        self._whole: QTensor | None = None
+        self._cpu_ok: dict[torch.dtype, bool] = {}
 
     def reset(self) -> None:
         """After materialising: g_idx unset (-1), so the first projection loaded sets it."""
@@ -123,8 +129,31 @@ class QuantWeight(nn.Module):
         self.codes[n:].view(torch.uint8).zero_()  # fp8 codes too: 0x00 is +0.0
         self.scales[n:].zero_()  # a zero scale: every padding weight dequantizes to 0
 
+    def whole(self) -> QTensor:
+        """view() of every row, kept while the buffers are the same tensors (a GPU conversion
+        or `.to` replaces them: a new view then)."""
+        w, b = self._whole, self._buffers
+        if (
+            w is None
+            or w.codes is not b["codes"]
+            or w.scales is not b["scales"]
+            or w.zeros is not b["zeros"]
+            or w.g_idx is not b["g_idx"]
+        ):
+            w = self._whole = self.view()
+            self._cpu_ok = {}
+        return w
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return qlinear(x, self.view(), self.kernel)
+        w = self.whole()
+        kernel = self.kernel
+        if kernel is not None and x.device.type == "cpu" and x.dim() == 2:
+            ok = self._cpu_ok.get(x.dtype)
+            if ok is None:  # the weight's side of qlinear's test, once per dtype
+                ok = self._cpu_ok[x.dtype] = cpu_gemv.usable(x, w)
+            if ok:
+                return kernel(x, w)
+        return qlinear(x, w, kernel)
 
     def expert_matmul(self, x: torch.Tensor, w: QTensor) -> torch.Tensor:
         """One expert's x @ w.T, `w` a view of these buffers (the fused MoE's matmul)."""

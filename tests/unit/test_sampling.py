@@ -56,6 +56,23 @@ def test_an_all_greedy_batch_hashes_no_seeds(monkeypatch: pytest.MonkeyPatch) ->
     assert torch.equal(sample(logits, batch), logits.argmax(-1))
 
 
+def test_an_all_greedy_batch_makes_no_per_row_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A greedy decode step builds no tensor of temperatures or greedy flags: each is a few
+    torch ops, on caches the step's matmuls streamed out."""
+    made: list[object] = []
+    real = torch.tensor
+
+    def counted(*a: object, **kw: object) -> torch.Tensor:
+        made.append(a[0])
+        return real(*a, **kw)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(torch, "tensor", counted)
+    logits = torch.randn(3, 50)
+    batch = SamplingBatch.build([SamplingParams(temperature=0)] * 3, [4] * 3, [1, 2, 3], "cpu")
+    assert torch.equal(sample(logits, batch), logits.argmax(-1))
+    assert made == []
+
+
 def test_greedy_rows_stay_argmax_in_a_mixed_batch() -> None:
     logits = torch.randn(4, 50)
     params = [SamplingParams(temperature=0), SamplingParams(), SamplingParams(top_k=1)] * 1

@@ -1,0 +1,54 @@
+"""A 1-row decode step's Python between its matmuls runs on caches the matmuls streamed out, so
+each lookup and torch op there costs several times its warm price: the per-step path reads
+submodules as plain attributes and checks a quantized weight for the C kernels once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from minisgl.models.qwen3 import plain_submodules
+from minisgl.quant import cpu_gemv
+from minisgl.quant.qtensor import QTensor, dequantize
+from minisgl.quant.quantize import quantize
+from minisgl.quant.scheme import load_scheme
+from minisgl.quant.weight import QuantWeight
+
+
+def _int8_weight(n: int, k: int) -> QuantWeight:
+    q = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(0)), load_scheme("int8"))
+    w = QuantWeight(n, k, bits=8, fp8=False, group_size=0, groups=1, scattered_groups=False)
+    w.copy_(q)
+    return w
+
+
+def test_a_quantized_matmul_checks_its_weight_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = _int8_weight(64, 128)
+    checks: list[int] = []
+    monkeypatch.setattr(cpu_gemv, "usable", lambda x, q: checks.append(1) or True)
+
+    def reference(x: torch.Tensor, q: QTensor) -> torch.Tensor:
+        return x @ dequantize(q, x.dtype).T
+
+    w.kernel = reference
+    x = torch.randn(1, 128)
+    for _ in range(3):
+        y = w.matmul(x)
+    assert len(checks) == 1
+    torch.testing.assert_close(y, reference(x, w.view()))
+    assert w.whole() is w.whole()
+    # New buffers (a device move, a GPU repacking): a new view, checked again.
+    w.codes = w.codes.clone()
+    assert w.whole().codes is w.codes
+    w.matmul(x)
+    assert len(checks) == 2
+
+
+def test_plain_submodules_never_go_stale() -> None:
+    m = nn.Module()
+    m.a = nn.Linear(2, 2)
+    plain_submodules(m)
+    assert vars(m)["a"] is m._modules["a"]
+    m.a = nn.Linear(3, 3)  # nn.Module.__setattr__ drops the plain copy
+    assert m.a is m._modules["a"] and m.a.in_features == 3
