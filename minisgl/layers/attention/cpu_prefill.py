@@ -59,20 +59,20 @@ def attend(
     k: torch.Tensor,
     v: torch.Tensor,
     seqs: torch.Tensor,
-    num_rows: int,
+    out: torch.Tensor,
     scale: float,
-) -> torch.Tensor | None:
+) -> bool:
     """q [T, Hq, D], k/v [T, Hkv, D] (bf16); seqs [3, n] int64: each prompt's first step row,
-    first output row and length. -> [num_rows, Hq * D], or None where the kernel cannot take
-    these tensors (the caller falls back)."""
+    first row of `out` [*, Hq * D] and length. Writes those rows of `out`; False where the
+    kernel cannot take these tensors (nothing written: the caller falls back)."""
     fn = _kernel()
     if fn is None or not all(map(_rows_ok, (q, k, v))):
-        return None
-    if not (q.dtype == k.dtype == v.dtype == torch.bfloat16):
-        return None
+        return False
+    if not (q.dtype == k.dtype == v.dtype == out.dtype == torch.bfloat16):
+        return False
     _, hq, d = q.shape
-    out = torch.empty(num_rows, hq * d, dtype=q.dtype)
-    n = seqs.shape[1]
+    if out.device.type != "cpu" or out.stride(1) != 1 or out.shape[1] != hq * d:
+        return False
     done = fn(
         q.data_ptr(),
         q.stride(0),
@@ -83,7 +83,7 @@ def attend(
         seqs[0].data_ptr(),
         seqs[1].data_ptr(),
         seqs[2].data_ptr(),
-        n,
+        seqs.shape[1],
         hq,
         k.shape[1],
         d,
@@ -91,4 +91,4 @@ def attend(
         out.data_ptr(),
         out.stride(0),
     )
-    return out if done else None
+    return bool(done)

@@ -76,10 +76,9 @@ class _Group:
     # The decode kernel may store the step's rows itself (one row per request: no row reads
     # another's); False for a short extend's rows, which read each other's keys.
     stores_new: bool = True
-    # Fresh prompts only, for the CPU AMX kernel (cpu_prefill.py): [3, n] first step row, first
-    # output row and length of each; None: the calls above.
+    # Fresh prompts only, for the CPU AMX kernel (cpu_prefill.py): [3, n] first step row (twice:
+    # it writes the step's output rows in place) and length of each; None: the calls above.
     fresh_seqs: torch.Tensor | None = None
-    fresh_rows: int = 0  # their rows in all
 
 
 @dataclass
@@ -313,7 +312,7 @@ class TorchAttentionBackend(AttentionBackend):
         identity = len(members) == num_requests and np.array_equal(rows, np.arange(len(rows)))
         fresh_seqs = None
         if self.cpu_prefill and all(r[2] for r in runs) and ext.max() <= cpu_prefill.MAX_LEN:
-            fresh_seqs = self._dev(np.stack([st, np.cumsum(ext) - ext, ext]))
+            fresh_seqs = self._dev(np.stack([st, st, ext]))
         return _Group(
             calls=calls,
             out_rows=None if identity else self._dev(rows),
@@ -321,7 +320,6 @@ class TorchAttentionBackend(AttentionBackend):
             lens=self._dev(pre + ext),
             decode_kernel=False,
             fresh_seqs=fresh_seqs,
-            fresh_rows=int(ext.sum()),
         )
 
     def _call(
@@ -390,6 +388,11 @@ class TorchAttentionBackend(AttentionBackend):
         width = self.num_heads * self.head_dim
         out: torch.Tensor | None = None
         for grp in meta.groups:
+            if grp.fresh_seqs is not None:  # fresh prompts: their rows of `out`, in place
+                if out is None:
+                    out = q.new_empty(meta.num_tokens, width)
+                if cpu_prefill.attend(q, k, v, grp.fresh_seqs, out, self.scale):
+                    continue
             o = self._attend(q, k, v, k_buf, v_buf, grp, new)  # [G * Q, Hq * D]
             if grp.valid is not None:
                 o = o[grp.valid]
@@ -436,10 +439,6 @@ class TorchAttentionBackend(AttentionBackend):
             return cpu_kernels.decode_attention(
                 qd, k_buf, v_buf, call.k_slots, grp.lens, self.scale, new
             )
-        if grp.fresh_seqs is not None:
-            o = cpu_prefill.attend(q, k, v, grp.fresh_seqs, grp.fresh_rows, self.scale)
-            if o is not None:
-                return o
         outs = [self._attend_call(q, k, v, k_buf, v_buf, c) for c in grp.calls]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
