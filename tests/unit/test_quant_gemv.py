@@ -4,6 +4,7 @@ step takes it instead of dequantizing a float copy of the weight."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import pytest
@@ -256,3 +257,77 @@ def test_a_source_added_to_the_build_is_a_new_build(monkeypatch: pytest.MonkeyPa
     before = cpu_build.source_digest("avx2", ["-mavx2"])
     monkeypatch.setattr(cpu_build, "COMMON_SOURCES", cpu_build.COMMON_SOURCES[:-1])
     assert cpu_build.source_digest("avx2", ["-mavx2"]) != before
+
+
+def _byte_path_switch() -> ctypes.c_int:
+    """qgemv.c's switch between one row of x as bytes (1) and as int16 (0)."""
+    assert cpu_kernels._LIB_PATH is not None
+    return ctypes.c_int.in_dll(ctypes.CDLL(str(cpu_kernels._LIB_PATH)), "qgemv_byte_path")
+
+
+def _exact(x: torch.Tensor, q: torch.Tensor, w: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x @ w.T with x quantized per row as the kernel does (the same fp32 operations, round to
+    nearest even) and every integer sum exact (float64), and the size of the terms summed."""
+    xf = x.float()
+    step = xf.abs().amax(dim=1, keepdim=True) / 32767
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    xq = torch.round(xf * (1 / step)).clamp(-32767, 32767).double()
+    gs = w.group_size or w.in_features
+    n, k = q.shape
+    codes = q.double().view(n, k // gs, gs)
+    xg = xq.view(-1, 1, k // gs, gs)
+    sums = (xg * codes).sum(-1)  # [rows, n, groups], exact
+    zero = w.zeros.double() * xg.sum(-1) if w.zeros is not None else 0
+    scale = w.scales.double()
+    y = step.double() * (scale * (sums - zero)).sum(-1)
+    terms = step.double() * (scale.abs() * ((xg.abs() * codes).sum(-1) + abs(zero))).sum(-1)
+    return y, terms
+
+
+@pytest.mark.parametrize(
+    "bits, k, group",
+    [
+        (8, 1536, 0),  # per channel: chunks of 768 features
+        (8, 2560, 0),  # chunks of 512
+        (8, 1024, 32),  # groups shorter than a step: a scale per lane
+        (8, 1024, 64),
+        (8, 1152, 128),
+        (4, 1536, 0),
+        (4, 1024, 32),
+        (4, 1024, 64),
+        (4, 1152, 128),
+        (4, 1024, 256),
+        (4, 1152, 96),  # no byte layout: the int16 path
+        (8, 1056, 0),  # K not a multiple of a step: the int16 path
+    ],
+)
+def test_one_row_sums_exactly_as_bytes_and_as_int16(bits: int, k: int, group: int) -> None:
+    """One input row against integer codes: split into bytes for VPDPBUSD where the build has
+    AVX512-VNNI, as int16 elsewhere; either way the integer sums are exact, so the result is
+    the exact sum but for fp32 roundings. x reaches +-max|x| (codes +-32767: high bytes -128
+    and 127, low bytes 1 and 255), codes reach 0 and their top, zero points are random."""
+    g = torch.Generator().manual_seed(bits * 7 + k + group)
+    n, top = 37, (1 << bits) - 1
+    q = torch.randint(0, top + 1, (n, k), generator=g)
+    q[0, : k // 2], q[1, : k // 2] = 0, top
+    groups = k // group if group else 1
+    zeros = torch.randint(0, top + 1, (n, groups), generator=g).to(torch.uint8)
+    scales = torch.rand(n, groups, generator=g) + 0.01
+    codes = pack_nibbles(q) if bits == 4 else q.to(torch.uint8)
+    w = QTensor(codes, scales, zeros, None, bits, group, k)
+    x = torch.randn(1, k, generator=g)
+    x[0, ::7], x[0, 3::11] = 3.0, -3.0  # both ends of the int16 range, many times
+    x[0, 5::13] = 1e-4  # quantized to small integers
+    switch = _byte_path_switch()
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        ref, terms = _exact(xd, q, w)
+        got = {}
+        for path in (1, 0):
+            switch.value = path
+            try:
+                got[path] = cpu_gemv.qgemv(xd, w, torch.float32).double()
+            finally:
+                switch.value = 1
+        for path, y in got.items():
+            assert bool(((y - ref).abs() <= 1e-5 * terms).all()), (dtype, path)

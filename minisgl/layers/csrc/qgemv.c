@@ -113,8 +113,8 @@ static inline __m256i codes16(__m256 lo, __m256 hi, __m256 inv, __m256i* sum) {
 }
 
 /* x row m -> int16 codes in `kind`'s layout, its scale, and per-group integer sums. */
-static void quantize_x(int kind, const void* x, int x_bf16, int64_t m, int64_t K, int64_t gs,
-                       int16_t* xq, float* xscale, float* xsum) {
+/* x row m's quantization step: max|x| / XMAX (1 where x is all zeros). */
+static float x_step(const void* x, int x_bf16, int64_t m, int64_t K) {
     const float* xf = (const float*)x + m * K;
     const uint16_t* xb = (const uint16_t*)x + m * K;
     __m256 amax8 = _mm256_setzero_ps();
@@ -127,7 +127,14 @@ static void quantize_x(int kind, const void* x, int x_bf16, int64_t m, int64_t K
     a4 = _mm_max_ps(a4, _mm_movehl_ps(a4, a4));
     a4 = _mm_max_ss(a4, _mm_movehdup_ps(a4));
     float amax = _mm_cvtss_f32(a4);
-    float s = amax > 0 ? amax / XMAX : 1.0f;
+    return amax > 0 ? amax / XMAX : 1.0f;
+}
+
+static void quantize_x(int kind, const void* x, int x_bf16, int64_t m, int64_t K, int64_t gs,
+                       int16_t* xq, float* xscale, float* xsum) {
+    const float* xf = (const float*)x + m * K;
+    const uint16_t* xb = (const uint16_t*)x + m * K;
+    float s = x_step(x, x_bf16, m, K);
     xscale[m] = s;
     const __m256 inv = _mm256_set1_ps(1.0f / s);
     int16_t* q = xq + m * K;
@@ -571,6 +578,231 @@ static inline __attribute__((always_inline)) void block_fp8_many(
     }
 }
 
+/* One input row with AVX512-VNNI (the AVX-512 build on a CPU that has it): integer codes
+   multiplied as the bytes they are, 64 products per VPDPBUSD (u8 x s8, exact int32 sums),
+   instead of widened to int16 lanes for VPDPWSSD (32 per op, and the widening's ops on top).
+   x is quantized as for the int16 path (the same integers xq), then split into bytes:
+   xq = 256 * hi + lo with hi = xq >> 8 in [-128, 127] (signed) and lo = xq & 255 (unsigned).
+
+     8-bit codes w (u8):  w * hi          VPDPBUSD(w, hi)
+                          w * lo          VPDPBUSD(lo, w - 128) + 128 * lo
+     4-bit codes w (0..15, as u8 and as s8 alike):
+                          w * hi          VPDPBUSD(w, hi)
+                          w * lo          VPDPBUSD(lo, w)
+
+   so sum_k w * xq = 256 * sum(w * hi) + sum(w * lo), exact in int32 per lane over a chunk of
+   at most FLUSH features (each lane holds FLUSH / 16 features' products, |w * xq| < 2^23);
+   the 8-bit codes' 128 * sum(lo) depends on x only, so it is summed per chunk when x is
+   quantized, per lane, and starts the chunk's lo sums. The same integers as the int16 path, so
+   the same results but for the fp32 roundings of the lanes' sums.
+
+   Layout of the bytes of x, per step of S features (one 64-byte load of a row's codes):
+   - 8-bit (S = 64): 64 hi bytes, then 64 lo bytes, in feature order;
+   - 4-bit (S = 128): the low nibbles of a 64-byte load are the even features, the high
+     nibbles the odd ones: hi of the even features, hi of the odd, lo of the even, lo of the
+     odd, 64 bytes each.
+   Groups at least a step long end chunks as in block_int; shorter groups (32 or 64
+   features) fold every step with a scale per lane: lane l of a step's sums holds features
+   [l * S / 16, (l + 1) * S / 16) of it (4-bit: of its evens and odds alike), one group's. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define QBYTES 1
+
+static inline int bytes_step(int kind) { return kind == Q_U8 ? 64 : 128; }
+
+/* Whether one row of x takes the byte path: groups a multiple of a step or a step's divisor
+   (a group of 96 would end inside a lane's run of a step: the int16 path takes those). */
+static inline int bytes_usable(int kind, int64_t M, int64_t K, int64_t gs) {
+    int S = bytes_step(kind);
+    return kind != Q_FP8 && M == 1 && K % S == 0 && (gs % S == 0 || S % gs == 0);
+}
+
+/* How a row's features are cut into chunks, all `len` long (whole steps): a group at most
+   FLUSH long is one chunk (a group shorter than a step: a step of several groups), a longer
+   group (a whole row, per channel) its equal parts of at most FLUSH features. */
+typedef struct {
+    int64_t len;   /* features per chunk */
+    int64_t per;   /* chunks per group (gs >= S) */
+    int64_t gstep; /* groups per chunk (gs < S) */
+} Chunks;
+
+static inline Chunks bytes_chunks(int kind, int64_t gs) {
+    int64_t S = bytes_step(kind);
+    Chunks c = {S, 1, S / gs};
+    if (gs < S) return c;
+    c.gstep = 0;
+    for (int64_t n = (gs + FLUSH - 1) / FLUSH;; n++) /* ends at n = gs / S at the latest */
+        if (gs % n == 0 && gs / n % S == 0) {
+            c.len = gs / n, c.per = n;
+            return c;
+        }
+}
+
+static inline __m512 load16_f32(const void* x, int x_bf16, int64_t at) {
+    if (!x_bf16) return _mm512_loadu_ps((const float*)x + at);
+    __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)x + at));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* x row m -> its bytes in `kind`'s layout (xb row m: 2K bytes), its scale, per-group integer
+   sums (as quantize_x) and, for 8-bit codes, 128 * sum(lo) per chunk and lane (xcorr row m:
+   [K / 64][16]). */
+static void quantize_x_bytes(int kind, const void* x, int x_bf16, int64_t m, int64_t K,
+                             int64_t gs, uint8_t* xb, float* xscale, float* xsum,
+                             int32_t* xcorr) {
+    float s = x_step(x, x_bf16, m, K);
+    xscale[m] = s;
+    const __m512 inv = _mm512_set1_ps(1.0f / s);
+    const __m512i top = _mm512_set1_epi32(32767), bottom = _mm512_set1_epi32(-32767);
+    uint8_t* q = xb + m * 2 * K;
+    int64_t G = K / gs;
+    for (int64_t g = 0; g < G; g++) {
+        __m512i sum = _mm512_setzero_si512();
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) {
+            /* round to nearest even and clamp, as codes16 */
+            __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16_f32(x, x_bf16, m * K + k), inv));
+            v = _mm512_max_epi32(_mm512_min_epi32(v, top), bottom);
+            sum = _mm512_add_epi32(sum, v);
+            if (kind == Q_U8) {
+                uint8_t* at = q + 2 * (k & ~63) + (k & 63);
+                _mm_storeu_si128((__m128i*)at, _mm512_cvtepi32_epi8(_mm512_srai_epi32(v, 8)));
+                _mm_storeu_si128((__m128i*)(at + 64), _mm512_cvtepi32_epi8(v));
+            } else { /* the even features are the low dwords of v's qwords */
+                uint8_t* at = q + 2 * (k & ~127) + (k & 127) / 2;
+                _mm_storel_epi64((__m128i*)at, _mm512_cvtepi64_epi8(_mm512_srai_epi32(v, 8)));
+                _mm_storel_epi64((__m128i*)(at + 64),
+                                 _mm512_cvtepi64_epi8(_mm512_srli_epi64(v, 40)));
+                _mm_storel_epi64((__m128i*)(at + 128), _mm512_cvtepi64_epi8(v));
+                _mm_storel_epi64((__m128i*)(at + 192),
+                                 _mm512_cvtepi64_epi8(_mm512_srli_epi64(v, 32)));
+            }
+        }
+        xsum[m * G + g] = (float)_mm512_reduce_add_epi32(sum);
+    }
+    if (kind != Q_U8) return;
+    /* per lane, as block_bytes sums: its 4 bytes of each step (lanes of a step may belong
+       to different groups) */
+    int64_t len = bytes_chunks(kind, gs).len;
+    for (int64_t c0 = 0; c0 < K; c0 += len) {
+        __m512i t = _mm512_setzero_si512();
+        for (int64_t k = c0; k < c0 + len; k += 64)
+            t = _mm512_dpbusd_epi32(t, _mm512_loadu_si512(q + 2 * k + 64), _mm512_set1_epi8(1));
+        _mm512_storeu_si512(xcorr + (m * (K / 64) + c0 / len) * 16, _mm512_slli_epi32(t, 7));
+    }
+}
+
+/* The high nibble of each byte, moved down: one GF2P8AFFINEQB (a bit matrix per byte) where
+   the build has GFNI, else a shift and a mask. */
+#ifdef __GFNI__
+#define HIGH_NIBBLES(w) _mm512_gf2p8affine_epi64_epi8((w), _mm512_set1_epi64(0x1020408000000000ll), 0)
+#else
+#define HIGH_NIBBLES(w) _mm512_and_si512(_mm512_srli_epi16((w), 4), m4)
+#endif
+
+/* Pins a 512-bit v to a register here (see KEEP; "v": any of the 32). */
+#define KEEP512(v) __asm__("" : "+v"(v))
+
+/* One 4-row block against x's one row, as bytes: into acc (column 0), each group's scale
+   applied (zero points not yet). `lanes`: where gs < S, the group of each lane of a step.
+   Two sums per weight row (hi and lo products): 8 chains, each named and pinned (GCC kept
+   arrays of them on the stack, copied every step). `ahead`: bytes from a row to the same
+   row of the block to prefetch (0: none); a step reads one line of each row, and prefetches
+   that line of the block ahead into L2, as gemv_avx512.c does. */
+static inline __attribute__((always_inline)) void block_bytes(
+    int kind, const uint8_t* xb, const int32_t* xcorr, const uint8_t* const* wr,
+    const float* const* sr, int64_t K, Chunks ch, int64_t ahead, __m512i lanes,
+    Acc* acc) {
+    const int S = bytes_step(kind), B = S * (kind == Q_U8 ? 8 : 4) / 8; /* code bytes a step */
+    const __m512i flip = _mm512_set1_epi8((char)0x80), m4 = _mm512_set1_epi8(15);
+    const uint8_t *w0 = wr[0], *w1 = wr[1], *w2 = wr[2], *w3 = wr[3];
+    const float *s0 = sr[0], *s1 = sr[1], *s2 = sr[2], *s3 = sr[3];
+    const __mmask16 smask = (__mmask16)((1 << ch.gstep) - 1);
+    __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
+    const uint8_t* xs = xb;
+    int64_t b = 0; /* code bytes into a row */
+    for (int64_t c0 = 0, c = 0, g = 0, left = ch.per; c0 < K; c0 += ch.len, c++) {
+        __m512i l0 = kind == Q_U8 ? _mm512_loadu_si512(xcorr + 16 * c) : _mm512_setzero_si512();
+        __m512i l1 = l0, l2 = l0, l3 = l0;
+        __m512i h0 = _mm512_setzero_si512(), h1 = h0, h2 = h0, h3 = h0;
+        for (int64_t k = 0; k < ch.len; k += S, b += B, xs += 2 * S) {
+            if (ahead) {
+                _mm_prefetch((const char*)w0 + ahead + b, _MM_HINT_T1);
+                _mm_prefetch((const char*)w1 + ahead + b, _MM_HINT_T1);
+                _mm_prefetch((const char*)w2 + ahead + b, _MM_HINT_T1);
+                _mm_prefetch((const char*)w3 + ahead + b, _MM_HINT_T1);
+            }
+            if (kind == Q_U8) {
+                __m512i xh = _mm512_loadu_si512(xs), xl = _mm512_loadu_si512(xs + 64);
+#define BYTES_U8(h, l, p)                                                                  \
+    {                                                                                      \
+        __m512i w = _mm512_loadu_si512(p + b);                                             \
+        h = _mm512_dpbusd_epi32(h, w, xh);                                                 \
+        KEEP512(h);                                                                        \
+        l = _mm512_dpbusd_epi32(l, xl, _mm512_xor_si512(w, flip));                         \
+        KEEP512(l);                                                                        \
+    }
+                BYTES_U8(h0, l0, w0)
+                BYTES_U8(h1, l1, w1)
+                BYTES_U8(h2, l2, w2)
+                BYTES_U8(h3, l3, w3)
+#undef BYTES_U8
+            } else {
+                __m512i he = _mm512_loadu_si512(xs), ho = _mm512_loadu_si512(xs + 64);
+                __m512i le = _mm512_loadu_si512(xs + 128), lo = _mm512_loadu_si512(xs + 192);
+#define BYTES_U4(h, l, p)                                                                  \
+    {                                                                                      \
+        __m512i w = _mm512_loadu_si512(p + b);                                             \
+        __m512i e = _mm512_and_si512(w, m4);                                               \
+        __m512i o = HIGH_NIBBLES(w);                                                       \
+        h = _mm512_dpbusd_epi32(h, e, he);                                                 \
+        l = _mm512_dpbusd_epi32(l, le, e);                                                 \
+        h = _mm512_dpbusd_epi32(h, o, ho);                                                 \
+        KEEP512(h);                                                                        \
+        l = _mm512_dpbusd_epi32(l, lo, o);                                                 \
+        KEEP512(l);                                                                        \
+    }
+                BYTES_U4(h0, l0, w0)
+                BYTES_U4(h1, l1, w1)
+                BYTES_U4(h2, l2, w2)
+                BYTES_U4(h3, l3, w3)
+#undef BYTES_U4
+            }
+        }
+        /* 256 * hi + lo, exact in int32 (see the top), then fp32 times the scale(s) */
+#define BYTES_FOLD(f, h, l, sp)                                                            \
+    {                                                                                      \
+        __m512i t = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);                          \
+        __m512 s = ch.gstep ? _mm512_permutexvar_ps(lanes, _mm512_maskz_loadu_ps(smask, sp + g)) \
+                            : _mm512_set1_ps(sp[g]);                                       \
+        f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, f);                                  \
+    }
+        BYTES_FOLD(f0, h0, l0, s0)
+        BYTES_FOLD(f1, h1, l1, s1)
+        BYTES_FOLD(f2, h2, l2, s2)
+        BYTES_FOLD(f3, h3, l3, s3)
+#undef BYTES_FOLD
+        if (ch.gstep) g += ch.gstep;
+        else if (--left == 0) g++, left = ch.per;
+    }
+    acc->v[0][0] = fold512ps(f0), acc->v[1][0] = fold512ps(f1);
+    acc->v[2][0] = fold512ps(f2), acc->v[3][0] = fold512ps(f3);
+}
+
+/* The group of each lane of a step, for groups shorter than it (see the top). */
+static inline __m512i bytes_lanes(int kind, int64_t gs) {
+    int32_t idx[16];
+    for (int l = 0; l < 16; l++) idx[l] = (int32_t)(l * (bytes_step(kind) / 16) / gs);
+    return _mm512_loadu_si512(idx);
+}
+
+/* block_bytes compiled for each kind (see run_block). */
+static void run_bytes(int kind, const uint8_t* xb, const int32_t* xcorr, const uint8_t* const* wr,
+                      const float* const* sr, int64_t K, Chunks ch, int64_t ahead,
+                      __m512i lanes, Acc* acc) {
+    if (kind == Q_U8) block_bytes(Q_U8, xb, xcorr, wr, sr, K, ch, ahead, lanes, acc);
+    else block_bytes(Q_U4, xb, xcorr, wr, sr, K, ch, ahead, lanes, acc);
+}
+#endif
+
 /* sum over groups of scale * zero * xsum[m], per (weight row j, input row m), into the
    partial-sum vectors (negated), so the final horizontal sum takes it along. */
 static inline void zero_points(const float* const* sr, const uint8_t* const* zr, const float* xsum,
@@ -622,6 +854,23 @@ static void run_block(int kind, int many, const int16_t* xq, const float* xf,
     }
 }
 
+/* y[i .. i + 3] = v as store() writes each: fp32, or bf16 rounded to nearest even (an fp32
+   product y * xscale is the correctly rounded double product the scalar path rounds). */
+static inline void store4(void* y, int64_t i, __m128 v, int out_bf16) {
+    if (!out_bf16) {
+        _mm_storeu_ps((float*)y + i, v);
+        return;
+    }
+    __m128i b = _mm_castps_si128(v);
+    __m128i odd = _mm_and_si128(_mm_srli_epi32(b, 16), _mm_set1_epi32(1));
+    b = _mm_srli_epi32(_mm_add_epi32(b, _mm_add_epi32(_mm_set1_epi32(0x7FFF), odd)), 16);
+    _mm_storel_epi64((__m128i*)((uint16_t*)y + i), _mm_packus_epi32(b, b));
+}
+
+/* 1: one row of x runs as bytes (block_bytes) where the build has AVX512-VNNI; 0: as int16
+   (block_int). A switch for the tests and benchmarks, which compare the two. */
+int qgemv_byte_path = 1;
+
 static void qgemv_kind(
     int kind, const void* x, int x_bf16, const uint8_t* codes, int64_t cstride,
     const float* scales, const uint8_t* zeros, int64_t gstride, void* y, int out_bf16,
@@ -630,13 +879,29 @@ static void qgemv_kind(
     int16_t* xq = NULL;
     float *xf = NULL, *xscale = NULL, *xsum = NULL;
     int* xexp = NULL;
+    int bytes = 0; /* one row of x as bytes (block_bytes) */
+    uint8_t* xb = NULL;
+    int32_t* xcorr = NULL;
+#ifdef QBYTES
+    int bkind = kind == Q_U8 ? Q_U8 : Q_U4; /* 4-bit codes in groups of 32 (Q_U4W) too */
+    bytes = qgemv_byte_path && bytes_usable(kind, M, K, gs);
+    __m512i lanes = bytes && gs < bytes_step(bkind) ? bytes_lanes(bkind, gs)
+                                                    : _mm512_setzero_si512();
+    Chunks chunks = {0, 0, 0};
+    if (bytes) chunks = bytes_chunks(bkind, gs);
+#endif
     if (kind == Q_FP8) {
         xf = (float*)malloc(sizeof(float) * M * K);
         xexp = (int*)malloc(sizeof(int) * M);
     } else {
-        xq = (int16_t*)malloc(sizeof(int16_t) * M * K);
         xscale = (float*)malloc(sizeof(float) * M);
         xsum = (float*)malloc(sizeof(float) * M * G);
+        if (bytes) {
+            xb = (uint8_t*)malloc(2 * M * K);
+            xcorr = (int32_t*)malloc(sizeof(int32_t) * M * (K / 64) * 16);
+        } else {
+            xq = (int16_t*)malloc(sizeof(int16_t) * M * K);
+        }
     }
     int64_t blocks = (N + 3) / 4;
     /* One or two rows: codes turned into numbers in registers, per pass; more: once per
@@ -656,6 +921,9 @@ static void qgemv_kind(
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {
             if (kind == Q_FP8) convert_x(x, x_bf16, m, K, xf, xexp);
+#ifdef QBYTES
+            else if (bytes) quantize_x_bytes(bkind, x, x_bf16, m, K, gs, xb, xscale, xsum, xcorr);
+#endif
             else quantize_x(kind, x, x_bf16, m, K, gs, xq, xscale, xsum);
         }
         /* fp8: [4][KC] fp32; integer codes: [4][SEG] int16 */
@@ -684,10 +952,21 @@ static void qgemv_kind(
                 Acc one;
                 Acc* acc = many ? &accs[m / 2] : &one;
                 int mr = M - m >= 2 ? 2 : 1;
+#ifdef QBYTES
+                if (bytes)
+                    run_bytes(bkind, xb, xcorr, wr, sr, K, chunks,
+                              pf.base ? PF_BLOCKS * block_bytes : 0, lanes, acc);
+                else
+#endif
                 if (!many) run_block(kind, 0, xq, xf, wr, sr, m, M, K, gs, &pf, NULL, acc);
                 if (kind != Q_FP8 && zeros) zero_points(sr, zr, xsum, m, mr, G, acc);
                 for (int i = 0; i < mr; i++) {
                     __m128 t = hsum4(acc->v[0][i], acc->v[1][i], acc->v[2][i], acc->v[3][i]);
+                    if (kind != Q_FP8 && rows == 4) { /* the same roundings, 4 lanes at once */
+                        store4(y, (m + i) * N + n0, _mm_mul_ps(t, _mm_set1_ps(xscale[m + i])),
+                               out_bf16);
+                        continue;
+                    }
                     float out[4];
                     _mm_storeu_ps(out, t);
                     /* fp8: the weights' 2^-120, the 2^40 of the many-row path and x's power of
@@ -704,6 +983,8 @@ static void qgemv_kind(
         _mm_setcsr(csr);
     }
     free(xq);
+    free(xb);
+    free(xcorr);
     free(xf);
     free(xexp);
     free(xscale);
