@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         "--quantization",
         default="",
         help="int8|int4|fp8, or several comma-separated ('none' for the float model): each "
-        "measured on the same fixture in one run, side by side",
+        "measured on the same fixture in one run, side by side; FORMAT:HEAD gives that one "
+        "its own LM head format (e.g. int4:int4 beside int4, whose head is int8)",
     )
     ap.add_argument(
         "--lm-head-quantization",
@@ -245,10 +246,12 @@ def _build(
     config: ModelConfig,
     batches: list[int],
     pages_needed: int,
-    quantization: str,
+    fmt: str,
 ) -> tuple[ModelRunner, dict[str, tuple[ForwardInput, int, float, float]], int, int]:
     """The runner for one weight format, its cases (name -> input, tokens, bytes a step must
-    read, FLOPs), its matmul parameters and their bytes."""
+    read, FLOPs), its matmul parameters and their bytes. `fmt`: --quantization's entry,
+    FORMAT or FORMAT:HEAD."""
+    quantization, _, head = fmt.partition(":")
     eargs = EngineArgs(
         model=str(model),
         dtype=args.dtype,
@@ -258,7 +261,7 @@ def _build(
         cpu_kernel_tuning=args.cpu_kernel_tuning,
         cpu_weight_copies_max_gb=args.cpu_weight_copies_max_gb,
         quantization=quantization if quantization not in ("", "none") else None,
-        lm_head_quantization=args.lm_head_quantization,
+        lm_head_quantization=head or args.lm_head_quantization,
     )
     runner = ModelRunner(eargs, model, config, max_seq_len=4096)
     params, weight_bytes = linear_weights(runner.model)
