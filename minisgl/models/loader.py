@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from minisgl.models.checkpoint import mismatches, surplus_layers
 from minisgl.models.config import ModelConfig
-from minisgl.models.qwen3 import Qwen3ForCausalLM
+from minisgl.models.qwen3 import Qwen3ForCausalLM, plain_submodules
 from minisgl.models.registry import model_class
 from minisgl.quant import loading as quant_loading
 
@@ -203,4 +203,7 @@ def load_model(
         line = quant_loading.prepare_cpu(model, dtype, cpu_kernel_tuning)
         if line and tp_rank == 0:
             logger.info(line)
+    # The structure is final now (weights quantized, heads tied, kernels set).
+    for m in model.modules():
+        plain_submodules(m)
     return model

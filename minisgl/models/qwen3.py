@@ -40,9 +40,10 @@ logger = logging.getLogger(__name__)
 def plain_submodules(module: nn.Module) -> None:
     """Each direct submodule also as a plain instance attribute, read without nn.Module's
     __getattr__ (a Python call after a failed lookup, per read). A decode step reads ~20 a
-    layer, each on cold caches: the matmuls between them stream the caches out. Assigning a
-    submodule again goes through nn.Module.__setattr__, which drops the plain copy first, so a
-    read never sees a stale module."""
+    layer, each on cold caches: the matmuls between them stream the caches out. Made once the
+    model is loaded (loader.py): assigning a submodule again goes through nn.Module.__setattr__,
+    which drops the plain copy first (deleting one, or setting it to None, would not: the
+    loading does both, before)."""
     module.__dict__.update(module._modules)
 
 
@@ -89,7 +90,6 @@ class Qwen3Attention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.eps = config.rms_norm_eps
         self._qk_weight: torch.Tensor | None = None
-        plain_submodules(self)
 
     def forward(
         self,
@@ -135,7 +135,6 @@ class Qwen3MLP(nn.Module):
             config.hidden_size, [inter, inter], tp_rank, tp_size
         )
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp_rank, tp_size)
-        plain_submodules(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
@@ -188,7 +187,6 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp = make_mlp(config, layer_id, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        plain_submodules(self)
 
     @property
     def mlp_weights(self) -> Mlp:

@@ -4,16 +4,21 @@ submodules as plain attributes and checks a quantized weight for the C kernels o
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
+from minisgl.models.config import ModelConfig
+from minisgl.models.loader import load_model
 from minisgl.models.qwen3 import plain_submodules
 from minisgl.quant import cpu_gemv
 from minisgl.quant.qtensor import QTensor, dequantize
 from minisgl.quant.quantize import quantize
 from minisgl.quant.scheme import load_scheme
 from minisgl.quant.weight import QuantWeight
+from minisgl.testing.fixture import write_fixture_model
 
 
 def _int8_weight(n: int, k: int) -> QuantWeight:
@@ -52,3 +57,12 @@ def test_plain_submodules_never_go_stale() -> None:
     assert vars(m)["a"] is m._modules["a"]
     m.a = nn.Linear(3, 3)  # nn.Module.__setattr__ drops the plain copy
     assert m.a is m._modules["a"] and m.a.in_features == 3
+
+
+def test_a_loaded_model_reads_its_submodules_as_plain_attributes(tmp_path: Path) -> None:
+    path = write_fixture_model(tmp_path / "m", preset="tiny", dtype="float32")
+    config = ModelConfig.from_dir(path)
+    model = load_model(path, config, torch.float32, torch.device("cpu"), prepack=False)
+    layer = model.model.layers[0]
+    for m in (model, model.model, layer, layer.self_attn, layer.mlp):
+        assert m._modules and all(vars(m)[k] is v for k, v in m._modules.items())
