@@ -172,17 +172,20 @@ def test_fresh_prompts_attend_over_their_own_rows() -> None:
     assert group.out_rows is None  # in step order: no scatter of the outputs
 
 
+@pytest.mark.parametrize("refuse", [False, True], ids=["kernel", "refused"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_fresh_prompts_at_model_head_sizes_match_the_reference(head_dim: int) -> None:
-    """bf16 prompts without a cached prefix at a model's head size (where the CPU has AMX:
-    the tile kernel, cpu_prefill.py), lengths off the 16-row tiles, beside a decode; the same
-    answers as the reference within bf16 rounding."""
+def test_prefills_at_model_head_sizes_match_the_reference(
+    head_dim: int, refuse: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 prompts at a model's head size (where the CPU has AMX: the tile kernel,
+    cpu_prefill.py), fresh and after a cached prefix, lengths off the 16-row tiles, beside a
+    decode; the same answers as the reference within bf16 rounding."""
     hq, hkv, ps = 4, 2, 16
-    prefix, extend = [0, 0, 3, 0, 0], [40, 17, 1, 130, 33]
-    pool = KVPool(1, 64, ps, hkv, head_dim, torch.bfloat16, "cpu")
+    prefix, extend = [0, 0, 3, 0, 20, 0, 37], [40, 17, 1, 130, 18, 33, 64]
+    pool = KVPool(1, 96, ps, hkv, head_dim, torch.bfloat16, "cpu")
     attn = create_attention_backend("torch", pool, hq, hkv, head_dim, head_dim**-0.5)
     assert isinstance(attn, TorchAttentionBackend)
-    free = iter(range(64))
+    free = iter(range(96))
     tables = [[next(free) for _ in range(-(-(p + e) // ps))] for p, e in zip(prefix, extend)]
     g = torch.Generator().manual_seed(head_dim)
     past = [torch.randn(2, p, hkv, head_dim, generator=g).bfloat16() for p in prefix]
@@ -197,11 +200,16 @@ def test_fresh_prompts_at_model_head_sizes_match_the_reference(head_dim: int) ->
     v = qkv.view(t, hq + 2 * hkv, head_dim)[:, hq + hkv :]
     meta = attn.prepare(BatchLayout(ps, prefix, extend, tables))
     amx = cpu_prefill.available(torch.bfloat16, head_dim, hq, hkv)
-    fresh = [grp.fresh_seqs for grp in meta.groups]  # type: ignore[attr-defined]
-    assert [f is not None for f in fresh] == [False, amx]  # the decode's group, the prompts'
-    if fresh[1] is not None:  # the kernel takes these views (no silent fall back to SDPA)
-        assert cpu_prefill.attend(q, k, v, fresh[1], q.new_empty(t, hq * head_dim), 0.1)
+    plans = [grp.amx for grp in meta.groups]  # type: ignore[attr-defined]
+    assert [p is not None for p in plans] == [False, amx]  # the decode's group, the prompts'
+    if plans[1] is not None:  # the kernel takes these views (no silent fall back to SDPA)
+        kv = pool.k_buffers[0], pool.v_buffers[0]
+        assert cpu_prefill.attend(q, k, v, *kv, plans[1], q.new_empty(t, hq * head_dim), 0.1)
+    if refuse:
+        monkeypatch.setattr(cpu_prefill, "attend", lambda *a: False)
     out = attn.forward(q, k, v, 0, meta).float()
+    if refuse:  # the kernel refuses these tensors: the group's SDPA calls, for every layer
+        assert meta.groups[1].amx is None and meta.groups[1].calls  # type: ignore[attr-defined]
     start = 0
     for (pk, pv), p, e in zip(past, prefix, extend, strict=True):
         rows = slice(start, start + e)

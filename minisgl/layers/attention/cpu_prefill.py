@@ -1,8 +1,9 @@
-"""Fresh prompts' causal attention on AMX tiles (csrc/attention.c, prefill_attn_amx).
+"""Prefill attention on AMX tiles (csrc/attention.c, prefill_attn_amx).
 
-For prompts without a cached prefix the keys are the step's own K/V rows: the kernel reads
-q, k and v where the qkv projection left them (row views, heads packed in a row) and writes
-each prompt's rows of the output. torch's CPU flash kernel ran this at about a third of the
+The kernel reads the step's q, k and v where the qkv projection left them (row views, heads
+packed in a row): a prompt's new tokens attend over their own K/V rows as they lie in the
+step, and only a cached prefix is read from the pool (by slot); it writes each prompt's rows
+of the step's output in place. torch's CPU flash kernel ran this at about a third of the
 speed the same tiles reach in a matmul (Qwen3-0.6B heads, 128-token prompts: 11% of a prefill
 step for ~2% of its arithmetic). Only where the CPU and the build have AMX-BF16, for bf16 and
 head dims 64 or 128; elsewhere the backend keeps SDPA.
@@ -11,6 +12,7 @@ head dims 64 or 128; elsewhere the backend keeps SDPA.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -33,7 +35,7 @@ def _kernel() -> Any:
     fn = lib.prefill_attn_amx
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     args: list[Any] = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
-    fn.argtypes = args + [ctypes.c_float, ptr, i64]
+    fn.argtypes = args + [ctypes.c_float, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr]
     fn.restype = ctypes.c_int
     return fn
 
@@ -54,25 +56,40 @@ def _rows_ok(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
+@dataclass
+class Plan:
+    """A step's prompts for the kernel (int64 tensors)."""
+
+    rows: torch.Tensor  # [3, n]: each prompt's first step row, first output row, new tokens
+    prefix: torch.Tensor | None  # [2, n]: cached prefix length, its first index in `slots`
+    slots: torch.Tensor | None  # the prefixes' pool slots, prompt after prompt
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    seqs: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    plan: Plan,
     out: torch.Tensor,
     scale: float,
 ) -> bool:
-    """q [T, Hq, D], k/v [T, Hkv, D] (bf16); seqs [3, n] int64: each prompt's first step row,
-    first row of `out` [*, Hq * D] and length. Writes those rows of `out`; False where the
-    kernel cannot take these tensors (nothing written: the caller falls back)."""
+    """q [T, Hq, D], k/v [T, Hkv, D] (bf16): the step's new tokens; k_pool/v_pool [S, Hkv, D]:
+    the layer's cache, where cached prefixes are read. Writes the planned prompts' rows of
+    `out` [*, Hq * D]; False where the kernel cannot take these tensors (nothing written:
+    the caller falls back)."""
     fn = _kernel()
-    if fn is None or not all(map(_rows_ok, (q, k, v))):
+    if fn is None or not all(map(_rows_ok, (q, k, v, k_pool, v_pool))):
         return False
-    if not (q.dtype == k.dtype == v.dtype == out.dtype == torch.bfloat16):
+    if not all(x.dtype == torch.bfloat16 for x in (q, k, v, k_pool, v_pool, out)):
         return False
     _, hq, d = q.shape
     if out.device.type != "cpu" or out.stride(1) != 1 or out.shape[1] != hq * d:
         return False
+    if k_pool.stride(0) != v_pool.stride(0) or k_pool.shape[1:] != k.shape[1:]:
+        return False
+    rows, pre = plan.rows, plan.prefix
     done = fn(
         q.data_ptr(),
         q.stride(0),
@@ -80,15 +97,21 @@ def attend(
         k.stride(0),
         v.data_ptr(),
         v.stride(0),
-        seqs[0].data_ptr(),
-        seqs[1].data_ptr(),
-        seqs[2].data_ptr(),
-        seqs.shape[1],
+        rows[0].data_ptr(),
+        rows[1].data_ptr(),
+        rows[2].data_ptr(),
+        rows.shape[1],
         hq,
         k.shape[1],
         d,
         scale,
         out.data_ptr(),
         out.stride(0),
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        k_pool.stride(0),
+        None if pre is None else pre[0].data_ptr(),
+        None if pre is None else pre[1].data_ptr(),
+        None if plan.slots is None else plan.slots.data_ptr(),
     )
     return bool(done)

@@ -27,6 +27,7 @@ Python plus O(tiles)); `forward` is a fixed handful of tensor ops per tile.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,9 +77,10 @@ class _Group:
     # The decode kernel may store the step's rows itself (one row per request: no row reads
     # another's); False for a short extend's rows, which read each other's keys.
     stores_new: bool = True
-    # Fresh prompts only, for the CPU AMX kernel (cpu_prefill.py): [3, n] first step row (twice:
-    # it writes the step's output rows in place) and length of each; None: the calls above.
-    fresh_seqs: torch.Tensor | None = None
+    # The CPU AMX kernel's plan for these prompts (cpu_prefill.py; it writes their rows of the
+    # step's output in place); `calls` are then built only if it cannot run (`fallback`).
+    amx: cpu_prefill.Plan | None = None
+    fallback: Callable[[], _Group] | None = None
 
 
 @dataclass
@@ -171,9 +173,55 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> _Group:
         pre, ext, st = prefix[members], extend[members], starts[members]
         tot = pre + ext
-        g = len(members)
         if ext.max() > 1 and self.cpu_decode and self._short_extend(pre, ext):
             return self._group_rows(members, pre, ext, st, pages, ps, num_requests)
+        if ext.max() > 1 and self.cpu_prefill and int(tot.max()) <= cpu_prefill.MAX_LEN:
+            return _Group(
+                calls=[],
+                out_rows=None,
+                valid=None,
+                lens=self._dev(tot),
+                decode_kernel=False,
+                amx=self._amx_plan(members, pre, ext, st, pages, ps),
+                fallback=lambda: self._group_calls(members, pre, ext, st, pages, ps, num_requests),
+            )
+        return self._group_calls(members, pre, ext, st, pages, ps, num_requests)
+
+    def _amx_plan(
+        self,
+        members: np.ndarray,
+        pre: np.ndarray,
+        ext: np.ndarray,
+        st: np.ndarray,
+        pages: np.ndarray,
+        ps: int,
+    ) -> cpu_prefill.Plan:
+        """Every member's step rows (its output rows too) and length, and where it has a
+        cached prefix, that prefix's pool slots (its new tokens' keys are the step's rows)."""
+        rows = self._dev(np.stack([st, st, ext]))
+        if not pre.any():
+            return cpu_prefill.Plan(rows, None, None)
+        req = np.repeat(members, pre)
+        pos = np.arange(int(pre.sum())) - np.repeat(np.cumsum(pre) - pre, pre)
+        slots = _slots(pages, req, pos, ps)
+        return cpu_prefill.Plan(
+            rows, self._dev(np.stack([pre, np.cumsum(pre) - pre])), self._dev(slots)
+        )
+
+    def _group_calls(
+        self,
+        members: np.ndarray,
+        pre: np.ndarray,
+        ext: np.ndarray,
+        st: np.ndarray,
+        pages: np.ndarray,
+        ps: int,
+        num_requests: int,
+    ) -> _Group:
+        """The group as SDPA calls (or attend_blocked tiles): per request, padded or packed,
+        whichever costs least."""
+        tot = pre + ext
+        g = len(members)
         packed_cells = int(ext.sum()) * int(tot.sum())
         padded_cells = g * int(ext.max()) * int(tot.max())
         runs = self._runs(pre, ext, st)
@@ -310,16 +358,12 @@ class TorchAttentionBackend(AttentionBackend):
             )
         rows = np.concatenate([np.arange(s, s + e) for s, e in zip(st, ext)])
         identity = len(members) == num_requests and np.array_equal(rows, np.arange(len(rows)))
-        fresh_seqs = None
-        if self.cpu_prefill and all(r[2] for r in runs) and ext.max() <= cpu_prefill.MAX_LEN:
-            fresh_seqs = self._dev(np.stack([st, st, ext]))
         return _Group(
             calls=calls,
             out_rows=None if identity else self._dev(rows),
             valid=None,
             lens=self._dev(pre + ext),
             decode_kernel=False,
-            fresh_seqs=fresh_seqs,
         )
 
     def _call(
@@ -387,12 +431,14 @@ class TorchAttentionBackend(AttentionBackend):
             self.kv_pool.store(layer_id, meta.out_loc, k, v)
         width = self.num_heads * self.head_dim
         out: torch.Tensor | None = None
-        for grp in meta.groups:
-            if grp.fresh_seqs is not None:  # fresh prompts: their rows of `out`, in place
+        for i, grp in enumerate(meta.groups):
+            if grp.amx is not None:  # the prompts' rows of `out`, in place
                 if out is None:
                     out = q.new_empty(meta.num_tokens, width)
-                if cpu_prefill.attend(q, k, v, grp.fresh_seqs, out, self.scale):
+                if cpu_prefill.attend(q, k, v, k_buf, v_buf, grp.amx, out, self.scale):
                     continue
+                assert grp.fallback is not None
+                meta.groups[i] = grp = grp.fallback()  # for the other layers too
             o = self._attend(q, k, v, k_buf, v_buf, grp, new)  # [G * Q, Hq * D]
             if grp.valid is not None:
                 o = o[grp.valid]

@@ -333,22 +333,27 @@ static void merge_request(const float* part, const int64_t* first, int64_t b, in
 ATTN(decode_attn_bf16, uint16_t, load16_bf16, load_bf16, 1)
 ATTN(decode_attn_f32, float, load16_f32, load_f32, 0)
 
-/* Causal attention of fresh prompts (no cached prefix) on AMX tiles, straight from the step's
-   q/k/v rows (views of the qkv projection: rows `q_stride`, `k_stride`, `v_stride` elements
-   apart, a row's heads packed, bf16). Sequence i is the step's rows q_rows[i] .. + lens[i]; its output
-   goes to out rows o_rows[i] .. (out [*, Hq * D], rows `out_stride` apart, bf16). torch's CPU
+/* Causal attention of a prefill step's prompts on AMX tiles, straight from the step's q/k/v
+   rows (views of the qkv projection: rows `q_stride`, `k_stride`, `v_stride` elements apart, a
+   row's heads packed, bf16). Sequence i's new tokens are the step's rows q_rows[i] .. +
+   lens[i]; where pre_lens is given, a cached prefix of pre_lens[i] tokens comes first, its
+   keys and values read from the pool (k_pool/v_pool rows `pool_stride` apart) at slots
+   slots[slot_ofs[i] ..]; the new tokens' own keys come from the step's rows. Its output goes
+   to out rows o_rows[i] .. (out [*, Hq * D], rows `out_stride` apart, bf16). torch's CPU
    flash kernel ran this at ~1/3 of what the same tiles do in a matmul (Qwen3-0.6B heads,
    128-token prompts: 11% of a prefill step for ~2% of its arithmetic).
 
-   First every (sequence, KV head)'s keys and values are packed once into AMX B operands
-   (keys: 16 keys x 32 dims per tile, dims in pairs; values: 32 keys x 16 dims, keys in
-   pairs), padded with zeros to whole tiles. Then each item, 16 query rows of one query head,
-   takes its 16 x D queries as D / 32 A tiles, its scores over the keys up to its last row
-   (16 at a time, fp32) into a row buffer, the causal softmax per row (fp32, the
-   probabilities rounded to bf16 for the value product, as torch's flash kernel does), and
-   P . V in 16-dim tiles; the rows are divided by their softmax sums at the end. D is 64 or
-   128 (the A tiles and the four C tiles per pass fit the 8 tiles), lens <= PREFILL_MAX_LEN.
-   Returns 0 where it cannot run (no AMX), 1 when done. */
+   A task is a run of 16-row query blocks of one (sequence, KV head): first the keys and
+   values its last row sees are packed into AMX B operands in the thread's buffers (keys: 16
+   keys x 32 dims per tile, dims in pairs; values: 32 keys x 16 dims, keys in pairs; zeros
+   past the last key), then for each of the KV head's query heads and each block: the 16 x D
+   queries as D / 32 A tiles, the scores over the keys up to the block's last row (16 at a
+   time, fp32) into a row buffer, the causal softmax per row (fp32, the probabilities rounded
+   to bf16 for the value product, as torch's flash kernel does), and P . V in 16-dim tiles;
+   the rows are divided by their softmax sums at the end. D is 64 or 128 (the A tiles and
+   the four C tiles per pass fit the 8 tiles), prefix + new tokens <= PREFILL_MAX_LEN.
+   Returns 0 where it cannot run (no AMX, a shape it does not take: nothing written), 1 when
+   done. */
 #define PREFILL_MAX_LEN 8192
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "amx.h"
@@ -397,33 +402,33 @@ static inline void pf_transpose16(__m512i r[16]) {
 
 #define TILE_U32 256 /* one B tile: 16 rows x 64 bytes */
 
-/* Keys kb*16 .. +16 (rows of `k`, zeros past n) as D / 32 B tiles: tile c row j, lane n =
-   dims (32c + 2j, 32c + 2j + 1) of key n. */
-static void pack_keys(const uint16_t* k, int64_t stride, int64_t n, int64_t kb, int64_t D,
+/* Keys kb*16 .. +16 (row pointers `k`, zeros past n) as D / 32 B tiles: tile c row j, lane
+   n = dims (32c + 2j, 32c + 2j + 1) of key n. */
+static void pack_keys(const uint16_t* const* k, int64_t n, int64_t kb, int64_t D,
                       uint32_t* dst) {
     for (int64_t c = 0; c < D / 32; c++) {
         __m512i r[16];
         for (int i = 0; i < 16; i++) {
             int64_t key = kb * 16 + i;
-            r[i] = key < n ? _mm512_loadu_si512(k + key * stride + c * 32) : _mm512_setzero_si512();
+            r[i] = key < n ? _mm512_loadu_si512(k[key] + c * 32) : _mm512_setzero_si512();
         }
         pf_transpose16(r);
         for (int j = 0; j < 16; j++) _mm512_store_si512(dst + c * TILE_U32 + j * 16, r[j]);
     }
 }
 
-/* Keys kb*32 .. +32 of `v` (zeros past n) as D / 16 B tiles: tile c row j, lane n = dim
-   16c + n of keys (32kb + 2j, 32kb + 2j + 1). */
-static void pack_values(const uint16_t* v, int64_t stride, int64_t n, int64_t kb, int64_t D,
+/* Keys kb*32 .. +32 (row pointers `v`, zeros past n) as D / 16 B tiles: tile c row j, lane
+   n = dim 16c + n of keys (32kb + 2j, 32kb + 2j + 1). */
+static void pack_values(const uint16_t* const* v, int64_t n, int64_t kb, int64_t D,
                         uint32_t* dst) {
     for (int j = 0; j < 16; j++) {
         int64_t k0 = kb * 32 + 2 * j, k1 = k0 + 1;
         for (int64_t c = 0; c < D / 16; c++) {
-            __m512i lo = k0 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                      (const __m256i*)(v + k0 * stride + c * 16)))
+            __m512i lo = k0 < n ? _mm512_cvtepu16_epi32(
+                                      _mm256_loadu_si256((const __m256i*)(v[k0] + c * 16)))
                                 : _mm512_setzero_si512();
-            __m512i hi = k1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                      (const __m256i*)(v + k1 * stride + c * 16)))
+            __m512i hi = k1 < n ? _mm512_cvtepu16_epi32(
+                                      _mm256_loadu_si256((const __m256i*)(v[k1] + c * 16)))
                                 : _mm512_setzero_si512();
             _mm512_store_si512(dst + c * TILE_U32 + j * 16,
                                _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
@@ -468,13 +473,14 @@ static float softmax_row(const float* s, int64_t n, int64_t n32, float scale, ui
     return _mm512_reduce_add_ps(tot);
 }
 
-/* One item: query rows r0 .. r0 + nr of a sequence's head (q: its row 0, head h), keys and
-   values packed (kp, vp), output rows to `o` (its row 0, head h). */
+/* One item: query rows r0 .. r0 + nr of a sequence's head (q: its row 0, head h; row r at
+   position pre + r, seeing keys 0 .. pre + r), keys and values packed (kp, vp), output rows
+   to `o` (its row 0, head h). */
 static void prefill_item(const uint16_t* q, int64_t q_stride, const uint32_t* kp,
-                         const uint32_t* vp, int64_t r0, int nr, int64_t D, float scale,
-                         uint16_t* o, int64_t out_stride, float* s, uint16_t* p, int64_t sp_len,
-                         uint16_t* qbuf, float* obuf) {
-    int64_t nk = r0 + nr, nkb = (nk + 15) / 16, nk32 = (nk + 31) / 32 * 32, nc = D / 32;
+                         const uint32_t* vp, int64_t pre, int64_t r0, int nr, int64_t D,
+                         float scale, uint16_t* o, int64_t out_stride, float* s, uint16_t* p,
+                         int64_t sp_len, uint16_t* qbuf, float* obuf) {
+    int64_t nk = pre + r0 + nr, nkb = (nk + 15) / 16, nk32 = (nk + 31) / 32 * 32, nc = D / 32;
     for (int i = 0; i < 16; i++) /* the 16 x D queries, zero rows past nr */
         for (int64_t d = 0; d < D; d += 32)
             _mm512_store_si512(qbuf + i * D + d, i < nr ? _mm512_loadu_si512(q + (r0 + i) * q_stride + d)
@@ -512,7 +518,8 @@ static void prefill_item(const uint16_t* q, int64_t q_stride, const uint32_t* kp
     float inv[16];
     for (int i = 0; i < 16; i++) {
         if (i < nr) {
-            inv[i] = 1.f / softmax_row(s + i * sp_len, r0 + i + 1, nk32, scale, p + i * sp_len);
+            inv[i] = 1.f / softmax_row(s + i * sp_len, pre + r0 + i + 1, nk32, scale,
+                                       p + i * sp_len);
         } else {
             memset(p + i * sp_len, 0, nk32 * 2);
             inv[i] = 0.f;
@@ -553,30 +560,34 @@ static void prefill_item(const uint16_t* q, int64_t q_stride, const uint32_t* kp
 }
 
 int prefill_attn_amx(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
-                     const uint16_t* v, int64_t v_stride, const int64_t* q_rows, const int64_t* o_rows,
-                     const int64_t* lens, int64_t nseq, int64_t Hq, int64_t Hkv, int64_t D,
-                     float scale, uint16_t* out, int64_t out_stride) {
+                     const uint16_t* v, int64_t v_stride, const int64_t* q_rows,
+                     const int64_t* o_rows, const int64_t* lens, int64_t nseq, int64_t Hq,
+                     int64_t Hkv, int64_t D, float scale, uint16_t* out, int64_t out_stride,
+                     const uint16_t* k_pool, const uint16_t* v_pool, int64_t pool_stride,
+                     const int64_t* pre_lens, const int64_t* slot_ofs, const int64_t* slots) {
     if (!amx_ready() || (D != 64 && D != 128) || Hq % Hkv != 0) return 0;
     int64_t group = Hq / Hkv, max_len = 0, blocks = 0;
     for (int64_t i = 0; i < nseq; i++) {
-        if (lens[i] > PREFILL_MAX_LEN) return 0;
-        max_len = lens[i] > max_len ? lens[i] : max_len;
+        int64_t total = lens[i] + (pre_lens ? pre_lens[i] : 0);
+        if (total > PREFILL_MAX_LEN) return 0;
+        max_len = total > max_len ? total : max_len;
         blocks += (lens[i] + 15) / 16;
     }
-    /* A task: a run of query blocks of one (sequence, KV head), its keys and values packed
-       into the thread's buffers first (they stay in its L2 for the run's query heads and
-       blocks). Runs are split so that there are a few tasks per thread. */
+    /* Runs are split so that there are a few tasks per thread. */
     int threads = omp_get_max_threads();
     int64_t per_task = blocks * Hkv / (4 * (int64_t)threads);
     per_task = per_task < 1 ? 1 : per_task;
     int64_t* tofs = (int64_t*)malloc(sizeof(int64_t) * (nseq + 1));
+    if (!tofs) return 0;
     tofs[0] = 0;
     for (int64_t i = 0; i < nseq; i++)
         tofs[i + 1] = tofs[i] + Hkv * (((lens[i] + 15) / 16 + per_task - 1) / per_task);
-    int64_t sp_len = (max_len + 31) / 32 * 32 + 32;
-    size_t kv_bytes = (size_t)((max_len + 31) / 32) * 2 * (D / 32) * TILE_U32 * 4 +
-                      (size_t)((max_len + 31) / 32) * (D / 16) * TILE_U32 * 4;
-    size_t per_thread = kv_bytes + 16 * sp_len * 4 + 16 * sp_len * 2 + 16 * D * 2 + 16 * D * 4;
+    int64_t sp_len = (max_len + 31) / 32 * 32 + 32, kv_tiles = (max_len + 31) / 32;
+    size_t kv_bytes = (size_t)kv_tiles * 2 * (D / 32) * TILE_U32 * 4 +
+                      (size_t)kv_tiles * (D / 16) * TILE_U32 * 4;
+    size_t rows_bytes = (size_t)sp_len * 2 * sizeof(void*);
+    size_t per_thread = kv_bytes + rows_bytes + 16 * sp_len * 4 + 16 * sp_len * 2 +
+                        16 * D * 2 + 16 * D * 4;
     char* mem = (char*)scratch(per_thread * threads);
     if (!mem) {
         free(tofs);
@@ -586,8 +597,10 @@ int prefill_attn_amx(const uint16_t* q, int64_t q_stride, const uint16_t* k, int
     {
         char* mine = mem + per_thread * omp_get_thread_num();
         uint32_t* kp = (uint32_t*)mine;
-        uint32_t* vp = kp + ((max_len + 31) / 32) * 2 * (D / 32) * TILE_U32;
-        float* s = (float*)(mine + kv_bytes);
+        uint32_t* vp = kp + kv_tiles * 2 * (D / 32) * TILE_U32;
+        const uint16_t** krow = (const uint16_t**)(mine + kv_bytes);
+        const uint16_t** vrow = krow + sp_len;
+        float* s = (float*)(mine + kv_bytes + rows_bytes);
         uint16_t* p = (uint16_t*)(s + 16 * sp_len);
         uint16_t* qbuf = p + 16 * sp_len;
         float* obuf = (float*)(qbuf + 16 * D);
@@ -600,22 +613,31 @@ int prefill_attn_amx(const uint16_t* q, int64_t q_stride, const uint16_t* k, int
             int64_t i = 0;
             while (tofs[i + 1] <= task) i++;
             int64_t n = lens[i], nqb = (n + 15) / 16, local = task - tofs[i];
+            int64_t pre = pre_lens ? pre_lens[i] : 0;
             int64_t runs = (nqb + per_task - 1) / per_task;
             int64_t hk = local / runs, qb0 = (local % runs) * per_task;
             int64_t qb1 = qb0 + per_task < nqb ? qb0 + per_task : nqb;
-            int64_t nk = qb1 * 16 < n ? qb1 * 16 : n; /* the keys the run's last row sees */
-            const uint16_t* kr = k + q_rows[i] * k_stride + hk * D;
-            const uint16_t* vr = v + q_rows[i] * v_stride + hk * D;
+            /* the keys the run's last row sees: the prefix's from the pool, then its own */
+            int64_t nk = pre + (qb1 * 16 < n ? qb1 * 16 : n);
+            for (int64_t j = 0; j < pre; j++) {
+                int64_t row = slots[slot_ofs[i] + j] * pool_stride + hk * D;
+                krow[j] = k_pool + row;
+                vrow[j] = v_pool + row;
+            }
+            for (int64_t j = pre; j < nk; j++) {
+                krow[j] = k + (q_rows[i] + j - pre) * k_stride + hk * D;
+                vrow[j] = v + (q_rows[i] + j - pre) * v_stride + hk * D;
+            }
             for (int64_t b = 0; b < (nk + 15) / 16; b++)
-                pack_keys(kr, k_stride, nk, b, D, kp + b * (D / 32) * TILE_U32);
+                pack_keys(krow, nk, b, D, kp + b * (D / 32) * TILE_U32);
             for (int64_t b = 0; b < (nk + 31) / 32; b++)
-                pack_values(vr, v_stride, nk, b, D, vp + b * (D / 16) * TILE_U32);
+                pack_values(vrow, nk, b, D, vp + b * (D / 16) * TILE_U32);
             for (int64_t h = hk * group; h < (hk + 1) * group; h++)
                 for (int64_t qb = qb0; qb < qb1; qb++) {
                     int nr = n - qb * 16 < 16 ? (int)(n - qb * 16) : 16;
-                    prefill_item(q + q_rows[i] * q_stride + h * D, q_stride, kp, vp, qb * 16, nr,
-                                 D, scale, out + o_rows[i] * out_stride + h * D, out_stride, s,
-                                 p, sp_len, qbuf, obuf);
+                    prefill_item(q + q_rows[i] * q_stride + h * D, q_stride, kp, vp, pre,
+                                 qb * 16, nr, D, scale, out + o_rows[i] * out_stride + h * D,
+                                 out_stride, s, p, sp_len, qbuf, obuf);
                 }
         }
         amx_release();
@@ -625,13 +647,15 @@ int prefill_attn_amx(const uint16_t* q, int64_t q_stride, const uint16_t* k, int
 }
 #else
 int prefill_attn_amx(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
-                     const uint16_t* v, int64_t v_stride, const int64_t* q_rows, const int64_t* o_rows,
-                     const int64_t* lens, int64_t nseq, int64_t Hq, int64_t Hkv, int64_t D,
-                     float scale, uint16_t* out, int64_t out_stride) {
+                     const uint16_t* v, int64_t v_stride, const int64_t* q_rows,
+                     const int64_t* o_rows, const int64_t* lens, int64_t nseq, int64_t Hq,
+                     int64_t Hkv, int64_t D, float scale, uint16_t* out, int64_t out_stride,
+                     const uint16_t* k_pool, const uint16_t* v_pool, int64_t pool_stride,
+                     const int64_t* pre_lens, const int64_t* slot_ofs, const int64_t* slots) {
     (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)q_rows;
-    (void)o_rows;
-    (void)lens, (void)nseq, (void)Hq, (void)Hkv, (void)D, (void)scale, (void)out;
-    (void)out_stride;
+    (void)o_rows, (void)lens, (void)nseq, (void)Hq, (void)Hkv, (void)D, (void)scale, (void)out;
+    (void)out_stride, (void)k_pool, (void)v_pool, (void)pool_stride, (void)pre_lens;
+    (void)slot_ofs, (void)slots;
     return 0;
 }
 #endif
