@@ -9,10 +9,14 @@ A step's requests are split into two groups:
   padding and masked-out cells as a rectangle, so per-request calls win there; many short
   extends stay one batched call.
 Keeping decodes apart means a long prefill never inflates the decodes' query padding.
-A fresh prompt (no cached prefix) attends over the step's own K/V rows, views of the qkv
-projection, not over its rows gathered back from the pool: in a prefill chunk of 128-token
-prompts the gather was ~10% of the attention time. Fresh prompts of one length lying next to
-each other in the step (a burst of equal prompts) share one causal SDPA call.
+On a CPU with AMX-BF16 (bf16, head dims 64/128) the extend group is one call of our tile
+kernel (cpu_prefill.py), which reads the new tokens' q/k/v as the step holds them and only a
+cached prefix from the pool, and writes the rows of the step's output in place; the calls
+below are then built only if it refuses the tensors. Elsewhere a fresh prompt (no cached
+prefix) attends over the step's own K/V rows, views of the qkv projection, not over its rows
+gathered back from the pool (in a prefill chunk of 128-token prompts the gather was ~10% of
+the attention time), and fresh prompts of one length lying next to each other in the step (a
+burst of equal prompts) share one causal SDPA call.
 
 Each call says which keys each query sees as an interval of key indices (tiles.py); masks are
 built per tile when it runs, never for the whole chunk x keys. Calls without a mask (one
@@ -131,7 +135,7 @@ class TorchAttentionBackend(AttentionBackend):
         # and GQA); on CUDA only those without a mask, in half precision (its flash kernel).
         self.sdpa_masked = cpu
         self.sdpa_plain = cpu or kv_pool.dtype in (torch.float16, torch.bfloat16)
-        # Fresh prompts' causal attention on AMX tiles where the CPU has them (bf16).
+        # Prefills (fresh or after a cached prefix) on AMX tiles where the CPU has them (bf16).
         self.cpu_prefill = cpu and cpu_prefill.available(
             kv_pool.dtype, head_dim, num_heads, num_kv_heads
         )
