@@ -259,10 +259,11 @@ def test_a_source_added_to_the_build_is_a_new_build(monkeypatch: pytest.MonkeyPa
     assert cpu_build.source_digest("avx2", ["-mavx2"]) != before
 
 
-def _byte_path_switch() -> ctypes.c_int:
-    """qgemv.c's switch between one row of x as bytes (1) and as int16 (0)."""
+def _switch(name: str) -> ctypes.c_int:
+    """One of qgemv.c's switches: qgemv_byte_path (one row of x as bytes: 1, as int16: 0),
+    qgemv_gfni (4-bit codes split with GFNI: 1, without: 0, -1: as the CPU has it)."""
     assert cpu_kernels._LIB_PATH is not None
-    return ctypes.c_int.in_dll(ctypes.CDLL(str(cpu_kernels._LIB_PATH)), "qgemv_byte_path")
+    return ctypes.c_int.in_dll(ctypes.CDLL(str(cpu_kernels._LIB_PATH)), name)
 
 
 def _exact(x: torch.Tensor, q: torch.Tensor, w: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,16 +319,19 @@ def test_one_row_sums_exactly_as_bytes_and_as_int16(bits: int, k: int, group: in
     x = torch.randn(1, k, generator=g)
     x[0, ::7], x[0, 3::11] = 3.0, -3.0  # both ends of the int16 range, many times
     x[0, 5::13] = 1e-4  # quantized to small integers
-    switch = _byte_path_switch()
+    byte_path, gfni = _switch("qgemv_byte_path"), _switch("qgemv_gfni")
+    cpu_gemv.qgemv(x, w)  # gfni: from -1 to what the CPU has
+    paths = [(1, gfni.value), (1, 0), (0, 0)]  # bytes (with GFNI where the CPU has it), int16
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
         ref, terms = _exact(xd, q, w)
         got = {}
-        for path in (1, 0):
-            switch.value = path
+        for path in paths:
+            saved = byte_path.value, gfni.value
+            byte_path.value, gfni.value = path
             try:
                 got[path] = cpu_gemv.qgemv(xd, w, torch.float32).double()
             finally:
-                switch.value = 1
+                byte_path.value, gfni.value = saved
         for path, y in got.items():
             assert bool(((y - ref).abs() <= 1e-5 * terms).all()), (dtype, path)

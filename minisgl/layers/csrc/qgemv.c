@@ -43,6 +43,8 @@
    wakes the threads once. */
 #include "common.h"
 
+#include <cpuid.h>
+
 /* The next blocks' prefetch (common.h's Prefetch). The AVX-512 build sends the lines to L2
    (T1), as gemv_avx512.c does: a T0 prefetch holds an L1 fill buffer until its line arrives,
    and a core's misses in flight, not its arithmetic, bound one weight stream on the
@@ -690,13 +692,24 @@ static void quantize_x_bytes(int kind, const void* x, int x_bf16, int64_t m, int
     }
 }
 
-/* The high nibble of each byte, moved down: one GF2P8AFFINEQB (a bit matrix per byte) where
-   the build has GFNI, else a shift and a mask. */
-#ifdef __GFNI__
-#define HIGH_NIBBLES(w) _mm512_gf2p8affine_epi64_epi8((w), _mm512_set1_epi64(0x1020408000000000ll), 0)
-#else
-#define HIGH_NIBBLES(w) _mm512_and_si512(_mm512_srli_epi16((w), 4), m4)
-#endif
+/* The high nibble of each byte moved down, 4-bit codes' odd features: with GFNI one
+   GF2P8AFFINEQB (bit i of each result byte = bit i + 4 of the code byte) instead of a shift and
+   a mask, one op of the few the 512-bit ports issue per code byte (int4 1 row, hot weights:
+   0.92x the time). Written as assembly, so that the build needs no -mgfni: qgemv_kind runs it
+   where CPUID says GFNI (qgemv_gfni). */
+static inline __m512i high_nibbles(__m512i w, int gfni) {
+    if (!gfni) return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(15));
+    const __m512i down4 = _mm512_set1_epi64(0x1020408000000000ll); /* rows: bits 4-7, then 0s */
+    __m512i o;
+    __asm__("vgf2p8affineqb $0, %2, %1, %0" : "=v"(o) : "v"(w), "v"(down4));
+    return o;
+}
+
+/* Whether the CPU has GFNI (CPUID leaf 7, ECX bit 8). */
+static int cpu_gfni(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c >> 8 & 1);
+}
 
 /* Pins a 512-bit v to a register here (see KEEP; "v": any of the 32). */
 #define KEEP512(v) __asm__("" : "+v"(v))
@@ -708,9 +721,8 @@ static void quantize_x_bytes(int kind, const void* x, int x_bf16, int64_t m, int
    row of the block to prefetch (0: none); a step reads one line of each row, and prefetches
    that line of the block ahead into L2, as gemv_avx512.c does. */
 static inline __attribute__((always_inline)) void block_bytes(
-    int kind, const uint8_t* xb, const int32_t* xcorr, const uint8_t* const* wr,
-    const float* const* sr, int64_t K, Chunks ch, int64_t ahead, __m512i lanes,
-    Acc* acc) {
+    int kind, int gfni, const uint8_t* xb, const int32_t* xcorr, const uint8_t* const* wr,
+    const float* const* sr, int64_t K, Chunks ch, int64_t ahead, __m512i lanes, Acc* acc) {
     const int S = bytes_step(kind), B = S * (kind == Q_U8 ? 8 : 4) / 8; /* code bytes a step */
     const __m512i flip = _mm512_set1_epi8((char)0x80), m4 = _mm512_set1_epi8(15);
     const uint8_t *w0 = wr[0], *w1 = wr[1], *w2 = wr[2], *w3 = wr[3];
@@ -752,7 +764,7 @@ static inline __attribute__((always_inline)) void block_bytes(
     {                                                                                      \
         __m512i w = _mm512_loadu_si512(p + b);                                             \
         __m512i e = _mm512_and_si512(w, m4);                                               \
-        __m512i o = HIGH_NIBBLES(w);                                                       \
+        __m512i o = high_nibbles(w, gfni);                                                 \
         h = _mm512_dpbusd_epi32(h, e, he);                                                 \
         l = _mm512_dpbusd_epi32(l, le, e);                                                 \
         h = _mm512_dpbusd_epi32(h, o, ho);                                                 \
@@ -794,12 +806,13 @@ static inline __m512i bytes_lanes(int kind, int64_t gs) {
     return _mm512_loadu_si512(idx);
 }
 
-/* block_bytes compiled for each kind (see run_block). */
-static void run_bytes(int kind, const uint8_t* xb, const int32_t* xcorr, const uint8_t* const* wr,
-                      const float* const* sr, int64_t K, Chunks ch, int64_t ahead,
-                      __m512i lanes, Acc* acc) {
-    if (kind == Q_U8) block_bytes(Q_U8, xb, xcorr, wr, sr, K, ch, ahead, lanes, acc);
-    else block_bytes(Q_U4, xb, xcorr, wr, sr, K, ch, ahead, lanes, acc);
+/* block_bytes compiled for each kind, with and without GFNI (see run_block). */
+static void run_bytes(int kind, int gfni, const uint8_t* xb, const int32_t* xcorr,
+                      const uint8_t* const* wr, const float* const* sr, int64_t K, Chunks ch,
+                      int64_t ahead, __m512i lanes, Acc* acc) {
+    if (kind == Q_U8) block_bytes(Q_U8, 0, xb, xcorr, wr, sr, K, ch, ahead, lanes, acc);
+    else if (gfni) block_bytes(Q_U4, 1, xb, xcorr, wr, sr, K, ch, ahead, lanes, acc);
+    else block_bytes(Q_U4, 0, xb, xcorr, wr, sr, K, ch, ahead, lanes, acc);
 }
 #endif
 
@@ -870,6 +883,9 @@ static inline void store4(void* y, int64_t i, __m128 v, int out_bf16) {
 /* 1: one row of x runs as bytes (block_bytes) where the build has AVX512-VNNI; 0: as int16
    (block_int). A switch for the tests and benchmarks, which compare the two. */
 int qgemv_byte_path = 1;
+/* 1: 4-bit codes' nibbles split with GFNI (high_nibbles), 0: without; -1 until the first call
+   asks the CPU. Tests set 0 to run the other path. */
+int qgemv_gfni = -1;
 
 static void qgemv_kind(
     int kind, const void* x, int x_bf16, const uint8_t* codes, int64_t cstride,
@@ -887,6 +903,8 @@ static void qgemv_kind(
     bytes = qgemv_byte_path && bytes_usable(kind, M, K, gs);
     __m512i lanes = bytes && gs < bytes_step(bkind) ? bytes_lanes(bkind, gs)
                                                     : _mm512_setzero_si512();
+    if (qgemv_gfni < 0) qgemv_gfni = cpu_gfni();
+    int gfni = qgemv_gfni;
     Chunks chunks = {0, 0, 0};
     if (bytes) chunks = bytes_chunks(bkind, gs);
 #endif
@@ -911,6 +929,9 @@ static void qgemv_kind(
     int64_t steps = kind == Q_FP8 ? K / 32 * ((M + 1) / 2 + (many ? 4 : 0))
                                   : (many ? K / step_features(kind) * 4 + K / 32 * ((M + 1) / 2)
                                           : K / step_features(kind) * (M == 2 ? 2 : 1));
+    Share shares[SHARE_MAX] __attribute__((aligned(64)));
+    int parts = share_parts();
+    shares_init(shares, parts, blocks);
     #pragma omp parallel
     {
         /* fp8's weights are fp32 subnormals where their codes are (fp8x32): a thread that
@@ -931,8 +952,10 @@ static void qgemv_kind(
                                                                : sizeof(int16_t) * 4 * SEG)
                              : NULL;
         Acc* accs = many ? (Acc*)aligned_alloc(64, sizeof(Acc) * ((M + 1) / 2)) : NULL;
-        #pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
+        /* the blocks shared as the bf16 GEMV shares them (common.h): a run per thread, then
+           the ends of the others' runs, so a thread slowed by other work on its core holds
+           the call up for the block in hand only */
+        for (int64_t b; (b = share_next(shares, parts, omp_get_thread_num())) >= 0;) {
             int64_t n0 = b * 4;
             int rows = N - n0 < 4 ? (int)(N - n0) : 4;
             const uint8_t* wr[4];
@@ -954,7 +977,7 @@ static void qgemv_kind(
                 int mr = M - m >= 2 ? 2 : 1;
 #ifdef QBYTES
                 if (bytes)
-                    run_bytes(bkind, xb, xcorr, wr, sr, K, chunks,
+                    run_bytes(bkind, gfni, xb, xcorr, wr, sr, K, chunks,
                               pf.base ? PF_BLOCKS * block_bytes : 0, lanes, acc);
                 else
 #endif
