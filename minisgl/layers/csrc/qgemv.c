@@ -338,6 +338,31 @@ static inline __attribute__((always_inline)) void block_int2(
     }
 }
 
+/* The vector pair_int multiplies with: 512 bits in the AVX-512 build (32 products per
+   VPDPWSSD, which Sapphire Rapids-class cores issue two a cycle: twice the 256-bit form's
+   products, 8 rows took ~2x one row's time there), else 256. The scratch and x share one
+   layout, so any width multiplies them; the sums fold into Acc's 256-bit halves at the end. */
+#ifdef __AVX512F__
+typedef __m512i VI;
+#define VI_LOAD(p) _mm512_loadu_si512((const void*)(p))
+#define VI_ZERO _mm512_setzero_si512()
+#ifdef __AVX512VNNI__
+#define VI_DOT(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
+#else
+#define VI_DOT(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
+#endif
+static inline __m256i vi_fold(__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+#else
+typedef __m256i VI;
+#define VI_LOAD(p) _mm256_loadu_si256((const __m256i*)(p))
+#define VI_ZERO _mm256_setzero_si256()
+#define VI_DOT DOT16
+static inline __m256i vi_fold(__m256i v) { return v; }
+#endif
+#define VI_LANES ((int)(sizeof(VI) / 2)) /* int16 per vector */
+
 /* Several input rows, integer codes: the block's codes are extracted once per segment (<= SEG
    features of one group) into `ws` [4][SEG] int16, in x's layout, and every pair of input
    rows runs over that with loads and multiply-adds only (extracting again per pair would
@@ -350,21 +375,21 @@ static inline __attribute__((always_inline)) void pair_int(
     /* named accumulators, not arrays (GCC kept an array of them in memory here), each
        pinned after its add (KEEP): integer adds reassociate, and GCC regrouped them into
        trees whose temporaries spilled the accumulators */
-    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-    __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    VI a0 = VI_ZERO, a1 = a0, a2 = a0, a3 = a0;
+    VI b0 = a0, b1 = a0, b2 = a0, b3 = a0;
 #define PAIR_ROW(a, b, j)                                                              \
     {                                                                                  \
-        __m256i w = _mm256_loadu_si256((const __m256i*)(ws + (j) * SEG + k + h));      \
-        a = DOT16(a, w, u);                                                            \
+        VI w = VI_LOAD(ws + (j) * SEG + k + h);                                        \
+        a = VI_DOT(a, w, u);                                                           \
         KEEP(a);                                                                       \
-        if (MR == 2) b = DOT16(b, w, v);                                               \
+        if (MR == 2) b = VI_DOT(b, w, v);                                              \
         if (MR == 2) KEEP(b);                                                          \
     }
     for (int64_t k = 0; k < n; k += 32) {
         qprefetch(pf);
-        for (int h = 0; h < 32; h += 16) {
-            __m256i u = _mm256_loadu_si256((const __m256i*)(x0 + k + h));
-            __m256i v = MR == 2 ? _mm256_loadu_si256((const __m256i*)(x1 + k + h)) : u;
+        for (int h = 0; h < 32; h += VI_LANES) {
+            VI u = VI_LOAD(x0 + k + h);
+            VI v = MR == 2 ? VI_LOAD(x1 + k + h) : u;
             PAIR_ROW(a0, b0, 0)
             PAIR_ROW(a1, b1, 1)
             PAIR_ROW(a2, b2, 2)
@@ -372,63 +397,15 @@ static inline __attribute__((always_inline)) void pair_int(
         }
     }
 #undef PAIR_ROW
-    __m256i as[4] = {a0, a1, a2, a3}, bs[4] = {b0, b1, b2, b3};
+    VI as[4] = {a0, a1, a2, a3}, bs[4] = {b0, b1, b2, b3};
     for (int j = 0; j < 4; j++) {
         __m256 s = _mm256_broadcast_ss(sr[j] + g);
-        acc->v[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(as[j]), s, acc->v[j][0]);
-        if (MR == 2) acc->v[j][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bs[j]), s, acc->v[j][1]);
-    }
-}
-
-#ifdef __AVX512F__
-/* pair_int on 512-bit vectors (the AVX-512 build): the scratch and x share one layout, so
-   any width multiplies them; 32 products per VPDPWSSD where Sapphire Rapids-class cores issue
-   two a cycle, twice the 256-bit form's products (8 rows took ~2x one row's time there). The
-   sums fold into Acc's 256-bit halves at the end. */
-#ifdef __AVX512VNNI__
-#define DOT32(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
-#else
-#define DOT32(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
-#endif
-static inline __m256i fold512(__m512i v) {
-    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
-}
-static inline __attribute__((always_inline)) void pair_int512(
-    int MR, const int16_t* x0, const int16_t* x1, const int16_t* ws, int64_t n, Prefetch* pf,
-    const float* const* sr, int64_t g, Acc* acc) {
-    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-    __m512i b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-#define PAIR_ROW512(a, b, j)                                                           \
-    {                                                                                  \
-        __m512i w = _mm512_loadu_si512((const void*)(ws + (j) * SEG + k));             \
-        a = DOT32(a, w, u);                                                            \
-        KEEP(a);                                                                       \
-        if (MR == 2) b = DOT32(b, w, v);                                               \
-        if (MR == 2) KEEP(b);                                                          \
-    }
-    for (int64_t k = 0; k < n; k += 32) {
-        qprefetch(pf);
-        __m512i u = _mm512_loadu_si512((const void*)(x0 + k));
-        __m512i v = MR == 2 ? _mm512_loadu_si512((const void*)(x1 + k)) : u;
-        PAIR_ROW512(a0, b0, 0)
-        PAIR_ROW512(a1, b1, 1)
-        PAIR_ROW512(a2, b2, 2)
-        PAIR_ROW512(a3, b3, 3)
-    }
-#undef PAIR_ROW512
-    __m512i as[4] = {a0, a1, a2, a3}, bs[4] = {b0, b1, b2, b3};
-    for (int j = 0; j < 4; j++) {
-        __m256 s = _mm256_broadcast_ss(sr[j] + g);
-        acc->v[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold512(as[j])), s, acc->v[j][0]);
+        acc->v[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(vi_fold(as[j])), s, acc->v[j][0]);
         if (MR == 2)
             acc->v[j][1] =
-                _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold512(bs[j])), s, acc->v[j][1]);
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(vi_fold(bs[j])), s, acc->v[j][1]);
     }
 }
-#define PAIR_INT pair_int512
-#else
-#define PAIR_INT pair_int
-#endif
 
 static inline __attribute__((always_inline)) void block_int_many(
     int kind, const int16_t* xq, const uint8_t* const* wr, const float* const* sr, int64_t M,
@@ -448,9 +425,9 @@ static inline __attribute__((always_inline)) void block_int_many(
             }
         int64_t m = 0;
         for (; m + 1 < M; m += 2)
-            PAIR_INT(2, xq + m * K + c0, xq + (m + 1) * K + c0, ws, end - c0, pf, sr, g,
+            pair_int(2, xq + m * K + c0, xq + (m + 1) * K + c0, ws, end - c0, pf, sr, g,
                      &acc[m / 2]);
-        if (m < M) PAIR_INT(1, xq + m * K + c0, NULL, ws, end - c0, pf, sr, g, &acc[m / 2]);
+        if (m < M) pair_int(1, xq + m * K + c0, NULL, ws, end - c0, pf, sr, g, &acc[m / 2]);
     }
 }
 
