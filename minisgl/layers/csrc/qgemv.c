@@ -119,12 +119,16 @@ static inline __m256i codes16(__m256 lo, __m256 hi, __m256 inv, __m256i* sum) {
 static float x_step(const void* x, int x_bf16, int64_t m, int64_t K) {
     const float* xf = (const float*)x + m * K;
     const uint16_t* xb = (const uint16_t*)x + m * K;
-    __m256 amax8 = _mm256_setzero_ps();
+    /* four chains (K % 32 == 0): one waited on the max's latency every 8 features */
+    __m256 mx[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 v = x_bf16 ? load_bf16(xb + k) : _mm256_loadu_ps(xf + k);
-        amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v, abs_mask));
-    }
+    for (int64_t k = 0; k < K; k += 32)
+        for (int i = 0; i < 4; i++) {
+            __m256 v = x_bf16 ? load_bf16(xb + k + 8 * i) : _mm256_loadu_ps(xf + k + 8 * i);
+            mx[i] = _mm256_max_ps(mx[i], _mm256_and_ps(v, abs_mask));
+        }
+    __m256 amax8 = _mm256_max_ps(_mm256_max_ps(mx[0], mx[1]), _mm256_max_ps(mx[2], mx[3]));
     __m128 a4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
     a4 = _mm_max_ps(a4, _mm_movehl_ps(a4, a4));
     a4 = _mm_max_ss(a4, _mm_movehdup_ps(a4));
