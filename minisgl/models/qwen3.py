@@ -104,12 +104,13 @@ class Qwen3Attention(nn.Module):
         # a 1-row step's small ops (no hooks are ever set on these).
         qkv = self.qkv_proj.forward(x)
         # q and k heads side by side: one norm and one rotation for both (per-head weights).
-        qk, v = qkv.view(t, hq + 2 * hkv, d).split((hq + hkv, hkv), 1)
+        # split_with_sizes: Tensor.split is a Python wrapper in torch around it.
+        qk, v = qkv.view(t, hq + 2 * hkv, d).split_with_sizes((hq + hkv, hkv), 1)
         if self.qk_norm:
             qk = head_rms_norm_rotary(qk, self.qk_weight(), self.eps, cos, sin)
         else:
             qk = apply_rotary(qk, cos, sin)
-        q, k = qk.split((hq, hkv), 1)
+        q, k = qk.split_with_sizes((hq, hkv), 1)
         o = attn.forward(q, k, v, self.layer_id, meta)
         return self.o_proj.forward(o)
 
