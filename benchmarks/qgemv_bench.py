@@ -15,6 +15,7 @@ last-level cache. Codes are random (the kernels' speed does not depend on the va
 from __future__ import annotations
 
 import argparse
+import ctypes
 import glob
 import sys
 import time
@@ -74,6 +75,17 @@ def gemv512_l1(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         lib.gemv512_prefetch_l1.value = 0
 
 
+def qgemv_int16(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """cpu_gemv.qgemv with one row of x as int16 (VPDPWSSD) instead of bytes (VPDPBUSD, where
+    the build has AVX512-VNNI): qgemv.c's qgemv_byte_path switch."""
+    switch = ctypes.c_int.in_dll(ctypes.CDLL(str(cpu_kernels._LIB_PATH)), "qgemv_byte_path")
+    switch.value = 0
+    try:
+        return cpu_gemv.qgemv(x, w)
+    finally:
+        switch.value = 1
+
+
 def timed(fn, clock) -> float:  # noqa: ANN001
     t0 = clock()
     fn()
@@ -88,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 kernels")
+    ap.add_argument(
+        "--int16",
+        action="store_true",
+        help="also integer codes against x as int16 where one row runs as bytes (the two paths "
+        "side by side)",
+    )
     ap.add_argument(
         "--hot",
         action="store_true",
@@ -138,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             count = max(1 if args.hot else 2, -(-cold // w0.nbytes()))
             ws = [w0] + [random_weight(fmt, n, k, g) for _ in range(count - 1)]
             cases[fmt] = ([(cpu_gemv.qgemv, w) for w in ws], w0.nbytes())
+            if args.int16 and fmt != "fp8":
+                cases[f"{fmt} int16"] = ([(qgemv_int16, w) for w in ws], w0.nbytes())
             lib = cpu_kernels.load()
             if lib is not None and cpu_gemv.kind(w0) in lib.qamxi:  # AMX from the codes
                 cases[f"{fmt} amx"] = ([(cpu_panel.amx_int, w) for w in ws], w0.nbytes())
