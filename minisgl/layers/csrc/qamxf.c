@@ -27,18 +27,19 @@
    Operands (C^T = W . x^T, as qamxi.c): A = 16 weight rows x 32 bf16 from the buffer, B = x^T
    [16 pairs][M input rows][2], C = 16 weight rows x M input rows, fp32. A thread's item is 32
    weight rows: 4 C tiles (two row halves x a block's two tile steps, two independent sums
-   each, added at the fold), 2 A and 2 B tiles. Chunks of <= 128 features of one group are
-   converted QF_LAG chunks ahead of their tile loads and C tiles are folded QF_LAG chunks after
+   each, added at the fold), 2 A and 2 B tiles. Blocks of 64 features (of one group) are
+   converted QF_LAG blocks ahead of their tile loads and C tiles are folded QF_LAG blocks after
    their stores (a tile load of lines still in the store buffer waits, as qamxi.c measured).
    The next item is prefetched into L2 across the current one's steps; items shared as amx.c
    shares them. More than 16 input rows run 16 at a time (each slab converts the weight again: the
    chooser keeps the panel kernels for many rows).
 
    Measured (Xeon, Sapphire Rapids class under KVM, amx_bf16 avx512vbmi; one thread, cold
-   weights, CPU time, interleaved with qgemv, benchmarks/qgemv_bench.py): 8 rows 0.52-0.55x
-   qgemv's 8-row time at 1024x3072 and 12288x4096, 1.22-1.34x its 1-row time; 1 row 1.12-1.18x
-   qgemv's (the conversion, ~4 cycles per 64 codes on port 5, bounds it, not the bytes). A
-   Qwen3-0.6B fp8 decode step (decode_step.py, one thread): B=8 1.36-1.39x B=1, was 2.0-2.2x.
+   weights, CPU time, interleaved with qgemv, benchmarks/qgemv_bench.py): 8 rows 0.50-0.55x
+   qgemv's 8-row time at 3072x1024, 1024x3072 and 12288x4096, 1.16-1.25x its 1-row time; 1
+   row 1.03-1.16x qgemv's (the conversion, ~4 cycles per 64 codes on port 5, bounds it, not
+   the bytes). A Qwen3-0.6B fp8 decode step (decode_step.py, one thread, CPU time): B=8
+   1.27-1.28x B=1, was 1.96-2.09x.
 
    Compiled where the build targets AMX-TILE, AMX-BF16 and AVX512-BW/VL (cpu_build.py; the
    conversion alone for AVX512-VBMI); the entry points exist only there and run only after
@@ -54,9 +55,8 @@
 #define QF_ROWS 32    /* weight rows per item: two A tiles */
 #define QF_STEP 32    /* features per tile step: an A row of 32 bf16 */
 #define QF_BLOCK 64   /* features converted by one 64-byte load: two tile steps */
-#define QF_CHUNK 128  /* features converted at a time (within one group) */
-#define QF_LAG 2      /* chunks between conversion and tile loads, tile stores and folds */
-#define QF_SLOT (QF_CHUNK / QF_STEP * QF_ROWS * QF_STEP) /* bf16 per converted chunk */
+#define QF_LAG 2      /* blocks between conversion and tile loads, tile stores and folds */
+#define QF_SLOT (2 * QF_ROWS * QF_STEP) /* bf16 per converted block */
 #define QF_VBMI __attribute__((target("avx512vbmi")))
 
 /* One call's shape and x, prepared once for every thread. */
@@ -65,9 +65,10 @@ typedef struct {
     int64_t cstride, gstride; /* bytes between rows of codes, floats between rows of scales */
     const uint8_t* codes;
     const float* scales;
-    uint16_t* xb; /* [blocks][2 steps][16 pairs][M][2]: the B tile of each step */
-    int64_t chunks;
-    int64_t* chunk; /* [chunks + 1]: chunk i is features [chunk[i], chunk[i + 1]), one group */
+    uint16_t* xb; /* [blocks][2 steps][16 pairs][M][2]: the B tiles of each block */
+    int64_t blocks;
+    int64_t* block; /* [blocks + 1]: block i is features [block[i], block[i + 1]) of one group,
+                       64 of them (or 32: a group's or K's last) */
     uint8_t table[2][128] __attribute__((aligned(64))); /* bf16 high, low byte of |code| */
 } QfCall;
 
@@ -100,28 +101,23 @@ static inline QF_VBMI __attribute__((always_inline)) void qf_bf16x64(
     _mm512_store_si512((__m512i*)(dst + QF_ROWS * QF_STEP), _mm512_unpackhi_epi8(lo, hi));
 }
 
-/* Chunk i of `rows` weight rows (`a` the first row's codes) -> slot [blocks][2 steps][32
-   rows][32]. */
-static QF_VBMI void qf_convert_chunk(const QfCall* c, const uint8_t* a, int64_t rows, int64_t i,
-                                     uint16_t* slot) {
+/* Rows r0..r1 of block i (`a` the item's first row's codes) -> slot [2 steps][32 rows][32]. */
+static QF_VBMI void qf_convert(const QfCall* c, const uint8_t* a, int64_t r0, int64_t r1,
+                               int64_t i, uint16_t* slot) {
     const __m512i tab[4] = {_mm512_load_si512(c->table[0]), _mm512_load_si512(c->table[0] + 64),
                             _mm512_load_si512(c->table[1]), _mm512_load_si512(c->table[1] + 64)};
-    for (int64_t k = c->chunk[i]; k < c->chunk[i + 1]; k += QF_BLOCK) {
-        int64_t len = c->chunk[i + 1] - k < QF_BLOCK ? c->chunk[i + 1] - k : QF_BLOCK;
-        uint16_t* s = slot + (k - c->chunk[i]) / QF_BLOCK * 2 * QF_ROWS * QF_STEP;
-        for (int64_t r = 0; r < rows; r++)
-            qf_bf16x64(a + r * c->cstride + k, len, tab, s + r * QF_STEP);
-    }
+    const int64_t k = c->block[i], len = c->block[i + 1] - k;
+    for (int64_t r = r0; r < r1; r++)
+        qf_bf16x64(a + r * c->cstride + k, len, tab, slot + r * QF_STEP);
 }
 
-/* x rows -> the B tiles of the block at feature k (`len` features, at block index b): step h,
-   pair p holds (for each input row m) the features A's elements 2p and 2p + 1 hold; zeros
-   past len. */
-static void qf_pack_x(QfCall* c, const uint16_t* x, int64_t b, int64_t k, int64_t len) {
-    const int64_t M = c->M, K = c->K;
+/* x rows -> the B tiles of block i: step h, pair p holds (for each input row m) the features
+   A's elements 2p and 2p + 1 hold; zeros past the block's end. */
+static void qf_pack_x(QfCall* c, const uint16_t* x, int64_t i) {
+    const int64_t M = c->M, K = c->K, k = c->block[i], len = c->block[i + 1] - k;
     for (int64_t h = 0; h < 2; h++)
         for (int64_t p = 0; p < 16; p++) {
-            uint16_t* out = c->xb + ((b * 2 + h) * 16 + p) * M * 2;
+            uint16_t* out = c->xb + ((i * 2 + h) * 16 + p) * M * 2;
             for (int64_t j = 0; j < 2; j++) {
                 int64_t f = qf_feature(h, 2 * p + j);
                 for (int64_t m = 0; m < M; m++) out[2 * m + j] = f < len ? x[m * K + k + f] : 0;
@@ -156,48 +152,52 @@ static inline void qf_fold(const QfCall* c, const float* cb, int64_t n0, int64_t
     }
 }
 
-/* One item: weight rows n0.. (`rows` of them) into y. `ring`: QF_LAG + 1 converted chunks;
-   `cbuf`: QF_LAG + 1 groups' 4 C tiles. */
+/* One item: weight rows n0.. (`rows` of them) into y. `ring`: QF_LAG + 1 converted blocks;
+   `cbuf`: QF_LAG + 1 groups' 4 C tiles. Block i + QF_LAG is converted in four parts between
+   block i's tile loads and products: the tile unit then works while the vector ports convert
+   (a whole block converted before the tiles' turn: 1.04-1.12x the time). */
 static void qf_item(const QfCall* c, int64_t n0, uint16_t* ring, QfAhead* pf, float* cbuf,
                     float* acc, void* y, int out_bf16) {
-    const int64_t rows = c->N - n0 < QF_ROWS ? c->N - n0 : QF_ROWS, chunks = c->chunks;
+    const int64_t rows = c->N - n0 < QF_ROWS ? c->N - n0 : QF_ROWS, blocks = c->blocks;
     const uint8_t* a = c->codes + n0 * c->cstride;
     const int64_t bstride = 4 * c->M; /* bytes per B tile row */
     if (rows < QF_ROWS) /* a last, short item: the rows past N multiply zeros */
-        for (int64_t s = 0; s < (QF_LAG + 1) * QF_CHUNK / QF_STEP; s++)
+        for (int64_t s = 0; s < (QF_LAG + 1) * 2; s++)
             memset(ring + s * QF_ROWS * QF_STEP + rows * QF_STEP, 0,
                    sizeof(uint16_t) * (QF_ROWS - rows) * QF_STEP);
     for (int r = 0; r < QF_ROWS; r++) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
-    for (int64_t i = 0; i < QF_LAG && i < chunks; i++)
-        qf_convert_chunk(c, a, rows, i, ring + (i % (QF_LAG + 1)) * QF_SLOT);
+    for (int64_t i = 0; i < QF_LAG && i < blocks; i++)
+        qf_convert(c, a, 0, rows, i, ring + i * QF_SLOT);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    int64_t blk = 0; /* the block's index in x's B tiles */
-    for (int64_t i = 0; i < chunks + QF_LAG; i++) {
-        if (i < chunks) {
-            if (i + QF_LAG < chunks)
-                qf_convert_chunk(c, a, rows, i + QF_LAG,
-                                 ring + ((i + QF_LAG) % (QF_LAG + 1)) * QF_SLOT);
+    for (int64_t i = 0; i < blocks + QF_LAG; i++) {
+        if (i < blocks) {
+            const int64_t ahead = i + QF_LAG < blocks ? i + QF_LAG : -1;
+            uint16_t* next = ring + ((i + QF_LAG) % (QF_LAG + 1)) * QF_SLOT;
+#define QF_PART(p) \
+    if (ahead >= 0) qf_convert(c, a, rows * (p) / 4, rows * ((p) + 1) / 4, ahead, next)
             const uint16_t* s = ring + (i % (QF_LAG + 1)) * QF_SLOT;
-            for (int64_t k = c->chunk[i]; k < c->chunk[i + 1]; k += QF_BLOCK, blk++) {
-                const uint16_t* xb = c->xb + blk * 2 * 16 * 2 * c->M;
-                _tile_loadd(4, s, 2 * QF_STEP);
-                _tile_loadd(5, s + 16 * QF_STEP, 2 * QF_STEP);
-                _tile_loadd(6, xb, bstride);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 5, 6);
-                s += QF_ROWS * QF_STEP;
-                _tile_loadd(4, s, 2 * QF_STEP);
-                _tile_loadd(5, s + 16 * QF_STEP, 2 * QF_STEP);
-                _tile_loadd(7, xb + 16 * 2 * c->M, bstride);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_dpbf16ps(3, 5, 7);
-                s += QF_ROWS * QF_STEP;
-                qf_prefetch(pf);
-            }
-            if (c->chunk[i + 1] % c->gs == 0) { /* the group ends: its sums out, tiles zeroed */
+            const uint16_t* xb = c->xb + i * 2 * 16 * 2 * c->M;
+            QF_PART(0);
+            _tile_loadd(4, s, 2 * QF_STEP);
+            _tile_loadd(5, s + 16 * QF_STEP, 2 * QF_STEP);
+            _tile_loadd(6, xb, bstride);
+            QF_PART(1);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 5, 6);
+            s += QF_ROWS * QF_STEP;
+            QF_PART(2);
+            _tile_loadd(4, s, 2 * QF_STEP);
+            _tile_loadd(5, s + 16 * QF_STEP, 2 * QF_STEP);
+            _tile_loadd(7, xb + 16 * 2 * c->M, bstride);
+            QF_PART(3);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+#undef QF_PART
+            qf_prefetch(pf);
+            if (c->block[i + 1] % c->gs == 0) { /* the group ends: its sums out, tiles zeroed */
                 float* cb = cbuf + (i % (QF_LAG + 1)) * 1024;
                 _tile_stored(0, cb, 64);
                 _tile_stored(1, cb + 256, 64);
@@ -210,8 +210,8 @@ static void qf_item(const QfCall* c, int64_t n0, uint16_t* ring, QfAhead* pf, fl
             }
         }
         int64_t j = i - QF_LAG;
-        if (j >= 0 && c->chunk[j + 1] % c->gs == 0)
-            qf_fold(c, cbuf + (j % (QF_LAG + 1)) * 1024, n0, rows, c->chunk[j] / c->gs, acc);
+        if (j >= 0 && c->block[j + 1] % c->gs == 0)
+            qf_fold(c, cbuf + (j % (QF_LAG + 1)) * 1024, n0, rows, c->block[j] / c->gs, acc);
     }
     for (int64_t m = 0; m < c->M; m++)
         for (int64_t r = 0; r < rows; r++) store(y, m * c->N + n0 + r, acc[16 * r + m], out_bf16);
@@ -236,23 +236,15 @@ static void qf_slab(const uint16_t* x, const uint8_t* codes, int64_t cstride,
                     int64_t N, int64_t K, int64_t gs) {
     QfCall c = {M, N, K, gs, cstride, gstride, codes, scales, NULL, 0, NULL, {{0}}};
     qf_tables(&c);
-    c.chunk = (int64_t*)malloc(sizeof(int64_t) * (K / QF_STEP + 2));
-    c.chunk[0] = 0;
-    for (int64_t k = 0; k < K;) { /* at most QF_CHUNK features, never across a group */
+    c.block = (int64_t*)malloc(sizeof(int64_t) * (K / QF_STEP + 2));
+    c.block[0] = 0;
+    for (int64_t k = 0; k < K;) { /* at most QF_BLOCK features, never across a group */
         int64_t gend = (k / gs + 1) * gs;
-        k = gend < k + QF_CHUNK ? gend : k + QF_CHUNK;
-        c.chunk[++c.chunks] = k;
+        k = gend < k + QF_BLOCK ? gend : k + QF_BLOCK;
+        c.block[++c.blocks] = k;
     }
-    /* blocks: each chunk's 64-feature runs (the last of a chunk may be 32 features) */
-    int64_t* bk = (int64_t*)malloc(sizeof(int64_t) * (K / QF_STEP + 1));
-    int64_t* blen = (int64_t*)malloc(sizeof(int64_t) * (K / QF_STEP + 1));
-    int64_t blocks = 0;
-    for (int64_t i = 0; i < c.chunks; i++)
-        for (int64_t k = c.chunk[i]; k < c.chunk[i + 1]; k += QF_BLOCK, blocks++) {
-            bk[blocks] = k;
-            blen[blocks] = c.chunk[i + 1] - k < QF_BLOCK ? c.chunk[i + 1] - k : QF_BLOCK;
-        }
-    const int64_t items = (N + QF_ROWS - 1) / QF_ROWS, row_lines = (K + 63) / 64;
+    const int64_t blocks = c.blocks, items = (N + QF_ROWS - 1) / QF_ROWS;
+    const int64_t row_lines = (K + 63) / 64;
     c.xb = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * blocks * 2 * 32 * M + 64);
     Share shares[SHARE_MAX];
     int parts = share_parts();
@@ -260,7 +252,7 @@ static void qf_slab(const uint16_t* x, const uint8_t* codes, int64_t cstride,
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) qf_pack_x(&c, x, b, bk[b], blen[b]);
+        for (int64_t i = 0; i < blocks; i++) qf_pack_x(&c, x, i);
         qf_config(M);
         uint16_t* ring = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * (QF_LAG + 1) * QF_SLOT);
         float* cbuf = (float*)aligned_alloc(64, sizeof(float) * (QF_LAG + 1) * 1024);
@@ -288,9 +280,7 @@ static void qf_slab(const uint16_t* x, const uint8_t* codes, int64_t cstride,
         free(ring);
     }
     free(c.xb);
-    free(c.chunk);
-    free(bk);
-    free(blen);
+    free(c.block);
 }
 
 /* 1 where this kernel may run (the tiles granted to this process), else 0. */
