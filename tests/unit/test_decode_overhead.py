@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from minisgl.layers import cpu_kernels
 from minisgl.models.config import ModelConfig
 from minisgl.models.loader import load_model
 from minisgl.models.qwen3 import plain_submodules
@@ -66,3 +67,29 @@ def test_a_loaded_model_reads_its_submodules_as_plain_attributes(tmp_path: Path)
     layer = model.model.layers[0]
     for m in (model, model.model, layer, layer.self_attn, layer.mlp):
         assert m._modules and all(vars(m)[k] is v for k, v in m._modules.items())
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+def test_a_few_ids_are_looked_up_by_the_c_dequantizer(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n, k = 300, 256
+    q = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(1)), load_scheme(method))
+    w = QuantWeight(
+        n,
+        k,
+        bits=q.bits,
+        fp8=q.zeros is None,
+        group_size=q.group_size,
+        groups=q.scales.shape[1],
+        scattered_groups=False,
+    )
+    w.copy_(q)
+    calls: list[int] = []
+    real = cpu_gemv.dequant_rows
+    monkeypatch.setattr(cpu_gemv, "dequant_rows", lambda *a: calls.append(1) or real(*a))
+    for ids in (torch.tensor([7]), torch.tensor([[299, 0, 7]]), torch.arange(40) * 7):
+        expect = dequantize(q, torch.bfloat16)[ids.reshape(-1)].view(*ids.shape, k)
+        assert torch.equal(w.rows(ids, torch.bfloat16), expect)
+    # The C kernels (where they load here) took the two decode-sized lookups, row by row.
+    assert len(calls) == (4 if cpu_kernels.load() is not None else 0)
