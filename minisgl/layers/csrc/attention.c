@@ -436,9 +436,10 @@ static void pack_values(const uint16_t* const* v, int64_t n, int64_t kb, int64_t
     }
 }
 
-/* Per-call scratch, kept between calls (a step's layers ask for the same sizes). */
-static void* pf_scratch = NULL;
-static size_t pf_scratch_bytes = 0;
+/* Per-call scratch, kept between calls (a step's layers ask for the same sizes); one per
+   calling thread, so that two callers never share it. */
+static __thread void* pf_scratch = NULL;
+static __thread size_t pf_scratch_bytes = 0;
 static void* scratch(size_t bytes) {
     if (bytes > pf_scratch_bytes) {
         free(pf_scratch);
