@@ -26,8 +26,9 @@
 
    Operands (C^T = W . x^T, as qamxi.c): A = 16 weight rows x 32 bf16 from the buffer, B = x^T
    [16 pairs][M input rows][2], C = 16 weight rows x M input rows, fp32. A thread's item is 32
-   weight rows: 4 C tiles (two row halves x a block's two tile steps, two independent sums
-   each, added at the fold), 2 A and 2 B tiles. Blocks of 64 features (of one group) are
+   weight rows: 2 C tiles (its row halves, a block's two tile steps summed into each: one load
+   per row at the fold; a C tile per step, added at the fold, took 1.03-1.08x the time), 2 A
+   and 2 B tiles. Blocks of 64 features (of one group) are
    converted QF_LAG blocks ahead of their tile loads and C tiles are folded QF_LAG blocks after
    their stores (a tile load of lines still in the store buffer waits, as qamxi.c measured).
    The next item is prefetched into L2 across the current one's steps; items shared as amx.c
@@ -140,22 +141,23 @@ static inline void qf_prefetch(QfAhead* p) {
     }
 }
 
-/* A group's sums (4 C tiles in `cb`: rows 0-15 step 0, rows 16-31 step 0, rows 0-15 step 1,
-   rows 16-31 step 1) times each row's scale, added into acc[16 r + m]. */
+/* A group's sums (C tiles 0 and 1 in `cb`: rows 0-15, rows 16-31) times each row's scale,
+   added into acc[16 r + m]. */
 static inline void qf_fold(const QfCall* c, const float* cb, int64_t n0, int64_t rows,
                            int64_t g, float* acc) {
     for (int64_t r = 0; r < rows; r++) {
         const float* h = cb + (r / 16) * 256 + (r % 16) * 16;
-        __m512 t = _mm512_add_ps(_mm512_load_ps(h), _mm512_load_ps(h + 512));
+        __m512 t = _mm512_load_ps(h);
         __m512 s = _mm512_set1_ps(c->scales[(n0 + r) * c->gstride + g]);
         _mm512_store_ps(acc + 16 * r, _mm512_fmadd_ps(t, s, _mm512_load_ps(acc + 16 * r)));
     }
 }
 
 /* One item: weight rows n0.. (`rows` of them) into y. `ring`: QF_LAG + 1 converted blocks;
-   `cbuf`: QF_LAG + 1 groups' 4 C tiles. Block i + QF_LAG is converted in four parts between
-   block i's tile loads and products: the tile unit then works while the vector ports convert
-   (a whole block converted before the tiles' turn: 1.04-1.12x the time). */
+   `cbuf`: QF_LAG + 1 groups' C tiles (1024 floats apart). Block i + QF_LAG is converted in
+   four parts between block i's tile loads and products: the tile unit then works while the
+   vector ports convert (a whole block converted before the tiles' turn: 1.04-1.12x the
+   time). */
 static void qf_item(const QfCall* c, int64_t n0, uint16_t* ring, QfAhead* pf, float* cbuf,
                     float* acc, void* y, int out_bf16) {
     const int64_t rows = c->N - n0 < QF_ROWS ? c->N - n0 : QF_ROWS, blocks = c->blocks;
@@ -193,16 +195,14 @@ static void qf_item(const QfCall* c, int64_t n0, uint16_t* ring, QfAhead* pf, fl
             _tile_loadd(5, s + 16 * QF_STEP, 2 * QF_STEP);
             _tile_loadd(7, xb + 16 * 2 * c->M, bstride);
             QF_PART(3);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
+            _tile_dpbf16ps(0, 4, 7);
+            _tile_dpbf16ps(1, 5, 7);
 #undef QF_PART
             qf_prefetch(pf);
             if (c->block[i + 1] % c->gs == 0) { /* the group ends: its sums out, tiles zeroed */
                 float* cb = cbuf + (i % (QF_LAG + 1)) * 1024;
                 _tile_stored(0, cb, 64);
                 _tile_stored(1, cb + 256, 64);
-                _tile_stored(2, cb + 512, 64);
-                _tile_stored(3, cb + 768, 64);
                 _tile_zero(0);
                 _tile_zero(1);
                 _tile_zero(2);
@@ -218,7 +218,8 @@ static void qf_item(const QfCall* c, int64_t n0, uint16_t* ring, QfAhead* pf, fl
 }
 
 /* The tiles for this call: C 16 weight rows x M input rows fp32, A 16 rows x 32 bf16, B 16
-   pairs x M input rows. */
+   pairs x M input rows. C tiles 2 and 3 are configured and zeroed with 0 and 1 but hold no
+   sums: measured 0.93-0.97x the time of leaving them out (cause not found). */
 static void qf_config(int64_t M) {
     AmxConfig cfg;
     amx_config_init(&cfg);
