@@ -12,6 +12,9 @@ GPTQ desc_act, which dequantizes through torch: qtensor.dequantize)."""
 
 from __future__ import annotations
 
+import ctypes
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -52,61 +55,78 @@ def _lib_qgemv() -> dict:
     return lib.qgemv if lib is not None else {}
 
 
-def _operands(w: QTensor) -> tuple[int, int, int, int, int]:
-    """Pointers and strides the C kernels take: codes, code row stride (bytes), scales, zero
-    points (0: none), group row stride (elements)."""
-    zeros = w.zeros.data_ptr() if w.zeros is not None else 0
-    stride = w.codes.stride(0) * w.codes.element_size()
-    return w.codes.data_ptr(), stride, w.scales.data_ptr(), zeros, w.scales.stride(0)
+class Operands:
+    """What the C kernels take for one weight, built once per QTensor (a decode step calls
+    ~110 matmuls, each call's Python on caches the weight stream evicted): the code kind, the
+    weight's own arguments (codes, code row stride in bytes, scales, zero points or None,
+    group row stride in elements), N, K and the group size. Kept while the QTensor holds the
+    same code, scale and zero-point tensors (`operands`)."""
+
+    __slots__ = ("codes", "scales", "zeros", "ptrs", "kind", "args", "n", "k", "group", "sizes")
+
+    def __init__(self, w: QTensor) -> None:
+        self.codes, self.scales, self.zeros = w.codes, w.scales, w.zeros
+        self.kind = kind(w)
+        self.n, self.k = w.codes.shape[0], w.in_features
+        self.group = w.group_size or w.in_features
+        # As ctypes values: the call converts none of them (~0.4 us a call less than ints).
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        self.ptrs = _pointers(w)
+        stride = w.codes.stride(0) * w.codes.element_size()
+        codes, scales, zeros = self.ptrs
+        self.args = (ptr(codes), i64(stride), ptr(scales), ptr(zeros), i64(w.scales.stride(0)))
+        self.sizes = (i64(self.n), i64(self.k), i64(self.group))  # N, K, group size
+
+
+def _pointers(w: QTensor) -> tuple[int, int, int | None]:
+    zeros = w.zeros.data_ptr() if w.zeros is not None else None
+    return w.codes.data_ptr(), w.scales.data_ptr(), zeros
+
+
+def operands(w: QTensor) -> Operands:
+    """w's Operands, made again where its tensors were replaced (a new shard, a device move)
+    or their storage was (hugepages.move_onto swaps `.data` under the same tensor; zero points
+    move only with their 4x larger scales)."""
+    ops: Operands | None = w.__dict__.get("_c_operands")
+    if (
+        ops is None
+        or ops.codes is not w.codes
+        or ops.scales is not w.scales
+        or ops.zeros is not w.zeros
+        or ops.ptrs[0] != w.codes.data_ptr()
+        or ops.ptrs[1] != w.scales.data_ptr()
+    ):
+        ops = w.__dict__["_c_operands"] = Operands(w)
+    return ops
 
 
 def qgemv(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] @ weight.T -> [M, N] in `out_dtype` (default x's dtype)."""
-    lib = cpu_kernels.load()
-    assert lib is not None
-    out_dtype = out_dtype or x.dtype
+    ops = operands(w)
     x_bf16 = x.dtype == torch.bfloat16
     xc = x.contiguous() if x_bf16 or x.dtype == torch.float32 else x.float().contiguous()
-    (m, k), n = xc.shape, w.codes.shape[0]
-    y = torch.empty(m, n, dtype=torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
-    codes, cstride, scales, zeros, gstride = _operands(w)
-    lib.qgemv[kind(w)](
-        xc.data_ptr(),
-        int(x_bf16),
-        codes,
-        cstride,
-        scales,
-        zeros or None,
-        gstride,
-        y.data_ptr(),
-        int(y.dtype == torch.bfloat16),
-        m,
-        n,
-        k,
-        w.group_size or k,
-    )
+    m, k = xc.shape
+    if k != ops.k:  # the kernel would read past x's rows
+        raise ValueError(f"x {tuple(x.shape)} @ a quantized weight of K = {ops.k}")
+    out_dtype = out_dtype or x.dtype
+    y_bf16 = out_dtype == torch.bfloat16
+    y = torch.empty(m, ops.n, dtype=torch.bfloat16 if y_bf16 else torch.float32)
+    # The table looked up per call, not kept in Operands: benchmarks wrap its entries.
+    _lib().qgemv[ops.kind](xc.data_ptr(), x_bf16, *ops.args, y.data_ptr(), y_bf16, m, *ops.sizes)
     return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def _lib() -> Any:
+    lib = cpu_kernels._LIB if cpu_kernels._TRIED else cpu_kernels.load()
+    assert lib is not None
+    return lib
 
 
 def dequant_rows(w: QTensor, start: int, end: int) -> torch.Tensor:
     """Rows [start, end) of w as fp32 [end - start, K] (equal to qtensor.dequantize's)."""
-    lib = cpu_kernels.load()
-    assert lib is not None
-    k = w.in_features
-    out = torch.empty(end - start, k, dtype=torch.float32)
-    codes, cstride, scales, zeros, gstride = _operands(w)
-    lib.qdequant[kind(w)](
-        codes,
-        cstride,
-        scales,
-        zeros or None,
-        gstride,
-        out.data_ptr(),
-        start,
-        end,
-        k,
-        w.group_size or k,
-    )
+    ops = operands(w)
+    out = torch.empty(end - start, ops.k, dtype=torch.float32)
+    _lib().qdequant[ops.kind](*ops.args, out.data_ptr(), start, end, *ops.sizes[1:])
     return out
 
 

@@ -70,25 +70,14 @@ def amx_int(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -
 
 
 def _run(fn, x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None) -> torch.Tensor:  # noqa: ANN001
+    ops = cpu_gemv.operands(w)  # the weight's arguments, built once (as qgemv's)
     out_dtype = out_dtype or x.dtype
     x_bf16 = x.dtype == torch.bfloat16
     xc = x.contiguous() if x_bf16 or x.dtype == torch.float32 else x.float().contiguous()
-    (m, k), n = xc.shape, w.codes.shape[0]
-    y = torch.empty(m, n, dtype=torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
-    zeros = w.zeros.data_ptr() if w.zeros is not None else None
-    fn(
-        xc.data_ptr(),
-        int(x_bf16),
-        w.codes.data_ptr(),
-        w.codes.stride(0) * w.codes.element_size(),
-        w.scales.data_ptr(),
-        zeros,
-        w.scales.stride(0),
-        y.data_ptr(),
-        int(y.dtype == torch.bfloat16),
-        m,
-        n,
-        k,
-        w.group_size or k,
-    )
+    m, k = xc.shape
+    if k != ops.k:  # the kernel would read past x's rows
+        raise ValueError(f"x {tuple(x.shape)} @ a quantized weight of K = {ops.k}")
+    y_bf16 = out_dtype == torch.bfloat16
+    y = torch.empty(m, ops.n, dtype=torch.bfloat16 if y_bf16 else torch.float32)
+    fn(xc.data_ptr(), x_bf16, *ops.args, y.data_ptr(), y_bf16, m, *ops.sizes)
     return y if y.dtype == out_dtype else y.to(out_dtype)
