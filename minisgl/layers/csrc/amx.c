@@ -51,30 +51,6 @@ static inline void pf_step(Ahead* p) {
         prefetch_line(p->base + 64 * p->issued++);
 }
 
-/* 16x16 transpose of 32-bit lanes in registers: r[i][j] -> r[j][i]. */
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* u[4i + j], lane L: column 4L + j of rows 4i..4i+3 */
-        u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-        u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-        u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-    }
-    for (int j = 0; j < 4; j++) {
-        __m512 v = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88);
-        __m512 w = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xDD);
-        __m512 v2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
-        __m512 w2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xDD);
-        r[j] = _mm512_shuffle_f32x4(v, v2, 0x88);
-        r[8 + j] = _mm512_shuffle_f32x4(v, v2, 0xDD);
-        r[4 + j] = _mm512_shuffle_f32x4(w, w2, 0x88);
-        r[12 + j] = _mm512_shuffle_f32x4(w, w2, 0xDD);
-    }
-}
 
 /* x rows [16 mt, 16 mt + 16) x k pairs [16 kb, 16 kb + 16) into the pair layout: 16 rows of
    kp, each the 16 x rows' (2 kp, 2 kp + 1) as one 32-bit lane; rows past M are zeros. */
@@ -85,7 +61,7 @@ static void pack_x_block(const uint32_t* x, int64_t M, int64_t half, int64_t mt,
         int64_t m = mt * 16 + i;
         r[i] = m < M ? _mm512_loadu_ps(x + m * half + kb * 16) : _mm512_setzero_ps();
     }
-    transpose16(r);
+    transpose16((__m512i*)r); /* __m512i is may_alias (immintrin) */
     for (int j = 0; j < 16; j++) _mm512_store_ps(dst + j * 16, r[j]);
 }
 
@@ -95,7 +71,7 @@ static void store_c(const float* c, void* y, int64_t N, int64_t m0, int mrows, i
                     int ncols, int out_bf16) {
     __m512 r[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(c + i * 16);
-    transpose16(r);
+    transpose16((__m512i*)r); /* __m512i is may_alias (immintrin) */
     __mmask16 mask = (__mmask16)((1u << ncols) - 1);
     for (int i = 0; i < mrows; i++) {
         int64_t at = (m0 + i) * N + n0;

@@ -358,47 +358,7 @@ ATTN(decode_attn_f32, float, load16_f32, load_f32, 0)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "amx.h"
 
-static inline __m512 exp16(__m512 x) { /* exp8 (common.h) on 16 lanes */
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
-                                                     _mm512_set1_ps(0.5f)),
-                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(y, fx);
-}
 
-/* 16 x 16 transpose of 32-bit lanes in registers (as amx.c's). */
-static inline void pf_transpose16(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        __m512i v = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
-        __m512i w = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
-        __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
-        __m512i w2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
-        r[j] = _mm512_shuffle_i32x4(v, v2, 0x88);
-        r[8 + j] = _mm512_shuffle_i32x4(v, v2, 0xDD);
-        r[4 + j] = _mm512_shuffle_i32x4(w, w2, 0x88);
-        r[12 + j] = _mm512_shuffle_i32x4(w, w2, 0xDD);
-    }
-}
 
 #define TILE_U32 256 /* one B tile: 16 rows x 64 bytes */
 
@@ -412,7 +372,7 @@ static void pack_keys(const uint16_t* const* k, int64_t n, int64_t kb, int64_t D
             int64_t key = kb * 16 + i;
             r[i] = key < n ? _mm512_loadu_si512(k[key] + c * 32) : _mm512_setzero_si512();
         }
-        pf_transpose16(r);
+        transpose16(r);
         for (int j = 0; j < 16; j++) _mm512_store_si512(dst + c * TILE_U32 + j * 16, r[j]);
     }
 }

@@ -61,25 +61,7 @@ ALWAYS vf v_round_bf16(vf v) { /* to the nearest bf16, ties to even, kept as fp3
     __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
     return _mm512_castsi512_ps(_mm512_and_si512(v_bias_bf16(v), top));
 }
-/* exp8 (common.h) on 16 lanes: the same arithmetic, so the same bits. */
-ALWAYS vf v_exp(vf x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    vf fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
-                                                 _mm512_set1_ps(0.5f)),
-                                 _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    vf y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-    /* y * 2^fx in one op (exp8 builds 2^fx from its bits and multiplies: exact either way,
-       fx an integer in [-126, 127] here): SiLU 1.08x in cache. */
-    return _mm512_scalef_ps(y, fx);
-}
+ALWAYS vf v_exp(vf x) { return exp16(x); } /* exp8 on 16 lanes (common.h) */
 #else
 #define VL 8
 typedef __m256 vf;

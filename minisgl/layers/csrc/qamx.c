@@ -61,33 +61,6 @@ static inline __attribute__((always_inline)) __m512i qa_deq32(int kind, const ui
     return (__m512i)_mm512_cvtne2ps_pbh(b, a); /* a: the low 16 features */
 }
 
-/* r[i] dword j -> r[j] dword i (16 x 16 dwords). */
-static inline __attribute__((always_inline)) void qa_transpose16(__m512i* r) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    /* each 128-bit lane L of r[4a + b] now holds column 4L'... of rows 4a..4a+3: regroup lanes */
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
-        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
-        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
-    }
-}
 
 /* 4-bit codes: the 16 values a (row, group) can take, (code - zero) * scale rounded to bf16,
    as a table VPERMW looks 32 codes up in at once (exact: each entry is dequantize's value). */
@@ -129,7 +102,7 @@ static inline __attribute__((always_inline)) void qa_dequant16(
                 else if (kind == QA_U4) r[j] = qa_u4_lookup(row[j] + k / 2, tab[j]);
                 else r[j] = qa_deq32(kind, row[j], k, sf[j], zf[j]);
             }
-            qa_transpose16(r); /* r[p]: feature pair p of the 16 rows */
+            transpose16(r); /* r[p]: feature pair p of the 16 rows */
             for (int p = 0; p < 16; p++)
                 _mm512_store_si512((__m512i*)(wb + (k / 2 + p) * 32), r[p]);
         }
