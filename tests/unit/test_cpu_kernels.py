@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.layers import cpu_build, cpu_kernels
+from minisgl.testing.threads import at_thread_counts
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2 kernels here")
 
@@ -334,14 +335,7 @@ def test_matmuls_give_the_same_bits_however_the_threads_share_the_work() -> None
         out = [cpu_kernels.gemv(x, w), cpu_kernels.panel(x, packed)]
         return out + [cpu_kernels.gemv512(x[:rows], w) for rows in (1, 2, 8) if wide]
 
-    threads = torch.get_num_threads()
-    runs = []
-    try:
-        for count in (1, max(threads, 2)):
-            torch.set_num_threads(count)
-            runs += [outputs() for _ in range(5)]
-    finally:
-        torch.set_num_threads(threads)
+    runs = [run for five in at_thread_counts(lambda: [outputs() for _ in range(5)]) for run in five]
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(run, runs[0], strict=True))
 

@@ -23,6 +23,7 @@ from minisgl.quant.qtensor import FP8, QTensor, dequantize
 from minisgl.quant.quantize import quantize
 from minisgl.quant.scheme import load_scheme
 from minisgl.testing import builds
+from minisgl.testing.threads import at_thread_counts
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no CPU kernels here")
 
@@ -67,16 +68,9 @@ def _check(x: torch.Tensor, w: QTensor) -> torch.Tensor:
 def test_equals_the_dequantized_matmul(group: int, n: int, k: int) -> None:
     w = _weight(group, n, k, n + k)
     g = torch.Generator().manual_seed(k)
-    threads = torch.get_num_threads()
     for rows in (1, 2, 5, 8, 13, 16, 17, 40):
         x = torch.randn(rows, k, generator=g).bfloat16()
-        outs = []
-        try:
-            for count in (1, 2):
-                torch.set_num_threads(count)
-                outs.append(_check(x, w))
-        finally:
-            torch.set_num_threads(threads)
+        outs = at_thread_counts(lambda: _check(x, w))  # noqa: B023 (called at once)
         assert torch.equal(outs[0], outs[1])  # every output summed in one order
 
 

@@ -20,6 +20,7 @@ from minisgl.quant.qtensor import FP8, QTensor, dequantize
 from minisgl.quant.quantize import quantize
 from minisgl.quant.scheme import load_scheme
 from minisgl.testing import builds
+from minisgl.testing.threads import at_thread_counts
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no CPU kernels here")
 
@@ -144,18 +145,11 @@ def test_amx_panel_equals_the_bf16_dequantized_matmul(
     g = torch.Generator().manual_seed(n + k)
     w = quantize(torch.randn(n, k, generator=g), _scheme(method, group))
     deq = dequantize(w, torch.float32).bfloat16().double()
-    threads = torch.get_num_threads()
     for rows in (1, 2, 8, 16, 17, 64, 300):
         x = torch.randn(rows, k, generator=g).bfloat16()
         ref = F.linear(x.double(), deq)
         terms = F.linear(x.double().abs(), deq.abs())
-        outs = []
-        try:
-            for count in (1, max(threads, 2)):
-                torch.set_num_threads(count)
-                outs.append(amx_panel(x, w, torch.float32))
-        finally:
-            torch.set_num_threads(threads)
+        outs = at_thread_counts(lambda: amx_panel(x, w, torch.float32))  # noqa: B023
         assert torch.equal(outs[0], outs[1])
         # products exact in fp32, sums in fp32: a few units of fp32 rounding of the terms
         assert bool(((outs[0].double() - ref).abs() <= 1e-6 * terms + 1e-30).all())
