@@ -326,6 +326,74 @@ static inline __attribute__((always_inline)) void block_int(
     }
 }
 
+#ifndef __AVX512F__
+/* block_int for 4-bit codes in groups of 256 or more (Q_U4), AVX2 build: two of a lane's four
+   nibbles are multiplied where they lie, 16 times their value (v & 0xF0, (v >> 4) & 0xF0), into
+   a second set of sums that is divided by 16 (exactly: each product is a multiple of 16) when
+   the chunk ends, so a step takes 13 vector ops per weight row instead of 14 (one shift fewer)
+   and a chunk two more (the shift and add that join the sums): a gain from 4 steps a chunk on,
+   where ops, not a pipe, bound the loop (see the top). Same integer sums, so the same results
+   bit for bit. Per lane the 16x sums reach at most FLUSH / 64 steps of 2 * 2 * 240 * 32767
+   (< 2^29 at FLUSH 1024). 1 row, 1 thread, weights in L2: gs 256 0.97x, gs 1024 0.94x the
+   time of block_int (AMD EPYC, Zen 1 class under KVM, avx2 fma). */
+/* Rows w0..w3's features [k0, end) against x0: the sums a (nibbles 0, 3) and b (1, 2, times
+   16), and their exact total per row into sums. */
+static inline __attribute__((always_inline)) void u4_chunk(
+    const int16_t* x0, const uint8_t* w0, const uint8_t* w1, const uint8_t* w2,
+    const uint8_t* w3, int64_t k0, int64_t end, Prefetch* pf, __m256i* sums) {
+    const __m256i low = _mm256_set1_epi16(0x000F), high = _mm256_set1_epi16(0x00F0);
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int64_t k = k0; k < end; k += 64) {
+        qprefetch(pf);
+        const __m256i* xv = (const __m256i*)(x0 + k);
+#define U4_ROW(a, b, p)                                                                    \
+    {                                                                                      \
+        __m256i v = _mm256_loadu_si256((const __m256i*)(p + k / 2));                       \
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_and_si256(v, low),                \
+                                                  _mm256_loadu_si256(xv)));                \
+        KEEP(a);                                                                           \
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_srli_epi16(v, 12),                \
+                                                  _mm256_loadu_si256(xv + 3)));            \
+        KEEP(a);                                                                           \
+        b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_and_si256(v, high),               \
+                                                  _mm256_loadu_si256(xv + 1)));            \
+        KEEP(b);                                                                           \
+        b = _mm256_add_epi32(b, _mm256_madd_epi16(                                         \
+                                    _mm256_and_si256(_mm256_srli_epi16(v, 4), high),       \
+                                    _mm256_loadu_si256(xv + 2)));                          \
+        KEEP(b);                                                                           \
+    }
+        U4_ROW(a0, b0, w0)
+        U4_ROW(a1, b1, w1)
+        U4_ROW(a2, b2, w2)
+        U4_ROW(a3, b3, w3)
+#undef U4_ROW
+    }
+    /* the exact integer sums: b is a multiple of 16 */
+    sums[0] = _mm256_add_epi32(a0, _mm256_srai_epi32(b0, 4));
+    sums[1] = _mm256_add_epi32(a1, _mm256_srai_epi32(b1, 4));
+    sums[2] = _mm256_add_epi32(a2, _mm256_srai_epi32(b2, 4));
+    sums[3] = _mm256_add_epi32(a3, _mm256_srai_epi32(b3, 4));
+}
+
+static inline __attribute__((always_inline)) void block_u4(
+    const int16_t* xq, const uint8_t* const* wr, const float* const* sr, int64_t m, int64_t K,
+    int64_t gs, Prefetch* pf, Acc* acc) {
+    const int16_t* x0 = xq + m * K;
+    const uint8_t *w0 = wr[0], *w1 = wr[1], *w2 = wr[2], *w3 = wr[3];
+    for (int j = 0; j < 4; j++) acc->v[j][0] = _mm256_setzero_ps();
+    for (int64_t c0 = 0, g = 0, end; c0 < K; c0 = end, g += end == (g + 1) * gs) {
+        end = (g + 1) * gs < c0 + FLUSH ? (g + 1) * gs : c0 + FLUSH;
+        __m256i t[4];
+        u4_chunk(x0, w0, w1, w2, w3, c0, end, pf, t);
+        for (int j = 0; j < 4; j++)
+            acc->v[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[j]),
+                                           _mm256_broadcast_ss(sr[j] + g), acc->v[j][0]);
+    }
+}
+#endif
+
 /* Two input rows, integer codes extracted in registers, two weight rows at a time (4x2
    accumulators, the codes and x at once spill AVX2's 16 registers): each code is extracted
    twice, where writing it to a scratch and reading it back costs more at two rows. */
@@ -862,7 +930,14 @@ static void run_block(int kind, int many, const int16_t* xq, const float* xf,
     int two = M - m >= 2;
     switch (kind * 2 + two) {
     case Q_U8 * 2: block_int(Q_U8, xq, wr, sr, m, K, gs, pf, acc); break;
+#ifdef __AVX512F__
     case Q_U4 * 2: block_int(Q_U4, xq, wr, sr, m, K, gs, pf, acc); break;
+#else
+    case Q_U4 * 2: /* block_u4's two ops per row and chunk pay off from 4 steps a chunk */
+        if (gs >= 256) block_u4(xq, wr, sr, m, K, gs, pf, acc);
+        else block_int(Q_U4, xq, wr, sr, m, K, gs, pf, acc);
+        break;
+#endif
     case Q_U4W * 2: block_int(Q_U4W, xq, wr, sr, m, K, gs, pf, acc); break;
     case Q_U8 * 2 + 1: block_int2(Q_U8, xq, wr, sr, m, K, gs, pf, acc); break;
     case Q_U4 * 2 + 1: block_int2(Q_U4, xq, wr, sr, m, K, gs, pf, acc); break;
