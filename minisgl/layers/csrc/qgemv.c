@@ -39,12 +39,24 @@
    into an int16 scratch per segment of <= 512 features, fp8 into fp32 with its scales, and
    every pair of input rows runs over the scratch (in L1) with loads and multiply-adds only.
 
-   What bounds it on a 2-core Zen 3 (AVX2): one row streams the codes at about the bf16
-   GEMV's byte rate; from 2 rows on, the products: a VPMADDWD and the VPADDD after it issue
-   at ~0.85 cycles per 16 products there (~19 per cycle, little more than FMA's 16), so
-   8-bit rows cost about what bf16 rows do. AVX512-VNNI (VPDPWSSD, the AVX-512 build) fuses
-   the two. x is quantized (converted) row by row inside the same parallel region, so a call
-   wakes the threads once. */
+   What bounds it with AVX2 on the 2-core AMD EPYC VM measured here (avx2 fma f16c; CPUID
+   family 23 model 1, QEMU's "EPYC" model, so the host generation is hidden, but its rates
+   are Zen 1's: 256-bit VPMADDWD, VPMADDUBSW and shifts issue one per 2 cycles, FMA and
+   VPSHUFB one a cycle, VPAND ~2; dependent adds read a 2-3 GHz clock, with the machine's
+   load): the one integer-multiply pipe, 16 int16 products per 2 cycles (as many as FMA's 8
+   a cycle), and the ops around the products. Per weight row, one input row: 8-bit 6 ops per
+   32 codes (2 VPMADDWD), 4-bit 14 per 64 (4; 13 in block_u4) plus 3 per group, fp8 13 per
+   32 (4 FMAs). 8- and 4-bit codes alike run at ~12 G a second per core, 50-75% of the
+   multiplier's bound: 8-bit streams ~80% of the read rate at 2 threads, 4-bit ~40%. 4-bit at
+   75% would need more int16 products per cycle than VPMADDWD gives (VPMADDUBSW on x split
+   into bytes: as many multiplies plus widening, measured no faster; bit planes or lookups:
+   more ops), or x in fewer bits. From 2 rows on the same bound, 8 products a cycle as bf16's
+   FMAs: 8-bit rows cost about what bf16 rows do, and 8 rows at least ~3.5x one row's time.
+   Also measured: the kind is a constant in every loop; Prefetch's bookkeeping costs ~5%, but
+   prefetching each row's line at the same offset of the block ahead instead (as block_bytes
+   does) took 1.4x (4-bit) to 1.9x (8-bit) the time cold: the lines in memory order matter.
+   AVX512-VNNI (VPDPWSSD, the AVX-512 build) fuses a VPMADDWD and its VPADDD. x is quantized
+   (converted) row by row inside the same parallel region, so a call wakes the threads once. */
 #include "common.h"
 
 #include <cpuid.h>
