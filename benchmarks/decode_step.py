@@ -360,6 +360,9 @@ def _timed_parts(timer: PartTimer) -> Iterator[None]:
             (lib, "gemv512_bf16", "C float matmuls"),
             (lib, "amx", "C float matmuls"),
             (lib, "panel", "C float matmuls"),
+            # The decode chain (layers/cpu_chain.py) runs every layer's kernels in one call:
+            # MINISGL_CPU_DECODE_CHAIN=0 splits them into the parts above.
+            (lib, "decode_chain", "C decode chain (all layers)"),
         ]
         for table in ("qgemv", "qamxi", "qamx", "qpanel", "qpanel16"):
             tables += [(getattr(lib, table), kind, f"C {table}") for kind in getattr(lib, table)]

@@ -142,6 +142,11 @@ class _Lib:
         self.qamxi = _tile_kernels(lib, "qamxi", ("u4", "u8")) | _tile_kernels(
             lib, "qamxf", ("fp8",)
         )
+        # A decode step's layers as one call (chain.c; layers/cpu_chain.py).
+        self.decode_chain: Any = getattr(lib, "decode_chain", None)
+        if self.decode_chain is not None:
+            self.decode_chain.argtypes = [ptr, i64, ptr]
+            self.decode_chain.restype = None
         lib.stream_read.argtypes = [ptr, i64]
         lib.stream_read.restype = ctypes.c_float
         self.stream_read = lib.stream_read

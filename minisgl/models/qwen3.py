@@ -18,9 +18,10 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
-from minisgl.layers import cpu_linear
+from minisgl.layers import cpu_chain, cpu_kernels, cpu_linear
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.attention.base import AttentionBackend, AttentionMetadata
+from minisgl.layers.attention.torch_backend import TorchAttentionBackend
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import (
     ColumnParallelLinear,
@@ -288,14 +289,114 @@ class Qwen3ForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual: torch.Tensor | None = None
-        for i, layer in enumerate(self.model.layers):
-            x, residual = layer.forward(x, residual, cos, sin, attn, meta)
-            if i in capture:
-                assert captured is not None
-                captured[i] = x + residual
+        chained = None if capture else self._run_chain(x, cos, sin, attn, meta)
+        if chained is not None:
+            x, residual = chained
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x, residual = layer.forward(x, residual, cos, sin, attn, meta)
+                if i in capture:
+                    assert captured is not None
+                    captured[i] = x + residual
         assert residual is not None
         h = x[indices] + residual[indices]
         return self.model.norm(h)
+
+    def _run_chain(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A CPU decode step's layers as one C call (layers/cpu_chain.py): (the last layer's
+        output, the residual stream before it), or None where the step or the model is not
+        one it runs (then the layers run one by one)."""
+        if not x.is_cpu or not isinstance(attn, TorchAttentionBackend):
+            return None
+        inputs = attn.decode_chain_inputs(meta)
+        if inputs is None or not cpu_chain.steps_ok(x, cos, sin, x.dtype):
+            return None
+        # By backend too: a chain writes its KV pool. Each chain keeps its backend alive, so
+        # the id is not another's while the entry is here.
+        chains = self.__dict__.setdefault("_cpu_chains", {})
+        key = (x.shape[0], x.dtype, id(attn))
+        got = chains.get(key, False)
+        if got is False:
+            got = chains[key] = self._build_chain(x.shape[0], x.dtype, attn)
+        if got is None:
+            return None
+        chain, out, residual = got
+        assert chain.backend is attn
+        chain.run(x, cos, sin, *inputs)
+        return out, residual
+
+    def _build_chain(
+        self, rows: int, dtype: torch.dtype, attn: TorchAttentionBackend
+    ) -> tuple[cpu_chain.Chain, torch.Tensor, torch.Tensor] | None:
+        """The chain of every layer at `rows` rows, with the buffers it leaves the last
+        layer's output and the residual in; None where some call is not one it expresses."""
+        if rows > cpu_kernels.MAX_ROWS or not cpu_chain.available(dtype):
+            return None
+        try:
+            return self._lay_chain(cpu_chain.Chain(rows, dtype, attn), attn)
+        except cpu_chain.Unsupported as e:
+            logger.info("decode at %d rows runs layer by layer: %s", rows, e)
+            return None
+
+    def _lay_chain(
+        self, chain: cpu_chain.Chain, attn: TorchAttentionBackend
+    ) -> tuple[cpu_chain.Chain, torch.Tensor, torch.Tensor]:
+        """Each layer's calls as Qwen3DecoderLayer.forward makes them. The layer's input and
+        the residual alternate between two buffers, as add_forward's sum into x does."""
+        cfg = self.config
+        layers = list(self.model.layers)
+        first = layers[0]
+        assert isinstance(first, Qwen3DecoderLayer)
+        a0 = first.self_attn
+        hq, hkv, d = a0.num_heads, a0.num_kv_heads, a0.head_dim
+        if (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (hq, hkv, d):
+            raise cpu_chain.Unsupported("attention heads unlike the layers'")
+        hidden = cfg.hidden_size
+        h, y, mlp_out = (chain.buffer(name, hidden) for name in ("normed", "attn", "mlp"))
+        qkv, qk = chain.buffer("qkv", (hq + 2 * hkv) * d), chain.buffer("qk", hq + hkv, d)
+        o = chain.buffer("o", hq * d)
+        x: torch.Tensor | int = cpu_chain.FROM_STEP_X
+        residual: torch.Tensor | int = cpu_chain.FROM_STEP_X
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, Qwen3DecoderLayer) or type(layer.mlp) is not Qwen3MLP:
+                raise cpu_chain.Unsupported("a layer other than Qwen3's dense one")
+            sa, mlp = layer.self_attn, layer.mlp
+            if not sa.qk_norm or (sa.num_heads, sa.num_kv_heads, sa.head_dim) != (hq, hkv, d):
+                raise cpu_chain.Unsupported("attention without q/k norm, or other heads")
+            norm = layer.input_layernorm
+            if i == 0:
+                chain.norm(x, norm.weight, norm.eps, h)
+            else:
+                chain.norm(x, norm.weight, norm.eps, h, residual=residual, sum_into=mlp_out)
+                residual = mlp_out
+            chain.matmul(sa.qkv_proj, h, qkv)
+            stride = (hq + 2 * hkv) * d
+            chain.norm(qkv, sa.qk_weight(), sa.eps, qk, group=hq + hkv, x_stride=stride, rope=True)
+            k_pool, v_pool = (
+                attn.kv_pool.k_buffers[sa.layer_id],
+                attn.kv_pool.v_buffers[sa.layer_id],
+            )
+            chain.attention(qk, qkv, k_pool, v_pool, o, (hq, hkv, d), attn.scale)
+            chain.matmul(sa.o_proj, o, y)
+            norm = layer.post_attention_layernorm
+            chain.norm(y, norm.weight, norm.eps, h, residual=residual, sum_into=y)
+            residual = y
+            gate_up = chain.buffer("gate_up", mlp.gate_up_proj.weight.shape[0])
+            act = chain.buffer("act", gate_up.shape[1] // 2)
+            chain.matmul(mlp.gate_up_proj, h, gate_up)
+            chain.silu_mul(gate_up, act)
+            chain.matmul(mlp.down_proj, act, mlp_out)
+            x = mlp_out
+        chain.seal()
+        assert isinstance(residual, torch.Tensor)
+        return chain, mlp_out, residual
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -343,6 +444,7 @@ class Qwen3ForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Qwen3Attention):
                 m._qk_weight = None  # derived from the norms just loaded
+        self.__dict__.pop("_cpu_chains", None)  # bound to the tensors replaced
         return loaded
 
     @staticmethod
@@ -380,6 +482,7 @@ class Qwen3ForCausalLM(nn.Module):
     def prepack(self, tuning: str = "cached", copies_max_bytes: int = 0) -> None:
         """Give CPU matmuls the fastest kernel per row count, measured (see cpu_linear.py):
         each weight in one layout unless `copies_max_bytes` allows second ones."""
+        self.__dict__.pop("_cpu_chains", None)  # bound to the kernels about to be picked
         # Quantized layers multiply through their own path (minisgl/quant/).
         mods = [
             m

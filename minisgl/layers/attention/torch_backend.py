@@ -454,6 +454,28 @@ class TorchAttentionBackend(AttentionBackend):
         assert out is not None
         return out
 
+    def decode_chain_inputs(
+        self, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(key slots [B, kmax], lengths [B], the new rows' slots [B]) where this step is what
+        `forward` would give the CPU decode kernel storing the new rows itself, every row in
+        order (the per-layer decode chain's attention: layers/cpu_chain.py); else None."""
+        if not self.cpu_decode or not isinstance(meta, TorchMetadata) or len(meta.groups) != 1:
+            return None
+        grp = meta.groups[0]
+        if not (grp.decode_kernel and grp.stores_new and grp.amx is None):
+            return None
+        if grp.out_rows is not None or grp.valid is not None or len(grp.calls) != 1:
+            return None
+        call = grp.calls[0]
+        slots, lens, new = call.k_slots, grp.lens, meta.out_loc
+        if call.q_rows is not None or slots is None or meta.num_tokens != lens.shape[0]:
+            return None
+        for t in (slots, lens, new):
+            if t.dtype != torch.int64 or not t.is_contiguous():
+                return None
+        return slots, lens, new
+
     def _decode_in_place(
         self, meta: TorchMetadata, k_buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> bool:

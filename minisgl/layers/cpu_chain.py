@@ -1,0 +1,312 @@
+"""A CPU decode step's decoder layers as one C call (csrc/chain.c).
+
+At a few rows a step is ~10 kernel calls a layer, each with a few microseconds of Python around
+it (ctypes argument conversion, an output tensor, the module frames): on a 2-core Zen 3 about
+a fifth of a B=1 Qwen3-0.6B step. A `Chain` holds, for one batch size, every call of every
+layer with its arguments bound: the weights and each one's kernel pick for that row count, the
+norms' weights, the KV pool's buffers, and its own activation buffers, reused each step. A
+step then fills the few values that change (the input rows, the KV slots, the rotary tables)
+and makes one call. The kernels and their arguments are those of the unfused path, so the
+outputs are the same bits.
+
+The model (qwen3.py) lays out the layers with `Chain`'s emitters; whatever it cannot express
+(another kernel pick, a bias, tensor parallelism, a batch that is not a plain decode) leaves
+the unfused path to run. MINISGL_CPU_DECODE_CHAIN=0: never.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+from typing import Any
+
+import torch
+
+from minisgl.layers import cpu_kernels, kernel_choice
+from minisgl.layers.cpu_linear import CpuLinearKernel
+from minisgl.quant import cpu_choice, cpu_gemv
+from minisgl.quant.weight import QuantWeight
+
+# As csrc/chain.c.
+OP_WORDS = 24
+OP_NORM, OP_ATTN, OP_SILU, OP_MM8, OP_MM7, OP_QMM = range(6)
+STEP_X, STEP_SLOTS, STEP_LENS, STEP_KMAX, STEP_NEW_SLOTS, STEP_COS, STEP_SIN = range(7)
+FROM_STEP_X = -1
+
+
+class Unsupported(Exception):
+    """A call the chain does not express: the unfused path runs."""
+
+
+def enabled() -> bool:
+    return os.environ.get("MINISGL_CPU_DECODE_CHAIN", "1") not in ("0", "false", "no")
+
+
+def available(dtype: torch.dtype) -> bool:
+    lib = cpu_kernels.load()
+    return (
+        enabled()
+        and lib is not None
+        and lib.decode_chain is not None
+        and dtype in (torch.bfloat16, torch.float32)
+    )
+
+
+def _address(fn: Any) -> int:
+    addr = ctypes.cast(fn, ctypes.c_void_p).value
+    assert addr is not None
+    return addr
+
+
+def _float_bits(v: float) -> int:
+    return int(struct.unpack("<q", struct.pack("<d", v))[0])
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return t.data_ptr() if t is not None else 0
+
+
+class Chain:
+    """One batch size's calls (see the module doc). Emitters take tensors or FROM_STEP_X for
+    the step's input rows; they raise Unsupported for what the chain cannot run."""
+
+    def __init__(self, rows: int, dtype: torch.dtype, backend: Any) -> None:
+        lib = cpu_kernels.load()
+        assert lib is not None
+        self.lib, self.rows, self.dtype = lib, rows, dtype
+        self.backend = backend  # the attention backend whose KV pool the ops write
+        self.bf16 = int(dtype == torch.bfloat16)
+        self._ops: list[list[int]] = []
+        # Every tensor an op points at, kept alive as long as the chain.
+        self._held: list[Any] = []
+        self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self.step = (ctypes.c_int64 * 8)()
+        self.ops = torch.empty(0, OP_WORDS, dtype=torch.int64)
+
+    def buffer(self, name: str, *shape: int) -> torch.Tensor:
+        """[rows, *shape] in the chain's dtype: one per name and shape (layers reuse them)."""
+        key = (name, shape)
+        t = self._buffers.get(key)
+        if t is None:
+            t = self._buffers[key] = torch.empty(self.rows, *shape, dtype=self.dtype)
+        return t
+
+    def _emit(self, kind: int, fn: Any, *args: int) -> None:
+        assert len(args) <= OP_WORDS - 2
+        self._ops.append([kind, _address(fn), *args] + [0] * (OP_WORDS - 2 - len(args)))
+
+    def _arg(self, t: torch.Tensor | int) -> int:
+        if isinstance(t, int):
+            return t
+        self._held.append(t)
+        return t.data_ptr()
+
+    def _own_dtype(self, *ts: torch.Tensor) -> None:
+        for t in ts:
+            if t.dtype != self.dtype or not t.is_contiguous() or t.device.type != "cpu":
+                raise Unsupported(f"a {t.dtype} tensor of strides {t.stride()}")
+
+    def norm(
+        self,
+        x: torch.Tensor | int,
+        weight: torch.Tensor,
+        eps: float,
+        out: torch.Tensor,
+        *,
+        group: int = 1,
+        x_stride: int | None = None,
+        residual: torch.Tensor | int | None = None,
+        sum_into: torch.Tensor | None = None,
+        rope: bool = False,
+    ) -> None:
+        """cpu_kernels.rms_norm's call: out = weight * norm(x [+ residual]), the sum written
+        into `sum_into`; x rows `x_stride` apart (default: out's), `group` heads each; rope:
+        the step's rotary tables applied after."""
+        d = weight.shape[-1]
+        self._own_dtype(weight, out)
+        if rope and d > 512:
+            raise Unsupported("rotary over heads wider than 512")
+        rows = out.numel() // d
+        stride = x_stride if x_stride is not None else out.stride(0)
+        res = 0 if residual is None else self._arg(residual)
+        fn = self.lib.norm_bf16 if self.bf16 else self.lib.norm_f32
+        self._emit(
+            OP_NORM,
+            fn,
+            self._arg(x),
+            group,
+            stride,
+            res,
+            self._arg(sum_into) if sum_into is not None else 0,
+            self._arg(weight),
+            weight.numel() // d,
+            self._arg(out),
+            rows,
+            d,
+            _float_bits(eps),
+            int(rope),
+        )
+
+    def attention(
+        self,
+        qk: torch.Tensor,
+        qkv: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        out: torch.Tensor,
+        heads: tuple[int, int, int],
+        scale: float,
+    ) -> None:
+        """cpu_kernels.decode_attention's call with the step's rows stored by the kernel: q and
+        the new k are the heads of `qk` [B, Hq + Hkv, D], the new v the last Hkv heads of
+        `qkv` [B, (Hq + 2 Hkv) * D]."""
+        hq, hkv, d = heads
+        for pool in (k_pool, v_pool):
+            if pool.dtype != self.dtype or not pool.is_contiguous() or pool.shape[1:] != (hkv, d):
+                raise Unsupported("a KV pool in another dtype or layout")
+        size = qk.element_size()
+        fn = self.lib.attn_bf16 if k_pool.dtype == torch.bfloat16 else self.lib.attn_f32
+        self._emit(
+            OP_ATTN,
+            fn,
+            self._arg(qk),
+            (hq + hkv) * d,
+            self.bf16,
+            self._arg(k_pool),
+            self._arg(v_pool),
+            self._arg(out),
+            self.bf16,
+            self.rows,
+            hq,
+            hkv,
+            d,
+            _float_bits(scale),
+            qk.data_ptr() + hq * d * size,
+            (hq + hkv) * d * size,
+            qkv.data_ptr() + (hq + hkv) * d * size,
+            (hq + 2 * hkv) * d * size,
+        )
+
+    def silu_mul(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        fn = self.lib.silu_mul_bf16 if self.bf16 else self.lib.silu_mul_f32
+        self._emit(OP_SILU, fn, self._arg(x), self._arg(out), self.rows, out.shape[1])
+
+    def matmul(self, module: Any, x: torch.Tensor | int, out: torch.Tensor) -> None:
+        """`module`'s x @ W.T into out, by its pick for this row count (a LinearBase without
+        bias: CpuLinearKernel's gemv / gemv512 / panel, or a quantized weight's C kernels)."""
+        if getattr(module, "bias", None) is not None or getattr(module, "tp_size", 1) != 1:
+            raise Unsupported("a bias or a tensor-parallel shard")
+        self._own_dtype(out)
+        weight, kernel = module.weight, module.kernel
+        xa, ya = self._arg(x), self._arg(out)
+        if isinstance(weight, QuantWeight):
+            self._quantized(weight, xa, ya, out)
+        elif isinstance(kernel, CpuLinearKernel) and module.kernel_out_dtype is None:
+            self._float(kernel, xa, ya, out)
+        else:
+            raise Unsupported("a matmul without a CPU kernel")
+
+    def _pick(self, picks: tuple[str, ...]) -> str:
+        return kernel_choice.row_table(picks)[kernel_choice.table_index(self.rows)]
+
+    def _float(self, kernel: CpuLinearKernel, xa: int, ya: int, out: torch.Tensor) -> None:
+        if kernel.out_dtype is not None:
+            raise Unsupported("a matmul into another dtype")
+        name = self._pick(kernel.picks)
+        w, lib = kernel.weight, self.lib
+        n = out.shape[1]
+        if name == "panel":
+            packed = kernel.packed["panel"]
+            k = packed.data.shape[1]
+            self._held.append(packed)
+            args = (xa, packed.data.data_ptr(), ya, self.rows, n, k, self.bf16, self.bf16)
+            self._emit(OP_MM8, lib.panel, *args)
+            return
+        if w is None or w.dtype != self.dtype:
+            raise Unsupported(f"pick {name} on a {None if w is None else w.dtype} weight")
+        self._held.append(w)
+        k = w.shape[1]
+        if name == "gemv" and self.bf16:
+            self._emit(OP_MM8, lib.bf16, xa, w.data_ptr(), ya, self.rows, n, k, 1, 1)
+        elif name == "gemv":
+            self._emit(OP_MM7, lib.f32, xa, w.data_ptr(), ya, self.rows, n, k, 0)
+        elif name == "gemv512" and lib.gemv512_bf16 is not None:
+            fn = lib.gemv512_bf16 if self.bf16 else lib.gemv512_f32
+            self._emit(OP_MM7, fn, xa, w.data_ptr(), ya, self.rows, n, k, self.bf16)
+        else:
+            raise Unsupported(f"pick {name}")
+
+    def _quantized(self, weight: QuantWeight, xa: int, ya: int, out: torch.Tensor) -> None:
+        w = weight.whole()
+        probe = torch.empty(self.rows, w.in_features, dtype=self.dtype)
+        if not cpu_gemv.usable(probe, w):
+            raise Unsupported("a quantized weight the C kernels do not take")
+        kernel = weight.kernel
+        if kernel is not None and not isinstance(kernel, cpu_choice.QuantKernel):
+            raise Unsupported("a quantized matmul set up for another device")
+        name = self._pick(kernel.picks) if kernel is not None else "qgemv"
+        ops = cpu_gemv.operands(w)
+        fn = _quantized_kernel(self.lib, name, ops.kind, self.bf16)
+        if out.shape[1] != ops.n:
+            raise Unsupported("a quantized weight of another width")
+        self._held.append(ops)
+        codes, cstride, scales, zeros, gstride = (a.value or 0 for a in ops.args)
+        n, k, group = (a.value for a in ops.sizes)
+        weight_args = (codes, cstride, scales, zeros, gstride)
+        self._emit(OP_QMM, fn, xa, self.bf16, *weight_args, ya, self.bf16, self.rows, n, k, group)
+
+    def seal(self) -> None:
+        """The ops as one int64 tensor the C call reads."""
+        self.ops = torch.tensor(self._ops, dtype=torch.int64).reshape(-1, OP_WORDS)
+
+    def run(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        lens: torch.Tensor,
+        new_slots: torch.Tensor,
+    ) -> None:
+        """One step over input rows x [B, hidden] (contiguous, the chain's dtype), the rotary
+        tables [B, 1, D] and the attention's slots [B, kmax] / lengths [B] / new rows' slots
+        [B] (contiguous int64; see TorchAttentionBackend.decode_chain_inputs)."""
+        step = self.step
+        step[STEP_X] = x.data_ptr()
+        step[STEP_SLOTS] = slots.data_ptr()
+        step[STEP_LENS] = lens.data_ptr()
+        step[STEP_KMAX] = slots.shape[1]
+        step[STEP_NEW_SLOTS] = new_slots.data_ptr()
+        step[STEP_COS] = cos.data_ptr()
+        step[STEP_SIN] = sin.data_ptr()
+        self.lib.decode_chain(self.ops.data_ptr(), self.ops.shape[0], step)
+
+
+def _quantized_kernel(lib: Any, name: str, kind: str, x_bf16: int) -> Any:
+    """The C function quantized pick `name` calls for code `kind` (all take qgemv's
+    arguments), by the rules of its wrapper in cpu_gemv.py / cpu_panel.py."""
+    if name == "qgemv":
+        return lib.qgemv[kind]
+    if name == "dequant_panel":
+        return lib.qpanel[kind]
+    if name == "int16_panel":
+        return lib.qpanel16.get(kind) or lib.qpanel[kind]
+    if name == "amx_panel":
+        return (lib.qamx.get(kind) if x_bf16 else None) or lib.qpanel[kind]
+    if name == "amx_int":
+        fn = lib.qamxi.get(kind)
+        return lib.qgemv[kind] if fn is None or (kind == "fp8" and not x_bf16) else fn
+    raise Unsupported(f"quantized pick {name}")
+
+
+def steps_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a step's inputs are what the chain reads as they are."""
+    return (
+        x.dtype == dtype
+        and x.is_contiguous()
+        and cos.dtype == dtype
+        and sin.dtype == dtype
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+    )

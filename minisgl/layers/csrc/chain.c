@@ -1,0 +1,89 @@
+/* A decode step's decoder layers as one call: a list of kernel calls, built once per batch size
+   with every argument bound (weights, kernel picks, the step's own buffers; cpu_chain.py), run
+   in order. From Python each of the ~10 calls a layer costs a few microseconds of ctypes
+   conversion, tensor allocation and interpreter time, ~1/5 of a B=1 step on a 2-core Zen 3;
+   here it is a load and an indirect call. The kernels are the ones the unfused path calls, on
+   the same arguments, so the results are the same bits.
+
+   An op is OP_WORDS int64 words: its kind, the kernel's address, then the kernel's arguments in
+   its own order (a float as the bits of a double). What changes from step to step (the
+   embedding rows, the step's KV slots and rotary tables) is read from `step` (STEP_*). */
+#include <stdint.h>
+#include <string.h>
+
+#define OP_WORDS 24
+
+enum { OP_NORM = 0, OP_ATTN = 1, OP_SILU = 2, OP_MM8 = 3, OP_MM7 = 4, OP_QMM = 5 };
+/* Indices into the per-step values. */
+enum { STEP_X = 0, STEP_SLOTS = 1, STEP_LENS = 2, STEP_KMAX = 3, STEP_NEW_SLOTS = 4,
+       STEP_COS = 5, STEP_SIN = 6 };
+/* An argument word that stands for the step's input rows (the first layer's input, and its
+   residual). */
+#define FROM_STEP_X (-1)
+
+typedef void (*NormFn)(const void*, int64_t, int64_t, const void*, void*, const void*, int64_t,
+                       void*, int64_t, int64_t, float, const void*, const void*);
+typedef void (*AttnFn)(const void*, int64_t, int, void*, void*, const int64_t*, const int64_t*,
+                       int64_t, void*, int, int64_t, int64_t, int64_t, int64_t, float,
+                       const void*, int64_t, const void*, int64_t, const int64_t*);
+typedef void (*SiluFn)(const void*, void*, int64_t, int64_t);
+/* gemv_bf16, panel_bf16: (x, w, y, M, N, K, out_bf16, x_bf16) */
+typedef void (*Matmul8Fn)(const void*, const void*, void*, int64_t, int64_t, int64_t, int, int);
+/* gemv_f32, gemv512_*: (x, w, y, M, N, K, out_bf16) */
+typedef void (*Matmul7Fn)(const void*, const void*, void*, int64_t, int64_t, int64_t, int);
+/* qgemv_* and the kernels that take its arguments */
+typedef void (*QMatmulFn)(const void*, int, const void*, int64_t, const void*, const void*,
+                          int64_t, void*, int, int64_t, int64_t, int64_t, int64_t);
+
+static inline void* ptr(int64_t v) { return (void*)(intptr_t)v; }
+static inline float as_float(int64_t bits) {
+    double d;
+    memcpy(&d, &bits, sizeof d);
+    return (float)d;
+}
+static inline void* input(int64_t v, const int64_t* step) {
+    return ptr(v == FROM_STEP_X ? step[STEP_X] : v);
+}
+
+/* a: x, x_group, x_stride, res_in, res_out, w, w_rows, out, M, D, eps, rope (0/1). */
+static void run_norm(const int64_t* a, void* fn, const int64_t* step) {
+    const void* cos = a[11] ? ptr(step[STEP_COS]) : 0;
+    const void* sin = a[11] ? ptr(step[STEP_SIN]) : 0;
+    ((NormFn)fn)(input(a[0], step), a[1], a[2], input(a[3], step), ptr(a[4]), ptr(a[5]), a[6],
+                 ptr(a[7]), a[8], a[9], as_float(a[10]), cos, sin);
+}
+
+/* a: q, q_stride, q_bf16, k_pool, v_pool, out, out_bf16, B, Hq, Hkv, D, scale, k_new, k_stride,
+   v_new, v_stride; the slots, lengths and new rows' slots are the step's. */
+static void run_attn(const int64_t* a, void* fn, const int64_t* step) {
+    ((AttnFn)fn)(ptr(a[0]), a[1], (int)a[2], ptr(a[3]), ptr(a[4]), ptr(step[STEP_SLOTS]),
+                 ptr(step[STEP_LENS]), step[STEP_KMAX], ptr(a[5]), (int)a[6], a[7], a[8], a[9],
+                 a[10], as_float(a[11]), ptr(a[12]), a[13], ptr(a[14]), a[15],
+                 ptr(step[STEP_NEW_SLOTS]));
+}
+
+void decode_chain(const int64_t* ops, int64_t n_ops, const int64_t* step) {
+    for (int64_t i = 0; i < n_ops; i++) {
+        const int64_t* op = ops + i * OP_WORDS;
+        void* fn = ptr(op[1]);
+        const int64_t* a = op + 2;
+        switch (op[0]) {
+            case OP_NORM: run_norm(a, fn, step); break;
+            case OP_ATTN: run_attn(a, fn, step); break;
+            case OP_SILU: ((SiluFn)fn)(ptr(a[0]), ptr(a[1]), a[2], a[3]); break;
+            case OP_MM8:
+                ((Matmul8Fn)fn)(input(a[0], step), ptr(a[1]), ptr(a[2]), a[3], a[4], a[5],
+                                (int)a[6], (int)a[7]);
+                break;
+            case OP_MM7:
+                ((Matmul7Fn)fn)(input(a[0], step), ptr(a[1]), ptr(a[2]), a[3], a[4], a[5],
+                                (int)a[6]);
+                break;
+            case OP_QMM:
+                ((QMatmulFn)fn)(input(a[0], step), (int)a[1], ptr(a[2]), a[3], ptr(a[4]),
+                                ptr(a[5]), a[6], ptr(a[7]), (int)a[8], a[9], a[10], a[11],
+                                a[12]);
+                break;
+        }
+    }
+}

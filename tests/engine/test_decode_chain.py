@@ -1,0 +1,93 @@
+"""The CPU decode chain (layers/cpu_chain.py: a decode step's layers as one C call) against the
+same model run layer by layer: the same kernels on the same arguments, so the same bits, for
+float and quantized weights, one and several requests, with prefills and mixed steps (which
+run layer by layer) in between."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_model import Runner, load, prompts, write_hf_model
+
+from minisgl.layers import cpu_chain, cpu_kernels
+from minisgl.layers.kernel_choice import BUCKETS
+from minisgl.models.config import ModelConfig
+from minisgl.quant import cpu_choice
+
+# Widths the quantized kernels take (groups of 128 input features).
+SHAPE = dict(hidden_size=128, intermediate_size=256, head_dim=32)
+# Request 1 prefills while 0 decodes (mixed: layer by layer), then both decode (the chain at
+# two rows), then request 1 alone (one row).
+SCHEDULE = [[5, 9], [1, 3], [1, 1], [1, 1], [0, 1], [0, 1]]
+
+
+def _run(path: Path, dtype: torch.dtype, quantization: str | None) -> tuple[list, dict]:
+    model = load(path, dtype, quantization=quantization, cpu_kernel_tuning="off")
+    got = Runner(model, ModelConfig.from_dir(path), dtype).run(prompts([8, 16]), SCHEDULE)
+    return got, model.__dict__.get("_cpu_chains", {})
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not build here")
+@pytest.mark.parametrize("matmul", ["default", "gemv", "gemv512", "panel"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chain_equals_layer_by_layer(
+    tmp_path: Path,
+    dtype: torch.dtype,
+    quantization: str | None,
+    matmul: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if matmul != "default":
+        monkeypatch.setenv("MINISGL_CPU_LINEAR", matmul)
+    write_hf_model(tmp_path, **SHAPE)
+    chained, chains = _run(tmp_path, dtype, quantization)
+    monkeypatch.setenv("MINISGL_CPU_DECODE_CHAIN", "0")
+    plain, none = _run(tmp_path, dtype, quantization)
+    assert not any(none.values())
+    # One and two rows, each built once; where the picks are the chain's own (the untuned
+    # policy: the GEMV or qgemv at few rows), it ran.
+    assert sorted(rows for rows, *_ in chains) == [1, 2]
+    if matmul == "default" or quantization is not None:
+        assert all(c is not None for c in chains.values())
+    for a, b in zip(chained, plain, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not build here")
+@pytest.mark.parametrize("pick", ["dequant_panel", "int16_panel", "amx_panel", "amx_int"])
+@pytest.mark.parametrize("quantization", ["int4", "fp8"])
+def test_chain_runs_each_quantized_pick(
+    tmp_path: Path, quantization: str, pick: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every quantized candidate as every row count's pick (each falls back as its wrapper
+    does where this CPU lacks its kernel): the chain calls what the wrapper calls."""
+    monkeypatch.setattr(cpu_choice, "default_picks", lambda *a, **k: (pick,) * len(BUCKETS))
+    write_hf_model(tmp_path, **SHAPE)
+    chained, chains = _run(tmp_path, torch.bfloat16, quantization)
+    assert chains and all(c is not None for c in chains.values())
+    monkeypatch.setenv("MINISGL_CPU_DECODE_CHAIN", "0")
+    plain, _ = _run(tmp_path, torch.bfloat16, quantization)
+    for a, b in zip(chained, plain, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_pick_the_chain_does_not_express_runs_layer_by_layer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's F.linear as every float matmul: no chain, the same logits as without one."""
+    monkeypatch.setenv("MINISGL_CPU_LINEAR", "torch")
+    write_hf_model(tmp_path, **SHAPE)
+    got, chains = _run(tmp_path, torch.bfloat16, None)
+    assert chains and not any(chains.values())
+    monkeypatch.setenv("MINISGL_CPU_DECODE_CHAIN", "0")
+    plain, _ = _run(tmp_path, torch.bfloat16, None)
+    for a, b in zip(got, plain, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_disabled_by_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MINISGL_CPU_DECODE_CHAIN", "0")
+    assert not cpu_chain.available(torch.bfloat16)
