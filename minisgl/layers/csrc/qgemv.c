@@ -52,9 +52,10 @@
    into bytes: as many multiplies plus widening, measured no faster; bit planes or lookups:
    more ops), or x in fewer bits. From 2 rows on the same bound, 8 products a cycle as bf16's
    FMAs: 8-bit rows cost about what bf16 rows do, and 8 rows at least ~3.5x one row's time.
-   Also measured: the kind is a constant in every loop; Prefetch's bookkeeping costs ~5%, but
-   prefetching each row's line at the same offset of the block ahead instead (as block_bytes
-   does) took 1.4x (4-bit) to 1.9x (8-bit) the time cold: the lines in memory order matter.
+   Also measured: the kind is a constant in every loop; no prefetch at all saves ~5% hot (its
+   credit loop 1-3%: qprefetch_row), but prefetching each row's line at the same offset of the
+   block ahead instead (as block_bytes does) took 1.4x (4-bit) to 1.9x (8-bit) the time cold:
+   the lines in memory order matter.
    AVX512-VNNI (VPDPWSSD, the AVX-512 build) fuses a VPMADDWD and its VPADDD. x is quantized
    (converted) row by row inside the same parallel region, so a call wakes the threads once. */
 #include "common.h"
@@ -73,6 +74,26 @@ static inline void qprefetch(Prefetch* p) {
 }
 #else
 #define qprefetch prefetch_step
+#endif
+
+/* One input row's step (block_int, block_u4, block_fp8) in the AVX2 build: where a block's
+   lines are twice its steps (its rows' codes contiguous: 8-bit, 4-bit in groups of 64 or
+   more, fp8), Prefetch's credits come to exactly two lines a step, issued here without the
+   credit loop: the same lines in the same order, 0.97-0.99x the time (int8, int4). */
+#ifndef __AVX512F__
+static inline void qprefetch_row(Prefetch* p, int two) {
+    if (!two) {
+        qprefetch(p);
+        return;
+    }
+    if (!p->base) return;
+    const char* at = p->base + 64 * p->issued;
+    _mm_prefetch(at, _MM_HINT_T0);
+    _mm_prefetch(at + 64, _MM_HINT_T0);
+    p->issued += 2;
+}
+#else
+#define qprefetch_row(p, two) ((void)(two), qprefetch(p))
 #endif
 
 /* Q_U4W: 4-bit codes whose groups (32 features) are shorter than a 64-feature load. */
@@ -306,13 +327,14 @@ static inline __attribute__((always_inline)) void block_int(
     int64_t K, int64_t gs, Prefetch* pf, Acc* acc) {
     const int S = step_features(kind), V = step_vectors(kind);
     const int16_t* x0 = xq + m * K;
+    const int two = pf->lines == 2 * pf->steps;
     for (int j = 0; j < 4; j++) acc->v[j][0] = _mm256_setzero_ps();
     for (int64_t c0 = 0, g = 0, end; c0 < K; c0 = end, g += end == (g + 1) * gs) {
         end = (g + 1) * gs < c0 + FLUSH ? (g + 1) * gs : c0 + FLUSH;
         __m256i a[4];
         for (int j = 0; j < 4; j++) a[j] = _mm256_setzero_si256();
         for (int64_t k = c0; k < end; k += S) {
-            qprefetch(pf);
+            qprefetch_row(pf, two);
             for (int j = 0; j < 4; j++) {
                 __m256i e[4];
                 extract(kind, wr[j] + code_at(kind, k), e);
@@ -352,12 +374,12 @@ static inline __attribute__((always_inline)) void block_int(
    16), and their exact total per row into sums. */
 static inline __attribute__((always_inline)) void u4_chunk(
     const int16_t* x0, const uint8_t* w0, const uint8_t* w1, const uint8_t* w2,
-    const uint8_t* w3, int64_t k0, int64_t end, Prefetch* pf, __m256i* sums) {
+    const uint8_t* w3, int64_t k0, int64_t end, Prefetch* pf, int two, __m256i* sums) {
     const __m256i low = _mm256_set1_epi16(0x000F), high = _mm256_set1_epi16(0x00F0);
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
     __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     for (int64_t k = k0; k < end; k += 64) {
-        qprefetch(pf);
+        qprefetch_row(pf, two);
         const __m256i* xv = (const __m256i*)(x0 + k);
 #define U4_ROW(a, b, p)                                                                    \
     {                                                                                      \
@@ -394,11 +416,12 @@ static inline __attribute__((always_inline)) void block_u4(
     int64_t gs, Prefetch* pf, Acc* acc) {
     const int16_t* x0 = xq + m * K;
     const uint8_t *w0 = wr[0], *w1 = wr[1], *w2 = wr[2], *w3 = wr[3];
+    const int two = pf->lines == 2 * pf->steps;
     for (int j = 0; j < 4; j++) acc->v[j][0] = _mm256_setzero_ps();
     for (int64_t c0 = 0, g = 0, end; c0 < K; c0 = end, g += end == (g + 1) * gs) {
         end = (g + 1) * gs < c0 + FLUSH ? (g + 1) * gs : c0 + FLUSH;
         __m256i t[4];
-        u4_chunk(x0, w0, w1, w2, w3, c0, end, pf, t);
+        u4_chunk(x0, w0, w1, w2, w3, c0, end, pf, two, t);
         for (int j = 0; j < 4; j++)
             acc->v[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[j]),
                                            _mm256_broadcast_ss(sr[j] + g), acc->v[j][0]);
@@ -546,6 +569,7 @@ static inline __attribute__((always_inline)) void block_fp8(
     int64_t K, int64_t gs, Prefetch* pf, Acc* acc) {
     const float* x0 = xf + m * K;
     const float* x1 = MR == 2 ? x0 + K : x0;
+    const int two = pf->lines == 2 * pf->steps;
     for (int j = 0; j < 4; j++) acc->v[j][0] = acc->v[j][1] = _mm256_setzero_ps();
     for (int64_t g0 = 0, g = 0; g0 < K; g0 += gs, g++) {
         /* FMAs only (no VMULPS): Zen 3 multiplies a subnormal weight at full speed in an FMA,
@@ -554,7 +578,7 @@ static inline __attribute__((always_inline)) void block_fp8(
         __m256 a0[4], a1[4];
         for (int j = 0; j < 4; j++) a0[j] = a1[j] = _mm256_setzero_ps();
         for (int64_t k = g0; k < g0 + gs; k += 32) {
-            qprefetch(pf);
+            qprefetch_row(pf, two);
             for (int j = 0; j < 4; j++) {
                 __m256 w[4];
                 fp8x32(wr[j] + k, w, MR == 1);
