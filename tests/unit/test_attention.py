@@ -289,3 +289,30 @@ def test_short_extends_run_row_by_row_on_the_decode_kernel() -> None:
     assert groups([5, 0], [1, 6]) == [True, True]  # a decode beside a short prompt
     assert groups([0], [40]) == [False]
     assert groups([300], [8]) == [False]  # 8 rows would each read 300+ keys
+
+
+def test_a_decode_step_s_metadata_equals_the_general_path_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """prepare's shortcut for one new token per request (CPU decode kernel) builds what the
+    general grouping builds for such a step: the same slots, lengths and call shape."""
+    pool = KVPool(1, NUM_PAGES, PAGE, 2, D, torch.float32, "cpu")
+    attn = create_attention_backend("torch", pool, 4, 2, D, D**-0.5)
+    assert isinstance(attn, TorchAttentionBackend) and attn.cpu_decode
+    prefix = [5, 0, 37, 16]
+    free = iter(random.Random(0).sample(range(NUM_PAGES), NUM_PAGES))
+    tables = [[next(free) for _ in range(-(-(p + 1) // PAGE))] for p in prefix]
+    layout = BatchLayout(PAGE, prefix, [1] * len(prefix), tables)
+    fast = attn.prepare(layout)
+    monkeypatch.setattr(attn, "_decode_only", lambda extend: False)
+    general = attn.prepare(layout)
+    assert fast.num_tokens == general.num_tokens
+    assert torch.equal(fast.out_loc, general.out_loc)
+    (a,), (b,) = fast.groups, general.groups
+    assert (a.out_rows, a.valid, b.out_rows, b.valid) == (None,) * 4
+    assert torch.equal(a.lens, b.lens) and a.decode_kernel and b.decode_kernel
+    (ca,), (cb,) = a.calls, b.calls
+    assert ca.k_slots is not None and cb.k_slots is not None
+    assert torch.equal(ca.k_slots, cb.k_slots)
+    for field in ("q_rows", "start", "shape", "lo", "hi", "causal", "blocked", "masks", "tiles"):
+        assert getattr(ca, field) == getattr(cb, field), field

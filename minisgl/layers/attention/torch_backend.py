@@ -149,6 +149,8 @@ class TorchAttentionBackend(AttentionBackend):
         pages = np.zeros((n, max(len(p) for p in layout.page_tables)), dtype=np.int64)
         for i, table in enumerate(layout.page_tables):
             pages[i, : len(table)] = table
+        if self._decode_only(extend):
+            return self._prepare_decode(prefix, pages, ps)
         starts = np.cumsum(extend) - extend  # first step row of each request
         req = np.repeat(np.arange(n), extend)
         pos = np.arange(int(extend.sum())) - starts[req] + prefix[req]
@@ -161,6 +163,36 @@ class TorchAttentionBackend(AttentionBackend):
             if len(members):
                 groups.append(self._group(members, prefix, extend, starts, pages, ps, n))
         return TorchMetadata(num_tokens=len(out_loc), out_loc=self._dev(out_loc), groups=groups)
+
+    def _decode_only(self, extend: np.ndarray) -> bool:
+        return self.cpu_decode and int(extend.max()) == 1
+
+    def _prepare_decode(self, prefix: np.ndarray, pages: np.ndarray, ps: int) -> TorchMetadata:
+        """`prepare` for a step of one new token per request on the CPU decode kernel: the
+        metadata _group_calls makes for it (one padded call, rows in order, no tiles), without
+        the general path's numpy passes (~a dozen small ops a decode step)."""
+        n = len(prefix)
+        req = np.arange(n)
+        tot = prefix + 1
+        kp = np.arange(int(tot.max()))[None, :]
+        k_slots = _slots(pages, req[:, None], np.minimum(kp, prefix[:, None]), ps)
+        call = _Call(
+            q_rows=None,
+            start=0,
+            shape=(n, 1),
+            k_slots=self._dev(np.where(kp < tot[:, None], k_slots, 0)),
+            lo=None,
+            hi=None,
+            causal=False,
+            blocked=False,
+            masks=None,
+            tiles=[],
+        )
+        group = _Group(
+            calls=[call], out_rows=None, valid=None, lens=self._dev(tot), decode_kernel=True
+        )
+        out_loc = self._dev(_slots(pages, req, prefix, ps))
+        return TorchMetadata(num_tokens=n, out_loc=out_loc, groups=[group])
 
     def _dev(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
