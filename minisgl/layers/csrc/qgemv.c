@@ -35,7 +35,8 @@
    rate for 8-bit codes, 84-95% for 4-bit, Qwen3-0.6B/8B shapes, Sapphire Rapids-class Xeon
    under KVM, cold weights, CPU time on a loaded machine; the int16 path: 68-92%, 63-85%). Two: integer codes extracted in registers two weight
    rows at a time (4x2 accumulators with the codes and x spill AVX2's 16 registers), fp8 pairs
-   in registers. Three or more: each code is turned into numbers once per block, integer codes
+   in registers; in the AVX2 build integer codes take that path for up to INT_PAIRS_MAX rows,
+   a pair at a time. More: each code is turned into numbers once per block, integer codes
    into an int16 scratch per segment of <= 512 features, fp8 into fp32 with its scales, and
    every pair of input rows runs over the scratch (in L1) with loads and multiply-adds only.
 
@@ -1004,6 +1005,19 @@ int qgemv_byte_path = 1;
    asks the CPU. Tests set 0 to run the other path. */
 int qgemv_gfni = -1;
 
+/* The most input rows whose integer codes are extracted in registers per pair of rows
+   (block_int2) rather than once per block into a scratch (block_int_many). AVX2: extracting
+   again per pair (2 ops per 32 codes and weight row) costs less than the scratch's stores,
+   loads and segment flushes up to 6 rows: 3-6 rows 0.84-0.97x the time, 7-8 rows 0.97-1.01x
+   (int8 per channel and int4 group 128, 3072x1024 and 12288x4096, 1 thread, cold, CPU time,
+   interleaved; AMD EPYC VM, Zen 1 class, avx2 fma). The AVX-512 build's scratch path
+   multiplies 512 bits at a time, so it keeps the scratch from 3 rows. */
+#ifdef __AVX512F__
+#define INT_PAIRS_MAX 2
+#else
+#define INT_PAIRS_MAX 6
+#endif
+
 static void qgemv_kind(
     int kind, const void* x, int x_bf16, const uint8_t* codes, int64_t cstride,
     const float* scales, const uint8_t* zeros, int64_t gstride, void* y, int out_bf16,
@@ -1039,13 +1053,14 @@ static void qgemv_kind(
         }
     }
     int64_t blocks = (N + 3) / 4;
-    /* One or two rows: codes turned into numbers in registers, per pass; more: once per
-       block (integer codes into a scratch per segment, block_int_many; fp8 to fp32 with its
-       scales, block_fp8_many) and every pass over that scratch. */
-    int many = M > 2;
+    /* Few rows: codes turned into numbers in registers, per pass (integer codes: block_int2
+       per pair of rows, block_int for a last odd one); more: once per block (integer codes
+       into a scratch per segment, block_int_many; fp8 to fp32 with its scales,
+       block_fp8_many) and every pass over that scratch. */
+    int many = M > (kind == Q_FP8 ? 2 : INT_PAIRS_MAX);
     int64_t steps = kind == Q_FP8 ? K / 32 * ((M + 1) / 2 + (many ? 4 : 0))
                                   : (many ? K / step_features(kind) * 4 + K / 32 * ((M + 1) / 2)
-                                          : K / step_features(kind) * (M == 2 ? 2 : 1));
+                                          : K / step_features(kind) * M);
     Share shares[SHARE_MAX] __attribute__((aligned(64)));
     int parts = share_parts();
     shares_init(shares, parts, blocks);
