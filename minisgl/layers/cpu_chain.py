@@ -63,10 +63,6 @@ def _float_bits(v: float) -> int:
     return int(struct.unpack("<q", struct.pack("<d", v))[0])
 
 
-def _ptr(t: torch.Tensor | None) -> int:
-    return t.data_ptr() if t is not None else 0
-
-
 class Chain:
     """One batch size's calls (see the module doc). Emitters take tensors or FROM_STEP_X for
     the step's input rows; they raise Unsupported for what the chain cannot run."""
