@@ -19,9 +19,11 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2 kern
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 15, 16, 17, 40, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 13, 15, 16, 17, 20, 32, 40, 200])
 def test_matmul_matches_reference(wdtype: torch.dtype, rows: int) -> None:
-    """Our GEMV and GEMM at any row count (the chooser may give either any bucket)."""
+    """Our GEMV and GEMM at any row count (the chooser may give either any bucket; the GEMM's
+    row tiles of 3 to 6 in each split it makes: 7 = 4 + 3, 8 = 4 + 4, 13, 20, 32, the chunk
+    boundary at 192)."""
     torch.manual_seed(rows)
     n, k = 37, 96  # N not a multiple of the 16-row panel or the 4-row block
     w = torch.randn(n, k).to(wdtype)
