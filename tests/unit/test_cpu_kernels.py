@@ -42,11 +42,12 @@ def test_matmul_matches_reference(wdtype: torch.dtype, rows: int) -> None:
         assert torch.equal(f(xb, w, torch.float32), f(xb.float(), w))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 96, 100])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 21, 23, 96, 100])
 @pytest.mark.parametrize("k", [96, 528])  # one short K chunk; two full chunks and a short one
 def test_panel_matmul_matches_reference(rows: int, k: int) -> None:
-    """bf16 weights repacked into 16-column panels, every row tile (6, 4, 2, 1) and the pass
-    boundary at 96 rows, N not a multiple of the panel; bf16 or fp32 x, either output."""
+    """bf16 weights repacked into 16-column panels, every row tile (6, 5, 4, 3, 2, 1; from bf16
+    up to 16 rows, from a converted chunk above) and the pass boundary at 96 rows, N not a
+    multiple of the panel; bf16 or fp32 x, either output."""
     torch.manual_seed(rows + k)
     n = 37
     w = torch.randn(n, k).bfloat16()

@@ -70,9 +70,13 @@ static inline void NAME(const float* x, int64_t ldx, int64_t kc, const WT* pw, f
     }                                                                                       \
 }
 TILE(tile6, 6, uint16_t, WEIGHTS)
+TILE(tile5, 5, uint16_t, WEIGHTS)
 TILE(tile4, 4, uint16_t, WEIGHTS)
+TILE(tile3, 3, uint16_t, WEIGHTS)
 TILE(tile6_f32, 6, float, WEIGHTS_F32)
+TILE(tile5_f32, 5, float, WEIGHTS_F32)
 TILE(tile4_f32, 4, float, WEIGHTS_F32)
+TILE(tile3_f32, 3, float, WEIGHTS_F32)
 TILE(tile2_f32, 2, float, WEIGHTS_F32)
 TILE(tile1_f32, 1, float, WEIGHTS_F32)
 
@@ -139,6 +143,11 @@ static inline void tile1(const float* x, int64_t ldx, int64_t kc, const uint16_t
     _mm256_storeu_ps(acc + 8, _mm256_add_ps(_mm256_add_ps(o[0], o[1]), _mm256_add_ps(o[2], o[3])));
 }
 
+/* Rows of the next tile for `left` rows still to do: 6 while they last, then the rest in one
+   tile (3 rows ran as 2 + 1 and 5 as 4 + 1: a one-row tile reads the chunk again for one row's
+   FMAs). */
+static inline int tile_rows(int64_t left) { return left >= 6 ? 6 : (int)left; }
+
 /* x rows m0..m0+mb against panel `pq` (all of K), into acc [mb][16]. `pf_end`: the first byte
    past the packed weights (no prefetch beyond). */
 /* Many rows (prefill): each chunk is converted to fp32 once and every tile reads that (no
@@ -154,28 +163,31 @@ static void panel_rows(const float* x, int64_t K, int64_t mb, const uint16_t* pq
         const uint16_t* pw = pq + k0 * 16;
         const char* pf = (const char*)(pw + PF_CHUNKS * KC * 16);
         if (pf + kc * 32 > pf_end) pf = 0;
-        if (CONVERT(mb)) {
-            convert_chunk(pw, kc, wf, pf);
-            for (int64_t m = 0; m < mb;) {
-                int64_t left = mb - m;
-                const float* xm = x + m * K + k0;
-                float* am = acc + m * 16;
-                if (left >= 6) { tile6_f32(xm, K, kc, wf, am, 0); m += 6; }
-                else if (left >= 4) { tile4_f32(xm, K, kc, wf, am, 0); m += 4; }
-                else if (left >= 2) { tile2_f32(xm, K, kc, wf, am, 0); m += 2; }
-                else { tile1_f32(xm, K, kc, wf, am, 0); m += 1; }
-            }
-            continue;
-        }
-        for (int64_t m = 0; m < mb;) {
-            int64_t left = mb - m;
+        if (CONVERT(mb)) convert_chunk(pw, kc, wf, pf);
+        for (int64_t m = 0, r; m < mb; m += r) {
+            r = tile_rows(mb - m);
             const float* xm = x + m * K + k0;
             float* am = acc + m * 16;
+            if (CONVERT(mb)) {
+                switch (r) {
+                    case 6: tile6_f32(xm, K, kc, wf, am, 0); break;
+                    case 5: tile5_f32(xm, K, kc, wf, am, 0); break;
+                    case 4: tile4_f32(xm, K, kc, wf, am, 0); break;
+                    case 3: tile3_f32(xm, K, kc, wf, am, 0); break;
+                    case 2: tile2_f32(xm, K, kc, wf, am, 0); break;
+                    default: tile1_f32(xm, K, kc, wf, am, 0);
+                }
+                continue;
+            }
             const char* first = m == 0 ? pf : 0;
-            if (left >= 6) { tile6(xm, K, kc, pw, am, first); m += 6; }
-            else if (left >= 4) { tile4(xm, K, kc, pw, am, first); m += 4; }
-            else if (left >= 2) { tile2(xm, K, kc, pw, am, first); m += 2; }
-            else { tile1(xm, K, kc, pw, am, first); m += 1; }
+            switch (r) {
+                case 6: tile6(xm, K, kc, pw, am, first); break;
+                case 5: tile5(xm, K, kc, pw, am, first); break;
+                case 4: tile4(xm, K, kc, pw, am, first); break;
+                case 3: tile3(xm, K, kc, pw, am, first); break;
+                case 2: tile2(xm, K, kc, pw, am, first); break;
+                default: tile1(xm, K, kc, pw, am, first);
+            }
         }
     }
 }
