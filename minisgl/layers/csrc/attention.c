@@ -185,15 +185,15 @@ void NAME(const void* q, int64_t q_stride, int q_bf16, KT* kp, KT* vp,          
           int64_t B, int64_t Hq, int64_t Hkv, int64_t D, float scale,                       \
           const KT* k_new, int64_t k_stride, const KT* v_new, int64_t v_stride,              \
           const int64_t* new_slots) {                                                       \
-    int64_t chunk, T, *first, *owner, row_bytes = Hkv * D * (int64_t)sizeof(KT);            \
+    int64_t chunk, T, *first, *owner, *done, row_bytes = Hkv * D * (int64_t)sizeof(KT);     \
     if (k_new) write_new(kp, vp, k_new, k_stride, v_new, v_stride, new_slots, B, row_bytes); \
-    float* part = plan_chunks(lens, B, Hq, D, &chunk, &T, &first, &owner);                  \
-    int64_t* done = (int64_t*)calloc(B, sizeof(int64_t)); /* chunks attended per request */ \
+    float* part = plan_chunks(lens, B, Hq, D, &chunk, &T, &first, &owner, &done);           \
+    if (!part) return;                                                                      \
     int64_t stride = Hq * (D + 2);                                                          \
     _Pragma("omp parallel")                                                                 \
     {                                                                                       \
-        float* sc = (float*)malloc(sizeof(float) * Hq * chunk);                             \
-        float* qf = (float*)malloc(sizeof(float) * Hq * D);                                 \
+        float* sc = (float*)worker_scratch(sizeof(float) * Hq * (chunk + D));               \
+        float* qf = sc + Hq * chunk;                                                        \
         int64_t held = -1; /* the request whose query qf holds */                           \
         _Pragma("omp for schedule(dynamic) nowait")                                         \
         for (int64_t t = 0; t < T; t++) {                                                   \
@@ -207,9 +207,7 @@ void NAME(const void* q, int64_t q_stride, int q_bf16, KT* kp, KT* vp,          
             if (__atomic_add_fetch(&done[b], 1, __ATOMIC_ACQ_REL) == first[b + 1] - first[b]) \
                 merge_request(part, first, b, Hq, D, PERM, out, out_bf16);                  \
         }                                                                                   \
-        free(sc); free(qf);                                                                 \
     }                                                                                       \
-    free(part); free(first); free(owner); free(done);                                       \
 }
 
 /* The step's new keys and values into the pool before they are attended: one row of
@@ -276,26 +274,54 @@ static inline void write_head(const float* o, float scale, int64_t D, int perm, 
     for (; s < D; s++) store(out, base + perm_index(s, D, perm), o[s] * scale, out_bf16);
 }
 
+/* Scratch kept between calls instead of ~6 mallocs a call (28 calls a decode step, each a
+   few microseconds at one row): a step's layers ask for the same sizes. Thread-local, so two
+   callers (and the OpenMP workers, each with its own) never share one. NULL: out of memory. */
+typedef struct {
+    void* p;
+    size_t bytes;
+} Scratch;
+static void* grow(Scratch* s, size_t bytes) {
+    if (bytes > s->bytes) {
+        free(s->p);
+        s->p = NULL;
+        s->bytes = 0;
+        if (posix_memalign(&s->p, 64, bytes) != 0) return NULL;
+        s->bytes = bytes;
+    }
+    return s->p;
+}
+static __thread Scratch plan_scratch, worker_scratch_;
+static void* worker_scratch(size_t bytes) { return grow(&worker_scratch_, bytes); }
+
 /* Chunk length (a multiple of 4, 16..128: enough tasks for every thread, few merges), the
-   chunks' first index per request, each chunk's request, and the chunks' partial results. */
+   chunks' first index per request, each chunk's request, the chunks attended per request
+   (zeroed), and the chunks' partial results, all in the calling thread's scratch. */
 static float* plan_chunks(const int64_t* lens, int64_t B, int64_t Hq, int64_t D,
-                          int64_t* chunk, int64_t* T, int64_t** first, int64_t** owner) {
-    int64_t total = 0, threads = omp_get_max_threads();
+                          int64_t* chunk, int64_t* T, int64_t** first, int64_t** owner,
+                          int64_t** done) {
+    int64_t total = 0, threads = omp_get_max_threads(), tasks = 0;
     for (int64_t b = 0; b < B; b++) total += lens[b];
     int64_t c = (total + 4 * threads - 1) / (4 * threads);
     c = c < 16 ? 16 : (c > 128 ? 128 : c);
     *chunk = c = (c + 3) & ~(int64_t)3;
-    *first = (int64_t*)malloc(sizeof(int64_t) * (B + 1));
+    for (int64_t b = 0; b < B; b++) tasks += ((lens[b] > 0 ? lens[b] : 1) + c - 1) / c;
+    size_t words = (size_t)(B + 1 + tasks + B), head = (words * 8 + 63) & ~(size_t)63;
+    char* mem = (char*)grow(&plan_scratch, head + sizeof(float) * tasks * Hq * (D + 2));
+    if (!mem) return NULL;
+    *first = (int64_t*)mem;
+    *owner = *first + B + 1;
+    *done = *owner + tasks;
     (*first)[0] = 0;
     for (int64_t b = 0; b < B; b++) {
         int64_t n = lens[b] > 0 ? lens[b] : 1;
         (*first)[b + 1] = (*first)[b] + (n + c - 1) / c;
+        (*done)[b] = 0;
     }
-    *T = (*first)[B];
-    *owner = (int64_t*)malloc(sizeof(int64_t) * *T);
+    *T = tasks;
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = (*first)[b]; t < (*first)[b + 1]; t++) (*owner)[t] = b;
-    return (float*)malloc(sizeof(float) * *T * Hq * (D + 2));
+    return (float*)(mem + head);
 }
 
 /* Request b, per head: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c over its chunks,
