@@ -1107,6 +1107,15 @@ static void qgemv_kind(
             Prefetch pf = {ahead(codes + n0 * cstride, block_bytes, n0 + 4 * PF_BLOCKS < N),
                            block_bytes / 64, steps, 0, 0};
             if (many) run_block(kind, 1, xq, xf, wr, sr, 0, M, K, gs, &pf, scratch, accs);
+            /* one group a row (per channel) on a whole block: the zero points' terms of the 4
+               rows as one vector after the horizontal sums, not zero_points' scalar loop per
+               row (~5% of a hot int8 call's time) */
+            int zero4 = kind != Q_FP8 && zeros && G == 1 && rows == 4;
+            __m128 sz = _mm_setzero_ps();
+            if (zero4)
+                sz = _mm_mul_ps(_mm_setr_ps(sr[0][0], sr[1][0], sr[2][0], sr[3][0]),
+                                _mm_setr_ps((float)zr[0][0], (float)zr[1][0], (float)zr[2][0],
+                                            (float)zr[3][0]));
             for (int64_t m = 0; m < M; m += 2) {
                 Acc one;
                 Acc* acc = many ? &accs[m / 2] : &one;
@@ -1118,9 +1127,10 @@ static void qgemv_kind(
                 else
 #endif
                 if (!many) run_block(kind, 0, xq, xf, wr, sr, m, M, K, gs, &pf, NULL, acc);
-                if (kind != Q_FP8 && zeros) zero_points(sr, zr, xsum, m, mr, G, acc);
+                if (kind != Q_FP8 && zeros && !zero4) zero_points(sr, zr, xsum, m, mr, G, acc);
                 for (int i = 0; i < mr; i++) {
                     __m128 t = hsum4(acc->v[0][i], acc->v[1][i], acc->v[2][i], acc->v[3][i]);
+                    if (zero4) t = _mm_sub_ps(t, _mm_mul_ps(sz, _mm_set1_ps(xsum[m + i])));
                     if (kind != Q_FP8 && rows == 4) { /* the same roundings, 4 lanes at once */
                         store4(y, (m + i) * N + n0, _mm_mul_ps(t, _mm_set1_ps(xscale[m + i])),
                                out_bf16);
