@@ -391,6 +391,21 @@ def _timing_set(weights: Sequence[torch.Tensor], rows: int) -> list[torch.Tensor
     return [weights[0].detach()[: min(n, keep)]]
 
 
+def _evictor(group: Sequence[torch.Tensor]) -> Callable[[], object] | None:
+    """For a timing set smaller than _COLD_BYTES (a slice of one weight, at prefill-sized row
+    counts): a read of _COLD_BYTES of other memory, run before each timed pass so the pass
+    reads its weights from memory as a step does, not from a cache the previous pass filled
+    (where the weights stream in during the FMAs, a warm slice hides that cost). None where the
+    set already misses the caches."""
+    if sum(w.numel() * w.element_size() for w in group) >= _COLD_BYTES:
+        return None
+    buf = torch.ones(_COLD_BYTES // 4)
+    lib = cpu_kernels.load()
+    if lib is not None:
+        return lambda: lib.stream_read(buf.data_ptr(), buf.numel())
+    return lambda: float(buf.sum())
+
+
 def measure(
     weights: Sequence[torch.Tensor],
     x_dtype: torch.dtype,
@@ -402,12 +417,14 @@ def measure(
     """Seconds per pass for each candidate (in CANDIDATES' order) and bucket; None: cannot
     run here. The candidates take turns pass by pass and each keeps its best, so a burst of
     other work on the machine hits them all alike; one far behind after its first pass is not
-    run again. The best pass counts (other work only ever adds time). `spreads` collects each
+    run again. The best pass counts (other work only ever adds time). Every pass reads its
+    weights from memory (_timing_set, _evictor), as a step does. `spreads` collects each
     repeated candidate's slowest pass over its fastest."""
     timings: dict[str, list[float | None]] = {name: [] for name in CANDIDATES}
     packs: dict[tuple[str, int, int], Any] = {}
     for rows in TIMED_ROWS:
         group = _timing_set(weights, rows)
+        evict = _evictor(group)
         x = torch.randn(rows, group[0].shape[1]).to(x_dtype)
         live: dict[str, tuple[Callable[..., torch.Tensor], list[Any]]] = {}
         for name in CANDIDATES:
@@ -424,6 +441,8 @@ def measure(
         for rep in range(_MAX_REPEATS):
             improved = False
             for name, (run, packed) in live.items():
+                if evict is not None:
+                    evict()
                 t0 = clock()
                 for w, p in zip(group, packed):
                     run(x, w, p, out_dtype)

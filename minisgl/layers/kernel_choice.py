@@ -3,8 +3,8 @@
 What is fastest differs from one CPU to the next (AVX2 vs AVX-512 vs AMX, MKL vs oneDNN vs our
 kernels, bandwidth vs FLOPs), so nothing here is a tuned constant: cpu_linear.py times the
 candidates on the running machine and this module
-- splits row counts into buckets (1, 2-4, 5-8, 9-16, 17-64, >64) and names the row count timed
-  for each;
+- splits row counts into buckets (1, 2-4, 5-8, 9-16, 17-32, 33-64, 65-512, >512) and names the
+  row count timed for each;
 - picks the fastest candidate per bucket from measured (or, in tests, injected) timings, either
   among those that run on one layout of the weight (the default: the weights in memory once) or
   with a second layout kept where the user allows memory for it and it buys enough;
@@ -35,7 +35,8 @@ BUCKETS: tuple[tuple[int, int | None], ...] = (
     (2, 4),
     (5, 8),
     (9, 16),
-    (17, 64),
+    (17, 32),
+    (33, 64),
     (65, 512),
     (513, None),
 )
@@ -43,8 +44,11 @@ BUCKET_NAMES = tuple(f"{a}" if a == b else (f"{a}-{b}" if b else f">{a - 1}") fo
 # The row count timed for each bucket: its top (the costliest case a bucket's pick must serve),
 # and for the two prefill buckets a chunk of their size: which kernel wins a short prompt's
 # prefill and a long chunk's differs (on a Xeon with AMX, our AMX kernel ahead at 256 rows and
-# oneDNN's at 3840: one open bucket timed at 256 ran long prefills 8-15% slower).
-TIMED_ROWS = (1, 4, 8, 16, 64, 256, 1024)
+# oneDNN's at 3840: one open bucket timed at 256 ran long prefills 8-15% slower). Decode batches
+# of 17-64 are two buckets: one timed at 64 rows ranked a 32-row batch's kernels wrong (on an
+# AVX2 EPYC our GEMM ran 36 rows' FMAs for 32 and the panels were 14% ahead in a B=32 step,
+# 5% at 64 rows).
+TIMED_ROWS = (1, 4, 8, 16, 32, 64, 256, 1024)
 MODES = ("cached", "full", "off")
 # Rows above which every bucket lookup is the last bucket's.
 _TABLE_ROWS = 513

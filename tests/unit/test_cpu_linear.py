@@ -87,7 +87,7 @@ def test_each_row_count_runs_the_fastest_candidate(monkeypatch: pytest.MonkeyPat
     calls = spy(monkeypatch)
     kernel = cpu_linear.CpuLinearKernel.create(w)
     assert kernel is not None and kernel.picks == tuple(timings.winners)
-    rows_per_bucket = [1, 3, 6, 12, 40, 100]
+    rows_per_bucket = [1, 3, 6, 12, 24, 40, 100]
     for rows in rows_per_bucket:
         x = torch.randn(rows, 64).bfloat16()
         got = kernel(x)
@@ -169,7 +169,7 @@ def test_onednn_copy_only_where_a_pick_needs_it(monkeypatch: pytest.MonkeyPatch)
     kernel = cpu_linear.CpuLinearKernel.create(w)
     assert kernel is not None and not kernel.packed
     monkeypatch.setattr(cpu_linear, "_MEMO", {})
-    monkeypatch.setattr(cpu_linear, "measure", Timings([ours[0]] * 6 + ["onednn"]))
+    monkeypatch.setattr(cpu_linear, "measure", Timings([ours[0]] * (len(BUCKETS) - 1) + ["onednn"]))
     layer = Layer(w)
     cpu_linear.prepack_modules([layer], "full", copies_max_bytes=1 << 30)
     kernel = layer.kernel
@@ -188,10 +188,12 @@ def test_panel_copy_only_where_a_pick_needs_it(monkeypatch: pytest.MonkeyPatch) 
         return
     assert "panel" not in cpu_linear.available(w, w.dtype, copies=False)
     assert "panel" not in cpu_linear.available(weight(torch.float32), torch.float32)
-    monkeypatch.setattr(cpu_linear, "measure", Timings(["panel"] * 4 + ["gemm"] * 3))
+    monkeypatch.setattr(cpu_linear, "measure", Timings(["panel"] * 5 + ["gemm"] * 3))
     # One layout by default: the panels, which won more of the row counts, serve them all.
     kernel = cpu_linear.CpuLinearKernel.create(w)
-    assert kernel is not None and kernel.picks == ("panel",) * 7 and kernel.weight is None
+    assert (
+        kernel is not None and kernel.picks == ("panel",) * len(BUCKETS) and kernel.weight is None
+    )
     layer = Layer(w)
     cpu_linear.prepack_modules([layer], copies_max_bytes=1 << 30)
     kernel = layer.kernel
@@ -227,7 +229,7 @@ def test_a_weight_no_pick_reads_is_dropped_unless_shared(
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=0.1)
 
     mixed = Layer(torch.randn(32, 64).bfloat16())
-    monkeypatch.setattr(cpu_linear, "measure", Timings(["gemv"] + ["panel"] * 6))
+    monkeypatch.setattr(cpu_linear, "measure", Timings(["gemv"] + ["panel"] * (len(BUCKETS) - 1)))
     big = Layer(torch.randn(4096, 256).bfloat16())  # 2 MiB: the log line says so
     with caplog.at_level(logging.INFO, logger="minisgl.layers.cpu_linear"):
         cpu_linear.prepack_modules([mixed, big], "cached", copies_max_bytes=1 << 30)
@@ -254,6 +256,34 @@ def test_forcing_a_candidate(monkeypatch: pytest.MonkeyPatch, name: str) -> None
         assert kernel is None  # plain F.linear is what the layer does anyway
         return
     assert kernel is not None and kernel.picks == (name,) * len(BUCKETS)
+
+
+def test_each_timed_pass_reads_its_weights_from_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A timing set smaller than a cache (one small weight, or a slice of one at prefill row
+    counts) is preceded in every timed pass by a read of other memory, as a step finds it;
+    a set of many weights is cold by itself."""
+    events: list[str] = []
+    made = []
+
+    def evictor(group):  # noqa: ANN001, ANN202
+        got = real(group)
+        made.append(got is not None)
+        return None if got is None else lambda: events.append("evict")
+
+    real = cpu_linear._evictor
+    monkeypatch.setattr(cpu_linear, "_evictor", evictor)
+
+    def clock() -> float:
+        events.append("clock")
+        return float(len(events))
+
+    w = [weight(torch.float32)]
+    cpu_linear.measure(w, torch.float32, None, ["gemm"], clock=clock)
+    assert made == [True] * len(TIMED_ROWS)
+    passes = "".join("e" if e == "evict" else "c" for e in events)
+    assert passes and passes == "ecc" * (len(events) // 3)
+    big = torch.zeros(cpu_linear._COLD_BYTES // 4 // 64, 64)
+    assert real([big]) is None and real([big[:16]]) is not None
 
 
 def test_real_measurement_times_every_available_candidate_per_bucket() -> None:
@@ -374,7 +404,7 @@ def test_no_second_copy_is_kept_unless_asked_for(
     layouts, most gain per byte first, only as far as the allowance goes."""
     if "panel" not in cpu_linear.available(weight(), torch.bfloat16):
         return
-    mixed = ["gemv"] * 4 + ["panel"] * 3
+    mixed = ["gemv"] * 4 + ["panel"] * 4
 
     def model() -> list[Layer]:
         return [Layer(weight()), Layer(weight() * 2), Layer(torch.randn(32, 64).bfloat16())]
@@ -388,7 +418,7 @@ def test_no_second_copy_is_kept_unless_asked_for(
     line = next(r.getMessage() for r in caplog.records if "CPU matmul kernels" in r.getMessage())
     assert "second weight copies" not in line
     assert "--cpu-weight-copies-max-gb 0): copies not kept: 48x64" in line
-    assert "rows 17-64 10.00x, 65-512 10.00x, >512 10.00x faster" in line
+    assert "rows 17-32 10.00x, 33-64 10.00x, 65-512 10.00x, >512 10.00x faster" in line
     for rows in (1, 100):  # one layout still serves every row count
         x = torch.randn(rows, 64).bfloat16()
         want = F.linear(x.double(), w0.double())
@@ -415,7 +445,7 @@ def test_a_weight_kept_row_major_gets_row_picks_even_where_those_were_dropped(
 
     def measure(weights, x_dtype, out_dtype, avail, spreads=None):  # noqa: ANN001, ANN202
         return {
-            n: ([0.1] * 7 if n == "panel" else [1.0] * 6 + [None]) if n in avail else [None] * 7
+            n: ([0.1] * 8 if n == "panel" else [1.0] * 7 + [None]) if n in avail else [None] * 8
             for n in cpu_linear.CANDIDATES
         }
 

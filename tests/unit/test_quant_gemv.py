@@ -210,7 +210,9 @@ def test_measured_picks_dispatch_by_row_count(tmp_path, monkeypatch: pytest.Monk
         monkeypatch.setitem(
             cpu_choice._RUN, name, lambda x, w, n=name, r=real: seen.append(n) or r(x, w)
         )
-    kernel = cpu_choice.QuantKernel(("dequant_torch",) + ("qgemv",) * 6)
+    kernel = cpu_choice.QuantKernel(
+        ("dequant_torch",) + ("qgemv",) * (len(kernel_choice.BUCKETS) - 1)
+    )
     kernel(torch.randn(1, K), ws[0])
     kernel(torch.randn(300, K), ws[0])
     assert seen == ["dequant_torch", "qgemv"]
