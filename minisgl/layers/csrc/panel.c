@@ -199,7 +199,14 @@ void panel_bf16(const void* x, const uint16_t* p, void* y, int64_t M, int64_t N,
     float* conv = 0;
     if (x_bf16) {
         conv = (float*)malloc(sizeof(float) * M * K);
-        for (int64_t i = 0; i < M * K; i++) conv[i] = bf16_to_f32(((const uint16_t*)x)[i]);
+        /* Split over the threads for a prefill chunk, as torch converts the GEMM's x: one
+           thread converting 1024 x 3072 values held the other back. */
+        #pragma omp parallel for schedule(static) if (M >= 64)
+        for (int64_t r = 0; r < M; r++) {
+            const uint16_t* src = (const uint16_t*)x + r * K;
+            float* dst = conv + r * K;
+            for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(dst + k, load_bf16(src + k));
+        }
         xf = conv;
     }
     int64_t panels = (N + 15) / 16;
