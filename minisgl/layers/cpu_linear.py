@@ -71,6 +71,9 @@ CANDIDATES = ("gemv", "gemv512", "amx", "gemm", "torch", "panel", "onednn")
 # so each pass reads from memory as a decode step does), at most this many FLOPs per pass.
 _COLD_BYTES = 48 << 20
 _PASS_FLOPS = 4e8
+# The least output columns per thread a timing slice keeps (_timing_set): 8 of the kernels'
+# 16-column panels each.
+_SLICE_ROWS_PER_THREAD = 128
 # Passes per candidate: at least _MIN_REPEATS, more (up to _MAX_REPEATS) while some best still
 # improves by over 2%: on an idle machine that stops early, on a busy one it keeps looking for
 # undisturbed passes.
@@ -380,14 +383,19 @@ def choose(
 
 def _timing_set(weights: Sequence[torch.Tensor], rows: int) -> list[torch.Tensor]:
     """The weights one timing pass multiplies: enough distinct ones to miss the caches, few
-    enough FLOPs to stay quick (a slice of rows of one when even one is too big)."""
+    enough FLOPs to stay quick (a slice of rows of one when even one is too big). A slice keeps
+    _SLICE_ROWS_PER_THREAD output columns per thread at least: split over the threads as the
+    whole weight is (a 64-column slice is 4 panels for 2 threads: a 1024-row pass then timed
+    the kernels' fork, joins and x conversion more than their FMAs, and 2 threads ran it
+    slower than 1)."""
     n, k = weights[0].shape
     per = weights[0].numel() * weights[0].element_size()
     flops = 2.0 * rows * n * k
     count = max(1, min(len(weights), -(-_COLD_BYTES // per), int(_PASS_FLOPS // flops)))
     if flops <= _PASS_FLOPS:
         return [w.detach() for w in weights[:count]]
-    keep = max(64, int(_PASS_FLOPS // (2.0 * rows * k)) // 16 * 16)
+    wide = _SLICE_ROWS_PER_THREAD * torch.get_num_threads()
+    keep = max(64, wide, int(_PASS_FLOPS // (2.0 * rows * k)) // 16 * 16)
     return [weights[0].detach()[: min(n, keep)]]
 
 

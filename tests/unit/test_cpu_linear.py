@@ -286,6 +286,21 @@ def test_each_timed_pass_reads_its_weights_from_memory(monkeypatch: pytest.Monke
     assert real([big]) is None and real([big[:16]]) is not None
 
 
+def test_a_timing_slice_keeps_columns_for_every_thread() -> None:
+    """Where one weight is too big for a pass, the slice timed still gives each thread several
+    16-column panels (as the whole weight does), not a few panels shared by many threads."""
+    w = torch.zeros(4096, 1024, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        for t in (2, 4):
+            torch.set_num_threads(t)
+            (part,) = cpu_linear._timing_set([w], 1024)
+            assert part.shape[0] >= 8 * 16 * t and part.shape[1] == 1024
+            assert part.data_ptr() == w.data_ptr()  # a view: no copy
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_real_measurement_times_every_available_candidate_per_bucket() -> None:
     w = [weight(torch.float32), weight(torch.float32) + 1]
     avail = cpu_linear.available(w[0], torch.float32)
