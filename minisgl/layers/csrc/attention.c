@@ -1,12 +1,26 @@
 #include "common.h"
 
+/* The largest of 8 lanes (none NaN: as the loop that fills them, NaN lanes keep -inf). */
+static inline float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
 /* Turn raw scores s[0..n) into exp(s - max) in place, zero s[n..n4); *mx = max; returns
    the sum. */
 static float softmax_partial(float* s, int64_t n, int64_t n4, float* mx_out) {
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
-    __m256 m8 = _mm256_set1_ps(mx), tot8 = _mm256_setzero_ps();
+    /* The max 8 lanes at a time: max is exact in any order, and _mm256_max_ps(s, m) keeps m
+       where s is NaN, as the scalar s > m ? s : m does. */
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;
+    for (; i + 8 <= n; i += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(s + i), m8);
+    float mx = hmax(m8);
+    for (; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+    __m256 tot8 = _mm256_setzero_ps();
+    m8 = _mm256_set1_ps(mx);
+    i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m8));
         _mm256_storeu_ps(s + i, e);
