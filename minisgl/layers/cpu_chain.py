@@ -31,8 +31,8 @@ from minisgl.quant.weight import QuantWeight
 # As csrc/chain.c.
 OP_WORDS = 24
 OP_NORM, OP_ATTN, OP_SILU, OP_MM8, OP_MM7, OP_QMM = range(6)
-STEP_X, STEP_SLOTS, STEP_LENS, STEP_KMAX, STEP_NEW_SLOTS, STEP_COS, STEP_SIN = range(7)
-FROM_STEP_X = -1
+STEP_X, STEP_SLOTS, STEP_LENS, STEP_KMAX, STEP_NEW_SLOTS, STEP_COS, STEP_SIN, STEP_OUT = range(8)
+FROM_STEP_X, FROM_STEP_OUT = -1, -2
 
 
 class Unsupported(Exception):
@@ -78,6 +78,9 @@ class Chain:
         self._held: list[Any] = []
         self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         self.step = (ctypes.c_int64 * 8)()
+        # Where the decoder layers' ops end (the model's mark; the final norm and the LM head
+        # may follow): a step that wants the hidden states runs only these.
+        self.layers_end: int | None = None
         self.ops = torch.empty(0, OP_WORDS, dtype=torch.int64)
 
     def buffer(self, name: str, *shape: int) -> torch.Tensor:
@@ -188,17 +191,25 @@ class Chain:
         fn = self.lib.silu_mul_bf16 if self.bf16 else self.lib.silu_mul_f32
         self._emit(OP_SILU, fn, self._arg(x), self._arg(out), self.rows, out.shape[1])
 
-    def matmul(self, module: Any, x: torch.Tensor | int, out: torch.Tensor) -> None:
+    def matmul(
+        self, module: Any, x: torch.Tensor | int, out: torch.Tensor, *, step_out: bool = False
+    ) -> None:
         """`module`'s x @ W.T into out, by its pick for this row count (a LinearBase without
-        bias: CpuLinearKernel's gemv / gemv512 / panel, or a quantized weight's C kernels)."""
+        bias: CpuLinearKernel's gemv / gemv512 / panel, or a quantized weight's C kernels).
+        step_out: into the step's output buffer instead (`run`'s out, shaped as `out`)."""
         if getattr(module, "bias", None) is not None or getattr(module, "tp_size", 1) != 1:
             raise Unsupported("a bias or a tensor-parallel shard")
-        self._own_dtype(out)
         weight, kernel = module.weight, module.kernel
-        xa, ya = self._arg(x), self._arg(out)
+        # The module's own output dtype (the LM head's float32 logits) where it has one.
+        out_dtype = getattr(module, "kernel_out_dtype", None)
+        if out_dtype is None:
+            self._own_dtype(out)
+        elif isinstance(weight, QuantWeight) or out.dtype != out_dtype or not out.is_contiguous():
+            raise Unsupported(f"a matmul into {out.dtype} where its module gives {out_dtype}")
+        xa, ya = self._arg(x), FROM_STEP_OUT if step_out else self._arg(out)
         if isinstance(weight, QuantWeight):
             self._quantized(weight, xa, ya, out)
-        elif isinstance(kernel, CpuLinearKernel) and module.kernel_out_dtype is None:
+        elif isinstance(kernel, CpuLinearKernel) and kernel.out_dtype == out_dtype:
             self._float(kernel, xa, ya, out)
         else:
             raise Unsupported("a matmul without a CPU kernel")
@@ -207,16 +218,15 @@ class Chain:
         return kernel_choice.row_table(picks)[kernel_choice.table_index(self.rows)]
 
     def _float(self, kernel: CpuLinearKernel, xa: int, ya: int, out: torch.Tensor) -> None:
-        if kernel.out_dtype is not None:
-            raise Unsupported("a matmul into another dtype")
         name = self._pick(kernel.picks)
         w, lib = kernel.weight, self.lib
         n = out.shape[1]
+        out_bf16 = int(out.dtype == torch.bfloat16)
         if name == "panel":
             packed = kernel.packed["panel"]
             k = packed.data.shape[1]
             self._held.append(packed)
-            args = (xa, packed.data.data_ptr(), ya, self.rows, n, k, self.bf16, self.bf16)
+            args = (xa, packed.data.data_ptr(), ya, self.rows, n, k, out_bf16, self.bf16)
             self._emit(OP_MM8, lib.panel, *args)
             return
         if w is None or w.dtype != self.dtype:
@@ -224,12 +234,12 @@ class Chain:
         self._held.append(w)
         k = w.shape[1]
         if name == "gemv" and self.bf16:
-            self._emit(OP_MM8, lib.bf16, xa, w.data_ptr(), ya, self.rows, n, k, 1, 1)
+            self._emit(OP_MM8, lib.bf16, xa, w.data_ptr(), ya, self.rows, n, k, out_bf16, 1)
         elif name == "gemv":
-            self._emit(OP_MM7, lib.f32, xa, w.data_ptr(), ya, self.rows, n, k, 0)
+            self._emit(OP_MM7, lib.f32, xa, w.data_ptr(), ya, self.rows, n, k, out_bf16)
         elif name == "gemv512" and lib.gemv512_bf16 is not None:
             fn = lib.gemv512_bf16 if self.bf16 else lib.gemv512_f32
-            self._emit(OP_MM7, fn, xa, w.data_ptr(), ya, self.rows, n, k, self.bf16)
+            self._emit(OP_MM7, fn, xa, w.data_ptr(), ya, self.rows, n, k, out_bf16)
         else:
             raise Unsupported(f"pick {name}")
 
@@ -252,6 +262,14 @@ class Chain:
         weight_args = (codes, cstride, scales, zeros, gstride)
         self._emit(OP_QMM, fn, xa, self.bf16, *weight_args, ya, self.bf16, self.rows, n, k, group)
 
+    def mark(self) -> int:
+        """The ops emitted so far: a point `drop_after` can go back to, and `run` stop at."""
+        return len(self._ops)
+
+    def drop_after(self, mark: int) -> None:
+        """Forget the ops emitted after `mark` (a stage that turned out Unsupported)."""
+        del self._ops[mark:]
+
     def seal(self) -> None:
         """The ops as one int64 tensor the C call reads."""
         self.ops = torch.tensor(self._ops, dtype=torch.int64).reshape(-1, OP_WORDS)
@@ -264,10 +282,14 @@ class Chain:
         slots: torch.Tensor,
         lens: torch.Tensor,
         new_slots: torch.Tensor,
+        upto: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> None:
         """One step over input rows x [B, hidden] (contiguous, the chain's dtype), the rotary
         tables [B, 1, D] and the attention's slots [B, kmax] / lengths [B] / new rows' slots
-        [B] (contiguous int64; see TorchAttentionBackend.decode_chain_inputs)."""
+        [B] (contiguous int64; see TorchAttentionBackend.decode_chain_inputs). `upto`: only
+        the ops before that mark (default: all); `out`: the step's output buffer (see
+        `matmul`), needed by ops past the layers that write it."""
         step = self.step
         step[STEP_X] = x.data_ptr()
         step[STEP_SLOTS] = slots.data_ptr()
@@ -276,7 +298,9 @@ class Chain:
         step[STEP_NEW_SLOTS] = new_slots.data_ptr()
         step[STEP_COS] = cos.data_ptr()
         step[STEP_SIN] = sin.data_ptr()
-        self.lib.decode_chain(self.ops.data_ptr(), self.ops.shape[0], step)
+        step[STEP_OUT] = out.data_ptr() if out is not None else 0
+        n = self.ops.shape[0] if upto is None else upto
+        self.lib.decode_chain(self.ops.data_ptr(), n, step)
 
 
 def _quantized_kernel(lib: Any, name: str, kind: str, x_bf16: int) -> Any:

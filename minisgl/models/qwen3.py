@@ -10,6 +10,7 @@ differ in `AttentionOptions` (q/k norm, biases) and in the MLP a layer gets (`ma
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -269,7 +270,7 @@ class Qwen3ForCausalLM(nn.Module):
         sample_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Logits [len(sample_indices), vocab] (float32) of the rows `sample_indices`."""
-        return self.lm_head(self.hidden_states(input_ids, positions, attn, meta, sample_indices))
+        return self._run(input_ids, positions, attn, meta, sample_indices, (), None, head=True)
 
     def hidden_states(
         self,
@@ -286,10 +287,26 @@ class Qwen3ForCausalLM(nn.Module):
 
         `capture`: decoder layers whose output (the residual stream after the layer, before any
         norm; every row) goes into `captured` by layer id, for an EAGLE-3 draft head."""
+        return self._run(input_ids, positions, attn, meta, indices, capture, captured, head=False)
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        meta: AttentionMetadata,
+        indices: torch.Tensor,
+        capture: Sequence[int],
+        captured: dict[int, torch.Tensor] | None,
+        head: bool,
+    ) -> torch.Tensor:
+        """hidden_states, or with `head` the LM head's logits of them."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual: torch.Tensor | None = None
-        chained = None if capture else self._run_chain(x, cos, sin, attn, meta)
+        chained = None if capture else self._run_chain(x, cos, sin, attn, meta, indices, head)
+        if isinstance(chained, torch.Tensor):
+            return chained
         if chained is not None:
             x, residual = chained
         else:
@@ -299,8 +316,8 @@ class Qwen3ForCausalLM(nn.Module):
                     assert captured is not None
                     captured[i] = x + residual
         assert residual is not None
-        h = x[indices] + residual[indices]
-        return self.model.norm(h)
+        h = self.model.norm(x[indices] + residual[indices])
+        return self.lm_head(h) if head else h
 
     def _run_chain(
         self,
@@ -309,10 +326,14 @@ class Qwen3ForCausalLM(nn.Module):
         sin: torch.Tensor,
         attn: AttentionBackend,
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        indices: torch.Tensor,
+        head: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
         """A CPU decode step's layers as one C call (layers/cpu_chain.py): (the last layer's
         output, the residual stream before it), or None where the step or the model is not
-        one it runs (then the layers run one by one)."""
+        one it runs (then the layers run one by one). With `head`, where the rows asked for
+        are every row in order and the chain has the final norm and the LM head: the logits
+        (float32), from the same call."""
         if not x.is_cpu or not isinstance(attn, TorchAttentionBackend):
             return None
         inputs = attn.decode_chain_inputs(meta)
@@ -327,16 +348,22 @@ class Qwen3ForCausalLM(nn.Module):
             got = chains[key] = self._build_chain(x.shape[0], x.dtype, attn)
         if got is None:
             return None
-        chain, out, residual = got
+        chain, out, residual, vocab = got
         assert chain.backend is attn
-        chain.run(x, cos, sin, *inputs)
+        if head and vocab and _every_row(indices, x.shape[0]):
+            logits = torch.empty(x.shape[0], vocab, dtype=torch.float32)
+            chain.run(x, cos, sin, *inputs, out=logits)
+            return logits
+        chain.run(x, cos, sin, *inputs, upto=chain.layers_end)
         return out, residual
 
     def _build_chain(
         self, rows: int, dtype: torch.dtype, attn: TorchAttentionBackend
-    ) -> tuple[cpu_chain.Chain, torch.Tensor, torch.Tensor] | None:
+    ) -> tuple[cpu_chain.Chain, torch.Tensor, torch.Tensor, int] | None:
         """The chain of every layer at `rows` rows, with the buffers it leaves the last
-        layer's output and the residual in; None where some call is not one it expresses."""
+        layer's output and the residual in, and the logits' width where the final norm and the
+        LM head follow them (0 where the head is not one it expresses); None where some
+        layer's call is not one it expresses."""
         if rows > cpu_kernels.MAX_ROWS or not cpu_chain.available(dtype):
             return None
         try:
@@ -347,7 +374,7 @@ class Qwen3ForCausalLM(nn.Module):
 
     def _lay_chain(
         self, chain: cpu_chain.Chain, attn: TorchAttentionBackend
-    ) -> tuple[cpu_chain.Chain, torch.Tensor, torch.Tensor]:
+    ) -> tuple[cpu_chain.Chain, torch.Tensor, torch.Tensor, int]:
         """Each layer's calls as Qwen3DecoderLayer.forward makes them. The layer's input and
         the residual alternate between two buffers, as add_forward's sum into x does."""
         cfg = self.config
@@ -394,9 +421,34 @@ class Qwen3ForCausalLM(nn.Module):
             chain.silu_mul(gate_up, act)
             chain.matmul(mlp.down_proj, act, mlp_out)
             x = mlp_out
-        chain.seal()
         assert isinstance(residual, torch.Tensor)
-        return chain, mlp_out, residual
+        chain.layers_end = chain.mark()
+        vocab = self._lay_head(chain, mlp_out, residual)
+        chain.seal()
+        return chain, mlp_out, residual, vocab
+
+    def _lay_head(self, chain: cpu_chain.Chain, x: torch.Tensor, residual: torch.Tensor) -> int:
+        """The final norm and the LM head after the layers, as hidden_states and forward call
+        them for every row (the sum x + residual goes into x, which nothing reads after), the
+        logits into the step's output buffer: their width, or 0 (the chain ends with the
+        layers) where the head is not one it expresses. Saves the step's indexing, add, norm
+        and head calls in Python and their temporaries."""
+        norm, head = self.model.norm, self.lm_head
+        vocab = head.weight.shape[0]
+        # Only its shape and dtype are read: the step's own buffer takes its place.
+        logits = torch.empty(chain.rows, vocab, dtype=torch.float32)
+        mark = chain.mark()
+        try:
+            if head.kernel_out_dtype != torch.float32:
+                raise cpu_chain.Unsupported("an LM head that does not give float32")
+            final = chain.buffer("final", x.shape[1])
+            chain.norm(x, norm.weight, norm.eps, final, residual=residual, sum_into=x)
+            chain.matmul(head, final, logits, step_out=True)
+        except cpu_chain.Unsupported as e:
+            logger.info("decode at %d rows runs the LM head apart: %s", chain.rows, e)
+            chain.drop_after(mark)
+            return 0
+        return vocab
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -515,3 +567,17 @@ class Qwen3ForCausalLM(nn.Module):
                 lines += m.prepare_cpu_kernels(tuning)
         for line in dict.fromkeys(lines):
             logger.info("experts: %s", line)
+
+
+def _every_row(indices: torch.Tensor, rows: int) -> bool:
+    """Whether `indices` are 0 .. rows - 1 in order (a plain decode step's sampled rows)."""
+    return (
+        indices.shape[0] == rows
+        and indices.dtype == torch.int64
+        and bool(torch.equal(indices, _aranges(rows, indices.device)))
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _aranges(rows: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(rows, device=device)

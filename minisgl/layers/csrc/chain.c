@@ -7,7 +7,8 @@
 
    An op is OP_WORDS int64 words: its kind, the kernel's address, then the kernel's arguments in
    its own order (a float as the bits of a double). What changes from step to step (the
-   embedding rows, the step's KV slots and rotary tables) is read from `step` (STEP_*). */
+   embedding rows, the step's KV slots and rotary tables, the logits' buffer) is read from
+   `step` (STEP_*). */
 #include <stdint.h>
 #include <string.h>
 
@@ -16,10 +17,12 @@
 enum { OP_NORM = 0, OP_ATTN = 1, OP_SILU = 2, OP_MM8 = 3, OP_MM7 = 4, OP_QMM = 5 };
 /* Indices into the per-step values. */
 enum { STEP_X = 0, STEP_SLOTS = 1, STEP_LENS = 2, STEP_KMAX = 3, STEP_NEW_SLOTS = 4,
-       STEP_COS = 5, STEP_SIN = 6 };
-/* An argument word that stands for the step's input rows (the first layer's input, and its
-   residual). */
+       STEP_COS = 5, STEP_SIN = 6, STEP_OUT = 7 };
+/* Argument words that stand for the step's input rows (the first layer's input, and its
+   residual) and for the step's own output buffer (the LM head's logits: a new tensor each
+   step, as the layer-by-layer path returns, not a buffer the next step rewrites). */
 #define FROM_STEP_X (-1)
+#define FROM_STEP_OUT (-2)
 
 typedef void (*NormFn)(const void*, int64_t, int64_t, const void*, void*, const void*, int64_t,
                        void*, int64_t, int64_t, float, const void*, const void*);
@@ -42,7 +45,7 @@ static inline float as_float(int64_t bits) {
     return (float)d;
 }
 static inline void* input(int64_t v, const int64_t* step) {
-    return ptr(v == FROM_STEP_X ? step[STEP_X] : v);
+    return ptr(v == FROM_STEP_X ? step[STEP_X] : v == FROM_STEP_OUT ? step[STEP_OUT] : v);
 }
 
 /* a: x, x_group, x_stride, res_in, res_out, w, w_rows, out, M, D, eps, rope (0/1). */
@@ -72,11 +75,11 @@ void decode_chain(const int64_t* ops, int64_t n_ops, const int64_t* step) {
             case OP_ATTN: run_attn(a, fn, step); break;
             case OP_SILU: ((SiluFn)fn)(ptr(a[0]), ptr(a[1]), a[2], a[3]); break;
             case OP_MM8:
-                ((Matmul8Fn)fn)(input(a[0], step), ptr(a[1]), ptr(a[2]), a[3], a[4], a[5],
+                ((Matmul8Fn)fn)(input(a[0], step), ptr(a[1]), input(a[2], step), a[3], a[4], a[5],
                                 (int)a[6], (int)a[7]);
                 break;
             case OP_MM7:
-                ((Matmul7Fn)fn)(input(a[0], step), ptr(a[1]), ptr(a[2]), a[3], a[4], a[5],
+                ((Matmul7Fn)fn)(input(a[0], step), ptr(a[1]), input(a[2], step), a[3], a[4], a[5],
                                 (int)a[6]);
                 break;
             case OP_QMM:
