@@ -9,6 +9,7 @@ per-row generators.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -191,6 +192,10 @@ def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """One token per row of `logits` [B, V] (float32) -> [B] long (INVALID_TOKEN: no draw)."""
     top, best = row_max(logits)  # NaN propagates into `top`
+    if batch.all_greedy and all(math.isfinite(v) for v in top.tolist()):
+        # A decode step's usual case: the check in Python (~2 us) instead of two torch ops on
+        # a few values (~25 us, 1 thread, AMD EPYC VM).
+        return best
     valid = torch.isfinite(top)
     if batch.all_greedy:
         return torch.where(valid, best, INVALID_TOKEN)
