@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl.layers import cpu_kernels
+from minisgl.layers import cpu_kernels, kernel_choice
 from minisgl.quant import cpu_choice, cpu_gemv
 from minisgl.quant.cpu_panel import amx_panel, dequant_panel, int16_panel
 from minisgl.quant.qtensor import FP8, QTensor, dequantize
@@ -123,7 +123,7 @@ def test_chooser_runs_it_for_many_rows() -> None:
     w = quantize(
         torch.randn(64, 256, generator=torch.Generator().manual_seed(3)), _scheme("int4", 64)
     )
-    kernel = cpu_choice.QuantKernel(["dequant_panel"] * 7)
+    kernel = cpu_choice.QuantKernel(["dequant_panel"] * len(kernel_choice.BUCKETS))
     x = torch.randn(70, 256)
     assert torch.equal(kernel(x, w), dequant_panel(x, w))
 
