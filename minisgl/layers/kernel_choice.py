@@ -174,13 +174,21 @@ def slowdown(picks: Sequence[str], timings: Timings) -> float:
     return sum(ratios) / len(ratios)
 
 
+# What a later layout must be less slow by, on average over the buckets, to replace an earlier
+# one: an average over len(BUCKETS) timings jitters ~sqrt(len(BUCKETS)) times less than one
+# bucket's (MARGIN), and keeping the row-major weight saves only its repacking at start. At
+# MARGIN, panels 10-13% ahead at 2-16 rows and level elsewhere (3-4% less slow on average)
+# left a 2-core AVX2 EPYC's decode batches on the GEMV and our GEMM.
+LAYOUT_MARGIN = MARGIN / len(BUCKETS) ** 0.5
+
+
 def single_layout(
     timings: Timings, prefer: Sequence[str] | None = None, allowed: Sequence[str] = LAYOUTS
 ) -> tuple[str, ...]:
     """The picks for a layer that keeps one layout of its weight: per layout (among `allowed`)
     whose candidates ran in every bucket, its fastest per bucket (as `pick`); of those, the one
     least slow against the fastest of all per bucket (`slowdown`). A later layout must be more
-    than MARGIN less slow to replace an earlier one."""
+    than LAYOUT_MARGIN less slow to replace an earlier one."""
     best: tuple[float, tuple[str, ...]] | None = None
     for layout in LAYOUTS:
         if layout not in allowed:
@@ -190,7 +198,7 @@ def single_layout(
             continue
         picks = pick(own, prefer)
         cost = slowdown(picks, timings)
-        if best is None or cost < best[0] * (1 - MARGIN):
+        if best is None or cost < best[0] * (1 - LAYOUT_MARGIN):
             best = (cost, picks)
     if best is None:
         raise ValueError(f"no layout among {list(allowed)} runs every row count")
