@@ -220,10 +220,17 @@ class ModelRunner:
             return self._sample(logits, inp, [])
         layout = BatchLayout(self.page_size, inp.prefix_lens, inp.extend_lens, inp.page_tables)
         meta = self.attn.prepare(layout)
-        positions = np.concatenate(
-            [np.arange(p, p + n, dtype=np.int64) for p, n in zip(inp.prefix_lens, inp.extend_lens)]
-        )
-        ends = np.cumsum(np.asarray(inp.extend_lens, dtype=np.int64)) - 1
+        if all(n == 1 for n in inp.extend_lens):  # a decode step: one token per request
+            positions = np.asarray(inp.prefix_lens, dtype=np.int64)
+            ends = np.arange(len(positions), dtype=np.int64)
+        else:
+            positions = np.concatenate(
+                [
+                    np.arange(p, p + n, dtype=np.int64)
+                    for p, n in zip(inp.prefix_lens, inp.extend_lens)
+                ]
+            )
+            ends = np.cumsum(np.asarray(inp.extend_lens, dtype=np.int64)) - 1
         input_ids = torch.tensor(inp.token_ids, dtype=torch.long, device=self.device)
         pos_t = torch.from_numpy(positions).to(self.device)
         scored = ends[inp.sample_rows]

@@ -77,6 +77,20 @@ class SamplingBatch:
         device: torch.device | str,
     ) -> SamplingBatch:
         greedy = [p.greedy for p in params]
+        if all(greedy):  # a decode step's usual case: what the lists below give for it
+            n = len(params)
+            return cls(
+                all_greedy=True,
+                any_greedy=n > 0,
+                greedy_rows=greedy,
+                temperatures=[1.0] * n,
+                top_k=None,
+                top_p=None,
+                min_p=None,
+                seeds=list(seeds),
+                steps=list(steps),
+                device=device,
+            )
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
         # top_k as given; 0 or -1 = off (0 here), resolved against the vocabulary later.
         top_k = [0 if g or p.top_k <= 0 else p.top_k for p, g in zip(params, greedy, strict=True)]
