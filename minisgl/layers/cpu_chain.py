@@ -204,7 +204,9 @@ class Chain:
         out_dtype = getattr(module, "kernel_out_dtype", None)
         if out_dtype is None:
             self._own_dtype(out)
-        elif isinstance(weight, QuantWeight) or out.dtype != out_dtype or not out.is_contiguous():
+        elif isinstance(weight, QuantWeight):
+            raise Unsupported(f"a quantized matmul into {out_dtype}")
+        elif out.dtype != out_dtype or not out.is_contiguous():
             raise Unsupported(f"a matmul into {out.dtype} where its module gives {out_dtype}")
         xa, ya = self._arg(x), FROM_STEP_OUT if step_out else self._arg(out)
         if isinstance(weight, QuantWeight):

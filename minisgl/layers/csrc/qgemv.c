@@ -141,6 +141,18 @@ static inline void split_even_odd(__m256i a, __m256i b, __m256i* even, __m256i* 
     *odd = _mm256_permute2x128_si256(a, b, 0x31);
 }
 
+/* Codes of features 0-31 as evens e0 (0-15 of them) and e1, odds o0 and o1 -> out[s] holds
+ * features 4l+s (int4's order): a second round of even/odd. */
+static inline void store_quad_order(__m256i* out, __m256i e0, __m256i o0, __m256i e1, __m256i o1) {
+    __m256i s0, s1, s2, s3;
+    split_even_odd(e0, e1, &s0, &s2);
+    split_even_odd(o0, o1, &s1, &s3);
+    _mm256_storeu_si256(out, s0);
+    _mm256_storeu_si256(out + 1, s1);
+    _mm256_storeu_si256(out + 2, s2);
+    _mm256_storeu_si256(out + 3, s3);
+}
+
 /* 16 floats -> 16 int16 codes, round to nearest even and clamped to +-32767; their sum. */
 static inline __m256i codes16(__m256 lo, __m256 hi, __m256 inv, __m256i* sum) {
     const __m256i top = _mm256_set1_epi32(32767), bottom = _mm256_set1_epi32(-32767);
@@ -249,15 +261,9 @@ static void quantize_x(int kind, const void* x, int x_bf16, int64_t m, int64_t K
                     _mm256_storeu_si256(out + 1, o0);
                     continue;
                 }
-                /* vector s holds features 4l+s: the evens' evens and odds, the odds' too */
-                __m256i e1, o1, s0, s1, s2, s3;
+                __m256i e1, o1;
                 codes_even_odd_bf16(xb + k + 32, inv, &sum8, &e1, &o1);
-                split_even_odd(e0, e1, &s0, &s2);
-                split_even_odd(o0, o1, &s1, &s3);
-                _mm256_storeu_si256(out, s0);
-                _mm256_storeu_si256(out + 1, s1);
-                _mm256_storeu_si256(out + 2, s2);
-                _mm256_storeu_si256(out + 3, s3);
+                store_quad_order(out, e0, o0, e1, o1);
                 continue;
             }
             __m256i c[4];
@@ -267,16 +273,11 @@ static void quantize_x(int kind, const void* x, int x_bf16, int64_t m, int64_t K
                 __m256 hi = x_bf16 ? load_bf16(xb + at + 8) : _mm256_loadu_ps(xf + at + 8);
                 c[v] = codes16(lo, hi, inv, &sum8);
             }
-            if (kind == Q_U4) { /* vector s holds features 4l+s: two rounds of even/odd */
-                __m256i e0, o0, e1, o1, s0, s1, s2, s3;
+            if (kind == Q_U4) {
+                __m256i e0, o0, e1, o1;
                 split_even_odd(c[0], c[1], &e0, &o0);
                 split_even_odd(c[2], c[3], &e1, &o1);
-                split_even_odd(e0, e1, &s0, &s2);
-                split_even_odd(o0, o1, &s1, &s3);
-                _mm256_storeu_si256(out, s0);
-                _mm256_storeu_si256(out + 1, s1);
-                _mm256_storeu_si256(out + 2, s2);
-                _mm256_storeu_si256(out + 3, s3);
+                store_quad_order(out, e0, o0, e1, o1);
             } else {
                 __m256i e, o;
                 split_even_odd(c[0], c[1], &e, &o);
