@@ -44,6 +44,7 @@ COMMON_SOURCES = (
     "qamxf.c",
     "amx.c",
     "chain.c",
+    "moe.c",
 )
 AVX512_NEEDS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 AMX_NEEDS = frozenset({"amx_tile", "amx_bf16", "amx_int8"})

@@ -15,6 +15,9 @@
 - panel: the same product for any M from bf16 weights repacked once into 16-column panels
   (csrc/panel.c): one contiguous stream per thread and a 6x16 register tile with no per-call
   conversion. Where it is measured fastest for every row count the panels replace the weight.
+- moe_decode: a mixture's expert MLPs at decode (bf16 experts) in one call: the chosen
+  experts' GEMV blocks shared among the threads in one parallel region (csrc/moe.c), not two
+  GEMV calls and a SiLU per expert, each a fork and join with a cold start of its prefetch.
 - decode attention: one query per request straight over the paged pool (slot indices, no
   gather copy), scores/softmax/weighted sum in fp32. torch's CPU SDPA spends ~0.5 ms per call
   on a single query, more than the layer's matmuls.
@@ -142,6 +145,11 @@ class _Lib:
         self.qamxi = _tile_kernels(lib, "qamxi", ("u4", "u8")) | _tile_kernels(
             lib, "qamxf", ("fp8",)
         )
+        # A mixture's expert MLPs at decode as one call (moe.c).
+        lib.moe_decode_bf16.argtypes = [ptr, ctypes.c_int, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
+        lib.moe_decode_bf16.argtypes += [ptr] + [i64] * 4
+        lib.moe_decode_bf16.restype = i64
+        self.moe_decode = lib.moe_decode_bf16
         # A decode step's layers as one call (chain.c; layers/cpu_chain.py).
         self.decode_chain: Any = getattr(lib, "decode_chain", None)
         if self.decode_chain is not None:
@@ -340,6 +348,63 @@ def gemv(
         xf = x.contiguous().float()
         lib.f32(xf.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, out_bf16)
     return y
+
+
+def supports_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """moe_decode takes x [T, H] (bf16 or fp32) against bf16 experts w13 [E, 2I, H] and w2
+    [E, H, I], all contiguous on the CPU, with H and I multiples of 16."""
+    if not (x.is_cpu and x.dim() == 2 and x.dtype in _FLOATS and w13.dim() == w2.dim() == 3):
+        return False
+    e, i2, h = w13.shape
+    return (
+        all(w.is_cpu and w.dtype == torch.bfloat16 and w.is_contiguous() for w in (w13, w2))
+        and tuple(w2.shape) == (e, h, i2 // 2)
+        and i2 % 2 == 0
+        and x.shape[1] == h
+        and h % 16 == 0
+        and (i2 // 2) % 16 == 0
+        and _loaded() is not None
+    )
+
+
+def moe_decode(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, H] in x's dtype, the experts' SwiGLU
+    MLPs (see supports_moe_decode) in one call: each expert's rows are the GEMV's (`gemv`) on
+    the tokens that chose it, so the result is the same bits as that per-expert loop's with
+    silu_mul between and the weighting summed in fp32 in slot order (moe.fused_moe)."""
+    lib = _loaded()
+    assert lib is not None
+    t, k = ids.shape
+    x = x.contiguous()
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    w_bf16 = weights.dtype == torch.bfloat16
+    w = weights.reshape(-1).contiguous() if w_bf16 else weights.reshape(-1).float().contiguous()
+    out = torch.empty_like(x)
+    e, i2, h = w13.shape
+    bad = lib.moe_decode(
+        x.data_ptr(),
+        int(x.dtype == torch.bfloat16),
+        w13.data_ptr(),
+        w2.data_ptr(),
+        e,
+        flat.data_ptr(),
+        w.data_ptr(),
+        int(w_bf16),
+        out.data_ptr(),
+        t,
+        k,
+        h,
+        i2 // 2,
+    )
+    if bad >= 0:
+        raise IndexError(f"expert id {int(flat[bad])} outside the {e} experts")
+    return out
 
 
 def supports_gemv512(x_dtype: torch.dtype, weight: torch.Tensor) -> bool:

@@ -472,23 +472,25 @@ def measure(
 
 def row_runner(
     weights: Sequence[torch.Tensor], tuning: str = "cached"
-) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, str]:
+) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, str, list[str]]:
     """For many same-shaped weights used one at a time (a mixture's experts): run(x, w) -> x @
     w.T by the copy-free candidate measured fastest for x's row count (None where plain
-    F.linear wins everywhere or nothing else runs here), and a one-line summary of the picks."""
+    F.linear wins everywhere or nothing else runs here), a one-line summary of the picks, and
+    the pick's name per row count (kernel_choice.row_table; empty where run is None)."""
     first = weights[0]
     if not _eligible(first):
-        return None, ""
+        return None, "", []
     plan = choose(weights, first.dtype, None, tuning, copies=False)
     picks = plan.single()
     if picks is None:
-        return None, ""
-    table = [_RUN[name] for name in kernel_choice.row_table(picks)]
+        return None, "", []
+    names = kernel_choice.row_table(picks)
+    table = [_RUN[name] for name in names]
 
     def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return table[kernel_choice.table_index(x.shape[0])](x, w, None, None)
 
-    return run, kernel_choice.summary({plan.shape: picks}, plan.source)
+    return run, kernel_choice.summary({plan.shape: picks}, plan.source), names
 
 
 def prepack_modules(

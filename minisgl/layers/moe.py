@@ -11,6 +11,12 @@ results back weighted by the router. Experts no token chose are never read: a ba
 step streams k of E experts per layer (8 of 128 for Qwen3-30B-A3B), which is what puts
 single-stream MoE decode near the memory roofline of the *active* parameters. On CUDA the
 same is two grouped GEMMs (grouped_moe) where torch's kernel takes the operands.
+
+At decode on the CPU (a few tokens, where the experts' matmul is the GEMV) with bf16 experts
+the whole layer is one C call (cpu_kernels.moe_decode): the chosen experts' weight blocks shared
+among the threads in one parallel region, the prefetch running on from one expert into the
+next, instead of two GEMV calls, a SiLU and their Python per expert. Each expert's rows are the
+same GEMV arithmetic, so the result is the same bits as the loop's.
 """
 
 from __future__ import annotations
@@ -102,14 +108,28 @@ def fused_moe(
     ids: torch.Tensor,
     mm13: MatMul = _matmul,
     mm2: MatMul = _matmul,
+    one_call_tokens: int | None = None,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t -> [T, H] in x's dtype;
     `mm13`/`mm2` multiply by one expert's w13/w2 (the kernels measured fastest per row count).
 
     The per-expert work is just the two matmuls and the activation; gathering, weighting and
     the scatter back are one op each per layer, not per expert (on a busy 2-core CPU every
-    small op is a parallel region costing tens of microseconds)."""
+    small op is a parallel region costing tens of microseconds).
+
+    Up to `one_call_tokens` tokens (where mm13 and mm2 run the CPU GEMV for every row count up
+    to it) the experts run as one call (cpu_kernels.moe_decode), the same bits; None: as the
+    default matmuls do (the GEMV up to cpu_kernels.MAX_ROWS rows), 0 with any others."""
     t, k = ids.shape
+    if one_call_tokens is None:
+        one_call_tokens = cpu_kernels.MAX_ROWS if mm13 is mm2 is _matmul else 0
+    if (
+        t <= one_call_tokens
+        and isinstance(w13, torch.Tensor)
+        and isinstance(w2, torch.Tensor)
+        and cpu_kernels.supports_moe_decode(x, w13, w2)
+    ):
+        return cpu_kernels.moe_decode(x, w13, w2, weights, ids)
     flat = ids.reshape(-1)
     if t == 1:  # decode at batch 1: k distinct experts, no sort or gather needed
         outs = [_expert(x, w13, w2, e, mm13, mm2) for e in flat.tolist()]
@@ -123,6 +143,15 @@ def fused_moe(
             outs.append(_expert(xs[start:end], w13, w2, e, mm13, mm2))
             start = end
     return _combine(torch.cat(outs), weights, order, x.dtype)
+
+
+def _gemv_rows(names: list[str]) -> int:
+    """The row counts 1..r (r <= cpu_kernels.MAX_ROWS) that all run the GEMV, by the pick per
+    row count (kernel_choice.row_table): r."""
+    for rows in range(1, cpu_kernels.MAX_ROWS + 1):
+        if names[rows] != "gemv":
+            return rows - 1
+    return cpu_kernels.MAX_ROWS
 
 
 def _group_by_expert(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,6 +232,9 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, h, i), requires_grad=False)
         self.mm13: MatMul = _matmul
         self.mm2: MatMul = _matmul
+        # Up to how many tokens mm13 and mm2 are the GEMV (fused_moe's one call); None: the
+        # default matmuls'.
+        self.one_call_tokens: int | None = None
         self.grouped: bool | None = None  # grouped GEMM path; decided on the first forward
 
     def prepare_cpu_kernels(self, tuning: str = "cached") -> list[str]:
@@ -212,11 +244,14 @@ class FusedMoE(nn.Module):
         if tuning == "off" or isinstance(self.w13, QuantWeight):
             return []
         lines = []
+        gemv_rows = cpu_kernels.MAX_ROWS  # as _matmul, where nothing was measured
         for name, w in (("mm13", self.w13), ("mm2", self.w2)):
-            run, line = cpu_linear.row_runner(list(w.detach().unbind(0)), tuning)
+            run, line, names = cpu_linear.row_runner(list(w.detach().unbind(0)), tuning)
             if run is not None:
                 setattr(self, name, run)
                 lines.append(line)
+                gemv_rows = min(gemv_rows, _gemv_rows(names))
+        self.one_call_tokens = gemv_rows
         return lines
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -230,7 +265,9 @@ class FusedMoE(nn.Module):
             if self.grouped:
                 y = grouped_moe(x, self.w13, self.w2, weights, ids)
             else:
-                y = fused_moe(x, self.w13, self.w2, weights, ids, self.mm13, self.mm2)
+                y = fused_moe(
+                    x, self.w13, self.w2, weights, ids, self.mm13, self.mm2, self.one_call_tokens
+                )
         if self.tp_size > 1:
             distributed.all_reduce(y)
         return y

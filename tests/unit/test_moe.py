@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from minisgl.layers import cpu_kernels
 from minisgl.layers.moe import FusedMoE, SparseMoeBlock, fused_moe, route
 from minisgl.models.config import ModelConfig
 
@@ -195,3 +196,105 @@ def test_grouping_by_expert_reads_nothing_back(tokens: int) -> None:
     with HostReads() as loop:
         fused_moe(x, w13, w2, weights, ids)
     assert dict(loop.calls) == {"tolist": 1} and not loop.syncing_ops, loop.syncing_ops
+
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no CPU kernels here")
+
+
+def _bf16_experts(seed: int, e: int = 16, h: int = 64, i: int = 32):  # noqa: ANN202
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) / 8).bfloat16()
+    w2 = (torch.randn(e, h, i, generator=g) / 8).bfloat16()
+    return g, w13, w2
+
+
+@needs_kernels
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8, 16])
+def test_decode_s_one_call_gives_the_per_expert_loop_s_bits(
+    tokens: int, weights_dtype: torch.dtype, x_dtype: torch.dtype
+) -> None:
+    """bf16 experts at decode run as one C call (cpu_kernels.moe_decode): each expert's rows are
+    the GEMV's, the SiLU silu_mul's, the weighting the loop's fp32 sum in slot order, so the
+    layer's output is the loop's, bit for bit (an expert picked by several tokens included)."""
+    g, w13, w2 = _bf16_experts(tokens)
+    x = torch.randn(tokens, 64, generator=g).to(x_dtype)
+    weights, ids = route(torch.randn(tokens, 16, generator=g), 8, True)
+    weights = weights.to(weights_dtype)
+    loop = fused_moe(x, w13, w2, weights, ids, one_call_tokens=0)
+    one_call = fused_moe(x, w13, w2, weights, ids)
+    assert one_call.dtype == x_dtype
+    assert torch.equal(one_call, loop)
+
+
+@needs_kernels
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_decode_runs_the_experts_in_one_call_not_a_gemv_per_expert(
+    tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    g, w13, w2 = _bf16_experts(tokens)
+    x = torch.randn(tokens, 64, generator=g).bfloat16()
+    weights, ids = route(torch.randn(tokens, 16, generator=g), 4, True)
+    gemv_calls: list[int] = []
+    gemv = cpu_kernels.gemv
+    monkeypatch.setattr(cpu_kernels, "gemv", lambda *a: gemv_calls.append(1) or gemv(*a))
+    fused_moe(x, w13, w2, weights, ids)
+    assert gemv_calls == []
+    experts = len(ids.unique())
+    fused_moe(x, w13, w2, weights, ids, one_call_tokens=0)
+    assert len(gemv_calls) == 2 * experts
+
+
+@needs_kernels
+def test_one_call_reads_only_the_chosen_experts_and_refuses_unknown_ones() -> None:
+    g, w13, w2 = _bf16_experts(3)
+    x = torch.randn(2, 64, generator=g).bfloat16()
+    ids = torch.tensor([[0, 3], [3, 15]])
+    weights = torch.full((2, 2), 0.5)
+    unused = [n for n in range(16) if n not in (0, 3, 15)]
+    w13[unused], w2[unused] = float("nan"), float("nan")
+    got = fused_moe(x, w13, w2, weights, ids)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, fused_moe(x, w13, w2, weights, ids, one_call_tokens=0))
+    with pytest.raises(IndexError, match="expert id 16"):
+        cpu_kernels.moe_decode(x, w13, w2, weights, torch.tensor([[0, 3], [16, 1]]))
+
+
+@needs_kernels
+def test_one_call_only_where_every_row_count_up_to_the_batch_runs_the_gemv(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The measured picks decide: where the experts' matmul is another kernel than the GEMV
+    for some row count up to T (here the GEMM from 5 rows), T tokens run the per-expert loop,
+    whose kernels those are."""
+    from minisgl.layers import cpu_linear, kernel_choice
+
+    names = kernel_choice.row_table(
+        ("gemv", "gemv", "gemm", "gemm", "gemm", "gemm", "gemm", "gemm")
+    )
+    assert names[4] == "gemv" and names[5] == "gemm"
+
+    def row_runner(weights, tuning):  # noqa: ANN001, ANN202
+        return (
+            (lambda x, w: cpu_kernels.gemv(x, w) if x.shape[0] <= 4 else cpu_kernels.gemm(x, w)),
+            "",
+            names,
+        )
+
+    monkeypatch.setattr(cpu_linear, "row_runner", row_runner)
+    moe = FusedMoE(num_experts=16, hidden_size=64, intermediate_size=32)
+    _, w13, w2 = _bf16_experts(4)
+    moe.w13.data, moe.w2.data = w13, w2
+    moe.prepare_cpu_kernels("full")
+    assert moe.one_call_tokens == 4
+    calls: list[int] = []
+    moe_decode = cpu_kernels.moe_decode
+    monkeypatch.setattr(cpu_kernels, "moe_decode", lambda *a: calls.append(1) or moe_decode(*a))
+    g = torch.Generator().manual_seed(5)
+    for tokens, one_call in ((4, True), (5, False)):
+        calls.clear()
+        x = torch.randn(tokens, 64, generator=g).bfloat16()
+        weights, ids = route(torch.randn(tokens, 16, generator=g), 4, True)
+        moe(x, weights.bfloat16(), ids)
+        assert bool(calls) == one_call

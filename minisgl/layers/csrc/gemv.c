@@ -1,5 +1,5 @@
 /* GEMV for decode-sized inputs (a few rows against a large weight), AVX2. */
-#include "common.h"
+#include "gemv.h"
 
 /* Four weight rows against one or two input rows; K % 8 == 0. */
 #define GEMV(NAME, WT, LOAD)                                                                  \
@@ -62,23 +62,13 @@ void NAME(const float* x, const WT* w, void* y, int64_t M, int64_t N, int64_t K,
 
 GEMV(gemv_f32, float, load_f32)
 
-/* bf16 weights: 16 at a time with one load, no shuffle: a 32-bit lane holds two bf16; shifting
-   left by 16 gives the even element as fp32, masking the low half gives the odd one. x is
-   pre-split into even/odd halves per 16-block to match. K % 16 == 0. x is fp32, or bf16 where
-   x_bf16 (converted in the split: no separate pass over x). */
+/* bf16 weights (gemv.h's block kernel). x is pre-split into even/odd halves per 16-block to
+   match. K % 16 == 0. x is fp32, or bf16 where x_bf16 (converted in the split: no separate pass
+   over x). */
 void gemv_bf16(const void* x, const uint16_t* w, void* y, int64_t M, int64_t N, int64_t K,
                int out_bf16, int x_bf16) {
     float* xs = (float*)malloc(sizeof(float) * M * K);
-    const float* xf = (const float*)x;
-    const uint16_t* xb = (const uint16_t*)x;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t k = 0; k < K; k += 16)
-            for (int j = 0; j < 8; j++) {
-                int64_t e = m * K + k + 2 * j;
-                xs[m * K + k + j] = x_bf16 ? bf16_to_f32(xb[e]) : xf[e];
-                xs[m * K + k + 8 + j] = x_bf16 ? bf16_to_f32(xb[e + 1]) : xf[e + 1];
-            }
-    const __m256i hi_mask = _mm256_set1_epi32((int)0xFFFF0000u);
+    gemv_bf16_split_x(x, x_bf16, xs, M, K);
     int64_t blocks = (N + 3) / 4;
     Share shares[SHARE_MAX] __attribute__((aligned(64)));
     int parts = share_parts();
@@ -87,53 +77,9 @@ void gemv_bf16(const void* x, const uint16_t* w, void* y, int64_t M, int64_t N, 
     for (int64_t b; (b = share_next(shares, parts, omp_get_thread_num())) >= 0;) {
         int64_t n0 = b * 4;
         int rows = N - n0 < 4 ? (int)(N - n0) : 4;
-        const uint16_t* wr[4];
-        for (int j = 0; j < 4; j++) wr[j] = w + (n0 + (j < rows ? j : 0)) * K;
-        Prefetch pf = {ahead(w + n0 * K, 4 * K * 2, n0 + 4 * PF_BLOCKS < N), K / 8,
-                       K / 16 * ((M + 1) / 2), 0, 0};
-        /* Two input rows per pass: each weight vector is converted once for both. Even and
-           odd halves share an accumulator (x is pre-split to match). */
-        int64_t m = 0;
-        for (; m + 1 < M; m += 2) {
-            const float* x0 = xs + m * K;
-            const float* x1 = x0 + K;
-            __m256 a[4], c[4];
-            for (int j = 0; j < 4; j++) a[j] = c[j] = _mm256_setzero_ps();
-            for (int64_t k = 0; k < K; k += 16) {
-                prefetch_step(&pf);
-                for (int j = 0; j < 4; j++) {
-                    __m256i v = _mm256_loadu_si256((const __m256i*)(wr[j] + k));
-                    __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-                    __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
-                    a[j] = _mm256_fmadd_ps(we, _mm256_loadu_ps(x0 + k), a[j]);
-                    c[j] = _mm256_fmadd_ps(we, _mm256_loadu_ps(x1 + k), c[j]);
-                    a[j] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(x0 + k + 8), a[j]);
-                    c[j] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(x1 + k + 8), c[j]);
-                }
-            }
-            for (int j = 0; j < rows; j++) {
-                store(y, m * N + n0 + j, hsum(a[j]), out_bf16);
-                store(y, (m + 1) * N + n0 + j, hsum(c[j]), out_bf16);
-            }
-        }
-        for (; m < M; m++) {
-            const float* xm = xs + m * K;
-            __m256 a[4], c[4];
-            for (int j = 0; j < 4; j++) a[j] = c[j] = _mm256_setzero_ps();
-            for (int64_t k = 0; k < K; k += 16) {
-                prefetch_step(&pf);
-                __m256 xe = _mm256_loadu_ps(xm + k), xo = _mm256_loadu_ps(xm + k + 8);
-                for (int j = 0; j < 4; j++) {
-                    __m256i v = _mm256_loadu_si256((const __m256i*)(wr[j] + k));
-                    __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-                    __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
-                    a[j] = _mm256_fmadd_ps(we, xe, a[j]);
-                    c[j] = _mm256_fmadd_ps(wo, xo, c[j]);
-                }
-            }
-            for (int j = 0; j < rows; j++)
-                store(y, m * N + n0 + j, hsum(_mm256_add_ps(a[j], c[j])), out_bf16);
-        }
+        Prefetch pf = gemv_bf16_prefetch(ahead(w + n0 * K, 4 * K * 2, n0 + 4 * PF_BLOCKS < N),
+                                         M, K);
+        gemv_bf16_block(xs, w + n0 * K, rows, y, 0, N, n0, M, K, &pf, out_bf16);
     }
     free(xs);
 }

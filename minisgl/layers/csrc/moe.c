@@ -1,0 +1,159 @@
+/* A mixture-of-experts layer's expert MLPs at decode, bf16 weights, as one call.
+
+   Per layer a decode step runs, for each expert some token chose, w13 [2I, H] (gate and up),
+   SiLU and w2 [H, I]: at batch 1 that is 8 experts of 128 for Qwen3-30B-A3B, 16 GEMVs of
+   3-6 MB. As separate calls each is a fork and join of the threads, and each starts its memory
+   stream cold: the prefetch that keeps the memory busy runs only within one weight. Here the
+   4-row blocks of all the chosen experts' w13 are one list the threads share, then those of
+   their w2, in one parallel region; the prefetch runs on across expert boundaries.
+
+   Every block is gemv_bf16's (gemv.h) on the rows that chose its expert, the SiLU is
+   silu_mul's, and the router's weighting sums each token's experts in slot order in fp32 as
+   fused_moe's torch ops do: the result is the same bits as the per-expert loop's. */
+#include "gemv.h"
+
+void silu_mul_bf16(const uint16_t* x, uint16_t* out, int64_t M, int64_t I);
+void silu_mul_f32(const float* x, float* out, int64_t M, int64_t I);
+
+/* The experts with rows, ascending: expert[g]'s rows are [start[g], start[g] + count[g]) of
+   the (token, slot) pairs sorted by expert, stably (fused_moe's _group_by_expert): sorted row r
+   is pair order[r], and pair i is sorted row pos[i]. */
+typedef struct {
+    int64_t n;
+    int64_t *expert, *start, *count, *order, *pos;
+} Groups;
+
+/* ids [R]: each pair's expert, all in [0, E) (checked by the caller). A counting sort. */
+static Groups groups_of(const int64_t* ids, int64_t R, int64_t E) {
+    int64_t* rows = calloc(E + 1, sizeof(int64_t)); /* per expert, then where its rows start */
+    for (int64_t i = 0; i < R; i++) rows[ids[i] + 1]++;
+    int64_t most = R < E ? R : E; /* groups */
+    Groups g = {0, malloc(sizeof(int64_t) * (3 * most + 2 * R + 1)), 0, 0, 0, 0};
+    g.start = g.expert + most;
+    g.count = g.start + most;
+    g.order = g.count + most;
+    g.pos = g.order + R;
+    for (int64_t e = 0; e < E; e++) {
+        if (rows[e + 1]) {
+            g.expert[g.n] = e;
+            g.start[g.n] = rows[e];
+            g.count[g.n++] = rows[e + 1];
+        }
+        rows[e + 1] += rows[e];
+    }
+    for (int64_t i = 0; i < R; i++) {
+        int64_t r = rows[ids[i]]++;
+        g.order[r] = i;
+        g.pos[i] = r;
+    }
+    free(rows);
+    return g;
+}
+
+/* One weight per expert ([E, N, K], bf16) against the grouped rows: block b of the list is
+   block b % blocks of group b / blocks's expert. */
+typedef struct {
+    const uint16_t* w;
+    int64_t N, K, blocks;
+    const float* xs; /* the split input rows [R, K] */
+    void* y;         /* [R, N] */
+} Pass;
+
+static const uint16_t* block_at(const Pass* p, const Groups* g, int64_t b) {
+    return p->w + (g->expert[b / p->blocks] * p->N + b % p->blocks * 4) * p->K;
+}
+
+/* This thread's share of one pass's blocks; the prefetch of block b + PF_BLOCKS, in whichever
+   expert it lies. */
+static void run_pass(const Pass* p, const Groups* g, Share* shares, int parts, int out_bf16) {
+    int64_t total = g->n * p->blocks;
+    for (int64_t b; (b = share_next(shares, parts, omp_get_thread_num())) >= 0;) {
+        int64_t grp = b / p->blocks, n0 = b % p->blocks * 4;
+        int rows = p->N - n0 < 4 ? (int)(p->N - n0) : 4;
+        int64_t next = b + PF_BLOCKS;
+        Prefetch pf = gemv_bf16_prefetch(next < total ? block_at(p, g, next) : 0,
+                                         g->count[grp], p->K);
+        gemv_bf16_block(p->xs + g->start[grp] * p->K, block_at(p, g, b), rows, p->y,
+                        g->start[grp], p->N, n0, g->count[grp], p->K, &pf, out_bf16);
+    }
+}
+
+/* out[t] = sum over slots j of weights[t, j] * ys[row of (t, j)], j in order, in fp32, rounded
+   once. The product is kept apart from the sum (no fused multiply-add): torch rounds both. */
+static void weigh_and_sum(const void* ys, const int64_t* pos, const void* weights, int w_bf16,
+                          void* out, int64_t T, int64_t k, int64_t H, int bf) {
+    int64_t chunks = H / 8;
+    #pragma omp for schedule(static)
+    for (int64_t c = 0; c < T * chunks; c++) {
+        int64_t t = c / chunks, h = c % chunks * 8;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t j = 0; j < k; j++) {
+            int64_t pair = t * k + j, row = pos[pair];
+            float w = w_bf16 ? bf16_to_f32(((const uint16_t*)weights)[pair])
+                             : ((const float*)weights)[pair];
+            __m256 y = bf ? load_bf16((const uint16_t*)ys + row * H + h)
+                          : load_f32((const float*)ys + row * H + h);
+            __m256 prod = _mm256_mul_ps(y, _mm256_set1_ps(w));
+            __asm__("" : "+x"(prod)); /* not contracted into the add */
+            acc = _mm256_add_ps(acc, prod);
+        }
+        if (bf) {
+            __m256i r = _mm256_srli_epi32(bias8_bf16(acc), 16);
+            __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r),
+                                              _mm256_extracti128_si256(r, 1));
+            _mm_storeu_si128((__m128i*)((uint16_t*)out + t * H + h), packed);
+        } else {
+            _mm256_storeu_ps((float*)out + t * H + h, acc);
+        }
+    }
+}
+
+/* The experts' SwiGLU MLPs for T tokens with k slots each, and their router-weighted sum -> out
+   [T, H] in the activations' dtype (bf16 where bf, else fp32; x [T, H] too). w13 [E, 2I, H],
+   w2 [E, H, I], bf16; ids [T * k]: each (token, slot) pair's expert; weights [T * k]: fp32, or
+   bf16 where w_bf16. H % 16 == 0, I % 16 == 0. Returns -1, or the first pair whose expert is
+   not in [0, E) (nothing computed then). */
+int64_t moe_decode_bf16(const void* x, int bf, const uint16_t* w13, const uint16_t* w2,
+                        int64_t E, const int64_t* ids, const void* weights, int w_bf16,
+                        void* out, int64_t T, int64_t k, int64_t H, int64_t I) {
+    int64_t R = T * k, size = bf ? 2 : 4;
+    for (int64_t i = 0; i < R; i++)
+        if (ids[i] < 0 || ids[i] >= E) return i;
+    Groups g = groups_of(ids, R, E);
+    float* xs = malloc(sizeof(float) * R * (H + I)); /* split rows: x's, then the SiLU's */
+    float* hs = xs + R * H;
+    char* h13 = malloc(size * R * 2 * I);
+    char* h = malloc(size * R * I);
+    char* ys = malloc(size * R * H);
+    Pass up = {w13, 2 * I, H, (2 * I + 3) / 4, xs, h13};
+    Pass down = {w2, H, I, (H + 3) / 4, hs, ys};
+    Share up_shares[SHARE_MAX] __attribute__((aligned(64)));
+    Share down_shares[SHARE_MAX] __attribute__((aligned(64)));
+    int parts = share_parts();
+    shares_init(up_shares, parts, g.n * up.blocks);
+    shares_init(down_shares, parts, g.n * down.blocks);
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++) /* sorted row r: token order[r] / k */
+            gemv_bf16_split_x((const char*)x + g.order[r] / k * H * size, bf, xs + r * H, 1, H);
+        run_pass(&up, &g, up_shares, parts, bf);
+        #pragma omp barrier
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++) {
+            void* hr = h + r * I * size;
+            if (bf) silu_mul_bf16((const uint16_t*)(h13 + r * 2 * I * size), hr, 1, I);
+            else silu_mul_f32((const float*)(h13 + r * 2 * I * size), hr, 1, I);
+            gemv_bf16_split_x(hr, bf, hs + r * I, 1, I);
+        }
+        run_pass(&down, &g, down_shares, parts, bf);
+        #pragma omp barrier
+        weigh_and_sum(ys, g.pos, weights, w_bf16, out, T, k, H, bf);
+    }
+    free(ys);
+    free(h);
+    free(h13);
+    free(xs);
+    free(g.expert);
+    return -1;
+}
