@@ -195,7 +195,8 @@ class Chain:
         self, module: Any, x: torch.Tensor | int, out: torch.Tensor, *, step_out: bool = False
     ) -> None:
         """`module`'s x @ W.T into out, by its pick for this row count (a LinearBase without
-        bias: CpuLinearKernel's gemv / gemv512 / panel, or a quantized weight's C kernels).
+        bias: CpuLinearKernel's gemv / gemv512 / panel, or a quantized weight's C kernels),
+        in the module's kernel_out_dtype where it has one (the LM head's float32 logits).
         step_out: into the step's output buffer instead (`run`'s out, shaped as `out`)."""
         if getattr(module, "bias", None) is not None or getattr(module, "tp_size", 1) != 1:
             raise Unsupported("a bias or a tensor-parallel shard")
@@ -204,8 +205,6 @@ class Chain:
         out_dtype = getattr(module, "kernel_out_dtype", None)
         if out_dtype is None:
             self._own_dtype(out)
-        elif isinstance(weight, QuantWeight):
-            raise Unsupported(f"a quantized matmul into {out_dtype}")
         elif out.dtype != out_dtype or not out.is_contiguous():
             raise Unsupported(f"a matmul into {out.dtype} where its module gives {out_dtype}")
         xa, ya = self._arg(x), FROM_STEP_OUT if step_out else self._arg(out)
@@ -262,7 +261,10 @@ class Chain:
         codes, cstride, scales, zeros, gstride = (a.value or 0 for a in ops.args)
         n, k, group = (a.value for a in ops.sizes)
         weight_args = (codes, cstride, scales, zeros, gstride)
-        self._emit(OP_QMM, fn, xa, self.bf16, *weight_args, ya, self.bf16, self.rows, n, k, group)
+        # The output dtype the kernel writes: the chain's, or the LM head's float32 logits
+        # (QuantWeight.matmul's out_dtype: the same kernel call, so the same bits).
+        out_bf16 = int(out.dtype == torch.bfloat16)
+        self._emit(OP_QMM, fn, xa, self.bf16, *weight_args, ya, out_bf16, self.rows, n, k, group)
 
     def mark(self) -> int:
         """The ops emitted so far: a point `drop_after` can go back to, and `run` stop at."""
@@ -319,7 +321,8 @@ def _quantized_kernel(lib: Any, name: str, kind: str, x_bf16: int) -> Any:
     if name == "amx_int":
         fn = lib.qamxi.get(kind)
         return lib.qgemv[kind] if fn is None or (kind == "fp8" and not x_bf16) else fn
-    raise Unsupported(f"quantized pick {name}")
+    # dequant_gemm / dequant_torch: chunks dequantized from Python, then a GEMM call each.
+    raise Unsupported(f"quantized pick {name}, which is no single C kernel call")
 
 
 def steps_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -105,7 +105,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, QuantWeight):  # the quantized linears' CPU kernels / GPU path
-            logits = self.weight.matmul(hidden)
+            # The kernel writes float32 itself (fp32 sums, as the float head's kernel does).
+            logits = self.weight.matmul(hidden, self.kernel_out_dtype)
         elif self.kernel is not None:
             logits = self.kernel(hidden)
         else:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -45,7 +46,14 @@ CANDIDATES = (
     "amx_panel",
     "amx_int",
 )
-Run = Callable[[torch.Tensor, QTensor], torch.Tensor]
+
+
+class Run(Protocol):
+    def __call__(
+        self, x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor: ...
+
+
 _RUN: dict[str, Run] = {
     "qgemv": cpu_gemv.qgemv,
     "dequant_gemm": cpu_gemv.dequant_gemm,
@@ -69,8 +77,13 @@ class QuantKernel:
         self.picks = tuple(picks)
         self._table = [_RUN[name] for name in kernel_choice.row_table(self.picks)]
 
-    def __call__(self, x: torch.Tensor, w: QTensor) -> torch.Tensor:
-        return self._table[kernel_choice.table_index(x.shape[0])](x, w)
+    def __call__(
+        self, x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """In `out_dtype` (default x's), written by the kernel itself: a float32 LM head's
+        logits are the kernel's fp32 sums, not sums rounded to bf16 and widened."""
+        run = self._table[kernel_choice.table_index(x.shape[0])]
+        return run(x, w) if out_dtype is None else run(x, w, out_dtype)
 
 
 def default_picks(

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from minisgl.quant import cpu_gemv
-from minisgl.quant.matmul import qlinear
+from minisgl.quant.matmul import qlinear, through
 from minisgl.quant.qtensor import FP8, QTensor, dequantize, take_rows
 
 # Embedding lookups of at most this many ids (decode steps) dequantize row by row in C.
@@ -162,7 +162,8 @@ class QuantWeight(nn.Module):
             self._cpu_ok, self._c_rows = {}, None
         return w
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ W.T in `out_dtype` (default x's; see qlinear)."""
         w = self.whole()
         kernel = self.kernel
         if kernel is not None and x.device.type == "cpu" and x.dim() == 2:
@@ -170,8 +171,8 @@ class QuantWeight(nn.Module):
             if ok is None:  # the weight's side of qlinear's test, once per dtype
                 ok = self._cpu_ok[x.dtype] = cpu_gemv.usable(x, w)
             if ok:
-                return kernel(x, w)
-        return qlinear(x, w, kernel)
+                return kernel(x, w) if out_dtype is None else through(kernel, x, w, out_dtype)
+        return qlinear(x, w, kernel, out_dtype)
 
     def expert_matmul(self, x: torch.Tensor, w: QTensor) -> torch.Tensor:
         """One expert's x @ w.T, `w` a view of these buffers (the fused MoE's matmul)."""

@@ -15,6 +15,8 @@ from minisgl.layers import cpu_chain, cpu_kernels
 from minisgl.layers.kernel_choice import BUCKETS
 from minisgl.models.config import ModelConfig
 from minisgl.quant import cpu_choice
+from minisgl.quant.matmul import qlinear
+from minisgl.quant.weight import QuantWeight
 
 # Widths the quantized kernels take (groups of 128 input features).
 SHAPE = dict(hidden_size=128, intermediate_size=256, head_dim=32)
@@ -23,8 +25,8 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, head_dim=32)
 SCHEDULE = [[5, 9], [1, 3], [1, 1], [1, 1], [0, 1], [0, 1]]
 
 
-def _run(path: Path, dtype: torch.dtype, quantization: str | None) -> tuple[list, dict]:
-    model = load(path, dtype, quantization=quantization, cpu_kernel_tuning="off")
+def _run(path: Path, dtype: torch.dtype, quantization: str | None, **kw: str) -> tuple[list, dict]:
+    model = load(path, dtype, quantization=quantization, cpu_kernel_tuning="off", **kw)
     got = Runner(model, ModelConfig.from_dir(path), dtype).run(prompts([8, 16]), SCHEDULE)
     return got, model.__dict__.get("_cpu_chains", {})
 
@@ -52,14 +54,48 @@ def test_chain_equals_layer_by_layer(
     assert sorted(rows for rows, *_ in chains) == [1, 2]
     if matmul == "default" or quantization is not None:
         assert all(c is not None for c in chains.values())
-    if matmul == "default":
-        # Float weights: the final norm and the LM head are the chain's last ops too (each
-        # step's logits a new tensor: the steps' logits above are compared after the run); a
-        # quantized model's head (int8 by default) runs apart.
+    if matmul == "default" or quantization is not None:
+        # The final norm and the LM head are the chain's last ops too (each step's logits a
+        # new tensor: the steps' logits above are compared after the run), a quantized
+        # model's head (int8 per channel by default) by its quantized kernel into float32.
         vocab = ModelConfig.from_dir(tmp_path).vocab_size
-        assert {c[3] for c in chains.values()} == {0 if quantization else vocab}
+        assert {c[3] for c in chains.values()} == {vocab}
     for a, b in zip(chained, plain, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not build here")
+@pytest.mark.parametrize("head", ["int4", "fp8"])
+def test_a_quantized_head_of_another_scheme_runs_in_the_chain(
+    tmp_path: Path, head: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--lm-head-quantization int4 / fp8 under int8 layers: the head in the chain, the same
+    logits (so greedy tokens and logprobs) as the head run apart."""
+    write_hf_model(tmp_path, **SHAPE)
+    kw = dict(quantization="int8", lm_head_quantization=head)
+    chained, chains = _run(tmp_path, torch.bfloat16, **kw)
+    assert {c[3] for c in chains.values()} == {ModelConfig.from_dir(tmp_path).vocab_size}
+    monkeypatch.setenv("MINISGL_CPU_DECODE_CHAIN", "0")
+    plain, _ = _run(tmp_path, torch.bfloat16, **kw)
+    for a, b in zip(chained, plain, strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not build here")
+@pytest.mark.parametrize("rows", [1, 2, 40])
+def test_a_quantized_head_gives_its_kernels_float32_sums(tmp_path: Path, rows: int) -> None:
+    """A bf16 model's quantized LM head (tied, int8) writes the kernel's fp32 sums as the
+    logits, as the chain's head call does, not sums rounded to bf16 and widened."""
+    write_hf_model(tmp_path, **SHAPE)
+    model = load(tmp_path, torch.bfloat16, quantization="int8", cpu_kernel_tuning="off")
+    head = model.lm_head
+    assert isinstance(head.weight, QuantWeight)
+    x = torch.randn(rows, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(rows))
+    x = x.to(torch.bfloat16)
+    logits = head(x)
+    want = qlinear(x, head.weight.whole(), head.weight.kernel, torch.float32)
+    assert logits.dtype == torch.float32 and torch.equal(logits, want)
+    assert not torch.equal(logits, logits.to(torch.bfloat16).float())
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not build here")
@@ -74,6 +110,8 @@ def test_chain_runs_each_quantized_pick(
     write_hf_model(tmp_path, **SHAPE)
     chained, chains = _run(tmp_path, torch.bfloat16, quantization)
     assert chains and all(c is not None for c in chains.values())
+    # The LM head (int8 per channel) with the same pick: in the chain too.
+    assert {c[3] for c in chains.values()} == {ModelConfig.from_dir(tmp_path).vocab_size}
     monkeypatch.setenv("MINISGL_CPU_DECODE_CHAIN", "0")
     plain, _ = _run(tmp_path, torch.bfloat16, quantization)
     for a, b in zip(chained, plain, strict=True):

@@ -84,8 +84,8 @@ void decode_chain(const int64_t* ops, int64_t n_ops, const int64_t* step) {
                 break;
             case OP_QMM:
                 ((QMatmulFn)fn)(input(a[0], step), (int)a[1], ptr(a[2]), a[3], ptr(a[4]),
-                                ptr(a[5]), a[6], ptr(a[7]), (int)a[8], a[9], a[10], a[11],
-                                a[12]);
+                                ptr(a[5]), a[6], input(a[7], step), (int)a[8], a[9], a[10],
+                                a[11], a[12]);
                 break;
         }
     }
