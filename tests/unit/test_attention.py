@@ -224,6 +224,39 @@ def test_prefills_at_model_head_sizes_match_the_reference(
         start += e
 
 
+def test_decodes_at_chat_contexts_and_model_heads_match_the_reference() -> None:
+    """Decodes as a chat serves them: Qwen3-0.6B's heads (16 query heads over 8 KV heads of
+    128), bf16, contexts of 1-2k tokens on shuffled pages beside short ones, through the decode
+    kernel (each long request split into key chunks whose partial softmaxes are merged); the
+    same answers as the reference within bf16 rounding."""
+    hq, hkv, hd, ps = 16, 8, 128, 16
+    prefix = [2047, 1023, 130, 0]
+    pages = sum(-(-(p + 1) // ps) for p in prefix)
+    pool = KVPool(1, pages, ps, hkv, hd, torch.bfloat16, "cpu")
+    attn = create_attention_backend("torch", pool, hq, hkv, hd, hd**-0.5)
+    assert isinstance(attn, TorchAttentionBackend) and attn.cpu_decode
+    free = list(range(pages))
+    random.Random(7).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(p + 1) // ps))] for p in prefix]
+    g = torch.Generator().manual_seed(7)
+    past = [torch.randn(2, p, hkv, hd, generator=g).bfloat16() for p in prefix]
+    for (pk, pv), table, p in zip(past, tables, prefix, strict=True):
+        slots = [table[i // ps] * ps + i % ps for i in range(p)]
+        pool.k_buffers[0][slots], pool.v_buffers[0][slots] = pk, pv
+    b = len(prefix)
+    q = torch.randn(b, hq, hd, generator=g).bfloat16()
+    k, v = (torch.randn(b, hkv, hd, generator=g).bfloat16() for _ in range(2))
+    meta = attn.prepare(BatchLayout(ps, prefix, [1] * b, tables))
+    assert [grp.decode_kernel for grp in meta.groups] == [True]  # type: ignore[attr-defined]
+    out = attn.forward(q, k, v, 0, meta).float()
+    for i, (pk, pv) in enumerate(past):
+        full_k = torch.cat([pk, k[i : i + 1]]).double().repeat_interleave(hq // hkv, 1)
+        full_v = torch.cat([pv, v[i : i + 1]]).double().repeat_interleave(hq // hkv, 1)
+        probs = (torch.einsum("hd,khd->hk", q[i].double(), full_k) * hd**-0.5).softmax(-1)
+        want = torch.einsum("hk,khd->hd", probs, full_v).reshape(-1).float()
+        torch.testing.assert_close(out[i], want, atol=2e-2, rtol=2e-2)
+
+
 def test_too_few_pages_is_an_error() -> None:
     pool = KVPool(1, 8, PAGE, 2, D, torch.float32, "cpu")
     attn = create_attention_backend("torch", pool, 4, 2, D, D**-0.5)
