@@ -150,6 +150,9 @@ class _Lib:
         lib.moe_decode_bf16.argtypes += [ptr] + [i64] * 4
         lib.moe_decode_bf16.restype = i64
         self.moe_decode = lib.moe_decode_bf16
+        lib.moe_decode_q.argtypes = lib.moe_decode_bf16.argtypes
+        lib.moe_decode_q.restype = i64
+        self.moe_decode_q = lib.moe_decode_q
         # A decode step's layers as one call (chain.c; layers/cpu_chain.py).
         self.decode_chain: Any = getattr(lib, "decode_chain", None)
         if self.decode_chain is not None:
@@ -404,6 +407,47 @@ def moe_decode(
     )
     if bad >= 0:
         raise IndexError(f"expert id {int(flat[bad])} outside the {e} experts")
+    return out
+
+
+def moe_decode_q(
+    x: torch.Tensor,
+    q13: torch.Tensor,
+    q2: torch.Tensor,
+    num_experts: int,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """moe_decode over quantized experts: q13 and q2 are each one's kernel and operands as
+    csrc/moe.c's twelve int64 words (moe.py builds them), each expert's rows through that
+    kernel as the per-expert loop calls it (the same bits); the experts, not their weight
+    blocks, are shared among the threads."""
+    lib = _loaded()
+    assert lib is not None
+    t, k = ids.shape
+    x = x.contiguous()
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    w_bf16 = weights.dtype == torch.bfloat16
+    w = weights.reshape(-1).contiguous() if w_bf16 else weights.reshape(-1).float().contiguous()
+    out = torch.empty_like(x)
+    h, inter = int(q13[10]), int(q2[10])
+    bad = lib.moe_decode_q(
+        x.data_ptr(),
+        int(x.dtype == torch.bfloat16),
+        q13.data_ptr(),
+        q2.data_ptr(),
+        num_experts,
+        flat.data_ptr(),
+        w.data_ptr(),
+        int(w_bf16),
+        out.data_ptr(),
+        t,
+        k,
+        h,
+        inter,
+    )
+    if bad >= 0:
+        raise IndexError(f"expert id {int(flat[bad])} outside the {num_experts} experts")
     return out
 
 

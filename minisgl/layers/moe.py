@@ -16,11 +16,14 @@ At decode on the CPU (a few tokens, where the experts' matmul is the GEMV) with 
 the whole layer is one C call (cpu_kernels.moe_decode): the chosen experts' weight blocks shared
 among the threads in one parallel region, the prefetch running on from one expert into the
 next, instead of two GEMV calls, a SiLU and their Python per expert. Each expert's rows are the
-same GEMV arithmetic, so the result is the same bits as the loop's.
+same GEMV arithmetic, so the result is the same bits as the loop's. Quantized experts on the
+quantized GEMV are one call too (cpu_kernels.moe_decode_q): there whole experts are shared
+among the threads, each through the same kernel call the loop makes.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 from collections.abc import Callable
@@ -31,9 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl import distributed
-from minisgl.layers import cpu_kernels, cpu_linear
+from minisgl.layers import cpu_kernels, cpu_linear, kernel_choice
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.cpu_linear import native_bf16, onednn_gemm_enabled
+from minisgl.quant import cpu_gemv
+from minisgl.quant.cpu_choice import QuantKernel
 from minisgl.quant.weight import QuantWeight
 
 logger = logging.getLogger(__name__)
@@ -122,14 +127,18 @@ def fused_moe(
     default matmuls do (the GEMV up to cpu_kernels.MAX_ROWS rows), 0 with any others."""
     t, k = ids.shape
     if one_call_tokens is None:
-        one_call_tokens = cpu_kernels.MAX_ROWS if mm13 is mm2 is _matmul else 0
-    if (
-        t <= one_call_tokens
-        and isinstance(w13, torch.Tensor)
-        and isinstance(w2, torch.Tensor)
-        and cpu_kernels.supports_moe_decode(x, w13, w2)
-    ):
-        return cpu_kernels.moe_decode(x, w13, w2, weights, ids)
+        one_call_tokens = _gemv_tokens(w13, w2, mm13, mm2)
+    if t <= one_call_tokens:
+        if isinstance(w13, QuantWeight) and isinstance(w2, QuantWeight):
+            q13, q2 = _q_operands(x, w13), _q_operands(x, w2)
+            if q13 is not None and q2 is not None:
+                return cpu_kernels.moe_decode_q(x, q13, q2, w13.experts, weights, ids)
+        elif (
+            isinstance(w13, torch.Tensor)
+            and isinstance(w2, torch.Tensor)
+            and cpu_kernels.supports_moe_decode(x, w13, w2)
+        ):
+            return cpu_kernels.moe_decode(x, w13, w2, weights, ids)
     flat = ids.reshape(-1)
     if t == 1:  # decode at batch 1: k distinct experts, no sort or gather needed
         outs = [_expert(x, w13, w2, e, mm13, mm2) for e in flat.tolist()]
@@ -145,13 +154,56 @@ def fused_moe(
     return _combine(torch.cat(outs), weights, order, x.dtype)
 
 
-def _gemv_rows(names: list[str]) -> int:
-    """The row counts 1..r (r <= cpu_kernels.MAX_ROWS) that all run the GEMV, by the pick per
-    row count (kernel_choice.row_table): r."""
+def _gemv_rows(names: list[str], gemv: str = "gemv") -> int:
+    """The row counts 1..r (r <= cpu_kernels.MAX_ROWS) that all run the GEMV (`gemv`), by the
+    pick per row count (kernel_choice.row_table): r."""
     for rows in range(1, cpu_kernels.MAX_ROWS + 1):
-        if names[rows] != "gemv":
+        if names[rows] != gemv:
             return rows - 1
     return cpu_kernels.MAX_ROWS
+
+
+def _gemv_tokens(w13: Experts, w2: Experts, mm13: MatMul, mm2: MatMul) -> int:
+    """Up to how many tokens mm13 and mm2 run the GEMV on every row count: the default
+    matmuls' untuned policy, or quantized experts' own matmul by their kernel's picks (the
+    quantized GEMV, qgemv, where there is none); 0 for anything else."""
+    if isinstance(w13, QuantWeight) and isinstance(w2, QuantWeight):
+        if mm13 != w13.expert_matmul or mm2 != w2.expert_matmul:
+            return 0
+        return min(_qgemv_rows(w13), _qgemv_rows(w2))
+    return cpu_kernels.MAX_ROWS if mm13 is mm2 is _matmul else 0
+
+
+def _qgemv_rows(w: QuantWeight) -> int:
+    if w.kernel is None:  # qlinear's untuned policy
+        return cpu_kernels.MAX_ROWS
+    if isinstance(w.kernel, QuantKernel):
+        return _gemv_rows(kernel_choice.row_table(w.kernel.picks), "qgemv")
+    return 0
+
+
+def _q_operands(x: torch.Tensor, w: QuantWeight) -> torch.Tensor | None:
+    """Quantized experts' kernel and operands as moe_decode_q takes them (csrc/moe.c), or None
+    where the quantized GEMV does not take them (cpu_gemv.usable) or x is neither bf16 nor
+    fp32."""
+    lib = cpu_kernels.load()
+    if lib is None or x.dtype not in (torch.bfloat16, torch.float32) or not w.experts:
+        return None
+    one = w.view(0)
+    if not cpu_gemv.usable(x, one):
+        return None
+    fn = ctypes.cast(lib.qgemv[cpu_gemv.kind(one)], ctypes.c_void_p).value
+    codes, scales, zeros = w.codes, w.scales, w.zeros
+    if not (codes.is_contiguous() and scales.is_contiguous()):
+        return None
+    words = [fn, codes.data_ptr(), codes.stride(0) * codes.element_size()]
+    words += [codes.stride(1) * codes.element_size(), scales.data_ptr()]
+    words += [scales.stride(0) * scales.element_size()]
+    words += (
+        [zeros.data_ptr(), zeros.stride(0) * zeros.element_size()] if zeros is not None else [0, 0]
+    )
+    words += [scales.stride(1), codes.shape[1], w.in_features, w.group_size or w.in_features]
+    return torch.tensor(words, dtype=torch.int64)
 
 
 def _group_by_expert(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

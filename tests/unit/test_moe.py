@@ -10,6 +10,11 @@ import torch
 from minisgl.layers import cpu_kernels
 from minisgl.layers.moe import FusedMoE, SparseMoeBlock, fused_moe, route
 from minisgl.models.config import ModelConfig
+from minisgl.quant import cpu_gemv
+from minisgl.quant.qtensor import FP8
+from minisgl.quant.quantize import quantize
+from minisgl.quant.scheme import load_scheme
+from minisgl.quant.weight import QuantWeight
 
 
 def ref_route(logits: list[float], k: int, renormalize: bool) -> list[tuple[int, float]]:
@@ -298,3 +303,44 @@ def test_one_call_only_where_every_row_count_up_to_the_batch_runs_the_gemv(
         weights, ids = route(torch.randn(tokens, 16, generator=g), 4, True)
         moe(x, weights.bfloat16(), ids)
         assert bool(calls) == one_call
+
+
+def _quantized_experts(method: str, e: int, n: int, k: int, g: torch.Generator) -> QuantWeight:
+    scheme = load_scheme(method)
+    qs = [quantize(torch.randn(n, k, generator=g) / 8, scheme) for _ in range(e)]
+    w = QuantWeight(
+        n,
+        k,
+        bits=qs[0].bits,
+        fp8=qs[0].codes.dtype == FP8,
+        group_size=qs[0].group_size,
+        groups=qs[0].scales.shape[1],
+        scattered_groups=False,
+        experts=e,
+    )
+    for i, q in enumerate(qs):
+        w[i].copy_(q)
+    return w
+
+
+@needs_kernels
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_quantized_experts_in_one_call_give_the_per_expert_loop_s_bits(
+    tokens: int, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Quantized experts at decode: one C call runs each chosen expert's rows through the
+    quantized GEMV as the loop calls it, so the same bits, and no per-expert Python call."""
+    g = torch.Generator().manual_seed(tokens)
+    e, h, i = 16, 256, 128
+    w13, w2 = _quantized_experts(method, e, 2 * i, h, g), _quantized_experts(method, e, h, i, g)
+    x = torch.randn(tokens, h, generator=g).bfloat16()
+    weights, ids = route(torch.randn(tokens, e, generator=g), 8, True)
+    weights = weights.bfloat16()
+    loop = fused_moe(x, w13, w2, weights, ids, w13.expert_matmul, w2.expert_matmul, 0)
+    calls: list[int] = []
+    qgemv = cpu_gemv.qgemv
+    monkeypatch.setattr(cpu_gemv, "qgemv", lambda *a: calls.append(1) or qgemv(*a))
+    one_call = fused_moe(x, w13, w2, weights, ids, w13.expert_matmul, w2.expert_matmul)
+    assert calls == []
+    assert torch.equal(one_call, loop)

@@ -12,6 +12,8 @@
    fused_moe's torch ops do: the result is the same bits as the per-expert loop's. */
 #include "gemv.h"
 
+#include <string.h>
+
 void silu_mul_bf16(const uint16_t* x, uint16_t* out, int64_t M, int64_t I);
 void silu_mul_f32(const float* x, float* out, int64_t M, int64_t I);
 
@@ -148,6 +150,69 @@ int64_t moe_decode_bf16(const void* x, int bf, const uint16_t* w13, const uint16
         }
         run_pass(&down, &g, down_shares, parts, bf);
         #pragma omp barrier
+        weigh_and_sum(ys, g.pos, weights, w_bf16, out, T, k, H, bf);
+    }
+    free(ys);
+    free(h);
+    free(h13);
+    free(xs);
+    free(g.expert);
+    return -1;
+}
+
+/* Quantized experts (qgemv.c's layout): a kernel with qgemv's arguments and each expert's
+   operands, as int64 words: kernel, codes, codes per expert (bytes), code row stride (bytes),
+   scales, scales per expert (bytes), zero points (0: none), zero points per expert (bytes),
+   group row stride (elements), N, K, group size. */
+typedef void (*QMatmulFn)(const void*, int, const void*, int64_t, const void*, const void*,
+                          int64_t, void*, int, int64_t, int64_t, int64_t, int64_t);
+enum { Q_FN, Q_CODES, Q_CODES_E, Q_CSTRIDE, Q_SCALES, Q_SCALES_E, Q_ZEROS, Q_ZEROS_E,
+       Q_GSTRIDE, Q_N, Q_K, Q_GS };
+
+static inline const char* at_expert(int64_t base, int64_t per_expert, int64_t e) {
+    return base ? (const char*)(intptr_t)base + e * per_expert : 0;
+}
+
+/* q's expert e against x [M, q[Q_K]] -> y [M, q[Q_N]], in the activations' dtype. */
+static void q_expert(const int64_t* q, int64_t e, const void* x, int bf, void* y, int64_t M) {
+    ((QMatmulFn)(intptr_t)q[Q_FN])(x, bf, at_expert(q[Q_CODES], q[Q_CODES_E], e), q[Q_CSTRIDE],
+                                   at_expert(q[Q_SCALES], q[Q_SCALES_E], e),
+                                   at_expert(q[Q_ZEROS], q[Q_ZEROS_E], e), q[Q_GSTRIDE], y, bf,
+                                   M, q[Q_N], q[Q_K], q[Q_GS]);
+}
+
+/* moe_decode_bf16 for quantized experts q13 (N = 2I, K = H) and q2 (N = H, K = I), each
+   expert's rows through its kernel as the per-expert loop calls it (the same bits). The
+   kernels run their own parallel regions; called from inside this one they run on the calling
+   thread alone (a nested region of one), so the experts, not their blocks, are shared among
+   the threads: one fork and join a layer instead of two per expert, without a change to the
+   kernels. */
+int64_t moe_decode_q(const void* x, int bf, const int64_t* q13, const int64_t* q2, int64_t E,
+                     const int64_t* ids, const void* weights, int w_bf16, void* out, int64_t T,
+                     int64_t k, int64_t H, int64_t I) {
+    int64_t R = T * k, size = bf ? 2 : 4;
+    for (int64_t i = 0; i < R; i++)
+        if (ids[i] < 0 || ids[i] >= E) return i;
+    Groups g = groups_of(ids, R, E);
+    char* xs = malloc(size * R * H); /* x's rows in expert order */
+    char* h13 = malloc(size * R * 2 * I);
+    char* h = malloc(size * R * I);
+    char* ys = malloc(size * R * H);
+    #pragma omp parallel
+    {
+        omp_set_num_threads(1); /* this thread's nested regions: the kernels' blocks in order */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t grp = 0; grp < g.n; grp++) {
+            int64_t r0 = g.start[grp], M = g.count[grp], e = g.expert[grp];
+            for (int64_t r = r0; r < r0 + M; r++)
+                memcpy(xs + r * H * size, (const char*)x + g.order[r] / k * H * size, H * size);
+            q_expert(q13, e, xs + r0 * H * size, bf, h13 + r0 * 2 * I * size, M);
+            if (bf) silu_mul_bf16((const uint16_t*)(h13 + r0 * 2 * I * size),
+                                  (uint16_t*)(h + r0 * I * size), M, I);
+            else silu_mul_f32((const float*)(h13 + r0 * 2 * I * size),
+                              (float*)(h + r0 * I * size), M, I);
+            q_expert(q2, e, h + r0 * I * size, bf, ys + r0 * H * size, M);
+        }
         weigh_and_sum(ys, g.pos, weights, w_bf16, out, T, k, H, bf);
     }
     free(ys);
