@@ -9,6 +9,10 @@ step then fills the few values that change (the input rows, the KV slots, the ro
 and makes one call. The kernels and their arguments are those of the unfused path, so the
 outputs are the same bits.
 
+Around the layers, where the model has them as C calls: a quantized embedding table's lookup
+of the step's token ids (the first op) and the final norm and the LM head, float or quantized,
+into the step's float32 logits (the last ops).
+
 The model (qwen3.py) lays out the layers with `Chain`'s emitters; whatever it cannot express
 (another kernel pick, a bias, tensor parallelism, a batch that is not a plain decode) leaves
 the unfused path to run. MINISGL_CPU_DECODE_CHAIN=0: never.
@@ -30,8 +34,10 @@ from minisgl.quant.weight import QuantWeight
 
 # As csrc/chain.c.
 OP_WORDS = 24
-OP_NORM, OP_ATTN, OP_SILU, OP_MM8, OP_MM7, OP_QMM = range(6)
+OP_NORM, OP_ATTN, OP_SILU, OP_MM8, OP_MM7, OP_QMM, OP_ROWS = range(7)
 STEP_X, STEP_SLOTS, STEP_LENS, STEP_KMAX, STEP_NEW_SLOTS, STEP_COS, STEP_SIN, STEP_OUT = range(8)
+STEP_IDS = 8
+STEP_WORDS = 9
 FROM_STEP_X, FROM_STEP_OUT = -1, -2
 
 
@@ -77,7 +83,10 @@ class Chain:
         # Every tensor an op points at, kept alive as long as the chain.
         self._held: list[Any] = []
         self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
-        self.step = (ctypes.c_int64 * 8)()
+        self.step = (ctypes.c_int64 * STEP_WORDS)()
+        # The buffer the first op (`embedding`) looks the step's token ids' rows up into, the
+        # layers' input; None: the step's input rows come from the caller.
+        self.embedded: torch.Tensor | None = None
         # Where the decoder layers' ops end (the model's mark; the final norm and the LM head
         # may follow): a step that wants the hidden states runs only these.
         self.layers_end: int | None = None
@@ -266,6 +275,27 @@ class Chain:
         out_bf16 = int(out.dtype == torch.bfloat16)
         self._emit(OP_QMM, fn, xa, self.bf16, *weight_args, ya, out_bf16, self.rows, n, k, group)
 
+    def embedding(self, table: QuantWeight) -> None:
+        """The step's token ids' rows of a quantized embedding table (as QuantWeight.rows
+        looks up a decode step's few rows: each dequantized by C into fp32, then rounded to
+        the chain's dtype) into a buffer the layers then read as the step's input rows. The
+        first op, or none: a step whose ids the chain cannot read starts after it."""
+        if self._ops:
+            raise Unsupported("an embedding lookup after other ops")
+        w = table.whole()
+        probe = torch.empty(1, w.in_features, dtype=self.dtype)
+        if table.lookup is not None or not cpu_gemv.usable(probe, w):
+            raise Unsupported("an embedding table the C dequantizer does not read")
+        ops = cpu_gemv.operands(w)
+        self._held.append(ops)
+        codes, cstride, scales, zeros, gstride = (a.value or 0 for a in ops.args)
+        out = self.embedded = self.buffer("embedded", ops.k)
+        scratch = torch.empty(ops.k, dtype=torch.float32)
+        weight_args = (codes, cstride, scales, zeros, gstride)
+        sizes = (self.rows, ops.k, ops.group, self.bf16)
+        fn = self.lib.qdequant[ops.kind]
+        self._emit(OP_ROWS, fn, *weight_args, self._arg(out), *sizes, self._arg(scratch))
+
     def mark(self) -> int:
         """The ops emitted so far: a point `drop_after` can go back to, and `run` stop at."""
         return len(self._ops)
@@ -280,7 +310,7 @@ class Chain:
 
     def run(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         slots: torch.Tensor,
@@ -288,14 +318,24 @@ class Chain:
         new_slots: torch.Tensor,
         upto: int | None = None,
         out: torch.Tensor | None = None,
+        ids: torch.Tensor | None = None,
     ) -> None:
-        """One step over input rows x [B, hidden] (contiguous, the chain's dtype), the rotary
-        tables [B, 1, D] and the attention's slots [B, kmax] / lengths [B] / new rows' slots
-        [B] (contiguous int64; see TorchAttentionBackend.decode_chain_inputs). `upto`: only
-        the ops before that mark (default: all); `out`: the step's output buffer (see
-        `matmul`), needed by ops past the layers that write it."""
+        """One step over input rows x [B, hidden] (contiguous, the chain's dtype), or, None,
+        the rows of token ids `ids` [B] (contiguous int64: see `ids_ok`) looked up by the
+        chain's `embedding`; the rotary tables [B, 1, D] and the attention's slots [B, kmax] /
+        lengths [B] / new rows' slots [B] (contiguous int64; see
+        TorchAttentionBackend.decode_chain_inputs). `upto`: only the ops before that mark
+        (default: all); `out`: the step's output buffer (see `matmul`), needed by ops past the
+        layers that write it."""
         step = self.step
-        step[STEP_X] = x.data_ptr()
+        first = 0
+        if x is None:
+            assert ids is not None and self.embedded is not None
+            step[STEP_IDS] = ids.data_ptr()
+            step[STEP_X] = self.embedded.data_ptr()
+        else:
+            first = int(self.embedded is not None)  # the rows are the caller's: no lookup
+            step[STEP_X] = x.data_ptr()
         step[STEP_SLOTS] = slots.data_ptr()
         step[STEP_LENS] = lens.data_ptr()
         step[STEP_KMAX] = slots.shape[1]
@@ -304,7 +344,8 @@ class Chain:
         step[STEP_SIN] = sin.data_ptr()
         step[STEP_OUT] = out.data_ptr() if out is not None else 0
         n = self.ops.shape[0] if upto is None else upto
-        self.lib.decode_chain(self.ops.data_ptr(), n, step)
+        ops = self.ops.data_ptr() + first * OP_WORDS * 8
+        self.lib.decode_chain(ops, n - first, step)
 
 
 def _quantized_kernel(lib: Any, name: str, kind: str, x_bf16: int) -> Any:
@@ -325,11 +366,18 @@ def _quantized_kernel(lib: Any, name: str, kind: str, x_bf16: int) -> Any:
     raise Unsupported(f"quantized pick {name}, which is no single C kernel call")
 
 
-def steps_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether a step's inputs are what the chain reads as they are."""
+def ids_ok(ids: torch.Tensor, rows: int) -> bool:
+    """Whether `embedding`'s op reads these token ids as they are."""
+    return ids.dtype == torch.int64 and ids.shape == (rows,) and ids.is_contiguous()
+
+
+def steps_ok(
+    x: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype
+) -> bool:
+    """Whether a step's inputs (x: None where the chain looks its rows up) are what the chain
+    reads as they are."""
     return (
-        x.dtype == dtype
-        and x.is_contiguous()
+        (x is None or (x.dtype == dtype and x.is_contiguous()))
         and cos.dtype == dtype
         and sin.dtype == dtype
         and cos.is_contiguous()

@@ -301,15 +301,17 @@ class Qwen3ForCausalLM(nn.Module):
         head: bool,
     ) -> torch.Tensor:
         """hidden_states, or with `head` the LM head's logits of them."""
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(positions, self.model.embed_tokens.dtype)
         residual: torch.Tensor | None = None
-        chained = None if capture else self._run_chain(x, cos, sin, attn, meta, indices, head)
+        chained = (
+            None if capture else self._run_chain(input_ids, cos, sin, attn, meta, indices, head)
+        )
         if isinstance(chained, torch.Tensor):
             return chained
         if chained is not None:
             x, residual = chained
         else:
+            x = self.model.embed_tokens(input_ids)
             for i, layer in enumerate(self.model.layers):
                 x, residual = layer.forward(x, residual, cos, sin, attn, meta)
                 if i in capture:
@@ -321,7 +323,7 @@ class Qwen3ForCausalLM(nn.Module):
 
     def _run_chain(
         self,
-        x: torch.Tensor,
+        input_ids: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn: AttentionBackend,
@@ -333,28 +335,37 @@ class Qwen3ForCausalLM(nn.Module):
         output, the residual stream before it), or None where the step or the model is not
         one it runs (then the layers run one by one). With `head`, where the rows asked for
         are every row in order and the chain has the final norm and the LM head: the logits
-        (float32), from the same call."""
-        if not x.is_cpu or not isinstance(attn, TorchAttentionBackend):
+        (float32), from the same call. The embedding's rows too where the chain looks them up
+        (a quantized table: `_lay_embedding`), else by the embedding module."""
+        if not input_ids.is_cpu or not isinstance(attn, TorchAttentionBackend):
             return None
+        embed = self.model.embed_tokens
+        dtype, rows = embed.dtype, input_ids.shape[0]
         inputs = attn.decode_chain_inputs(meta)
-        if inputs is None or not cpu_chain.steps_ok(x, cos, sin, x.dtype):
+        if inputs is None or not cpu_chain.steps_ok(None, cos, sin, dtype):
             return None
         # By backend too: a chain writes its KV pool. Each chain keeps its backend alive, so
         # the id is not another's while the entry is here.
         chains = self.__dict__.setdefault("_cpu_chains", {})
-        key = (x.shape[0], x.dtype, id(attn))
+        key = (rows, dtype, id(attn))
         got = chains.get(key, False)
         if got is False:
-            got = chains[key] = self._build_chain(x.shape[0], x.dtype, attn)
+            got = chains[key] = self._build_chain(rows, dtype, attn)
         if got is None:
             return None
         chain, out, residual, vocab = got
         assert chain.backend is attn
-        if head and vocab and _every_row(indices, x.shape[0]):
-            logits = torch.empty(x.shape[0], vocab, dtype=torch.float32)
-            chain.run(x, cos, sin, *inputs, out=logits)
+        ids: torch.Tensor | None = input_ids
+        x = None
+        if chain.embedded is None or not cpu_chain.ids_ok(input_ids, rows):
+            ids, x = None, embed(input_ids)
+            if not cpu_chain.steps_ok(x, cos, sin, dtype):
+                return None
+        if head and vocab and _every_row(indices, rows):
+            logits = torch.empty(rows, vocab, dtype=torch.float32)
+            chain.run(x, cos, sin, *inputs, out=logits, ids=ids)
             return logits
-        chain.run(x, cos, sin, *inputs, upto=chain.layers_end)
+        chain.run(x, cos, sin, *inputs, upto=chain.layers_end, ids=ids)
         return out, residual
 
     def _build_chain(
@@ -389,6 +400,7 @@ class Qwen3ForCausalLM(nn.Module):
         h, y, mlp_out = (chain.buffer(name, hidden) for name in ("normed", "attn", "mlp"))
         qkv, qk = chain.buffer("qkv", (hq + 2 * hkv) * d), chain.buffer("qk", hq + hkv, d)
         o = chain.buffer("o", hq * d)
+        self._lay_embedding(chain)
         x: torch.Tensor | int = cpu_chain.FROM_STEP_X
         residual: torch.Tensor | int = cpu_chain.FROM_STEP_X
         for i, layer in enumerate(layers):
@@ -426,6 +438,19 @@ class Qwen3ForCausalLM(nn.Module):
         vocab = self._lay_head(chain, mlp_out, residual)
         chain.seal()
         return chain, mlp_out, residual, vocab
+
+    def _lay_embedding(self, chain: cpu_chain.Chain) -> None:
+        """A quantized embedding table's lookup as the chain's first op (its rows then are the
+        step's input rows): a decode step's ~10 torch and ctypes calls of QuantWeight.rows
+        (0.07 ms a row warm, 0.3 ms after a step's weight stream, 1 thread, AMD EPYC VM) in
+        C. A float table (one F.embedding call) stays the module's."""
+        embed = self.model.embed_tokens
+        if not isinstance(embed.weight, QuantWeight) or embed.tp_size != 1:
+            return
+        try:
+            chain.embedding(embed.weight)
+        except cpu_chain.Unsupported as e:
+            logger.info("decode at %d rows looks the embedding up apart: %s", chain.rows, e)
 
     def _lay_head(self, chain: cpu_chain.Chain, x: torch.Tensor, residual: torch.Tensor) -> int:
         """The final norm and the LM head after the layers, as hidden_states and forward call

@@ -60,6 +60,8 @@ def test_chain_equals_layer_by_layer(
         # model's head (int8 per channel by default) by its quantized kernel into float32.
         vocab = ModelConfig.from_dir(tmp_path).vocab_size
         assert {c[3] for c in chains.values()} == {vocab}
+    # A quantized (tied) table's lookup is the chain's first op; a float one stays F.embedding.
+    assert all((c[0].embedded is not None) == (quantization is not None) for c in chains.values())
     for a, b in zip(chained, plain, strict=True):
         assert torch.equal(a, b)
 
@@ -135,3 +137,20 @@ def test_a_pick_the_chain_does_not_express_runs_layer_by_layer(
 def test_disabled_by_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MINISGL_CPU_DECODE_CHAIN", "0")
     assert not cpu_chain.available(torch.bfloat16)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not build here")
+def test_ids_the_chain_cannot_read_are_looked_up_by_the_module(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step whose token ids the chain's lookup does not take (ids_ok false: e.g. int32) runs
+    the chain from after its lookup on the module's rows: the same logits."""
+    write_hf_model(tmp_path, **SHAPE)
+    kw = dict(quantization="int4")
+    monkeypatch.setattr(cpu_chain, "ids_ok", lambda ids, rows: False)
+    chained, chains = _run(tmp_path, torch.bfloat16, **kw)
+    assert chains and all(c is not None and c[0].embedded is not None for c in chains.values())
+    monkeypatch.setenv("MINISGL_CPU_DECODE_CHAIN", "0")
+    plain, _ = _run(tmp_path, torch.bfloat16, **kw)
+    for a, b in zip(chained, plain, strict=True):
+        assert torch.equal(a, b)

@@ -7,17 +7,17 @@
 
    An op is OP_WORDS int64 words: its kind, the kernel's address, then the kernel's arguments in
    its own order (a float as the bits of a double). What changes from step to step (the
-   embedding rows, the step's KV slots and rotary tables, the logits' buffer) is read from
-   `step` (STEP_*). */
+   embedding rows or the token ids to look them up by, the step's KV slots and rotary tables,
+   the logits' buffer) is read from `step` (STEP_*). */
 #include <stdint.h>
 #include <string.h>
 
 #define OP_WORDS 24
 
-enum { OP_NORM = 0, OP_ATTN = 1, OP_SILU = 2, OP_MM8 = 3, OP_MM7 = 4, OP_QMM = 5 };
+enum { OP_NORM = 0, OP_ATTN = 1, OP_SILU = 2, OP_MM8 = 3, OP_MM7 = 4, OP_QMM = 5, OP_ROWS = 6 };
 /* Indices into the per-step values. */
 enum { STEP_X = 0, STEP_SLOTS = 1, STEP_LENS = 2, STEP_KMAX = 3, STEP_NEW_SLOTS = 4,
-       STEP_COS = 5, STEP_SIN = 6, STEP_OUT = 7 };
+       STEP_COS = 5, STEP_SIN = 6, STEP_OUT = 7, STEP_IDS = 8 };
 /* Argument words that stand for the step's input rows (the first layer's input, and its
    residual) and for the step's own output buffer (the LM head's logits: a new tensor each
    step, as the layer-by-layer path returns, not a buffer the next step rewrites). */
@@ -37,6 +37,9 @@ typedef void (*Matmul7Fn)(const void*, const void*, void*, int64_t, int64_t, int
 /* qgemv_* and the kernels that take its arguments */
 typedef void (*QMatmulFn)(const void*, int, const void*, int64_t, const void*, const void*,
                           int64_t, void*, int, int64_t, int64_t, int64_t, int64_t);
+/* qdequant_*: (codes, code stride, scales, zeros, group stride, out fp32, r0, r1, K, group) */
+typedef void (*DequantFn)(const void*, int64_t, const void*, const void*, int64_t, float*,
+                          int64_t, int64_t, int64_t, int64_t);
 
 static inline void* ptr(int64_t v) { return (void*)(intptr_t)v; }
 static inline float as_float(int64_t bits) {
@@ -65,6 +68,32 @@ static void run_attn(const int64_t* a, void* fn, const int64_t* step) {
                  ptr(step[STEP_NEW_SLOTS]));
 }
 
+/* fp32 to bf16 rounded to nearest even, as torch's .to(torch.bfloat16) (NaN as its scalar
+   conversion's 0x7FC0; a dequantized row has none). */
+static void to_bf16(const float* x, uint16_t* y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, sizeof u);
+        y[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0
+                                               : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
+    }
+}
+
+/* The step's token ids' rows of a quantized embedding table (a tied LM head's), as
+   QuantWeight.rows looks up a decode step's few: each row by the dequantizer into fp32, then
+   to the model's dtype. a: codes, code stride, scales, zeros, group stride, out, rows, K,
+   group, out_bf16, a K-float scratch row (out_bf16). */
+static void run_rows(const int64_t* a, void* fn, const int64_t* step) {
+    const int64_t* ids = ptr(step[STEP_IDS]);
+    const int64_t k = a[7];
+    for (int64_t r = 0; r < a[6]; r++) {
+        float* row = a[9] ? (float*)ptr(a[10]) : (float*)ptr(a[5]) + r * k;
+        ((DequantFn)fn)(ptr(a[0]), a[1], ptr(a[2]), ptr(a[3]), a[4], row, ids[r], ids[r] + 1, k,
+                        a[8]);
+        if (a[9]) to_bf16(row, (uint16_t*)ptr(a[5]) + r * k, k);
+    }
+}
+
 void decode_chain(const int64_t* ops, int64_t n_ops, const int64_t* step) {
     for (int64_t i = 0; i < n_ops; i++) {
         const int64_t* op = ops + i * OP_WORDS;
@@ -87,6 +116,7 @@ void decode_chain(const int64_t* ops, int64_t n_ops, const int64_t* step) {
                                 ptr(a[5]), a[6], input(a[7], step), (int)a[8], a[9], a[10],
                                 a[11], a[12]);
                 break;
+            case OP_ROWS: run_rows(a, fn, step); break;
         }
     }
 }
