@@ -154,3 +154,24 @@ def test_ids_the_chain_cannot_read_are_looked_up_by_the_module(
     plain, _ = _run(tmp_path, torch.bfloat16, **kw)
     for a, b in zip(chained, plain, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not build here")
+def test_a_quantized_head_whose_pick_is_no_c_call_runs_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The int8 head (int4 layers) on dequant_gemm, chunks dequantized from Python: the layers
+    in the chain, the final norm and the head after it, the same logits."""
+    real = cpu_choice.default_picks
+
+    def picks(kind: str | None = None, x_dtype: torch.dtype = torch.bfloat16) -> tuple[str, ...]:
+        return ("dequant_gemm",) * len(BUCKETS) if kind == "u8" else real(kind, x_dtype)
+
+    monkeypatch.setattr(cpu_choice, "default_picks", picks)
+    write_hf_model(tmp_path, **SHAPE)
+    chained, chains = _run(tmp_path, torch.bfloat16, "int4")
+    assert chains and all(c is not None and c[3] == 0 for c in chains.values())
+    monkeypatch.setenv("MINISGL_CPU_DECODE_CHAIN", "0")
+    plain, _ = _run(tmp_path, torch.bfloat16, "int4")
+    for a, b in zip(chained, plain, strict=True):
+        assert torch.equal(a, b)
