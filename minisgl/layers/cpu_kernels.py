@@ -383,31 +383,8 @@ def moe_decode(
     silu_mul between and the weighting summed in fp32 in slot order (moe.fused_moe)."""
     lib = _loaded()
     assert lib is not None
-    t, k = ids.shape
-    x = x.contiguous()
-    flat = ids.reshape(-1).to(torch.int64).contiguous()
-    w_bf16 = weights.dtype == torch.bfloat16
-    w = weights.reshape(-1).contiguous() if w_bf16 else weights.reshape(-1).float().contiguous()
-    out = torch.empty_like(x)
-    e, i2, h = w13.shape
-    bad = lib.moe_decode(
-        x.data_ptr(),
-        int(x.dtype == torch.bfloat16),
-        w13.data_ptr(),
-        w2.data_ptr(),
-        e,
-        flat.data_ptr(),
-        w.data_ptr(),
-        int(w_bf16),
-        out.data_ptr(),
-        t,
-        k,
-        h,
-        i2 // 2,
-    )
-    if bad >= 0:
-        raise IndexError(f"expert id {int(flat[bad])} outside the {e} experts")
-    return out
+    e, i2, _ = w13.shape
+    return _moe_call(lib.moe_decode, x, w13.data_ptr(), w2.data_ptr(), e, i2 // 2, weights, ids)
 
 
 def moe_decode_q(
@@ -424,28 +401,34 @@ def moe_decode_q(
     blocks, are shared among the threads."""
     lib = _loaded()
     assert lib is not None
+    inter = int(q2[10])  # w2's K
+    return _moe_call(
+        lib.moe_decode_q, x, q13.data_ptr(), q2.data_ptr(), num_experts, inter, weights, ids
+    )
+
+
+def _moe_call(
+    fn: Any,
+    x: torch.Tensor,
+    w13: int,
+    w2: int,
+    num_experts: int,
+    inter: int,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """csrc/moe.c's `fn` over the experts at w13 / w2 (their data, or their operand words):
+    the routing as it takes it (int64 ids, fp32 or bf16 weights, per (token, slot) pair) and
+    an out-of-range expert id as an IndexError."""
     t, k = ids.shape
     x = x.contiguous()
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     w_bf16 = weights.dtype == torch.bfloat16
     w = weights.reshape(-1).contiguous() if w_bf16 else weights.reshape(-1).float().contiguous()
     out = torch.empty_like(x)
-    h, inter = int(q13[10]), int(q2[10])
-    bad = lib.moe_decode_q(
-        x.data_ptr(),
-        int(x.dtype == torch.bfloat16),
-        q13.data_ptr(),
-        q2.data_ptr(),
-        num_experts,
-        flat.data_ptr(),
-        w.data_ptr(),
-        int(w_bf16),
-        out.data_ptr(),
-        t,
-        k,
-        h,
-        inter,
-    )
+    x_bf16 = int(x.dtype == torch.bfloat16)
+    args = (x.data_ptr(), x_bf16, w13, w2, num_experts, flat.data_ptr(), w.data_ptr())
+    bad = fn(*args, int(w_bf16), out.data_ptr(), t, k, x.shape[1], inter)
     if bad >= 0:
         raise IndexError(f"expert id {int(flat[bad])} outside the {num_experts} experts")
     return out

@@ -52,6 +52,31 @@ static Groups groups_of(const int64_t* ids, int64_t R, int64_t E) {
     return g;
 }
 
+/* -1, or the first (token, slot) pair whose expert is not in [0, E). */
+static int64_t bad_id(const int64_t* ids, int64_t R, int64_t E) {
+    for (int64_t i = 0; i < R; i++)
+        if (ids[i] < 0 || ids[i] >= E) return i;
+    return -1;
+}
+
+/* Both forms' per-row buffers in the activations' dtype (`size` bytes a value): the gate/up
+   outputs [R, 2I], the SiLU's [R, I] and the experts' outputs [R, H]. */
+typedef struct {
+    char *h13, *h, *ys;
+} Hidden;
+
+static Hidden hidden_alloc(int64_t R, int64_t H, int64_t I, int64_t size) {
+    return (Hidden){malloc(size * R * 2 * I), malloc(size * R * I), malloc(size * R * H)};
+}
+
+static void release(Hidden* b, void* xs, Groups* g) {
+    free(b->ys);
+    free(b->h);
+    free(b->h13);
+    free(xs);
+    free(g->expert);
+}
+
 /* One weight per expert ([E, N, K], bf16) against the grouped rows: block b of the list is
    block b % blocks of group b / blocks's expert. */
 typedef struct {
@@ -118,15 +143,13 @@ static void weigh_and_sum(const void* ys, const int64_t* pos, const void* weight
 int64_t moe_decode_bf16(const void* x, int bf, const uint16_t* w13, const uint16_t* w2,
                         int64_t E, const int64_t* ids, const void* weights, int w_bf16,
                         void* out, int64_t T, int64_t k, int64_t H, int64_t I) {
-    int64_t R = T * k, size = bf ? 2 : 4;
-    for (int64_t i = 0; i < R; i++)
-        if (ids[i] < 0 || ids[i] >= E) return i;
+    int64_t R = T * k, size = bf ? 2 : 4, bad = bad_id(ids, R, E);
+    if (bad >= 0) return bad;
     Groups g = groups_of(ids, R, E);
     float* xs = malloc(sizeof(float) * R * (H + I)); /* split rows: x's, then the SiLU's */
     float* hs = xs + R * H;
-    char* h13 = malloc(size * R * 2 * I);
-    char* h = malloc(size * R * I);
-    char* ys = malloc(size * R * H);
+    Hidden b = hidden_alloc(R, H, I, size);
+    char *h13 = b.h13, *h = b.h, *ys = b.ys;
     Pass up = {w13, 2 * I, H, (2 * I + 3) / 4, xs, h13};
     Pass down = {w2, H, I, (H + 3) / 4, hs, ys};
     Share up_shares[SHARE_MAX] __attribute__((aligned(64)));
@@ -152,11 +175,7 @@ int64_t moe_decode_bf16(const void* x, int bf, const uint16_t* w13, const uint16
         #pragma omp barrier
         weigh_and_sum(ys, g.pos, weights, w_bf16, out, T, k, H, bf);
     }
-    free(ys);
-    free(h);
-    free(h13);
-    free(xs);
-    free(g.expert);
+    release(&b, xs, &g);
     return -1;
 }
 
@@ -190,14 +209,12 @@ static void q_expert(const int64_t* q, int64_t e, const void* x, int bf, void* y
 int64_t moe_decode_q(const void* x, int bf, const int64_t* q13, const int64_t* q2, int64_t E,
                      const int64_t* ids, const void* weights, int w_bf16, void* out, int64_t T,
                      int64_t k, int64_t H, int64_t I) {
-    int64_t R = T * k, size = bf ? 2 : 4;
-    for (int64_t i = 0; i < R; i++)
-        if (ids[i] < 0 || ids[i] >= E) return i;
+    int64_t R = T * k, size = bf ? 2 : 4, bad = bad_id(ids, R, E);
+    if (bad >= 0) return bad;
     Groups g = groups_of(ids, R, E);
     char* xs = malloc(size * R * H); /* x's rows in expert order */
-    char* h13 = malloc(size * R * 2 * I);
-    char* h = malloc(size * R * I);
-    char* ys = malloc(size * R * H);
+    Hidden b = hidden_alloc(R, H, I, size);
+    char *h13 = b.h13, *h = b.h, *ys = b.ys;
     #pragma omp parallel
     {
         omp_set_num_threads(1); /* this thread's nested regions: the kernels' blocks in order */
@@ -215,10 +232,6 @@ int64_t moe_decode_q(const void* x, int bf, const int64_t* q13, const int64_t* q
         }
         weigh_and_sum(ys, g.pos, weights, w_bf16, out, T, k, H, bf);
     }
-    free(ys);
-    free(h);
-    free(h13);
-    free(xs);
-    free(g.expert);
+    release(&b, xs, &g);
     return -1;
 }
