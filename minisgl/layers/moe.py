@@ -185,7 +185,16 @@ def _qgemv_rows(w: QuantWeight) -> int:
 def _q_operands(x: torch.Tensor, w: QuantWeight) -> torch.Tensor | None:
     """Quantized experts' kernel and operands as moe_decode_q takes them (csrc/moe.c), or None
     where the quantized GEMV does not take them (cpu_gemv.usable) or x is neither bf16 nor
-    fp32."""
+    fp32. Made once per kind of x and place of the weight's tensors: a decode step asks for
+    them in every layer."""
+    cache = w.__dict__.setdefault("_moe_operands", {})
+    key = (x.dtype, x.device.type, x.dim(), w.codes.data_ptr(), w.scales.data_ptr())
+    if key not in cache:
+        cache[key] = _q_words(x, w)
+    return cache[key]
+
+
+def _q_words(x: torch.Tensor, w: QuantWeight) -> torch.Tensor | None:
     lib = cpu_kernels.load()
     if lib is None or x.dtype not in (torch.bfloat16, torch.float32) or not w.experts:
         return None
