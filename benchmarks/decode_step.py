@@ -42,6 +42,7 @@ from roofline import measure as measure_machine
 
 from minisgl.config import EngineArgs
 from minisgl.engine.model_runner import ForwardInput, ModelRunner
+from minisgl.layers import cpu_kernels
 from minisgl.models.config import ModelConfig
 from minisgl.sampling_params import SamplingParams
 
@@ -88,8 +89,6 @@ def _label_kernels() -> None:
     """Make the C kernels (called through ctypes, invisible to the profiler) show up by name."""
     from torch.profiler import record_function
 
-    from minisgl.layers import cpu_kernels
-
     def labelled(name: str, fn):  # noqa: ANN001, ANN202
         def run(*a, **kw):  # noqa: ANN002, ANN003, ANN202
             n = getattr(a[1], "n", None) or a[1].shape[0] if name in _MATMULS else 0
@@ -116,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="int8|int4|fp8, or several comma-separated ('none' for the float model): each "
         "measured on the same fixture in one run, side by side; FORMAT:HEAD gives that one "
-        "its own LM head format (e.g. int4:int4 beside int4, whose head is int8)",
+        "its own LM head format (e.g. int4:int4 beside int4, whose head is int8), and a /x8 "
+        "suffix runs it with --cpu-int4-activations int8 (e.g. int4,int4/x8)",
     )
     ap.add_argument(
         "--lm-head-quantization",
@@ -206,12 +206,18 @@ def main(argv: list[str] | None = None) -> int:
 
     times = {(q, k): [] for q, (_, cases, *_) in builds.items() for k in cases}
     events: dict[tuple[str, str], list[StepEvents]] = {key: [] for key in times}
-    for runner, cases, *_ in builds.values():
+
+    def activations(q: str) -> None:  # a process-wide switch: set before each format's steps
+        cpu_kernels.set_int4_activations("int8" if q.endswith("/x8") else "int16")
+
+    for q, (runner, cases, *_) in builds.items():
+        activations(q)
         for inp, *_ in cases.values():
             runner.forward(inp)  # warm-up: kernels built, tables cached
     for _ in range(args.repeats):
         for name in next(iter(builds.values()))[1]:
             for q, (runner, cases, *_) in builds.items():
+                activations(q)
                 before = StepEvents.now()
                 t0 = clock()
                 runner.forward(cases[name][0])
@@ -251,7 +257,8 @@ def _build(
     """The runner for one weight format, its cases (name -> input, tokens, bytes a step must
     read, FLOPs), its matmul parameters and their bytes. `fmt`: --quantization's entry,
     FORMAT or FORMAT:HEAD."""
-    quantization, _, head = fmt.partition(":")
+    x8 = fmt.endswith("/x8")
+    quantization, _, head = fmt.removesuffix("/x8").partition(":")
     eargs = EngineArgs(
         model=str(model),
         dtype=args.dtype,
@@ -262,6 +269,7 @@ def _build(
         cpu_weight_copies_max_gb=args.cpu_weight_copies_max_gb,
         quantization=quantization if quantization not in ("", "none") else None,
         lm_head_quantization=head or args.lm_head_quantization,
+        cpu_int4_activations="int8" if x8 else "int16",
     )
     runner = ModelRunner(eargs, model, config, max_seq_len=4096)
     params, weight_bytes = linear_weights(runner.model)
@@ -328,7 +336,6 @@ def _shape_name(m: Any, x: torch.Tensor) -> str:
 def _timed_parts(timer: PartTimer) -> Iterator[None]:
     """Wrap the step's parts (class methods, module functions, the C entry points) while
     inside."""
-    from minisgl.layers import cpu_kernels
     from minisgl.layers.attention.torch_backend import TorchAttentionBackend
     from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from minisgl.layers.linear import LinearBase

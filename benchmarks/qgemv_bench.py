@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import glob
 import sys
 import time
@@ -75,15 +76,33 @@ def gemv512_l1(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         lib.gemv512_prefetch_l1.value = 0
 
 
+@functools.cache
+def qgemv_switch(name: str) -> ctypes.c_int:
+    """One of qgemv.c's switches (looked up once: loading the library per call costs more than
+    a small call)."""
+    return ctypes.c_int.in_dll(ctypes.CDLL(str(cpu_kernels._LIB_PATH)), name)
+
+
 def qgemv_int16(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     """cpu_gemv.qgemv with one row of x as int16 (VPDPWSSD) instead of bytes (VPDPBUSD, where
     the build has AVX512-VNNI): qgemv.c's qgemv_byte_path switch."""
-    switch = ctypes.c_int.in_dll(ctypes.CDLL(str(cpu_kernels._LIB_PATH)), "qgemv_byte_path")
+    switch = qgemv_switch("qgemv_byte_path")
     switch.value = 0
     try:
         return cpu_gemv.qgemv(x, w)
     finally:
         switch.value = 1
+
+
+def qgemv_x8(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """cpu_gemv.qgemv with x in 8 bits against 4-bit codes (--cpu-int4-activations int8):
+    qgemv.c's qgemv_x8 switch."""
+    switch = qgemv_switch("qgemv_x8")
+    switch.value = 1
+    try:
+        return cpu_gemv.qgemv(x, w)
+    finally:
+        switch.value = 0
 
 
 def timed(fn, clock) -> float:  # noqa: ANN001
@@ -105,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also integer codes against x as int16 where one row runs as bytes (the two paths "
         "side by side)",
+    )
+    ap.add_argument(
+        "--x8",
+        action="store_true",
+        help="also 4-bit codes against x in 8 bits (--cpu-int4-activations int8), side by side",
     )
     ap.add_argument(
         "--hot",
@@ -158,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             cases[fmt] = ([(cpu_gemv.qgemv, w) for w in ws], w0.nbytes())
             if args.int16 and fmt != "fp8":
                 cases[f"{fmt} int16"] = ([(qgemv_int16, w) for w in ws], w0.nbytes())
+            if args.x8 and fmt == "int4":
+                cases["int4 x8"] = ([(qgemv_x8, w) for w in ws], w0.nbytes())
             lib = cpu_kernels.load()
             if lib is not None and cpu_gemv.kind(w0) in lib.qamxi:  # AMX from the codes
                 cases[f"{fmt} amx"] = ([(cpu_panel.amx_int, w) for w in ws], w0.nbytes())

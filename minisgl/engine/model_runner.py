@@ -120,6 +120,7 @@ class ModelRunner:
             quantization=args.quantization,
             lm_head_quantization=args.lm_head_quantization,
             cpu_weight_copies_max_gb=args.cpu_weight_copies_max_gb,
+            cpu_int4_activations=args.cpu_int4_activations,
         )
         num_kv_heads = max(1, config.num_key_value_heads // tp_size)
         num_heads = config.num_attention_heads // tp_size

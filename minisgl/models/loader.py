@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from minisgl.layers import cpu_kernels
 from minisgl.models.checkpoint import mismatches, surplus_layers
 from minisgl.models.config import ModelConfig
 from minisgl.models.qwen3 import Qwen3ForCausalLM, plain_submodules
@@ -157,6 +158,7 @@ def load_model(
     quantization: str | None = None,
     cpu_weight_copies_max_gb: float = 0.0,
     lm_head_quantization: str = "auto",
+    cpu_int4_activations: str = "int16",
 ) -> Qwen3ForCausalLM:
     """Build the model for this rank on `device` (its class picked by config.json's
     `architectures`, see registry.py) and fill it from the checkpoint at `path`.
@@ -168,7 +170,8 @@ def load_model(
     (int8, int4, fp8) quantizes a float one as it streams in (see minisgl/quant/), and
     `lm_head_quantization` the LM head (auto: int8 under `quantization`, else as it is).
     Each weight is kept once (in the layout measured best over all row counts) unless
-    `cpu_weight_copies_max_gb` allows second layouts.
+    `cpu_weight_copies_max_gb` allows second layouts. `cpu_int4_activations` (int16, int8)
+    sets what 4-bit weights' one-row CPU matmuls multiply their codes by (cpu_kernels).
     """
     if cpu_weight_copies_max_gb < 0:
         raise ValueError(f"cpu_weight_copies_max_gb must be >= 0, not {cpu_weight_copies_max_gb}")
@@ -198,6 +201,13 @@ def load_model(
     if tp_rank == 0:
         logger.info(quant_loading.summary(model, layout.scheme, layout.head))
     quant_loading.for_device(model, device, dtype)
+    if device.type == "cpu":
+        cpu_kernels.set_int4_activations(cpu_int4_activations)
+        if cpu_int4_activations == "int8" and tp_rank == 0:
+            logger.info(
+                "4-bit weights at one row: x rounded to 8 bits per 128 features "
+                "(--cpu-int4-activations int8), not exact"
+            )
     if prepack and device.type == "cpu":
         model.prepack(cpu_kernel_tuning, int(cpu_weight_copies_max_gb * 2**30))
         line = quant_loading.prepare_cpu(model, dtype, cpu_kernel_tuning)

@@ -117,6 +117,8 @@ def machine_key() -> MachineKey:
     model, flags = cpu_build.cpu_info()
     kernels = cpu_kernels.build_id() or "none"
     rules = "quant:" + kernel_choice.policy(CANDIDATES)
+    if cpu_kernels.int4_activations() == "int8":  # 4-bit one-row timings differ
+        rules += ":x8"
     return MachineKey.of(model, flags, torch.__version__, torch.get_num_threads(), kernels, rules)
 
 

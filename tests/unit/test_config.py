@@ -19,3 +19,25 @@ def test_abbreviations_are_errors_not_other_flags(
     with pytest.raises(SystemExit):
         parse_server_args(["--model", "m", *argv])
     assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_help_lists_every_flag_even_with_a_percent_in_its_text() -> None:
+    """`--help` renders (argparse expands %-formats in help texts: a literal % broke it) and
+    names every field's flag."""
+    import dataclasses
+
+    from minisgl.config import _f, build_parser, flag_name
+
+    @dataclasses.dataclass(frozen=True)
+    class WithPercent:
+        share: float = _f(0.5, "a share of the cores, e.g. 50% of them")
+
+    assert "50% of them" in build_parser(WithPercent).format_help()
+    text = build_parser().format_help()
+    for f in dataclasses.fields(ServerArgs):
+        assert flag_name(f.name) in text, f.name
+    assert "--cpu-int4-activations {int16,int8}" in text
+    assert (
+        parse_server_args(["--model", "m", "--cpu-int4-activations", "int8"]).cpu_int4_activations
+        == "int8"
+    )

@@ -338,3 +338,77 @@ def test_one_row_sums_exactly_as_bytes_and_as_int16(bits: int, k: int, group: in
                 byte_path.value, gfni.value = saved
         for path, y in got.items():
             assert bool(((y - ref).abs() <= 1e-5 * terms).all()), (dtype, path)
+
+
+def _exact_x8(x: torch.Tensor, q: torch.Tensor, w: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x @ w.T as --cpu-int4-activations int8 computes it: x rounded to 8 bits per block of
+    128 features (64 where groups are 64 long; max|x| / 127, the same fp32 operations, round
+    to nearest even), every integer sum exact (float64); and the size of the terms summed."""
+    n, k = q.shape
+    gs = w.group_size or k
+    xb = 128 if gs % 128 == 0 else 64
+    blocks = x.float().view(-1, k // xb, xb)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    xq = torch.round(blocks * (1 / step)).clamp(-127, 127).double()  # [rows, blocks, xb]
+    codes = q.double().view(n, k // xb, xb)
+    steps = step.double().view(-1, 1, k // xb)
+    sums = (xq.unsqueeze(1) * codes).sum(-1) * steps
+    group = torch.arange(k // xb) * xb // gs  # each block's group
+    scale = w.scales.double()[:, group]  # [n, blocks]
+    y = (scale * sums).sum(-1)
+    terms = (scale.abs() * (xq.abs().unsqueeze(1) * codes).sum(-1) * steps).sum(-1)
+    if w.zeros is not None:
+        xsum = (xq.sum(-1) * step.double().squeeze(-1)).unsqueeze(1)  # [rows, 1, blocks]
+        zero = w.zeros.double()[:, group] * xsum
+        y = y - (scale * zero).sum(-1)
+        terms = terms + (scale.abs() * zero.abs()).sum(-1)
+    return y, terms
+
+
+@pytest.mark.parametrize("k, group", [(1536, 0), (1024, 64), (1152, 128), (1024, 256)])
+def test_int4_against_x_in_8_bits(k: int, group: int) -> None:
+    """--cpu-int4-activations int8 (qgemv_x8): one row of x against 4-bit codes is x rounded to
+    8 bits per 128 features (64 in groups of 64), times the codes, summed exactly: the same
+    result as that reference but for fp32 roundings, and within x's rounding (half a step a
+    feature) of the float matmul. Off, the same call is exact to 15-bit x as before; more rows
+    than one stay on that exact path."""
+    g = torch.Generator().manual_seed(k + group)
+    n = 37
+    q = torch.randint(0, 16, (n, k), generator=g)
+    q[0, : k // 2], q[1, : k // 2] = 0, 15
+    groups = k // group if group else 1
+    zeros = torch.randint(0, 16, (n, groups), generator=g).to(torch.uint8)
+    scales = torch.rand(n, groups, generator=g) + 0.01
+    w = QTensor(pack_nibbles(q), scales, zeros, None, 4, group, k)
+    x = torch.randn(3, k, generator=g)
+    x[:, ::7], x[:, 3::11] = 3.0, -3.0  # codes +-127
+    x[:, 5::13] = 1e-4  # rounded to 0
+    x[:, 128:256] = 0.0  # an all-zero block
+    deq = dequantize(w, torch.float32)
+    byte_path = _switch("qgemv_byte_path")
+    saved = byte_path.value
+    byte_path.value = 0  # the AVX-512 build multiplies the codes as bytes (exactly) instead
+    cpu_kernels.set_int4_activations("int8")
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            one = cpu_gemv.qgemv(xd[:1], w, torch.float32).double()
+            ref, terms = _exact_x8(xd[:1], q, w)
+            assert bool(((one - ref).abs() <= 1e-5 * terms).all()), dtype
+            blocks = xd[:1].float().view(1, -1, 128 if (group or k) % 128 == 0 else 64)
+            half_step = (blocks.abs().amax(-1, keepdim=True) / 254).expand_as(blocks).reshape(1, k)
+            rounding = F.linear(half_step, deq.abs()).double()
+            exact = F.linear(xd[:1].float(), deq).double()
+            assert bool(((one - exact).abs() <= rounding * 1.001 + 1e-4).all()), dtype
+            assert not torch.equal(one, exact)  # x was rounded: the switch took effect
+            three = cpu_gemv.qgemv(xd, w, torch.float32).double()
+            ref16, terms16 = _exact(xd, q, w)
+            assert bool(((three - ref16).abs() <= 1e-5 * terms16).all()), dtype
+    finally:
+        cpu_kernels.set_int4_activations("int16")
+        byte_path.value = saved
+    assert cpu_kernels.int4_activations() == "int16"
+    ref16, terms16 = _exact(x[:1], q, w)
+    off = cpu_gemv.qgemv(x[:1], w, torch.float32).double()
+    assert bool(((off - ref16).abs() <= 1e-5 * terms16).all())

@@ -533,6 +533,125 @@ static inline __attribute__((always_inline)) void block_u4(
 }
 #endif
 
+/* 4-bit codes against x in 8 bits (qgemv_x8, the user's --cpu-int4-activations int8): x is
+   quantized per block of X8_BLOCK features (64 where groups are 64 long), max|x| / 127 a
+   block, rounded to nearest even, as llama.cpp's Q8 activations and vLLM's CPU AWQ/GPTQ
+   (IPEX, low-precision mode INT8) do; not exact, so off by default. The codes then meet x
+   as bytes: VPMADDUBSW multiplies 32 (unsigned code, signed x) pairs into 16 int16 pair sums
+   (at most 2 * 15 * 127 each), summed in int16 over a block (<= 4 * 3810 < 2^15) and widened
+   once a block by one VPMADDWD with ones: 2.25 multiplier ops per 64 codes and weight row
+   where the int16 path takes 4, so the one multiplier pipe of Zen 1 class cores no longer
+   bounds one row (1 thread, weights in L2: 26 against 16 G codes a second). The low nibbles
+   of a 32-byte load are the even features of its 64 (qtensor's 4-bit layout), the high ones
+   the odd: x per 64 features is its 32 evens, then its 32 odds, one byte each. Each block's
+   integer sums become fp32 times scale[n, g] * xscale[block]; the zero points' term takes the
+   groups' sums of x in the same scaled units, and the row's xscale is 1. */
+int qgemv_x8 = 0;
+#define X8_BLOCK 128
+
+static inline int64_t x8_block(int64_t gs) { return gs % X8_BLOCK == 0 ? X8_BLOCK : 64; }
+
+/* 64 features of x (bf16 or fp32) at `at` times inv -> their int8 evens and odds (32 each),
+   the codes' sum into *sum. */
+static inline void x8_step(const void* x, int x_bf16, int64_t at, __m256 inv, __m256i* sum,
+                           int8_t* out) {
+    __m256i e[2], o[2];
+    for (int h = 0; h < 2; h++) {
+        if (x_bf16) {
+            codes_even_odd_bf16((const uint16_t*)x + at + 32 * h, inv, sum, &e[h], &o[h]);
+            continue;
+        }
+        const float* f = (const float*)x + at + 32 * h;
+        __m256i c0 = codes16(_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8), inv, sum);
+        __m256i c1 = codes16(_mm256_loadu_ps(f + 16), _mm256_loadu_ps(f + 24), inv, sum);
+        split_even_odd(c0, c1, &e[h], &o[h]);
+    }
+    /* int16 -> int8 (|code| <= 127: no saturation), lanes back in order */
+    _mm256_storeu_si256((__m256i*)out,
+                        _mm256_permute4x64_epi64(_mm256_packs_epi16(e[0], e[1]), 0xD8));
+    _mm256_storeu_si256((__m256i*)(out + 32),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi16(o[0], o[1]), 0xD8));
+}
+
+/* max|x| over features [k, k + n) of row data x (bf16 or fp32), n % 32 == 0. */
+static float x8_amax(const void* x, int x_bf16, int64_t k, int64_t n) {
+    if (x_bf16) return amax_bf16((const uint16_t*)x + k, n);
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 a = _mm256_setzero_ps(), b = a;
+    for (int64_t i = k; i < k + n; i += 16) {
+        a = _mm256_max_ps(a, _mm256_and_ps(_mm256_loadu_ps((const float*)x + i), abs_mask));
+        b = _mm256_max_ps(b, _mm256_and_ps(_mm256_loadu_ps((const float*)x + i + 8), abs_mask));
+    }
+    float lanes[8], top = 0;
+    _mm256_storeu_ps(lanes, _mm256_max_ps(a, b));
+    for (int i = 0; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+    return top;
+}
+
+/* x row m -> int8 codes in x8's layout (xq row m: K bytes), a scale per block (xsb row m:
+   K / x8_block), the groups' sums of x in the blocks' scaled units (xsum), xscale[m] = 1. */
+static void quantize_x8(const void* x, int x_bf16, int64_t m, int64_t K, int64_t gs, int8_t* xq,
+                        float* xsb, float* xscale, float* xsum) {
+    const int64_t XB = x8_block(gs), B = K / XB, G = K / gs;
+    const void* row = x_bf16 ? (const void*)((const uint16_t*)x + m * K)
+                             : (const void*)((const float*)x + m * K);
+    xscale[m] = 1.0f;
+    for (int64_t g = 0; g < G; g++) xsum[m * G + g] = 0.0f;
+    for (int64_t b = 0; b < B; b++) {
+        float amax = x8_amax(row, x_bf16, b * XB, XB);
+        float s = amax > 0 && isfinite(amax) ? amax / 127.0f : 1.0f;
+        xsb[m * B + b] = s;
+        const __m256 inv = _mm256_set1_ps(1.0f / s);
+        __m256i sum8 = _mm256_setzero_si256();
+        for (int64_t k = b * XB; k < (b + 1) * XB; k += 64)
+            x8_step(row, x_bf16, k, inv, &sum8, xq + m * K + k);
+        int32_t lanes[8], sum = 0;
+        _mm256_storeu_si256((__m256i*)lanes, sum8);
+        for (int j = 0; j < 8; j++) sum += lanes[j];
+        xsum[m * G + b * XB / gs] += s * (float)sum;
+    }
+}
+
+/* One 4-row block of 4-bit codes (groups of 64 or more) against input row m in 8 bits. */
+static inline __attribute__((always_inline)) void block_u4x8(
+    const int8_t* xq, const float* xsb, const uint8_t* const* wr, const float* const* sr,
+    int64_t m, int64_t K, int64_t gs, Prefetch* pf, Acc* acc) {
+    const int64_t XB = x8_block(gs), B = K / XB;
+    const int8_t* x0 = xq + m * K;
+    const float* xs = xsb + m * B;
+    const uint8_t *w0 = wr[0], *w1 = wr[1], *w2 = wr[2], *w3 = wr[3];
+    const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const int two = pf->lines == 2 * pf->steps;
+    for (int j = 0; j < 4; j++) acc->v[j][0] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < B; b++) {
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t k = b * XB; k < (b + 1) * XB; k += 64) {
+            qprefetch_row(pf, two);
+            __m256i xe = _mm256_loadu_si256((const __m256i*)(x0 + k));
+            __m256i xo = _mm256_loadu_si256((const __m256i*)(x0 + k + 32));
+#define X8_ROW(a, p)                                                                        \
+    {                                                                                       \
+        __m256i v = _mm256_loadu_si256((const __m256i*)(p + k / 2));                        \
+        a = _mm256_add_epi16(a, _mm256_maddubs_epi16(_mm256_and_si256(v, nib), xe));        \
+        KEEP(a);                                                                            \
+        a = _mm256_add_epi16(                                                               \
+            a, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib), xo));   \
+        KEEP(a);                                                                            \
+    }
+            X8_ROW(a0, w0)
+            X8_ROW(a1, w1)
+            X8_ROW(a2, w2)
+            X8_ROW(a3, w3)
+#undef X8_ROW
+        }
+        int64_t g = b * XB / gs;
+        __m256i as[4] = {a0, a1, a2, a3};
+        for (int j = 0; j < 4; j++)
+            acc->v[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(as[j], ones)),
+                                           _mm256_set1_ps(sr[j][g] * xs[b]), acc->v[j][0]);
+    }
+}
+
 /* Two input rows, integer codes extracted in registers, two weight rows at a time (4x2
    accumulators, the codes and x at once spill AVX2's 16 registers): each code is extracted
    twice, where writing it to a scratch and reading it back costs more at two rows. */
@@ -1136,6 +1255,7 @@ static void qgemv_kind(
     int bytes = 0; /* one row of x as bytes (block_bytes) */
     uint8_t* xb = NULL;
     int32_t* xcorr = NULL;
+    float* xsb = NULL; /* x8: x's scale per block */
 #ifdef QBYTES
     int bkind = kind == Q_U8 ? Q_U8 : Q_U4; /* 4-bit codes in groups of 32 (Q_U4W) too */
     bytes = qgemv_byte_path && bytes_usable(kind, M, K, gs);
@@ -1146,6 +1266,9 @@ static void qgemv_kind(
     Chunks chunks = {0, 0, 0};
     if (bytes) chunks = bytes_chunks(bkind, gs);
 #endif
+    /* one row of 4-bit codes against x in 8 bits (see qgemv_x8) */
+    int x8 = qgemv_x8 && kind == Q_U4 && M == 1 && !bytes;
+    if (x8) xsb = (float*)malloc(sizeof(float) * M * (K / 64));
     if (kind == Q_FP8) {
         xf = (float*)malloc(sizeof(float) * M * K);
         xexp = (int*)malloc(sizeof(int) * M);
@@ -1184,6 +1307,7 @@ static void qgemv_kind(
 #ifdef QBYTES
             else if (bytes) quantize_x_bytes(bkind, x, x_bf16, m, K, gs, xb, xscale, xsum, xcorr);
 #endif
+            else if (x8) quantize_x8(x, x_bf16, m, K, gs, (int8_t*)xq, xsb, xscale, xsum);
             else quantize_x(kind, x, x_bf16, m, K, gs, xq, xscale, xsum);
         }
         /* fp8: [4][KC] fp32; integer codes: [4][SEG] int16 */
@@ -1229,7 +1353,8 @@ static void qgemv_kind(
                               pf.base ? PF_BLOCKS * block_bytes : 0, lanes, acc);
                 else
 #endif
-                if (!many) run_block(kind, 0, xq, xf, wr, sr, m, M, K, gs, &pf, NULL, acc);
+                if (x8) block_u4x8((const int8_t*)xq, xsb, wr, sr, m, K, gs, &pf, acc);
+                else if (!many) run_block(kind, 0, xq, xf, wr, sr, m, M, K, gs, &pf, NULL, acc);
                 if (kind != Q_FP8 && zeros && !zero4) zero_points(sr, zr, xsum, m, mr, G, acc);
                 for (int i = 0; i < mr; i++) {
                     __m128 t = hsum4(acc->v[0][i], acc->v[1][i], acc->v[2][i], acc->v[3][i]);
@@ -1255,6 +1380,7 @@ static void qgemv_kind(
         _mm_setcsr(csr);
     }
     free(xq);
+    free(xsb);
     free(xb);
     free(xcorr);
     free(xf);
