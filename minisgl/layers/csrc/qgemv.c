@@ -622,8 +622,9 @@ static inline __attribute__((always_inline)) void block_u4x8(
     const uint8_t *w0 = wr[0], *w1 = wr[1], *w2 = wr[2], *w3 = wr[3];
     const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     const int two = pf->lines == 2 * pf->steps;
+    const int64_t per = gs / XB; /* blocks a group, counted down (no division per block) */
     for (int j = 0; j < 4; j++) acc->v[j][0] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < B; b++) {
+    for (int64_t b = 0, g = 0, left = per; b < B; b++) {
         __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t k = b * XB; k < (b + 1) * XB; k += 64) {
             qprefetch_row(pf, two);
@@ -644,11 +645,11 @@ static inline __attribute__((always_inline)) void block_u4x8(
             X8_ROW(a3, w3)
 #undef X8_ROW
         }
-        int64_t g = b * XB / gs;
         __m256i as[4] = {a0, a1, a2, a3};
         for (int j = 0; j < 4; j++)
             acc->v[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(as[j], ones)),
                                            _mm256_set1_ps(sr[j][g] * xs[b]), acc->v[j][0]);
+        if (--left == 0) g++, left = per;
     }
 }
 
