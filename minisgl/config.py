@@ -20,7 +20,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 OUTPUT_PARSERS = ("auto", "qwen3", "none")
 CPU_KERNEL_TUNING = ("cached", "full", "off")
-# --cpu-int4-activations: what 4-bit weights' one-row matmuls multiply their codes by.
+# --cpu-int4-activations: what 4-bit weights' decode matmuls multiply their codes by.
 CPU_INT4_ACTIVATIONS = ("int16", "int8")
 # --quantization: how a float checkpoint is quantized at load (minisgl/quant/scheme.py).
 QUANTIZATIONS = ("int8", "int4", "fp8")
@@ -117,8 +117,9 @@ class EngineArgs:
         "4-bit weights (--quantization int4, AWQ, GPTQ) on CPUs without AVX512-VNNI: int16 "
         "multiplies the codes by x rounded to 15 bits per row (exact to the float model's "
         "greedy tokens, bound by the integer multiplier on AVX2); int8 rounds x to 8 bits per "
-        "128 features, as llama.cpp's Q8 activations and vLLM's CPU AWQ/GPTQ do (one decode "
-        "row ~0.7x the time; results within about half a percent instead of exact)",
+        "128 features in matmuls of up to 64 rows (decode batches), as llama.cpp's Q8 "
+        "activations and vLLM's CPU AWQ/GPTQ do (0.7-0.8x the time on AVX2; results within "
+        "about half a percent instead of exact)",
         CPU_INT4_ACTIVATIONS,
     )
     scheduler_nice: int = _f(

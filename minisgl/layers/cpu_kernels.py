@@ -177,8 +177,10 @@ class _Lib:
         self.amx_prefetch_hint: Any = (
             ctypes.c_int.in_dll(lib, "amx_prefetch_hint") if self.amx is not None else None
         )
-        # x in 8 bits against 4-bit codes at one row (qgemv.c, --cpu-int4-activations): 0 or 1.
+        # x in 8 bits against 4-bit codes (qgemv.c, --cpu-int4-activations): 0 or 1.
         self.qgemv_x8 = ctypes.c_int.in_dll(lib, "qgemv_x8")
+        # The most input rows it takes (0 where the build has AVX512-VNNI: exact is as fast).
+        self.qgemv_x8_rows = ctypes.c_int.in_dll(lib, "qgemv_x8_rows").value
         # The AVX-512 GEMV exists in that build only.
         self.gemv512_bf16: Any = getattr(lib, "gemv512_bf16", None)
         self.gemv512_f32: Any = getattr(lib, "gemv512_f32", None)
@@ -307,13 +309,20 @@ def build_id() -> str | None:
 
 def set_int4_activations(mode: str) -> None:
     """--cpu-int4-activations: "int8" multiplies 4-bit codes by x rounded to 8 bits per 128
-    features at one row (qgemv.c's qgemv_x8; where the build multiplies the codes as bytes
-    with AVX512-VNNI that exact path runs instead), "int16" by x in 15 bits (exact)."""
+    features in decode batches (qgemv.c's qgemv_x8, up to int8_activation_rows() rows; none
+    where the build has AVX512-VNNI, whose exact paths are as fast), "int16" by x in 15 bits
+    (exact)."""
     if mode not in ("int16", "int8"):
         raise ValueError(f"cpu_int4_activations must be int16 or int8, not {mode!r}")
     lib = load()
     if lib is not None:
         lib.qgemv_x8.value = int(mode == "int8")
+
+
+def int8_activation_rows() -> int:
+    """The most input rows --cpu-int4-activations int8 applies to here (0: none)."""
+    lib = load()
+    return lib.qgemv_x8_rows if lib is not None else 0
 
 
 def int4_activations() -> str:

@@ -171,7 +171,7 @@ def load_model(
     `lm_head_quantization` the LM head (auto: int8 under `quantization`, else as it is).
     Each weight is kept once (in the layout measured best over all row counts) unless
     `cpu_weight_copies_max_gb` allows second layouts. `cpu_int4_activations` (int16, int8)
-    sets what 4-bit weights' one-row CPU matmuls multiply their codes by (cpu_kernels).
+    sets what 4-bit weights' CPU decode matmuls multiply their codes by (cpu_kernels).
     """
     if cpu_weight_copies_max_gb < 0:
         raise ValueError(f"cpu_weight_copies_max_gb must be >= 0, not {cpu_weight_copies_max_gb}")
@@ -204,9 +204,13 @@ def load_model(
     if device.type == "cpu":
         cpu_kernels.set_int4_activations(cpu_int4_activations)
         if cpu_int4_activations == "int8" and tp_rank == 0:
+            rows = cpu_kernels.int8_activation_rows()
             logger.info(
-                "4-bit weights at one row: x rounded to 8 bits per 128 features "
-                "(--cpu-int4-activations int8), not exact"
+                f"4-bit weights in decode batches of up to {rows} rows: x rounded to 8 bits "
+                "per 128 features (--cpu-int4-activations int8), not exact"
+                if rows
+                else "--cpu-int4-activations int8 unused: this CPU multiplies 4-bit codes "
+                "exactly at the same speed (AVX512-VNNI)"
             )
     if prepack and device.type == "cpu":
         model.prepack(cpu_kernel_tuning, int(cpu_weight_copies_max_gb * 2**30))

@@ -153,8 +153,8 @@ def test_a_quantized_checkpoint_refuses_the_flag(tmp_path: Path) -> None:
 
 
 def _one_at_a_time(path: Path, **flags: str) -> tuple[list[list[int]], list[list[float]]]:
-    """Each prompt alone, so every decode step is one row (the matmuls
-    --cpu-int4-activations changes): its greedy tokens and their top-two logprob gaps."""
+    """Each prompt alone (its prefill and decode steps within the 64 rows
+    --cpu-int4-activations int8 takes): its greedy tokens and their top-two logprob gaps."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     tokens: list[list[int]] = []
     gaps: list[list[float]] = []
@@ -177,8 +177,9 @@ def test_int4_with_activations_in_8_bits_keeps_the_tokens_but_near_ties(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """--cpu-int4-activations int8 rounds x to 8 bits per 128 features in 4-bit weights'
-    one-row matmuls: not exact, so a token may differ from the dequantized twin's where the
-    twin's top two candidates nearly tie, and nowhere else; the start-up log says so."""
+    matmuls of up to 64 rows: not exact, so a token may differ from the dequantized twin's
+    where the twin's top two candidates nearly tie, and nowhere else; the start-up log says
+    so."""
     caplog.set_level(logging.INFO, logger="minisgl.models.loader")
     reference, gaps = _one_at_a_time(_twin("int4", tmp_path / "twin"))
     try:

@@ -368,11 +368,12 @@ def _exact_x8(x: torch.Tensor, q: torch.Tensor, w: QTensor) -> tuple[torch.Tenso
 
 @pytest.mark.parametrize("k, group", [(1536, 0), (1024, 64), (1152, 128), (1024, 256)])
 def test_int4_against_x_in_8_bits(k: int, group: int) -> None:
-    """--cpu-int4-activations int8 (qgemv_x8): one row of x against 4-bit codes is x rounded to
-    8 bits per 128 features (64 in groups of 64), times the codes, summed exactly: the same
-    result as that reference but for fp32 roundings, and within x's rounding (half a step a
-    feature) of the float matmul. Off, the same call is exact to 15-bit x as before; more rows
-    than one stay on that exact path."""
+    """--cpu-int4-activations int8 (qgemv_x8): x against 4-bit codes in decode batches (1 to
+    64 rows) is x rounded to 8 bits per 128 features (64 in groups of 64), times the codes,
+    summed exactly: the same result as that reference but for fp32 roundings, and within x's
+    rounding (half a step a feature) of the float matmul. Prefill (more rows) and the switch
+    off: exact to 15-bit x as before. Where the build has AVX512-VNNI the switch takes no
+    row (its exact paths are as fast): exact throughout."""
     g = torch.Generator().manual_seed(k + group)
     n = 37
     q = torch.randint(0, 16, (n, k), generator=g)
@@ -386,29 +387,36 @@ def test_int4_against_x_in_8_bits(k: int, group: int) -> None:
     x[:, 5::13] = 1e-4  # rounded to 0
     x[:, 128:256] = 0.0  # an all-zero block
     deq = dequantize(w, torch.float32)
-    byte_path = _switch("qgemv_byte_path")
-    saved = byte_path.value
-    byte_path.value = 0  # the AVX-512 build multiplies the codes as bytes (exactly) instead
+    most = cpu_kernels.int8_activation_rows()
+    assert most == (0 if cpu_kernels.isa() == "avx512" and "avx512_vnni" in _flags() else 64)
     cpu_kernels.set_int4_activations("int8")
     try:
         for dtype in (torch.float32, torch.bfloat16):
             xd = x.to(dtype)
             one = cpu_gemv.qgemv(xd[:1], w, torch.float32).double()
-            ref, terms = _exact_x8(xd[:1], q, w)
-            assert bool(((one - ref).abs() <= 1e-5 * terms).all()), dtype
-            blocks = xd[:1].float().view(1, -1, 128 if (group or k) % 128 == 0 else 64)
-            half_step = (blocks.abs().amax(-1, keepdim=True) / 254).expand_as(blocks).reshape(1, k)
-            rounding = F.linear(half_step, deq.abs()).double()
-            exact = F.linear(xd[:1].float(), deq).double()
-            assert bool(((one - exact).abs() <= rounding * 1.001 + 1e-4).all()), dtype
-            assert not torch.equal(one, exact)  # x was rounded: the switch took effect
-            three = cpu_gemv.qgemv(xd, w, torch.float32).double()
-            ref16, terms16 = _exact(xd, q, w)
-            assert bool(((three - ref16).abs() <= 1e-5 * terms16).all()), dtype
+            if most:
+                ref, terms = _exact_x8(xd[:1], q, w)
+                assert bool(((one - ref).abs() <= 1e-5 * terms).all()), dtype
+                blocks = xd[:1].float().view(1, -1, 128 if (group or k) % 128 == 0 else 64)
+                half = (blocks.abs().amax(-1, keepdim=True) / 254).expand_as(blocks)
+                rounding = F.linear(half.reshape(1, k), deq.abs()).double()
+                exact = F.linear(xd[:1].float(), deq).double()
+                assert bool(((one - exact).abs() <= rounding * 1.001 + 1e-4).all()), dtype
+                assert not torch.equal(one, exact)  # x was rounded: the switch took effect
+            for rows in (1, 2, 3, 16, 64, 65):  # in pairs; past 64 rows exact
+                xr = xd.repeat(-(-rows // 3), 1)[:rows]
+                got = cpu_gemv.qgemv(xr, w, torch.float32).double()
+                ref, terms = _exact_x8(xr, q, w) if rows <= most else _exact(xr, q, w)
+                assert bool(((got - ref).abs() <= 1e-5 * terms).all()), (dtype, rows)
     finally:
         cpu_kernels.set_int4_activations("int16")
-        byte_path.value = saved
     assert cpu_kernels.int4_activations() == "int16"
     ref16, terms16 = _exact(x[:1], q, w)
     off = cpu_gemv.qgemv(x[:1], w, torch.float32).double()
     assert bool(((off - ref16).abs() <= 1e-5 * terms16).all())
+
+
+def _flags() -> frozenset[str]:
+    from minisgl.layers import cpu_build
+
+    return cpu_build.cpu_info()[1]

@@ -545,7 +545,11 @@ static inline __attribute__((always_inline)) void block_u4(
    of a 32-byte load are the even features of its 64 (qtensor's 4-bit layout), the high ones
    the odd: x per 64 features is its 32 evens, then its 32 odds, one byte each. Each block's
    integer sums become fp32 times scale[n, g] * xscale[block]; the zero points' term takes the
-   groups' sums of x in the same scaled units, and the row's xscale is 1. */
+   groups' sums of x in the same scaled units, and the row's xscale is 1. Up to
+   qgemv_x8_rows input rows (decode batches), a row at a time or in pairs whose codes are
+   extracted once in registers for both rows (a scratch written once per block and read per
+   pair, as block_int_many does, measured no faster than the int16 path: its per-block
+   widening and scaling outweighed the products saved). */
 int qgemv_x8 = 0;
 #define X8_BLOCK 128
 
@@ -649,6 +653,61 @@ static inline __attribute__((always_inline)) void block_u4x8(
         for (int j = 0; j < 4; j++)
             acc->v[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(as[j], ones)),
                                            _mm256_set1_ps(sr[j][g] * xs[b]), acc->v[j][0]);
+        if (--left == 0) g++, left = per;
+    }
+}
+
+/* The same for input rows m and m + 1, two weight rows at a time (as block_int2: the 2x2
+   int16 sums, both rows' x and the codes of two weight rows fill AVX2's 16 registers): a
+   code's byte is extracted once and multiplied by both rows. */
+static inline __attribute__((always_inline)) void block_u4x8_2(
+    const int8_t* xq, const float* xsb, const uint8_t* const* wr, const float* const* sr,
+    int64_t m, int64_t K, int64_t gs, Prefetch* pf, Acc* acc) {
+    const int64_t XB = x8_block(gs), B = K / XB, per = gs / XB;
+    const int8_t *x0 = xq + m * K, *x1 = x0 + K;
+    const float *xs0 = xsb + m * B, *xs1 = xs0 + B;
+    const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int j = 0; j < 4; j++) acc->v[j][0] = acc->v[j][1] = _mm256_setzero_ps();
+    for (int64_t b = 0, g = 0, left = per; b < B; b++) {
+        for (int jh = 0; jh < 4; jh += 2) {
+            __m256i a0 = _mm256_setzero_si256(), a1 = a0, b0 = a0, b1 = a0;
+            for (int64_t k = b * XB; k < (b + 1) * XB; k += 64) {
+                qprefetch(pf);
+                __m256i v = _mm256_loadu_si256((const __m256i*)(wr[jh] + k / 2));
+                __m256i f = _mm256_loadu_si256((const __m256i*)(wr[jh + 1] + k / 2));
+                __m256i ve = _mm256_and_si256(v, nib);
+                __m256i vo = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                __m256i fe = _mm256_and_si256(f, nib);
+                __m256i fo = _mm256_and_si256(_mm256_srli_epi16(f, 4), nib);
+                __m256i xe = _mm256_loadu_si256((const __m256i*)(x0 + k));
+                __m256i xo = _mm256_loadu_si256((const __m256i*)(x0 + k + 32));
+                a0 = _mm256_add_epi16(a0, _mm256_add_epi16(_mm256_maddubs_epi16(ve, xe),
+                                                           _mm256_maddubs_epi16(vo, xo)));
+                a1 = _mm256_add_epi16(a1, _mm256_add_epi16(_mm256_maddubs_epi16(fe, xe),
+                                                           _mm256_maddubs_epi16(fo, xo)));
+                KEEP(a0);
+                KEEP(a1);
+                xe = _mm256_loadu_si256((const __m256i*)(x1 + k));
+                xo = _mm256_loadu_si256((const __m256i*)(x1 + k + 32));
+                b0 = _mm256_add_epi16(b0, _mm256_add_epi16(_mm256_maddubs_epi16(ve, xe),
+                                                           _mm256_maddubs_epi16(vo, xo)));
+                b1 = _mm256_add_epi16(b1, _mm256_add_epi16(_mm256_maddubs_epi16(fe, xe),
+                                                           _mm256_maddubs_epi16(fo, xo)));
+                KEEP(b0);
+                KEEP(b1);
+            }
+            float s0 = sr[jh][g], s1 = sr[jh + 1][g];
+            acc->v[jh][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a0, ones)),
+                                            _mm256_set1_ps(s0 * xs0[b]), acc->v[jh][0]);
+            acc->v[jh][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(b0, ones)),
+                                            _mm256_set1_ps(s0 * xs1[b]), acc->v[jh][1]);
+            acc->v[jh + 1][0] = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(_mm256_madd_epi16(a1, ones)), _mm256_set1_ps(s1 * xs0[b]),
+                acc->v[jh + 1][0]);
+            acc->v[jh + 1][1] = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(_mm256_madd_epi16(b1, ones)), _mm256_set1_ps(s1 * xs1[b]),
+                acc->v[jh + 1][1]);
+        }
         if (--left == 0) g++, left = per;
     }
 }
@@ -1245,6 +1304,16 @@ int qgemv_gfni = -1;
 #define FP8_PAIRS_MAX 4
 #endif
 
+/* The most input rows qgemv_x8 takes (block_u4x8, block_u4x8_2: decode batches; prefill stays
+   exact): 0 where the build has AVX512-VNNI, whose exact paths multiply 4-bit codes at least
+   as fast (bytes at one row, 512-bit VPDPWSSD at more). On AVX2 (AMD EPYC VM, Zen 1 class):
+   0.70-0.80x the int16 paths' time at 1-64 rows (Qwen3-0.6B and 8B shapes, 2 threads, cold). */
+#ifdef __AVX512VNNI__
+const int qgemv_x8_rows = 0;
+#else
+const int qgemv_x8_rows = 64;
+#endif
+
 static void qgemv_kind(
     int kind, const void* x, int x_bf16, const uint8_t* codes, int64_t cstride,
     const float* scales, const uint8_t* zeros, int64_t gstride, void* y, int out_bf16,
@@ -1267,8 +1336,8 @@ static void qgemv_kind(
     Chunks chunks = {0, 0, 0};
     if (bytes) chunks = bytes_chunks(bkind, gs);
 #endif
-    /* one row of 4-bit codes against x in 8 bits (see qgemv_x8) */
-    int x8 = qgemv_x8 && kind == Q_U4 && M == 1 && !bytes;
+    /* 4-bit codes against x in 8 bits (see qgemv_x8) */
+    int x8 = qgemv_x8 && kind == Q_U4 && M <= qgemv_x8_rows && !bytes;
     if (x8) xsb = (float*)malloc(sizeof(float) * M * (K / 64));
     if (kind == Q_FP8) {
         xf = (float*)malloc(sizeof(float) * M * K);
@@ -1288,7 +1357,7 @@ static void qgemv_kind(
        per pair of rows, block_int for a last odd one); more: once per block (integer codes
        into a scratch per segment, block_int_many; fp8 to fp32 with its scales,
        block_fp8_many) and every pass over that scratch. */
-    int many = M > (kind == Q_FP8 ? FP8_PAIRS_MAX : INT_PAIRS_MAX);
+    int many = !x8 && M > (kind == Q_FP8 ? FP8_PAIRS_MAX : INT_PAIRS_MAX);
     int64_t steps = kind == Q_FP8 ? K / 32 * ((M + 1) / 2 + (many ? 4 : 0))
                                   : (many ? K / step_features(kind) * 4 + K / 32 * ((M + 1) / 2)
                                           : K / step_features(kind) * M);
@@ -1354,7 +1423,8 @@ static void qgemv_kind(
                               pf.base ? PF_BLOCKS * block_bytes : 0, lanes, acc);
                 else
 #endif
-                if (x8) block_u4x8((const int8_t*)xq, xsb, wr, sr, m, K, gs, &pf, acc);
+                if (x8 && mr == 2) block_u4x8_2((const int8_t*)xq, xsb, wr, sr, m, K, gs, &pf, acc);
+                else if (x8) block_u4x8((const int8_t*)xq, xsb, wr, sr, m, K, gs, &pf, acc);
                 else if (!many) run_block(kind, 0, xq, xf, wr, sr, m, M, K, gs, &pf, NULL, acc);
                 if (kind != Q_FP8 && zeros && !zero4) zero_points(sr, zr, xsum, m, mr, G, acc);
                 for (int i = 0; i < mr; i++) {
