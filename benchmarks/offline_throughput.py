@@ -45,9 +45,19 @@ def make_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
 def run_minisgl(
     model: str, dtype: str, device: str, prompts, out_len: int, quantization: str | None = None
 ) -> tuple[float, float]:
+    """`quantization`: a --quantization format, with a /x8 suffix for
+    --cpu-int4-activations int8."""
     from minisgl import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, device=device, max_seq_len=2048, quantization=quantization)
+    x8 = quantization is not None and quantization.endswith("/x8")
+    llm = LLM(
+        model,
+        dtype=dtype,
+        device=device,
+        max_seq_len=2048,
+        quantization=quantization.removesuffix("/x8") if quantization else None,
+        cpu_int4_activations="int8" if x8 else "int16",
+    )
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     llm.generate([prompts[0][:16]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     t0 = time.perf_counter()
@@ -146,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         "--quantization",
         default="none",
         help="comma-separated --quantization formats for minisgl (int8, int4, fp8; none: the "
-        "float model), each run on the same workload",
+        "float model), each run on the same workload; a /x8 suffix adds --cpu-int4-activations "
+        "int8 (e.g. none,int4,int4/x8)",
     )
     ap.add_argument(
         "--no-transformers", action="store_true", help="minisgl only (no transformers peer)"
