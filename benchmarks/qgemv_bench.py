@@ -83,26 +83,25 @@ def qgemv_switch(name: str) -> ctypes.c_int:
     return ctypes.c_int.in_dll(ctypes.CDLL(str(cpu_kernels._LIB_PATH)), name)
 
 
-def qgemv_int16(x: torch.Tensor, w: QTensor) -> torch.Tensor:
-    """cpu_gemv.qgemv with one row of x as int16 (VPDPWSSD) instead of bytes (VPDPBUSD, where
-    the build has AVX512-VNNI): qgemv.c's qgemv_byte_path switch."""
-    switch = qgemv_switch("qgemv_byte_path")
-    switch.value = 0
+def qgemv_switched(name: str, value: int, x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """cpu_gemv.qgemv with qgemv.c's switch `name` at `value` for the call."""
+    switch = qgemv_switch(name)
+    saved, switch.value = switch.value, value
     try:
         return cpu_gemv.qgemv(x, w)
     finally:
-        switch.value = 1
+        switch.value = saved
+
+
+def qgemv_int16(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """One row of x as int16 (VPDPWSSD) instead of bytes (VPDPBUSD, where the build has
+    AVX512-VNNI)."""
+    return qgemv_switched("qgemv_byte_path", 0, x, w)
 
 
 def qgemv_x8(x: torch.Tensor, w: QTensor) -> torch.Tensor:
-    """cpu_gemv.qgemv with x in 8 bits against 4-bit codes (--cpu-int4-activations int8):
-    qgemv.c's qgemv_x8 switch."""
-    switch = qgemv_switch("qgemv_x8")
-    switch.value = 1
-    try:
-        return cpu_gemv.qgemv(x, w)
-    finally:
-        switch.value = 0
+    """x in 8 bits against 4-bit codes (--cpu-int4-activations int8)."""
+    return qgemv_switched("qgemv_x8", 1, x, w)
 
 
 def timed(fn, clock) -> float:  # noqa: ANN001

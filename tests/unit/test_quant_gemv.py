@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl.layers import cpu_kernels
+from minisgl.layers import cpu_kernels, kernel_choice
 from minisgl.quant import cpu_gemv, matmul
 from minisgl.quant.qtensor import FP8, QTensor, dequantize, pack_nibbles
 from minisgl.quant.quantize import quantize
@@ -420,3 +422,69 @@ def _flags() -> frozenset[str]:
     from minisgl.layers import cpu_build
 
     return cpu_build.cpu_info()[1]
+
+
+def test_picks_are_timed_again_for_8_bit_activations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--cpu-int4-activations changes what 4-bit matmuls cost: a model loaded in one mode does
+    not reuse the picks timed in the other, in memory (one process, e.g. a benchmark with both)
+    or on disk (the tuning cache's key)."""
+    from minisgl.quant import cpu_choice
+
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_choice, "_MEMO", {})
+    timed: list[str] = []
+    fake = {name: [1.0] * len(kernel_choice.BUCKETS) for name in cpu_choice.CANDIDATES}
+    monkeypatch.setattr(
+        cpu_choice, "measure", lambda *a, **k: timed.append(cpu_kernels.int4_activations()) or fake
+    )
+    ws = [_weights()["int4"]]
+    try:
+        for mode in ("int16", "int8", "int16", "int8"):
+            cpu_kernels.set_int4_activations(mode)
+            cpu_choice.choose(ws, torch.bfloat16, "full")
+    finally:
+        cpu_kernels.set_int4_activations("int16")
+    assert timed == ["int16", "int8"]  # once per mode; then from memory
+    keys = {cpu_choice.machine_key().digest()}
+    cpu_kernels.set_int4_activations("int8")
+    try:
+        keys.add(cpu_choice.machine_key().digest())
+    finally:
+        cpu_kernels.set_int4_activations("int16")
+    assert len(keys) == 2
+
+
+def test_a_burst_over_the_defaults_first_passes_does_not_pick_a_slower_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Timings of a shared machine: the default kernel's first passes land in a burst of other
+    work (10 s a pass instead of 6) while another kernel takes 7 s a pass throughout. The
+    leader is timed again in turn with the default, so the default (the faster) stays the pick;
+    before, the slower kernel was picked."""
+    from minisgl.quant import cpu_choice
+
+    now = [0.0]
+    passes: dict[str, int] = {}
+
+    def scripted(name: str) -> Callable[..., None]:
+        def run(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> None:
+            passes[name] = passes.get(name, 0) + 1
+            if name == "dequant_panel":
+                now[0] += 10.0 if passes[name] <= 4 else 6.0  # warm-up + 3 passes in a burst
+            else:
+                now[0] += 7.0 if name == "qgemv" else 100.0
+
+        return run
+
+    for name in cpu_choice.CANDIDATES:
+        monkeypatch.setitem(cpu_choice._RUN, name, scripted(name))
+    defaults = ("dequant_panel",) * len(kernel_choice.BUCKETS)
+    ws = [_weights()["int4"]]
+    for confirm, want in ((0, "qgemv"), (cpu_choice._CONFIRM_REPEATS, "dequant_panel")):
+        monkeypatch.setattr(cpu_choice, "_CONFIRM_REPEATS", confirm)
+        passes.clear()
+        timings = cpu_choice.measure(ws, torch.float32, clock=lambda: now[0], defaults=defaults)
+        # every row count's passes share the script's counter: only the first is a burst
+        assert kernel_choice.pick(timings, defaults)[0] == want, confirm

@@ -555,6 +555,19 @@ int qgemv_x8 = 0;
 
 static inline int64_t x8_block(int64_t gs) { return gs % X8_BLOCK == 0 ? X8_BLOCK : 64; }
 
+/* acc + a step's products: codes e (even features) and o (odd) against x's xe and xo, as int16
+   pair sums (VPMADDUBSW: unsigned code, signed x). */
+static inline __m256i x8_dot(__m256i acc, __m256i e, __m256i o, __m256i xe, __m256i xo) {
+    return _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(e, xe),
+                                                   _mm256_maddubs_epi16(o, xo)));
+}
+
+/* A block's int16 sums widened (VPMADDWD with ones), to fp32, times `scale`, into sum. */
+static inline __m256 x8_flush(__m256i a, float scale, __m256 sum) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a, _mm256_set1_epi16(1))),
+                           _mm256_set1_ps(scale), sum);
+}
+
 /* 64 features of x (bf16 or fp32) at `at` times inv -> their int8 evens and odds (32 each),
    the codes' sum into *sum. */
 static inline void x8_step(const void* x, int x_bf16, int64_t at, __m256 inv, __m256i* sum,
@@ -624,7 +637,7 @@ static inline __attribute__((always_inline)) void block_u4x8(
     const int8_t* x0 = xq + m * K;
     const float* xs = xsb + m * B;
     const uint8_t *w0 = wr[0], *w1 = wr[1], *w2 = wr[2], *w3 = wr[3];
-    const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const __m256i nib = _mm256_set1_epi8(15);
     const int two = pf->lines == 2 * pf->steps;
     const int64_t per = gs / XB; /* blocks a group, counted down (no division per block) */
     for (int j = 0; j < 4; j++) acc->v[j][0] = _mm256_setzero_ps();
@@ -637,10 +650,8 @@ static inline __attribute__((always_inline)) void block_u4x8(
 #define X8_ROW(a, p)                                                                        \
     {                                                                                       \
         __m256i v = _mm256_loadu_si256((const __m256i*)(p + k / 2));                        \
-        a = _mm256_add_epi16(a, _mm256_maddubs_epi16(_mm256_and_si256(v, nib), xe));        \
-        KEEP(a);                                                                            \
-        a = _mm256_add_epi16(                                                               \
-            a, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib), xo));   \
+        __m256i o = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);                         \
+        a = x8_dot(a, _mm256_and_si256(v, nib), o, xe, xo);                                 \
         KEEP(a);                                                                            \
     }
             X8_ROW(a0, w0)
@@ -650,9 +661,7 @@ static inline __attribute__((always_inline)) void block_u4x8(
 #undef X8_ROW
         }
         __m256i as[4] = {a0, a1, a2, a3};
-        for (int j = 0; j < 4; j++)
-            acc->v[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(as[j], ones)),
-                                           _mm256_set1_ps(sr[j][g] * xs[b]), acc->v[j][0]);
+        for (int j = 0; j < 4; j++) acc->v[j][0] = x8_flush(as[j], sr[j][g] * xs[b], acc->v[j][0]);
         if (--left == 0) g++, left = per;
     }
 }
@@ -666,7 +675,7 @@ static inline __attribute__((always_inline)) void block_u4x8_2(
     const int64_t XB = x8_block(gs), B = K / XB, per = gs / XB;
     const int8_t *x0 = xq + m * K, *x1 = x0 + K;
     const float *xs0 = xsb + m * B, *xs1 = xs0 + B;
-    const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const __m256i nib = _mm256_set1_epi8(15);
     for (int j = 0; j < 4; j++) acc->v[j][0] = acc->v[j][1] = _mm256_setzero_ps();
     for (int64_t b = 0, g = 0, left = per; b < B; b++) {
         for (int jh = 0; jh < 4; jh += 2) {
@@ -681,32 +690,22 @@ static inline __attribute__((always_inline)) void block_u4x8_2(
                 __m256i fo = _mm256_and_si256(_mm256_srli_epi16(f, 4), nib);
                 __m256i xe = _mm256_loadu_si256((const __m256i*)(x0 + k));
                 __m256i xo = _mm256_loadu_si256((const __m256i*)(x0 + k + 32));
-                a0 = _mm256_add_epi16(a0, _mm256_add_epi16(_mm256_maddubs_epi16(ve, xe),
-                                                           _mm256_maddubs_epi16(vo, xo)));
-                a1 = _mm256_add_epi16(a1, _mm256_add_epi16(_mm256_maddubs_epi16(fe, xe),
-                                                           _mm256_maddubs_epi16(fo, xo)));
+                a0 = x8_dot(a0, ve, vo, xe, xo);
+                a1 = x8_dot(a1, fe, fo, xe, xo);
                 KEEP(a0);
                 KEEP(a1);
                 xe = _mm256_loadu_si256((const __m256i*)(x1 + k));
                 xo = _mm256_loadu_si256((const __m256i*)(x1 + k + 32));
-                b0 = _mm256_add_epi16(b0, _mm256_add_epi16(_mm256_maddubs_epi16(ve, xe),
-                                                           _mm256_maddubs_epi16(vo, xo)));
-                b1 = _mm256_add_epi16(b1, _mm256_add_epi16(_mm256_maddubs_epi16(fe, xe),
-                                                           _mm256_maddubs_epi16(fo, xo)));
+                b0 = x8_dot(b0, ve, vo, xe, xo);
+                b1 = x8_dot(b1, fe, fo, xe, xo);
                 KEEP(b0);
                 KEEP(b1);
             }
             float s0 = sr[jh][g], s1 = sr[jh + 1][g];
-            acc->v[jh][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a0, ones)),
-                                            _mm256_set1_ps(s0 * xs0[b]), acc->v[jh][0]);
-            acc->v[jh][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(b0, ones)),
-                                            _mm256_set1_ps(s0 * xs1[b]), acc->v[jh][1]);
-            acc->v[jh + 1][0] = _mm256_fmadd_ps(
-                _mm256_cvtepi32_ps(_mm256_madd_epi16(a1, ones)), _mm256_set1_ps(s1 * xs0[b]),
-                acc->v[jh + 1][0]);
-            acc->v[jh + 1][1] = _mm256_fmadd_ps(
-                _mm256_cvtepi32_ps(_mm256_madd_epi16(b1, ones)), _mm256_set1_ps(s1 * xs1[b]),
-                acc->v[jh + 1][1]);
+            acc->v[jh][0] = x8_flush(a0, s0 * xs0[b], acc->v[jh][0]);
+            acc->v[jh][1] = x8_flush(b0, s0 * xs1[b], acc->v[jh][1]);
+            acc->v[jh + 1][0] = x8_flush(a1, s1 * xs0[b], acc->v[jh + 1][0]);
+            acc->v[jh + 1][1] = x8_flush(b1, s1 * xs1[b], acc->v[jh + 1][1]);
         }
         if (--left == 0) g++, left = per;
     }
