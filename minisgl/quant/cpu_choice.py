@@ -121,7 +121,7 @@ def machine_key() -> MachineKey:
     model, flags = cpu_build.cpu_info()
     kernels = cpu_kernels.build_id() or "none"
     rules = f"quant:{kernel_choice.policy(CANDIDATES)};confirm {_CONFIRM_REPEATS}"
-    if cpu_kernels.int4_activations() == "int8":  # 4-bit one-row timings differ
+    if cpu_kernels.int4_activations() == "int8":  # 4-bit decode timings differ
         rules += ":x8"
     return MachineKey.of(model, flags, torch.__version__, torch.get_num_threads(), kernels, rules)
 

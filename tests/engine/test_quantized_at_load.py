@@ -194,5 +194,8 @@ def test_int4_with_activations_in_8_bits_keeps_the_tokens_but_near_ties(
         assert len(got) == MAX_TOKENS
         same = len(want) if j is None else j  # the gaps of the same tokens moved by little
         assert all(abs(a - b) <= X8_TIE for a, b in zip(gap[:same], our_gap[:same]))
-    assert our_gaps != gaps  # x was rounded: the switch took effect
+    if cpu_kernels.int8_activation_rows():
+        assert our_gaps != gaps  # x was rounded: the switch took effect
+    else:  # AVX512-VNNI (or no C kernels): the exact paths run, the flag changes nothing
+        assert ours == reference
     assert any("--cpu-int4-activations int8" in r.getMessage() for r in caplog.records)
