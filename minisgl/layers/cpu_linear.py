@@ -80,8 +80,8 @@ _SLICE_ROWS_PER_THREAD = 128
 _MIN_REPEATS = 3
 _MAX_REPEATS = 8
 
-# What the chooser found in this process, by (mode, shape, candidates available).
-_MEMO: dict[tuple[str, ShapeKey, tuple[str, ...]], Plan] = {}
+# What the chooser found in this process, by (mode, shape, candidates available, machine key).
+_MEMO: dict[tuple[str, ShapeKey, tuple[str, ...], MachineKey], Plan] = {}
 
 
 def _off(name: str) -> bool:
@@ -345,7 +345,8 @@ def choose(
         return Plan(shape, "forced", None, kernel_choice.forced(forced, avail, defaults), row)
     if tuning == "off":
         return Plan(shape, "defaults", None, defaults, row)
-    memo = (tuning, shape, tuple(avail))
+    # keyed as the cache is: another thread count within a process times again
+    memo = (tuning, shape, tuple(avail), machine_key())
     if memo in _MEMO:
         return _MEMO[memo]
     cache = tuning_cache()

@@ -71,7 +71,7 @@ _MIN_REPEATS, _MAX_REPEATS = 3, 8
 # over the default's first passes made a leader of a kernel 1.2x slower (an AVX2 EPYC VM's int4
 # prefill: qgemv over dequant_panel at 65-512 rows, 0.89x bf16's prefill rate).
 _CONFIRM_REPEATS = 3
-_MEMO: dict[tuple[str, ShapeKey, str], tuple[tuple[str, ...], str]] = {}
+_MEMO: dict[tuple[str, ShapeKey, MachineKey], tuple[tuple[str, ...], str]] = {}
 
 
 class QuantKernel:
@@ -139,12 +139,13 @@ def choose(
     defaults = default_picks(cpu_gemv.kind(weights[0]), x_dtype)
     if tuning == "off":
         return defaults, "defaults"
-    shape = shape_key(weights[0], x_dtype)
-    # the activations' mode changes 4-bit timings (machine_key's policy has it too)
-    memo = (tuning, shape, cpu_kernels.int4_activations())
+    shape, machine = shape_key(weights[0], x_dtype), machine_key()
+    # what keys the cache keys the process's memo too: a change of activation mode or of
+    # thread count within a process times again
+    memo = (tuning, shape, machine)
     if memo in _MEMO:
         return _MEMO[memo]
-    cache = kernel_choice.TuningCache(cpu_build.cache_dir() / "tuning", machine_key())
+    cache = kernel_choice.TuningCache(cpu_build.cache_dir() / "tuning", machine)
     got = cache.get(shape, CANDIDATES) if tuning == "cached" else None
     if got is not None:
         result = kernel_choice.pick(got, defaults), "cached"

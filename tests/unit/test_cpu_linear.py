@@ -135,6 +135,25 @@ def test_a_different_thread_count_tunes_again(monkeypatch: pytest.MonkeyPatch) -
     assert timings.calls == 2
 
 
+def test_a_process_that_changes_its_thread_count_tunes_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Within one process (torch.set_num_threads, as a benchmark's --threads): picks timed on
+    one thread count are not reused on another, and each count's are reused on it. Before,
+    the in-memory picks were keyed without the count."""
+    w = weight()
+    timings = Timings(winners_from(cpu_linear.available(w, w.dtype)))
+    monkeypatch.setattr(cpu_linear, "measure", timings)
+    threads = torch.get_num_threads()
+    try:
+        for n in (threads, threads + 1, threads, threads + 1):
+            torch.set_num_threads(n)
+            cpu_linear.CpuLinearKernel.create(w)
+    finally:
+        torch.set_num_threads(threads)
+    assert timings.calls == 2
+
+
 def test_off_never_measures(monkeypatch: pytest.MonkeyPatch) -> None:
     w = weight()
     timings = Timings(["torch"] * len(BUCKETS))

@@ -456,6 +456,33 @@ def test_picks_are_timed_again_for_8_bit_activations(
     assert len(keys) == 2
 
 
+def test_picks_are_timed_again_at_another_thread_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that changes its thread count (torch.set_num_threads, as the benchmarks'
+    --threads does) times again: picks timed on 2 threads are not those of 1. Before, the
+    in-memory picks were keyed without it and reused."""
+    from minisgl.quant import cpu_choice
+
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_choice, "_MEMO", {})
+    timed: list[int] = []
+    fake = {name: [1.0] * len(kernel_choice.BUCKETS) for name in cpu_choice.CANDIDATES}
+    monkeypatch.setattr(
+        cpu_choice, "measure", lambda *a, **k: timed.append(torch.get_num_threads()) or fake
+    )
+    ws = [_weights()["int4"]]
+    threads = torch.get_num_threads()
+    other = 1 if threads > 1 else 2
+    try:
+        for n in (threads, other, threads, other):
+            torch.set_num_threads(n)
+            cpu_choice.choose(ws, torch.bfloat16, "full")
+    finally:
+        torch.set_num_threads(threads)
+    assert timed == [threads, other]  # once per thread count; then from memory
+
+
 def test_a_burst_over_the_defaults_first_passes_does_not_pick_a_slower_kernel(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
