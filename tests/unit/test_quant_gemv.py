@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -424,6 +425,30 @@ def _flags() -> frozenset[str]:
     return cpu_build.cpu_info()[1]
 
 
+def _timings_taken(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    states: Sequence[object],
+    enter: Callable[[Any], object],
+) -> list[object]:
+    """The quantized chooser asked for int4 picks once in each of `states` (enter(state) sets
+    one up) within one process: the states whose picks were timed, not taken from memory."""
+    from minisgl.quant import cpu_choice
+
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_choice, "_MEMO", {})
+    timed: list[object] = []
+    fake = {name: [1.0] * len(kernel_choice.BUCKETS) for name in cpu_choice.CANDIDATES}
+    now: list[object] = [None]
+    monkeypatch.setattr(cpu_choice, "measure", lambda *a, **k: timed.append(now[0]) or fake)
+    ws = [_weights()["int4"]]
+    for state in states:
+        enter(state)
+        now[0] = state
+        cpu_choice.choose(ws, torch.bfloat16, "full")
+    return timed
+
+
 def test_picks_are_timed_again_for_8_bit_activations(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -432,18 +457,9 @@ def test_picks_are_timed_again_for_8_bit_activations(
     or on disk (the tuning cache's key)."""
     from minisgl.quant import cpu_choice
 
-    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_choice, "_MEMO", {})
-    timed: list[str] = []
-    fake = {name: [1.0] * len(kernel_choice.BUCKETS) for name in cpu_choice.CANDIDATES}
-    monkeypatch.setattr(
-        cpu_choice, "measure", lambda *a, **k: timed.append(cpu_kernels.int4_activations()) or fake
-    )
-    ws = [_weights()["int4"]]
     try:
-        for mode in ("int16", "int8", "int16", "int8"):
-            cpu_kernels.set_int4_activations(mode)
-            cpu_choice.choose(ws, torch.bfloat16, "full")
+        modes = ("int16", "int8", "int16", "int8")
+        timed = _timings_taken(tmp_path, monkeypatch, modes, cpu_kernels.set_int4_activations)
     finally:
         cpu_kernels.set_int4_activations("int16")
     assert timed == ["int16", "int8"]  # once per mode; then from memory
@@ -462,22 +478,11 @@ def test_picks_are_timed_again_at_another_thread_count(
     """A process that changes its thread count (torch.set_num_threads, as the benchmarks'
     --threads does) times again: picks timed on 2 threads are not those of 1. Before, the
     in-memory picks were keyed without it and reused."""
-    from minisgl.quant import cpu_choice
-
-    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_choice, "_MEMO", {})
-    timed: list[int] = []
-    fake = {name: [1.0] * len(kernel_choice.BUCKETS) for name in cpu_choice.CANDIDATES}
-    monkeypatch.setattr(
-        cpu_choice, "measure", lambda *a, **k: timed.append(torch.get_num_threads()) or fake
-    )
-    ws = [_weights()["int4"]]
     threads = torch.get_num_threads()
     other = 1 if threads > 1 else 2
     try:
-        for n in (threads, other, threads, other):
-            torch.set_num_threads(n)
-            cpu_choice.choose(ws, torch.bfloat16, "full")
+        counts = (threads, other, threads, other)
+        timed = _timings_taken(tmp_path, monkeypatch, counts, torch.set_num_threads)
     finally:
         torch.set_num_threads(threads)
     assert timed == [threads, other]  # once per thread count; then from memory
