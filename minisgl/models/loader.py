@@ -16,7 +16,9 @@ from minisgl.models.checkpoint import mismatches, surplus_layers
 from minisgl.models.config import ModelConfig
 from minisgl.models.qwen3 import Qwen3ForCausalLM, plain_submodules
 from minisgl.models.registry import model_class
+from minisgl.quant import cpu_gemv
 from minisgl.quant import loading as quant_loading
+from minisgl.quant.weight import QuantWeight
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +147,32 @@ def iter_tensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str
                     bar.update(1)
 
 
+def _log_int8_activations(model: torch.nn.Module) -> None:
+    """Say whether --cpu-int4-activations int8 rounds any matmul's x: only 4-bit weights in
+    groups of 64 or more take it, so a model without them (8-bit, fp8, float, AWQ in groups
+    of 32) runs exactly as without the flag."""
+    rows = cpu_kernels.int8_activation_rows()
+    if not rows:
+        logger.info(
+            "--cpu-int4-activations int8 unused: this CPU multiplies 4-bit codes exactly at "
+            "the same speed (AVX512-VNNI)"
+        )
+        return
+    weights = [m for m in model.modules() if isinstance(m, QuantWeight)]
+    taken = sum(cpu_gemv.takes_int8_activations(w.view(0 if w.experts else None)) for w in weights)
+    if not taken:
+        logger.warning(
+            "--cpu-int4-activations int8 unused: the model has no 4-bit weights in groups of "
+            "64 or more features, the only ones it applies to; every matmul stays exact"
+        )
+        return
+    logger.info(
+        f"4-bit weights in decode batches of up to {rows} rows: x rounded to 8 bits per 128 "
+        f"features (--cpu-int4-activations int8) in {taken} of {len(weights)} quantized "
+        "weights, not exact"
+    )
+
+
 def load_model(
     path: Path,
     config: ModelConfig,
@@ -204,14 +232,7 @@ def load_model(
     if device.type == "cpu":
         cpu_kernels.set_int4_activations(cpu_int4_activations)
         if cpu_int4_activations == "int8" and tp_rank == 0:
-            rows = cpu_kernels.int8_activation_rows()
-            logger.info(
-                f"4-bit weights in decode batches of up to {rows} rows: x rounded to 8 bits "
-                "per 128 features (--cpu-int4-activations int8), not exact"
-                if rows
-                else "--cpu-int4-activations int8 unused: this CPU multiplies 4-bit codes "
-                "exactly at the same speed (AVX512-VNNI)"
-            )
+            _log_int8_activations(model)
     if prepack and device.type == "cpu":
         model.prepack(cpu_kernel_tuning, int(cpu_weight_copies_max_gb * 2**30))
         line = quant_loading.prepare_cpu(model, dtype, cpu_kernel_tuning)

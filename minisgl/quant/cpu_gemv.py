@@ -50,6 +50,15 @@ def usable(x: torch.Tensor, w: QTensor) -> bool:
     )
 
 
+def takes_int8_activations(w: QTensor) -> bool:
+    """Whether --cpu-int4-activations int8 can round x for w: 4-bit codes the C kernels run
+    in groups of 64 or more features (qgemv.c's qgemv_x8; groups of 32 and scattered groups
+    stay exact)."""
+    k = w.in_features
+    gs = w.group_size or k
+    return kind(w) == "u4" and w.g_idx is None and k % gs == 0 and gs % 64 == 0
+
+
 def _lib_qgemv() -> dict:
     lib = cpu_kernels.load()
     return lib.qgemv if lib is not None else {}

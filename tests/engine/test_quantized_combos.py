@@ -1,0 +1,73 @@
+"""Quantized models under the flags users combine them with: what the start-up log says of
+--cpu-int4-activations int8 matches what the matmuls do."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from quant_parity import source
+
+from minisgl import LLM
+from minisgl.layers import cpu_kernels
+from minisgl.testing.quant_writer import QuantFormat, write_quantized_pair
+
+pytestmark = pytest.mark.timeout(300)
+ROUNDED = "x rounded to 8 bits"
+UNUSED = "--cpu-int4-activations int8 unused"
+
+
+def _x8_log(path: Path, caplog: pytest.LogCaptureFixture, **flags: str) -> str:
+    """The loader's log lines of a model loaded with --cpu-int4-activations int8."""
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="minisgl.models.loader")
+    try:
+        with LLM(
+            str(path),
+            dtype="float32",
+            num_pages=16,
+            cpu_kernel_tuning="off",
+            cpu_int4_activations="int8",
+            **flags,
+        ):
+            pass
+    finally:
+        cpu_kernels.set_int4_activations("int16")
+    return "\n".join(r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8", None])
+def test_int8_activations_without_4_bit_weights_are_said_unused(
+    method: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 8-bit, fp8 and float weights: no matmul rounds x, so the log must not say one does.
+    log = _x8_log(source("quant"), caplog, **({"quantization": method} if method else {}))
+    assert ROUNDED not in log
+    assert UNUSED in log
+    if cpu_kernels.int8_activation_rows():
+        assert "no 4-bit weights" in log
+
+
+def test_int8_activations_skip_4_bit_groups_of_32(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # AWQ in groups of 32: the 8-bit activation kernel takes groups of 64 or more only.
+    write_quantized_pair(
+        source("quant"), tmp_path / "q", tmp_path / "t", QuantFormat("awq", group_size=32)
+    )
+    log = _x8_log(tmp_path / "q", caplog)
+    assert ROUNDED not in log
+    assert UNUSED in log
+
+
+@pytest.mark.parametrize("flags", [{"quantization": "int4"}, {"lm_head_quantization": "int4"}])
+def test_int8_activations_on_4_bit_weights_are_said_rounded(
+    flags: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # A 4-bit LM head alone is enough: its matmul rounds x.
+    log = _x8_log(source("quant"), caplog, **flags)
+    if cpu_kernels.int8_activation_rows():
+        assert ROUNDED in log and UNUSED not in log
+    else:  # AVX512-VNNI (or no C kernels): the exact paths run
+        assert UNUSED in log and ROUNDED not in log
