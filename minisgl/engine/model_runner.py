@@ -17,6 +17,7 @@ from minisgl.config import EngineArgs
 from minisgl.engine.cuda_graph import DecodeGraphs, graphs_wanted, is_graph_decode
 from minisgl.engine.memory import agree_num_pages, default_num_pages
 from minisgl.kvcache.kv_pool import KVPool
+from minisgl.layers import cpu_kernels
 from minisgl.layers.attention import create_attention_backend, resolve_backend_name
 from minisgl.layers.attention.base import BatchLayout
 from minisgl.layers.logprobs import pick, prompt_logprobs, row_stats
@@ -122,6 +123,9 @@ class ModelRunner:
             cpu_weight_copies_max_gb=args.cpu_weight_copies_max_gb,
             cpu_int4_activations=args.cpu_int4_activations,
         )
+        # --cpu-int4-activations is one switch of the C kernels per process, which another
+        # model loaded into it (a second LLM) sets too: each step sets this model's own.
+        self.int4_activations = args.cpu_int4_activations if self.device.type == "cpu" else None
         num_kv_heads = max(1, config.num_key_value_heads // tp_size)
         num_heads = config.num_attention_heads // tp_size
         bytes_per_page = KVPool.bytes_per_page(
@@ -216,6 +220,8 @@ class ModelRunner:
     def forward(self, inp: ForwardInput) -> ForwardOutput:
         """Run one batch: the sampled token of every request in `sample_rows`, plus the
         log-probabilities the requests asked for."""
+        if self.int4_activations is not None:
+            cpu_kernels.set_int4_activations(self.int4_activations)
         logits = self._graph_logits(inp)
         if logits is not None:
             return self._sample(logits, inp, [])

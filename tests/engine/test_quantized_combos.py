@@ -3,19 +3,21 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from pathlib import Path
 
 import pytest
 from quant_parity import source
 
-from minisgl import LLM
+from minisgl import LLM, SamplingParams
 from minisgl.layers import cpu_kernels
 from minisgl.testing.quant_writer import QuantFormat, write_quantized_pair
 
 pytestmark = pytest.mark.timeout(300)
 ROUNDED = "x rounded to 8 bits"
 UNUSED = "--cpu-int4-activations int8 unused"
+_REQUEST_IDS = itertools.count()
 
 
 def _x8_log(path: Path, caplog: pytest.LogCaptureFixture, **flags: str) -> str:
@@ -71,3 +73,36 @@ def test_int8_activations_on_4_bit_weights_are_said_rounded(
         assert ROUNDED in log and UNUSED not in log
     else:  # AVX512-VNNI (or no C kernels): the exact paths run
         assert UNUSED in log and ROUNDED not in log
+
+
+def _greedy_logprobs(llm: LLM, ids: list[int]) -> list[float]:
+    """The greedy tokens' logprobs of `ids` alone (prefill and decode within 64 rows)."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    engine = llm.engine
+    engine.add_request(f"req-{next(_REQUEST_IDS)}", ids, params)
+    lps: list[float] = []
+    while engine.has_unfinished():
+        for step in engine.step():
+            assert step.error is None, step.error
+            lps += [top[0] for top in step.logprobs.top_logprobs]
+    return lps
+
+
+def test_two_models_in_one_process_keep_their_own_int4_activations() -> None:
+    """--cpu-int4-activations is a switch of the C kernels, one per process: a second LLM
+    loaded with the exact path must not turn the first one's 8-bit activations off (nor the
+    other way round)."""
+    ids = [11, 4021, 883, 17, 9, 12001, 64, 3]
+    path = str(source("quant"))
+    flags = {"dtype": "float32", "num_pages": 16, "cpu_kernel_tuning": "off"}
+    try:
+        with LLM(path, quantization="int4", cpu_int4_activations="int8", **flags) as x8:
+            before = _greedy_logprobs(x8, ids)
+            with LLM(path, quantization="int4", **flags) as exact:
+                exact_lp = _greedy_logprobs(exact, ids)
+                assert _greedy_logprobs(x8, ids) == before
+                assert _greedy_logprobs(exact, ids) == exact_lp
+            if cpu_kernels.int8_activation_rows():
+                assert before != exact_lp  # the two modes differ here, so the check bites
+    finally:
+        cpu_kernels.set_int4_activations("int16")
