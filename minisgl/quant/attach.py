@@ -28,9 +28,14 @@ def _holder(
     g = scheme.group_size
     if split_k and k != k_full:
         if g and not scheme.desc_act and k % g:
+            whose = (
+                f"--quantization {scheme.method}'s"
+                if scheme.source == "load"
+                else "the checkpoint's quantization"
+            )
             raise ValueError(
                 f"tensor parallelism splits {k_full} input features into {k}, which is not a "
-                f"whole number of the checkpoint's quantization groups of {g}"
+                f"whole number of {whose} groups of {g}"
             )
         if scheme.bits == 4 and k % 2:
             raise ValueError("tensor parallelism would split a 4-bit weight inside a byte")

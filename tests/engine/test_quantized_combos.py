@@ -12,6 +12,8 @@ from quant_parity import source
 
 from minisgl import LLM, SamplingParams
 from minisgl.layers import cpu_kernels
+from minisgl.quant.attach import _holder
+from minisgl.quant.scheme import load_scheme
 from minisgl.testing.quant_writer import QuantFormat, write_quantized_pair
 
 pytestmark = pytest.mark.timeout(300)
@@ -106,3 +108,12 @@ def test_two_models_in_one_process_keep_their_own_int4_activations() -> None:
                 assert before != exact_lp  # the two modes differ here, so the check bites
     finally:
         cpu_kernels.set_int4_activations("int16")
+
+
+def test_a_tp_split_inside_an_at_load_group_names_the_flag() -> None:
+    """--quantization int4 on a float checkpoint whose shard splits a group of 128 (the MoE
+    fixture's experts, 128 features, under --tp-size 2): the refusal names the flag the groups
+    come from, not the checkpoint, which has none."""
+    with pytest.raises(ValueError, match="--quantization int4's groups of 128") as err:
+        _holder(load_scheme("int4"), 128, 64, 128, True, 8)
+    assert "checkpoint" not in str(err.value)
