@@ -91,13 +91,15 @@ class QuantKernel:
 
 
 def default_picks(
-    kind: str | None = None, x_dtype: torch.dtype = torch.bfloat16
+    kind: str | None = None, x_dtype: torch.dtype = torch.bfloat16, x8: bool = False
 ) -> tuple[str, ...]:
     """Untuned: qgemv for one row; for few rows amx_int where this build and CPU have its
     tiles for codes of `kind` (cpu_gemv.kind; None: any integer codes) and x of `x_dtype`
     (fp8 codes: bf16 x only), else qgemv; then the panel on AMX tiles where this build and CPU
-    have them (it runs the fp32 panel for fp32 x), else the fp32 panel."""
-    small = cpu_kernels.MAX_ROWS
+    have them (it runs the fp32 panel for fp32 x), else the fp32 panel. `x8` (4-bit weights
+    under --cpu-int4-activations int8): qgemv, which then rounds x, for every row count it
+    rounds x in (0.65-0.86x the fp32 panel's time at 17-64 rows on an AVX2 EPYC VM)."""
+    small = max(cpu_kernels.MAX_ROWS, cpu_kernels.int8_activation_rows() if x8 else 0)
     lib = cpu_kernels.load()
     many = "amx_panel" if lib is not None and lib.qamx else "dequant_panel"
     if kind is None:
@@ -136,7 +138,8 @@ def choose(
         return None
     if tuning not in kernel_choice.MODES:
         raise ValueError(f"cpu_kernel_tuning must be one of {kernel_choice.MODES}, not {tuning!r}")
-    defaults = default_picks(cpu_gemv.kind(weights[0]), x_dtype)
+    x8 = cpu_kernels.int4_activations() == "int8" and cpu_gemv.takes_int8_activations(weights[0])
+    defaults = default_picks(cpu_gemv.kind(weights[0]), x_dtype, x8)
     if tuning == "off":
         return defaults, "defaults"
     shape, machine = shape_key(weights[0], x_dtype), machine_key()

@@ -164,8 +164,10 @@ def test_a_quantized_head_whose_pick_is_no_c_call_runs_apart(
     in the chain, the final norm and the head after it, the same logits."""
     real = cpu_choice.default_picks
 
-    def picks(kind: str | None = None, x_dtype: torch.dtype = torch.bfloat16) -> tuple[str, ...]:
-        return ("dequant_gemm",) * len(BUCKETS) if kind == "u8" else real(kind, x_dtype)
+    def picks(
+        kind: str | None = None, x_dtype: torch.dtype = torch.bfloat16, x8: bool = False
+    ) -> tuple[str, ...]:
+        return ("dequant_gemm",) * len(BUCKETS) if kind == "u8" else real(kind, x_dtype, x8)
 
     monkeypatch.setattr(cpu_choice, "default_picks", picks)
     write_hf_model(tmp_path, **SHAPE)

@@ -8,11 +8,15 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 from quant_parity import source
 
 from minisgl import LLM, SamplingParams
 from minisgl.layers import cpu_kernels
+from minisgl.layers.kernel_choice import BUCKETS
+from minisgl.quant import cpu_choice
 from minisgl.quant.attach import _holder
+from minisgl.quant.quantize import quantize
 from minisgl.quant.scheme import load_scheme
 from minisgl.testing.quant_writer import QuantFormat, write_quantized_pair
 
@@ -117,3 +121,33 @@ def test_a_tp_split_inside_an_at_load_group_names_the_flag() -> None:
     with pytest.raises(ValueError, match="--quantization int4's groups of 128") as err:
         _holder(load_scheme("int4"), 128, 64, 128, True, 8)
     assert "checkpoint" not in str(err.value)
+
+
+def test_untuned_picks_run_8_bit_activations_in_every_row_count_they_take() -> None:
+    """Untuned (--cpu-kernel-tuning off, or timings too disturbed to keep), 4-bit weights under
+    --cpu-int4-activations int8 run qgemv, the kernel that rounds x, for every row count the
+    flag takes (up to 64): the fp32 panel from 17 rows left the flag unused in decode batches
+    of 17-64 (and slower: qgemv with 8-bit x took 0.65-0.86x the panel's time there on the
+    AVX2 EPYC VM, 1 thread)."""
+    w = quantize(torch.randn(256, 256) * 0.02, load_scheme("int4"))
+    rows = cpu_kernels.int8_activation_rows()
+    try:
+        cpu_kernels.set_int4_activations("int8")
+        picks = cpu_choice.choose([w], torch.float32, "off")
+    finally:
+        cpu_kernels.set_int4_activations("int16")
+    exact = cpu_choice.choose([w], torch.float32, "off")
+    assert picks is not None and exact is not None
+    for (first, last), pick, exact_pick in zip(BUCKETS, picks[0], exact[0], strict=True):
+        if last is not None and last <= rows:
+            assert pick == "qgemv", (first, last, picks)
+        else:  # beyond the flag's rows: the exact path's picks
+            assert pick == exact_pick
+    # int8 codes are not 4-bit: their picks stay the exact path's
+    w8 = quantize(torch.randn(256, 256) * 0.02, load_scheme("int8"))
+    try:
+        cpu_kernels.set_int4_activations("int8")
+        picks8 = cpu_choice.choose([w8], torch.float32, "off")
+    finally:
+        cpu_kernels.set_int4_activations("int16")
+    assert picks8 == cpu_choice.choose([w8], torch.float32, "off")
