@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from quant_parity import source
 
 from minisgl import LLM, SamplingParams
 from minisgl.layers import cpu_kernels
@@ -18,12 +17,19 @@ from minisgl.quant import cpu_choice
 from minisgl.quant.attach import _holder
 from minisgl.quant.quantize import quantize
 from minisgl.quant.scheme import load_scheme
+from minisgl.testing.fixture import write_fixture_model
 from minisgl.testing.quant_writer import QuantFormat, write_quantized_pair
 
 pytestmark = pytest.mark.timeout(300)
 ROUNDED = "x rounded to 8 bits"
 UNUSED = "--cpu-int4-activations int8 unused"
 _REQUEST_IDS = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def quant_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The float "quant" checkpoint (every matmul dimension a multiple of 128), written once."""
+    return write_fixture_model(tmp_path_factory.mktemp("quant"), "quant")
 
 
 def _x8_log(path: Path, caplog: pytest.LogCaptureFixture, **flags: str) -> str:
@@ -47,10 +53,10 @@ def _x8_log(path: Path, caplog: pytest.LogCaptureFixture, **flags: str) -> str:
 
 @pytest.mark.parametrize("method", ["int8", "fp8", None])
 def test_int8_activations_without_4_bit_weights_are_said_unused(
-    method: str | None, caplog: pytest.LogCaptureFixture
+    method: str | None, quant_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # 8-bit, fp8 and float weights: no matmul rounds x, so the log must not say one does.
-    log = _x8_log(source("quant"), caplog, **({"quantization": method} if method else {}))
+    log = _x8_log(quant_dir, caplog, **({"quantization": method} if method else {}))
     assert ROUNDED not in log
     assert UNUSED in log
     if cpu_kernels.int8_activation_rows():
@@ -58,11 +64,11 @@ def test_int8_activations_without_4_bit_weights_are_said_unused(
 
 
 def test_int8_activations_skip_4_bit_groups_of_32(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    quant_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # AWQ in groups of 32: the 8-bit activation kernel takes groups of 64 or more only.
     write_quantized_pair(
-        source("quant"), tmp_path / "q", tmp_path / "t", QuantFormat("awq", group_size=32)
+        quant_dir, tmp_path / "q", tmp_path / "t", QuantFormat("awq", group_size=32)
     )
     log = _x8_log(tmp_path / "q", caplog)
     assert ROUNDED not in log
@@ -71,10 +77,10 @@ def test_int8_activations_skip_4_bit_groups_of_32(
 
 @pytest.mark.parametrize("flags", [{"quantization": "int4"}, {"lm_head_quantization": "int4"}])
 def test_int8_activations_on_4_bit_weights_are_said_rounded(
-    flags: dict[str, str], caplog: pytest.LogCaptureFixture
+    flags: dict[str, str], quant_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # A 4-bit LM head alone is enough: its matmul rounds x.
-    log = _x8_log(source("quant"), caplog, **flags)
+    log = _x8_log(quant_dir, caplog, **flags)
     if cpu_kernels.int8_activation_rows():
         assert ROUNDED in log and UNUSED not in log
     else:  # AVX512-VNNI (or no C kernels): the exact paths run
@@ -94,12 +100,12 @@ def _greedy_logprobs(llm: LLM, ids: list[int]) -> list[float]:
     return lps
 
 
-def test_two_models_in_one_process_keep_their_own_int4_activations() -> None:
+def test_two_models_in_one_process_keep_their_own_int4_activations(quant_dir: Path) -> None:
     """--cpu-int4-activations is a switch of the C kernels, one per process: a second LLM
     loaded with the exact path must not turn the first one's 8-bit activations off (nor the
     other way round)."""
     ids = [11, 4021, 883, 17, 9, 12001, 64, 3]
-    path = str(source("quant"))
+    path = str(quant_dir)
     flags = {"dtype": "float32", "num_pages": 16, "cpu_kernel_tuning": "off"}
     try:
         with LLM(path, quantization="int4", cpu_int4_activations="int8", **flags) as x8:
