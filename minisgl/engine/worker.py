@@ -329,7 +329,9 @@ def run_scheduler_worker(
 
         # The weights' format and bytes, for /metrics' model info (rank 0's, under TP).
         local = getattr(engine, "engine", engine)  # a TPEngine's own rank-0 Engine
-        model_info = weights_info(local.runner.model, local.model_config, args.quantization)
+        model_info = weights_info(
+            local.runner.model, local.model_config, args.quantization, args.lm_head_quantization
+        )
         model_info["dtype"] = str(local.runner.dtype).removeprefix("torch.")
         inbox: PullQueue[Any] = PullQueue(ctx, endpoints.scheduler, tokenizer_to_scheduler.KINDS)
         to_detok: PushQueue[Any] = PushQueue(

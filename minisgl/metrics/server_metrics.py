@@ -108,8 +108,10 @@ class ServerMetrics:
         self._kv_pages = {s: kv_pages.labels(model_name, s) for s in names.KV_PAGE_STATES}
         self._model_info = Gauge(
             names.MODEL_INFO,
-            "1, with the weights' quantization format (none: unquantized) and the model dtype.",
-            [_LABEL, "quantization", "dtype"],
+            "1, with the layers' quantization format (none: unquantized), the model dtype, the "
+            "LM head's format (none: float) and whether 4-bit weights round their input to 8 "
+            "bits (activations: int8) or not (exact).",
+            [_LABEL, "quantization", "dtype", "lm_head", "activations"],
             registry=reg,
         )
         self._weight_bytes = Gauge(
@@ -141,9 +143,17 @@ class ServerMetrics:
             names.SPEC_ACCEPTED_TOKENS, "Speculative decoding: draft tokens verified and kept."
         )
 
-    def set_model(self, quantization: str, dtype: str, weight_bytes: int) -> None:
+    def set_model(
+        self,
+        quantization: str,
+        dtype: str,
+        weight_bytes: int,
+        *,
+        lm_head: str = "none",
+        activations: str = "exact",
+    ) -> None:
         """What the scheduler loaded, as it reported at start (once)."""
-        self._model_info.labels(self.model_name, quantization, dtype).set(1)
+        self._model_info.labels(self.model_name, quantization, dtype, lm_head, activations).set(1)
         self._weight_bytes.set(weight_bytes)
 
     def request_finished(

@@ -11,8 +11,10 @@ from typing import cast
 import torch
 
 from minisgl import hugepages
+from minisgl.layers import cpu_kernels
+from minisgl.layers.embedding import ParallelLMHead
 from minisgl.models.config import ModelConfig
-from minisgl.quant import cpu_choice
+from minisgl.quant import cpu_choice, cpu_gemv
 from minisgl.quant import layout as quant_layout
 from minisgl.quant.attach import after_materialise, attach, format_name, summary, weight_bytes
 from minisgl.quant.layout import CheckpointLayout, read_headers, scan
@@ -100,14 +102,46 @@ def _views(h: QuantWeight) -> list[QTensor]:
     return [h[e] for e in range(h.experts)] if h.experts else [h.view()]
 
 
-def weights_info(model: torch.nn.Module, config: ModelConfig, quantization: str | None) -> dict:
-    """What /metrics' model info says of the weights: their format ("none" unquantized) and
-    the bytes this rank holds (quantized codes and scales plus the float tensors)."""
+def weights_info(
+    model: torch.nn.Module,
+    config: ModelConfig,
+    quantization: str | None,
+    lm_head_quantization: str = "auto",
+) -> dict:
+    """What /metrics' model info says of the weights: the layers' format ("none" unquantized),
+    the LM head's ("none" float: a float model's head may be quantized alone), whether 4-bit
+    weights multiply x rounded to 8 bits ("int8", --cpu-int4-activations int8 where it takes
+    any weight) or as it is ("exact"), and the bytes this rank holds (quantized codes and
+    scales plus the float tensors)."""
     quantized, _, other = weight_bytes(model)
     name = format_name(
         model, config.quantization or (load_scheme(quantization) if quantization else None)
     )
-    return {"quantization": name, "weight_bytes": quantized + other}
+    head = lm_head_scheme(lm_head_quantization, quantization, config.quantization)
+    return {
+        "quantization": name,
+        "lm_head": head.method if head is not None and _head_quantized(model) else "none",
+        "activations": _activations(model),
+        "weight_bytes": quantized + other,
+    }
+
+
+def _head_quantized(model: torch.nn.Module) -> bool:
+    return any(
+        isinstance(m, ParallelLMHead) and isinstance(m.weight, QuantWeight) for m in model.modules()
+    )
+
+
+def _activations(model: torch.nn.Module) -> str:
+    """What 4-bit weights multiply: x rounded to 8 bits ("int8": --cpu-int4-activations int8
+    on a build without AVX512-VNNI, with 4-bit weights in groups of 64 or more) or "exact"."""
+    weights = [m for m in model.modules() if isinstance(m, QuantWeight)]
+    if not weights or any(w.codes.device.type == "cuda" for w in weights):
+        return "exact"  # float weights, or a GPU's (the flag is for the CPU kernels)
+    if cpu_kernels.int4_activations() != "int8" or not cpu_kernels.int8_activation_rows():
+        return "exact"
+    views = (w.view(0 if w.experts else None) for w in weights)
+    return "int8" if any(cpu_gemv.takes_int8_activations(v) for v in views) else "exact"
 
 
 def for_device(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:

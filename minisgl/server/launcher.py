@@ -215,6 +215,8 @@ class Launcher(Hooks):
                 sched.get("quantization", "none"),
                 sched.get("dtype", ""),
                 sched.get("weight_bytes", 0),
+                lm_head=sched.get("lm_head", "none"),
+                activations=sched.get("activations", "exact"),
             )
             manager = RequestManager(self.endpoints, metrics)
             self.ctx = ServerContext(

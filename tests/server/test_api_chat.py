@@ -205,6 +205,7 @@ def test_metrics_say_the_weights_format_and_bytes(
     samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
     info = samples["minisgl_model_info"]
     assert info.value == 1 and info.labels["quantization"] == "none"
+    assert (info.labels["lm_head"], info.labels["activations"]) == ("none", "exact")
     size = {"float32": 4, "bfloat16": 2, "float16": 2}[info.labels["dtype"]]
     numel = 0
     for f in sorted(tiny_model_dir.glob("*.safetensors")):

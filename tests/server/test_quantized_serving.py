@@ -99,7 +99,9 @@ def test_start_up_log_and_metrics_state_the_format(server: ServerProcess) -> Non
     assert "x rounded to 8 bits" in logs and "--cpu-int4-activations int8" in logs
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
-    assert samples["minisgl_model_info"].labels["quantization"] == "int4"
+    labels = samples["minisgl_model_info"].labels
+    assert (labels["quantization"], labels["lm_head"]) == ("int4", "int8")
+    assert labels["activations"] == ("int8" if cpu_kernels.int8_activation_rows() else "exact")
 
 
 def test_greedy_tokens_stay_the_exact_paths_but_near_ties(
