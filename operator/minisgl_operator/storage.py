@@ -12,12 +12,13 @@ from minisgl_operator.spec import ModelServerSpec
 def access_modes(spec: ModelServerSpec, current: Mapping[str, Any] | None) -> list[str]:
     # A claim's access modes are immutable: keep whatever it was created with. A new claim is
     # ReadWriteMany when several pods may share one download, else ReadWriteOnce (which every
-    # storage class offers).
+    # storage class offers). Every pod of a multi-node group mounts the claim, and a group's
+    # pods run on different nodes: ReadWriteOnce would hold all but the first one's at attach.
     if current is not None:
         modes = (current.get("spec") or {}).get("accessModes")
         if modes:
             return list(modes)
-    many = spec.replicas > 1 or spec.autoscaling is not None
+    many = spec.replicas > 1 or spec.autoscaling is not None or spec.engine.multi_node
     return ["ReadWriteMany"] if many else ["ReadWriteOnce"]
 
 

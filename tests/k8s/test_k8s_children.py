@@ -212,6 +212,14 @@ def test_model_cache_claim_and_hf_home() -> None:
     assert child(kept, "PersistentVolumeClaim")["spec"]["accessModes"] == ["ReadWriteOnce"]
 
 
+def test_a_multi_node_groups_cache_claim_is_read_write_many() -> None:
+    """One replica of engine.nodes pods: each pod (on its own node) mounts the claim, which
+    ReadWriteOnce would let only one node attach (the others stuck ContainerCreating)."""
+    group = {"model": "m", "engine": {"tensorParallelSize": 4, "nodes": 2}, "modelCache": {}}
+    p = make(group, Cluster(leader_worker_set=True))
+    assert child(p, "PersistentVolumeClaim")["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
 def test_existing_claim_is_mounted_not_created() -> None:
     p = make({"model": "m", "modelCache": {"existingClaim": "weights"}})
     assert not [c for c in p.apply if c["kind"] == "PersistentVolumeClaim"]
