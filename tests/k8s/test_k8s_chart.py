@@ -216,6 +216,22 @@ def test_modelserver_from_values_and_helm_test(render) -> None:
     assert ext["spec"]["containers"][0]["args"][-1] == "http://qwen.llm.svc:8000/v1/models"
 
 
+def test_modelserver_from_values_goes_where_a_namespaced_operator_watches(render) -> None:
+    """With operator.watchNamespace the operator reads nothing outside that namespace: the
+    chart's ModelServer must go there (and helm test call it there), not into the release's."""
+    values = {"operator": {"watchNamespace": "team-a"}, "modelServer": FULL["modelServer"]}
+    objs = render(values, namespace="ops")
+    (role,) = by_kind(objs, "Role")
+    (ms,) = by_kind(objs, "ModelServer")
+    assert ms["metadata"]["namespace"] == role["metadata"]["namespace"] == "team-a"
+    (pod,) = by_kind(objs, "Pod")
+    assert pod["spec"]["containers"][0]["args"][-1] == "http://qwen.team-a.svc:8000/v1/models"
+    with helm.Chart.load(str(CHART)) as chart:
+        notes = chart.render(values, name="demo", namespace="ops")["minisgl/templates/NOTES.txt"]
+    assert "kubectl -n team-a get modelserver qwen" in notes
+    assert "http://qwen.team-a.svc:8000" in notes
+
+
 def test_notes_tell_how_to_reach_the_endpoint() -> None:
     with helm.Chart.load(str(CHART)) as chart:
         notes = chart.render(FULL, name="demo", namespace="llm")["minisgl/templates/NOTES.txt"]

@@ -278,7 +278,8 @@ def test_helm_install_with_everything_on(cluster: Api, tmp_path: Path) -> None:
         values["operator"]["watchNamespace"] = watched
         objs = install(cluster, ns, values)
         kinds = {(o["kind"], o["metadata"].get("namespace")) for o in objs}
-        assert {("Role", watched), ("RoleBinding", watched), ("ModelServer", ns)} <= kinds
+        # The chart's ModelServer goes where its operator looks.
+        assert {("Role", watched), ("RoleBinding", watched), ("ModelServer", watched)} <= kinds
         assert not {"ClusterRole", "ClusterRoleBinding"} & {k for k, _ in kinds}
         adapter = f"/api/v1/namespaces/{ns}/configmaps/{RELEASE}-prometheus-adapter-rules"
         assert "minisgl_" in (cluster.get(adapter) or {})["data"]["config.yaml"]
@@ -296,6 +297,13 @@ def test_helm_install_with_everything_on(cluster: Api, tmp_path: Path) -> None:
                 )
             wait_for("status", lambda: "Degraded" in conditions(cluster, watched, "auto"))
             assert conditions(cluster, watched, "auto")["Degraded"]["status"] == "False"
+            chart_ms = cluster.get(ms_path(watched, "qwen"))
+            assert chart_ms is not None
+            chart_uid = chart_ms["metadata"]["uid"]
+            wait_for(
+                "the chart's ModelServer's Deployment",
+                lambda: owned(cluster, child_path("Deployment", watched, "qwen"), chart_uid),
+            )
         uninstall(cluster, ns, objs)
 
 

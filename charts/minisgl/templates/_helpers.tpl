@@ -42,6 +42,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default (include "minisgl.fullname" .) .Values.modelServer.name | trunc 57 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* Where that ModelServer goes: the namespace the operator watches (a ModelServer anywhere
+else would never be reconciled by this release's operator), else the release's. */}}
+{{- define "minisgl.modelServerNamespace" -}}
+{{- default .Release.Namespace .Values.operator.watchNamespace -}}
+{{- end -}}
+
 {{/* Selects ModelServer pods (labels set by the operator on every server pod). */}}
 {{- define "minisgl.serverSelector" -}}
 app.kubernetes.io/name: minisgl-server
