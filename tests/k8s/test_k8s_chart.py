@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import helm_python as helm
@@ -9,6 +10,7 @@ import pytest
 import yaml
 from k8s_support import CHART, validate_k8s
 from minisgl_operator import queries
+from minisgl_operator.children import LEADER_WORKER_SET, Cluster, plan
 
 FULL = {
     "operator": {"prometheusUrl": "http://prometheus.monitoring:9090", "verbose": True},
@@ -193,6 +195,54 @@ def test_monitoring_objects_and_rules(render) -> None:
     (rule,) = by_kind(objs, "PrometheusRule")
     source = yaml.safe_load((CHART / "files" / "prometheus-rules.yaml").read_text())
     assert rule["spec"]["groups"] == source["groups"]
+
+
+def _prometheus_label(name: str) -> str:
+    """A pod label as Prometheus' Kubernetes discovery names it."""
+    return "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+def _kept(relabelings: list[dict[str, Any]], labels: dict[str, str]) -> bool:
+    """Prometheus' keep/drop relabeling: the source labels' values joined by ';' (absent: ''),
+    matched by the whole regex."""
+    for r in relabelings:
+        value = ";".join(labels.get(s, "") for s in r["sourceLabels"])
+        matched = re.fullmatch(r.get("regex", "(.*)"), value) is not None
+        if matched != (r["action"] == "keep"):
+            return False
+    return True
+
+
+def _workload(spec: dict[str, Any]) -> dict[str, Any]:
+    owner = {"metadata": {"name": "qwen", "namespace": "llm", "uid": "u"}, "spec": spec}
+    (out,) = [
+        c
+        for c in plan(owner, Cluster(leader_worker_set=True)).apply
+        if c["kind"] in ("Deployment", LEADER_WORKER_SET.kind)
+    ]
+    return out
+
+
+def test_pod_monitor_scrapes_the_pods_that_serve_metrics(render) -> None:
+    """The PodMonitor's selector matches every server pod, a multi-node group's workers too;
+    those serve only /health (a /metrics scrape is a 404, a target down), so relabeling keeps
+    the leaders and single pods only."""
+    (pm,) = by_kind(render(FULL), "PodMonitor")
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    relabelings = endpoint.get("relabelings", [])
+    selector = pm["spec"]["selector"]["matchLabels"]
+    group = _workload({"model": "m", "engine": {"tensorParallelSize": 4, "nodes": 2}})
+    templates = group["spec"]["leaderWorkerTemplate"]
+    index = "leaderworkerset.sigs.k8s.io/worker-index"  # set by LeaderWorkerSet on every pod
+    pods = {
+        "leader": {**templates["leaderTemplate"]["metadata"]["labels"], index: "0"},
+        "worker": {**templates["workerTemplate"]["metadata"]["labels"], index: "1"},
+        "single": _workload({"model": "m"})["spec"]["template"]["metadata"]["labels"],
+    }
+    for role, labels in pods.items():
+        assert selector.items() <= labels.items(), role
+        seen = {_prometheus_label(k): v for k, v in labels.items()}
+        assert _kept(relabelings, seen) == (role != "worker"), role
 
 
 def test_prometheus_adapter_rules_serve_what_the_hpa_asks_for(render) -> None:
