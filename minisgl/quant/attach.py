@@ -4,6 +4,10 @@ what the model holds in one line."""
 
 from __future__ import annotations
 
+import logging
+import math
+from dataclasses import dataclass
+
 from torch import nn
 
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -12,6 +16,8 @@ from minisgl.layers.moe import FusedMoE
 from minisgl.quant.layout import CheckpointLayout
 from minisgl.quant.scheme import QuantScheme
 from minisgl.quant.weight import QuantWeight
+
+logger = logging.getLogger(__name__)
 
 # minisgl's fused projections -> the checkpoint's modules they hold, in order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -22,26 +28,68 @@ def _hf_modules(name: str) -> list[str]:
     return [f"{parent}.{p}" for p in FUSED[last]] if last in FUSED else [name]
 
 
+# The smallest group the kernels take: the CPU C kernels read groups of a multiple of 32
+# features (cpu_gemv.usable), torch's CUDA int4 matmul groups of 32, 64, 128 or 256.
+KERNEL_GROUP = 32
+LARGEST_TP = 64  # the tensor-parallel sizes an error names go up to this
+
+
+@dataclass(frozen=True)
+class Regrouped:
+    """A row-parallel weight whose rank's input features cut a quantization group: held in
+    groups of `group`, each with the scale and zero point of the `source_group` it is in."""
+
+    what: str  # "o_proj", "down_proj", "experts' down_proj"
+    in_features: int  # the whole weight's
+    per_rank: int
+    source_group: int
+    group: int
+
+
+def rank_group(g: int, k: int, k_full: int) -> int:
+    """The group size a rank holding k of a row's k_full input features keeps: the source's g
+    where its share is whole groups, else gcd(g, k), which also divides every rank's first
+    feature (a multiple of k), so the source's groups are whole numbers of these
+    (qtensor.QTensor.narrow cuts the same)."""
+    if not g or k == k_full or k % g == 0:
+        return g
+    return math.gcd(g, k)
+
+
+def _tp_sizes_that_work(g: int, k_full: int) -> list[int]:
+    sizes = range(1, min(k_full, LARGEST_TP) + 1)
+    return [t for t in sizes if k_full % t == 0 and _kernels_take(g, k_full // t, k_full)]
+
+
+def _kernels_take(g: int, k: int, k_full: int) -> bool:
+    g2 = rank_group(g, k, k_full)
+    return g2 == g or g2 % KERNEL_GROUP == 0
+
+
 def _holder(
     scheme: QuantScheme, n: int, k: int, k_full: int, split_k: bool, experts: int = 0
 ) -> QuantWeight:
     g = scheme.group_size
     if split_k and k != k_full:
-        if g and not scheme.desc_act and k % g:
+        if g and not scheme.desc_act and not _kernels_take(g, k, k_full):
             whose = (
                 f"--quantization {scheme.method}'s"
                 if scheme.source == "load"
                 else "the checkpoint's quantization"
             )
+            sizes = ", ".join(map(str, _tp_sizes_that_work(g, k_full)))
             raise ValueError(
-                f"tensor parallelism splits {k_full} input features into {k}, which is not a "
-                f"whole number of {whose} groups of {g}"
+                f"tensor parallelism splits {k_full} input features into {k}, inside "
+                f"{whose} groups of {g}: a rank would hold groups of {rank_group(g, k, k_full)}, "
+                f"and the quantized kernels take groups of a multiple of {KERNEL_GROUP}; "
+                f"tensor-parallel sizes that split this weight into such groups: {sizes}"
             )
         if scheme.bits == 4 and k % 2:
             raise ValueError("tensor parallelism would split a 4-bit weight inside a byte")
     if scheme.desc_act:
         groups = -(-k_full // g)
     else:
+        g = rank_group(g, k, k_full)
         groups = -(-k // g) if g else 1
     return QuantWeight(
         n,
@@ -92,11 +140,14 @@ def attach_head(model: nn.Module, scheme: QuantScheme | None) -> int:
 def attach(model: nn.Module, layout: CheckpointLayout) -> int:
     """Swap in QuantWeight buffers for every linear the layout has quantized, and the LM head
     where it is quantized at load; returns how many layers (a mixture's experts count as two:
-    w13 and w2) now hold quantized weights."""
+    w13 and w2) now hold quantized weights. Rank 0 logs, in one line, the weights tensor
+    parallelism cut inside their quantization groups (held in smaller ones)."""
     count = attach_head(model, layout.head)
     scheme = layout.scheme
     if scheme is None or not layout.quantized:
         return count
+    regrouped: list[Regrouped] = []
+    rank = 0
     for name, m in list(model.named_modules()):
         if isinstance(m, LinearBase):
             if not _all_or_none(name, _hf_modules(name), layout):
@@ -105,7 +156,10 @@ def attach(model: nn.Module, layout: CheckpointLayout) -> int:
             split_k = isinstance(m, RowParallelLinear)
             k_full = k * m.tp_size if split_k else k
             del m.weight
-            m.weight = _holder(scheme, n, k, k_full, split_k)  # type: ignore[assignment]
+            held = _holder(scheme, n, k, k_full, split_k)
+            m.weight = held  # type: ignore[assignment]
+            _note(regrouped, name.rpartition(".")[2], held, k_full, scheme.group_size)
+            rank = m.tp_rank
             count += 1
         elif isinstance(m, FusedMoE):
             experts = range(m.num_experts)
@@ -117,9 +171,43 @@ def attach(model: nn.Module, layout: CheckpointLayout) -> int:
             _, _, i = m.w2.shape
             del m.w13, m.w2
             m.w13 = _holder(scheme, n13, h, h, False, e)  # type: ignore[assignment]
-            m.w2 = _holder(scheme, h, i, i * m.tp_size, True, e)  # type: ignore[assignment]
+            w2 = _holder(scheme, h, i, i * m.tp_size, True, e)
+            m.w2 = w2  # type: ignore[assignment]
+            _note(regrouped, "experts' down_proj", w2, i * m.tp_size, scheme.group_size)
+            rank = m.tp_rank
             count += 2
+    if regrouped and rank == 0:
+        logger.info(regrouped_line(regrouped, scheme))
     return count
+
+
+def _note(out: list[Regrouped], what: str, w: QuantWeight, k_full: int, group: int) -> None:
+    if w.group_size != group:
+        out.append(Regrouped(what, k_full, w.in_features, group, w.group_size))
+
+
+def regrouped_line(weights: list[Regrouped], scheme: QuantScheme) -> str:
+    """'quantization groups cut by tensor parallelism: experts' down_proj (48 layers): 192 of
+    768 input features a rank, inside the checkpoint's groups of 128: held in groups of 64
+    (...)' for the start-up log."""
+    counts: dict[Regrouped, int] = {}
+    for r in weights:
+        counts[r] = counts.get(r, 0) + 1
+    whose = "--quantization's" if scheme.source == "load" else "the checkpoint's"
+    parts = [
+        f"{r.what} ({n} layer{'s' * (n > 1)}): {r.per_rank} of {r.in_features} input features "
+        f"a rank, inside {whose} groups of {r.source_group}: held in groups of {r.group}"
+        for r, n in counts.items()
+    ]
+    line = "quantization groups cut by tensor parallelism: " + "; ".join(parts)
+    line += " (each with the scale and zero point of the group it is part of: the same weights)"
+    short = sorted({r.group for r in counts if r.group < 64})
+    if scheme.bits == 4 and short:
+        line += (
+            "; --cpu-int4-activations int8 takes 4-bit groups of 64 or more: those of "
+            f"{', '.join(map(str, short))} stay exact"
+        )
+    return line
 
 
 def after_materialise(model: nn.Module) -> None:

@@ -21,6 +21,7 @@ weights with.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -76,18 +77,25 @@ class QTensor:
                 self.group_size,
                 length,
             )
+        g = self.group_size
+        if g and (start % g or length % g) and (start, length) != (0, self.in_features):
+            return self._regrouped(codes, start, length)
         scales, zeros = self.scales, self.zeros
-        if self.group_size:
-            if start % self.group_size:
-                raise ValueError(
-                    f"input features split at {start}, inside a quantization group of "
-                    f"{self.group_size}: choose a tensor-parallel size that splits on groups"
-                )
-            g0 = start // self.group_size
-            count = -(-length // self.group_size)
-            scales = scales.narrow(1, g0, count)
-            zeros = zeros.narrow(1, g0, count) if zeros is not None else None
-        return QTensor(codes, scales, zeros, None, self.bits, self.group_size, length)
+        if g:
+            scales = scales.narrow(1, start // g, -(-length // g))
+            zeros = zeros.narrow(1, start // g, -(-length // g)) if zeros is not None else None
+        return QTensor(codes, scales, zeros, None, self.bits, g, length)
+
+    def _regrouped(self, codes: torch.Tensor, start: int, length: int) -> QTensor:
+        """Input features [start, start + length) cut inside a group (a tensor-parallel rank's
+        share of a row-parallel weight): held in groups of g' = gcd(group, start, length), each
+        carrying the scale and zero point of the group it is part of. The same weights, bit for
+        bit: weight[n, k] reads the same (code, zero, scale) as before."""
+        g = math.gcd(self.group_size, start, length)
+        first = torch.arange(start, start + length, g, device=self.scales.device)
+        of = first // self.group_size  # each new group's group in the source
+        zeros = self.zeros.index_select(1, of) if self.zeros is not None else None
+        return QTensor(codes, self.scales.index_select(1, of), zeros, None, self.bits, g, length)
 
     def copy_(self, src: QTensor) -> QTensor:
         """Fill these (buffer view) tensors from `src`, checking it has the same layout."""

@@ -109,6 +109,27 @@ PRESETS: dict[str, Preset] = {
         moe_intermediate_size=128,
         mlp_only_layers=(1,),
     ),
+    # Tensor parallelism cutting quantization groups of 128 (test_quantized_tensor_parallel):
+    # MLP 384 -> 192 a rank at TP=2 (Qwen3-30B-A3B's experts at TP=4), groups of 64.
+    "quant-split": Preset(128, 384, 2, 4, 2, 64, 4096, std=0.5, dtype="float32"),
+    # Its experts' 192 -> 96 a rank at TP=2 (1.5 groups of 128 in all: GPTQ's last group is
+    # short), groups of 32; 48 at TP=4, groups of 16, which no kernel takes. Layer 1 dense as above.
+    "quant-moe-split": Preset(
+        128,
+        384,
+        2,
+        4,
+        2,
+        64,
+        4096,
+        std=0.5,
+        dtype="float32",
+        arch="qwen3_moe",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=192,
+        mlp_only_layers=(1,),
+    ),
     # The real Qwen3-30B-A3B shape (48 layers; benchmarks take fewer with num_hidden_layers).
     "30b-a3b": Preset(
         2048,
