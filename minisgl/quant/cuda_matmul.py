@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 FP8_MAX = 448.0
 INT4_GROUPS = (32, 64, 128, 256)  # the group sizes _weight_int4pack_mm takes
 FP8_CAPABILITY = (8, 9)
+FP8_SCALED_MM_BLOCK = 128  # BlockWise1x128 activations x BlockWise128x128 weights
 Kernel = Callable[[torch.Tensor, QTensor], torch.Tensor]
 
 
@@ -83,6 +84,10 @@ def choose(w: QuantWeight, capability: tuple[int, int]) -> tuple[str, str]:
     if fp8:
         if capability < FP8_CAPABILITY:
             return "dequantize", f"fp8 needs compute capability 8.9+, this GPU is {capability}"
+        if w.group_size not in (0, FP8_SCALED_MM_BLOCK):
+            # A tensor-parallel cut inside a 128-block leaves narrower blocks (attach.py);
+            # scaled_mm's block recipe is 128x128 only.
+            return "dequantize", f"fp8 blocks of {w.group_size} inputs (scaled_mm takes 128)"
         return "fp8", "scaled_mm"
     if w.g_idx is not None:
         return "dequantize", "desc_act's scattered groups"

@@ -55,6 +55,15 @@ def test_each_format_takes_a_torch_kernel_or_says_why_not() -> None:
     assert cm.choose(_holder(per_channel), (9, 0))[0] == "dequantize"
 
 
+def test_fp8_blocks_a_tensor_parallel_cut_narrowed_are_dequantized_not_misread() -> None:
+    """--tp-size 2 over 384 inputs leaves each rank 192 in fp8 blocks of 64 (attach.py):
+    scaled_mm's 128x128 block recipe would read their scales as the wrong blocks."""
+    fp8 = quantize(_weight(), load_scheme("fp8")).narrow(1, 192, 192)
+    assert fp8.group_size == 64
+    path, why = cm.choose(_holder(fp8), (9, 0))
+    assert path == "dequantize" and "blocks of 64" in why
+
+
 def test_cuda_packer_input_has_the_even_input_feature_in_the_high_nibble() -> None:
     w = quantize(_weight(), load_scheme("int4"))
     packed = cm.cuda_codes(w.codes)
