@@ -124,15 +124,29 @@ def boolean(description: str, **kw: Any) -> Node:
     return Node(description, {"type": "boolean", **kw})
 
 
+# A non-negative Kubernetes quantity (resource.Quantity's grammar): the API server checks a
+# ModelServer's against it, so that "lots" or "-1" is refused there, not later by the
+# Deployment or claim it would become (with a message about a child the user never wrote).
+_DECIMAL = r"(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+QUANTITY_PATTERN = rf"^\+?{_DECIMAL}(([KMGTPE]i)|[numkMGTPE]|([eE][-+]?{_DECIMAL}))?$"
+
+
 def quantity(description: str, **kw: Any) -> Node:
-    """A Kubernetes quantity: "8Gi", "500m" or a plain number."""
+    """A Kubernetes quantity: "8Gi", "500m" or a plain number (never negative)."""
     return Node(
         description,
         {
             "x-kubernetes-int-or-string": True,
             "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "maxLength": 64,  # bounds the CEL rule's cost
             **kw,
         },
+        rules=(
+            (
+                f"type(self) == int ? self >= 0 : self.matches(r'{QUANTITY_PATTERN}')",
+                "must be a Kubernetes quantity (not negative) such as 24Gi, 500m or 4",
+            ),
+        ),
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from minisgl_operator.schema import (
     MAX_MULTI_NODE_NAME_LEN,
     MAX_NAME_LEN,
+    QUANTITY_PATTERN,
     SPEC,
     TOLERATION_EFFECTS,
     TOLERATION_OPERATORS,
@@ -220,6 +221,15 @@ def _str(d: Mapping[str, Any], path: str) -> str | None:
     return value
 
 
+def _quantity(d: Mapping[str, Any], path: str) -> str | None:
+    value = _str(d, path)
+    if value is not None and not re.fullmatch(QUANTITY_PATTERN, value):
+        raise SpecError(
+            f"{path} must be a Kubernetes quantity such as 24Gi, 500m or 4, got {value!r}"
+        )
+    return value
+
+
 def _obj(d: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any] | None:
     value = d.get(key)
     if value is not None and not isinstance(value, Mapping):
@@ -373,15 +383,15 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any] | None) -> Mod
         )
     resources = ResourcesSpec(
         gpus=gpus,
-        cpu=_str(res_raw, "resources.cpu"),
-        memory=_str(res_raw, "resources.memory"),
-        shared_memory=_str(res_raw, "resources.sharedMemory"),
+        cpu=_quantity(res_raw, "resources.cpu"),
+        memory=_quantity(res_raw, "resources.memory"),
+        shared_memory=_quantity(res_raw, "resources.sharedMemory"),
     )
     cache_raw = _obj(spec, "modelCache", "")
     cache = None
     if cache_raw is not None:
         cache = CacheSpec(
-            size=_str(cache_raw, "modelCache.size") or DEFAULT_CACHE_SIZE,
+            size=_quantity(cache_raw, "modelCache.size") or DEFAULT_CACHE_SIZE,
             storage_class_name=cache_raw.get("storageClassName") or None,
             existing_claim=_str(cache_raw, "modelCache.existingClaim"),
         )

@@ -215,6 +215,24 @@ CEL_CASES = {
         {"model": "m", "engine": {"speculative": {"algorithm": "ngram", "draftModelPath": "d"}}},
         "draftModelPath is for algorithm eagle3 only",
     ),
+    # Refused here, not later by the Deployment or claim they would become.
+    "a memory that is no quantity": (
+        {"model": "m", "resources": {"memory": "lots"}},
+        "must be a Kubernetes quantity",
+    ),
+    "a negative cpu": ({"model": "m", "resources": {"cpu": "-1"}}, "must be a Kubernetes quantity"),
+    "a negative integer cpu": (
+        {"model": "m", "resources": {"cpu": -2}},
+        "must be a Kubernetes quantity",
+    ),
+    "shared memory in lowercase units": (
+        {"model": "m", "resources": {"sharedMemory": "2gi"}},
+        "must be a Kubernetes quantity",
+    ),
+    "a cache size that is no quantity": (
+        {"model": "m", "modelCache": {"size": "big"}},
+        "must be a Kubernetes quantity",
+    ),
 }
 
 
@@ -238,6 +256,9 @@ def test_cel_rules_accept_edge_cases() -> None:
         {"model": "m", "engine": {"tensorParallelSize": 16, "nodes": 2}},
         {"model": "m", "engine": {"tensorParallelSize": 16, "nodes": 2}, "resources": {"gpus": 8}},
         {"model": "m", "routing": {"inferencePool": True, "gatewayRef": {"name": "gw"}}},
+        {"model": "m", "resources": {"cpu": 4, "memory": "24Gi", "sharedMemory": "1.5Gi"}},
+        {"model": "m", "resources": {"cpu": "500m", "memory": "1e9"}, "modelCache": {}},
+        {"model": "m", "resources": {"cpu": "+2", "memory": 0}, "modelCache": {"size": "1Ti"}},
     ):
         assert cel_failures(ms(good)) == []
         spec.parse_spec("m", "ns", good)
@@ -376,7 +397,11 @@ def test_declared_defaults_satisfy_their_own_cel_rules() -> None:
     """The API server evaluates an object's CEL rules against its declared default as written
     (nested defaults are not applied inside it) and rejects the CRD if one fails."""
     found = list(_defaults_with_rules(crd_schema()))
-    assert [where for where, _ in found] == [".spec.engine", ".spec.autoscaling.targets"]
+    assert [where for where, _ in found] == [
+        ".spec.engine",
+        ".spec.modelCache.size",
+        ".spec.autoscaling.targets",
+    ]
     env = celpy.Environment()
     for where, node in found:
         for rule in node["x-kubernetes-validations"]:

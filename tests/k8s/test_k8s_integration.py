@@ -114,6 +114,15 @@ REJECTED = {
         "needs routing.inferencePool",
     ),
     "unknown field": ({"model": "m", "replica": 2}, 'unknown field "spec.replica"'),
+    "memory no quantity": (
+        {"model": "m", "resources": {"memory": "lots"}},
+        "must be a Kubernetes quantity",
+    ),
+    "negative cpu": ({"model": "m", "resources": {"cpu": -1}}, "must be a Kubernetes quantity"),
+    "cache size no quantity": (
+        {"model": "m", "modelCache": {"size": "10gi"}},
+        "must be a Kubernetes quantity",
+    ),
 }
 
 
