@@ -555,8 +555,9 @@ STATUS = obj(
             "/scale subresource and the autoscalers' per-pod metrics)."
         ),
         "endpoint": string(
-            "Where clients reach the OpenAI API: https://<ingress host> with an Ingress, else "
-            "http://<name>.<namespace>.svc:8000. Absent while nothing of ours serves."
+            "Where clients reach the OpenAI API: http://<ingress host> with an Ingress (https "
+            "with ingress.tls), else http://<name>.<namespace>.svc:8000. Absent while nothing "
+            "of ours serves."
         ),
         "observed": obj(
             "The SLOs as Prometheus last reported them (needs the operator's --prometheus-url).",
