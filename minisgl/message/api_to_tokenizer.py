@@ -21,6 +21,8 @@ class TokenizeRequest:
     messages: list[dict[str, Any]] | None = None  # chat: rendered with the chat template
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None  # chat: OpenAI tool definitions for the template
+    # chat: end the prompt with the assistant's turn header (False: continue_final_message)
+    add_generation_prompt: bool = True
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
     skip_special_tokens: bool = True

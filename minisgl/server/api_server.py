@@ -97,15 +97,19 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
         arrival = getattr(request.state, "arrival", None) or time.time()
         validate_tools(req)
         tools = template_tools(req)
+        kwargs = _template_kwargs(ctx, req)
+        generation_prompt = _generation_prompt(req, kwargs)
         fields: dict[str, Any] = {
             "messages": [m.template_dict() for m in req.messages],
-            "chat_template_kwargs": _template_kwargs(ctx, req),
+            "chat_template_kwargs": kwargs,
+            "add_generation_prompt": generation_prompt,
             "tools": tools,
         }
         output = ChatOutput(
             reasoning=ctx.reasoning_parser,
             tools=bool(tools) and ctx.tool_call_parser,
             special_tags=ctx.special_tags if req.skip_special_tokens else (),
+            thinking=generation_prompt and _prompt_opens_think(ctx, kwargs),
         )
         # The parsers read their tags even where the tokenizer marks them special.
         fields["keep_special"] = list(output.special_tags)
@@ -155,6 +159,8 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
     async def tokenize(body: TokenizeBody) -> JSONResponse:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        kwargs = _template_kwargs(ctx, body)
+        generation_prompt = _generation_prompt(body, kwargs) if body.messages else True
         msg = TokenizeOnly(
             rid="tok-" + uuid.uuid4().hex[:24],
             prompt=body.prompt,
@@ -164,8 +170,8 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
                 if body.add_special_tokens is not None
                 else body.messages is None
             ),
-            add_generation_prompt=body.add_generation_prompt,
-            chat_template_kwargs=_template_kwargs(ctx, body),
+            add_generation_prompt=generation_prompt,
+            chat_template_kwargs=kwargs,
             tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
             return_token_strs=body.return_token_strs,
         )
@@ -275,6 +281,39 @@ def _template_kwargs(
     if problem is not None:
         raise APIError(400, *problem)
     return body.template_kwargs()
+
+
+def _generation_prompt(body: ChatCompletionRequest | TokenizeBody, kwargs: dict[str, Any]) -> bool:
+    """Whether the prompt ends with a new assistant turn's header. continue_final_message
+    (top level, as vLLM takes it, or among the template kwargs, where transformers reads it)
+    goes on from the last message instead: it needs that message to be the assistant's and
+    rules the header out (unless asked for, add_generation_prompt is then false)."""
+    continuing = body.continue_final_message or kwargs.get("continue_final_message") is True
+    if not continuing:
+        return body.add_generation_prompt
+    if "add_generation_prompt" in body.model_fields_set and body.add_generation_prompt:
+        raise APIError(
+            400,
+            "continue_final_message and add_generation_prompt cannot both be true",
+            "continue_final_message",
+        )
+    messages = body.messages or []
+    if not messages or messages[-1].role != "assistant":
+        raise APIError(
+            400, "continue_final_message needs the last message to be the assistant's", "messages"
+        )
+    kwargs["continue_final_message"] = True
+    return False
+
+
+def _prompt_opens_think(ctx: ServerContext, kwargs: dict[str, Any]) -> bool:
+    """Whether the model's template, under the request's enable_thinking, ends the prompt
+    inside a think block (assumed not for a template the request brings)."""
+    if "chat_template" in kwargs:
+        return False
+    switch = kwargs.get("enable_thinking")
+    key = "true" if switch is True else "false" if switch is False else "unset"
+    return ctx.prefilled_think.get(key, False)
 
 
 async def _become_ready(ctx: ServerContext, hooks: Hooks) -> None:

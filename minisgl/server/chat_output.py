@@ -18,10 +18,19 @@ from minisgl.structured.tool_parser import Qwen3ToolParser, ToolCall
 
 
 class ChatOutput:
-    def __init__(self, *, reasoning: bool, tools: bool, special_tags: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        reasoning: bool,
+        tools: bool,
+        special_tags: tuple[str, ...] = (),
+        thinking: bool = False,
+    ) -> None:
         """special_tags: the parser tags the tokenizer marks special, when the request skips
-        special tokens (the text then holds only those the parsers read: see `tags`)."""
-        self.reasoning = Qwen3ReasoningParser() if reasoning else None
+        special tokens (the text then holds only those the parsers read: see `tags`).
+        thinking: the prompt opened the think block (the output starts as reasoning)."""
+        self.thinking = thinking
+        self.reasoning = Qwen3ReasoningParser(started=thinking) if reasoning else None
         self.tools = Qwen3ToolParser() if tools else None
         self.special_tags = tuple(t for t in special_tags if t in self.tags)
 
@@ -31,6 +40,7 @@ class ChatOutput:
             reasoning=self.reasoning is not None,
             tools=self.tools is not None,
             special_tags=self.special_tags,
+            thinking=self.thinking,
         )
 
     @property

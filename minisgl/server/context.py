@@ -28,6 +28,9 @@ class ServerContext:
     draining: bool = False
     dead_worker: str | None = None
     reasoning_parser: bool = False  # chat: split <think> blocks into reasoning_content
+    # By enable_thinking (unset, true, false): the template's generation prompt opens the
+    # think block, so the output starts in it (chat_render.prefilled_think).
+    prefilled_think: dict[str, bool] = field(default_factory=dict)
     tool_call_parser: bool = False  # chat: parse <tool_call> blocks into tool_calls
     special_tags: tuple[str, ...] = ()  # the parsers' tags the tokenizer marks special
     # Generation requests this server holds that were not handed on yet (arrivals.py).

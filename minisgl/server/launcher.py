@@ -229,7 +229,11 @@ class Launcher(Hooks):
                 ipc_dir=self.endpoints.root,
             )
             template = read_chat_template(sched.get("model_path") or a.model)
-            self.ctx.reasoning_parser = reasoning_on(a.reasoning_parser, template)
+            self.ctx.prefilled_think = dict(infos["tokenizer"].get("prefilled_think") or {})
+            self.ctx.reasoning_parser = reasoning_on(a.reasoning_parser, template) or (
+                # Qwen3's Thinking-2507 template always thinks: no enable_thinking switch.
+                a.reasoning_parser == "auto" and any(self.ctx.prefilled_think.values())
+            )
             self.ctx.tool_call_parser = tool_calls_on(a.tool_call_parser, template)
             self.ctx.special_tags = tuple(infos["detokenizer"].get("special_tags") or ())
             app = build_app(self.ctx, self)

@@ -213,6 +213,10 @@ class _Templated(_Request):
 
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     chat_template: str | None = None  # refused unless --trust-request-chat-template
+    # The prompt ends with a new assistant turn's header (default), or goes on from the last
+    # message, an assistant's (continue_final_message: a prefill the model continues).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def template_kwargs(self) -> dict[str, Any]:
         """The template's kwargs, a top-level chat_template folded in."""
@@ -393,7 +397,6 @@ class TokenizeBody(_Templated):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
     tools: list[ToolDef] | None = None
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from minisgl.structured.reasoning_parser import THINK_END, THINK_START
+
 
 def load_tokenizer(model: str) -> Any:
     from transformers import AutoTokenizer  # heavy import: only in the workers
@@ -33,3 +35,31 @@ def render_chat(
         )
     except Exception as exc:
         raise ValueError(f"cannot apply the chat template: {exc}") from exc
+
+
+# enable_thinking as a request may set it -> the template variables that say so.
+THINKING_SWITCHES: dict[str, dict[str, Any]] = {
+    "unset": {},
+    "true": {"enable_thinking": True},
+    "false": {"enable_thinking": False},
+}
+
+
+def prefilled_think(tokenizer: Any) -> dict[str, bool]:
+    """Per THINKING_SWITCHES key: whether the model's own template ends its generation prompt
+    inside a think block (Qwen3's Thinking-2507 models: `<think>\\n`), so that the output
+    starts in the reasoning and only closes it with `</think>`. False where the template does
+    not render a plain user turn (a base model has none)."""
+    messages = [{"role": "user", "content": "x"}]
+    out = {}
+    for key, kwargs in THINKING_SWITCHES.items():
+        try:
+            with_prompt = render_chat(tokenizer, messages, kwargs, None, True)
+            without = render_chat(tokenizer, messages, kwargs, None, False)
+        except ValueError:
+            out[key] = False
+            continue
+        prompt = with_prompt.removeprefix(without)
+        start = prompt.rfind(THINK_START)
+        out[key] = start >= 0 and THINK_END not in prompt[start:]
+    return out

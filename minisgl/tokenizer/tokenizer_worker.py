@@ -40,7 +40,7 @@ from minisgl.process import (
     setup_logging,
 )
 from minisgl.structured.template_kwargs import request_template
-from minisgl.tokenizer.chat_render import load_tokenizer, render_chat
+from minisgl.tokenizer.chat_render import load_tokenizer, prefilled_think, render_chat
 from minisgl.tokenizer.template_sandbox import RenderError, RenderJob, TemplateSandbox
 from minisgl.tokenizer.without_torch import keep_torch_out
 
@@ -52,7 +52,13 @@ def tokenize(tokenizer: Any, req: TokenizeRequest, text: str | None = None) -> l
         return list(req.prompt_ids)
     if req.messages is not None:
         if text is None:
-            text = render_chat(tokenizer, req.messages, req.chat_template_kwargs, req.tools, True)
+            text = render_chat(
+                tokenizer,
+                req.messages,
+                req.chat_template_kwargs,
+                req.tools,
+                req.add_generation_prompt,
+            )
         return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(req.prompt_text or "", add_special_tokens=False))
 
@@ -105,12 +111,13 @@ def run_tokenizer_worker(
         )
         to_api: PushQueue[Any] = PushQueue(ctx, endpoints.api, detokenizer_to_api.KINDS)
         sandbox = None if template_timeout is None else TemplateSandbox(model, template_timeout)
+        thinking = prefilled_think(tokenizer)
     except BaseException as exc:
         report_failure(ready, exc)
         raise
     life.serving()
     log.info("tokenizer loaded in %s (pid %d)", elapsed(start), os.getpid())
-    report_ready(ready, pid=os.getpid())
+    report_ready(ready, pid=os.getpid(), prefilled_think=thinking)
     worker = TokenizerLoop(tokenizer, to_scheduler, to_api, sandbox, log)
     while life.alive():
         # A render in the sandbox is checked on often; otherwise the inbox wakes the loop.
@@ -192,8 +199,9 @@ class TokenizerLoop:
                 ErrorReply(msg.rid, "request chat templates are off", 400, "chat_template_kwargs")
             )
             return True
-        add_prompt = msg.add_generation_prompt if isinstance(msg, TokenizeOnly) else True
-        job = RenderJob(msg.rid, msg.messages, msg.chat_template_kwargs, msg.tools, add_prompt)
+        job = RenderJob(
+            msg.rid, msg.messages, msg.chat_template_kwargs, msg.tools, msg.add_generation_prompt
+        )
         self.sandbox.submit(job)
         self.rendering[msg.rid] = msg
         return True

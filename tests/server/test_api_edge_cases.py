@@ -1,0 +1,176 @@
+"""Edge cases of the served API found by exploring it as a vLLM/SGLang user would.
+
+A Qwen3 Thinking-2507 chat template opens the think block in the generation prompt
+(`<|im_start|>assistant\\n<think>\\n`): the output is reasoning up to `</think>`, then the
+answer, as vLLM's and SGLang's qwen3 reasoning parsers split it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from harness import ServerProcess
+
+pytestmark = pytest.mark.timeout(300)
+
+MSG = [{"role": "user", "content": "hi"}]
+# What a Thinking-2507 model writes after its prompt's `<think>\n`: reasoning, the closing
+# tag, the answer.
+CLOSES_THINK = 'root ::= [a-z]{3,6} "</think>" "\\n\\n" [a-z]{2,5}'
+HYBRID_PROMPT = """    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}"""
+THINKING_2507_PROMPT = "    {{- '<|im_start|>assistant\\n<think>\\n' }}"
+
+
+def _thinking_2507(src: Path, out: Path) -> Path:
+    """The fixture model with Qwen3-Thinking-2507's generation prompt (which has no
+    enable_thinking switch: the model always thinks)."""
+    shutil.copytree(src, out)
+    jinja = out / "chat_template.jinja"
+    template = jinja.read_text(encoding="utf-8")
+    assert HYBRID_PROMPT in template
+    template = template.replace(HYBRID_PROMPT, THINKING_2507_PROMPT)
+    assert "enable_thinking" not in template
+    jinja.write_text(template, encoding="utf-8")
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config), encoding="utf-8")
+    return out
+
+
+@pytest.fixture(scope="module")
+def thinking_client(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[openai.OpenAI]:
+    model = _thinking_2507(tiny_model_dir, tmp_path_factory.mktemp("t2507") / "model")
+    log = tmp_path_factory.mktemp("t2507-server") / "server.log"
+    srv = ServerProcess(model, log, "--num-pages", "256", "--log-level", "info").wait_ready()
+    try:
+        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=120)
+    finally:
+        srv.stop()
+
+
+def test_a_prompt_that_opens_the_think_block_splits_at_its_close(
+    thinking_client: openai.OpenAI,
+) -> None:
+    kwargs = {"model": "m", "messages": MSG, "max_tokens": 40, "seed": 3}
+    reply = thinking_client.chat.completions.create(**kwargs, extra_body={"ebnf": CLOSES_THINK})
+    msg = reply.choices[0].message
+    reasoning = msg.reasoning_content  # type: ignore[attr-defined]
+    assert reasoning and reasoning.isalpha() and 3 <= len(reasoning) <= 6
+    assert msg.content and msg.content.isalpha() and 2 <= len(msg.content) <= 5
+    stream = thinking_client.chat.completions.create(
+        **kwargs, extra_body={"ebnf": CLOSES_THINK}, stream=True
+    )
+    streamed_reasoning = streamed_content = ""
+    for chunk in stream:
+        for choice in chunk.choices:
+            streamed_reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            streamed_content += choice.delta.content or ""
+    assert (streamed_reasoning, streamed_content) == (reasoning, msg.content)
+
+
+def test_a_cut_off_thought_is_all_reasoning(thinking_client: openai.OpenAI) -> None:
+    reply = thinking_client.chat.completions.create(
+        model="m", messages=MSG, max_tokens=2, extra_body={"regex": "[a-z]{8}"}
+    )
+    msg = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "length"
+    assert msg.reasoning_content and not msg.content  # type: ignore[attr-defined]
+
+
+# A template whose switch turns the prefilled think block off (as Qwen3.5's does).
+SWITCHED = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def test_which_templates_prefill_the_think_block(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from minisgl.tokenizer.chat_render import prefilled_think
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # Qwen3's hybrid template: the model opens its own block; false pre-fills a closed one.
+    assert prefilled_think(tokenizer) == {"unset": False, "true": False, "false": False}
+    tokenizer.chat_template = SWITCHED
+    assert prefilled_think(tokenizer) == {"unset": True, "true": True, "false": False}
+    tokenizer.chat_template = None  # a base model: no chat template renders
+    assert prefilled_think(tokenizer) == {"unset": False, "true": False, "false": False}
+
+
+# vLLM's chat fields for continuing a partial assistant message (a prefill the model goes on
+# from) instead of starting a new turn.
+PARTIAL = [
+    {"role": "user", "content": "Count to five."},
+    {"role": "assistant", "content": "One, two,"},
+]
+
+
+def _tokenize(server: ServerProcess, body: dict) -> list[int]:
+    r = httpx.post(f"{server.url}/tokenize", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def _ends_the_prompt_with(hf_tokenizer: Any, ids: list[int], text: str) -> bool:
+    return hf_tokenizer.decode(ids).endswith(text)
+
+
+def test_continue_final_message_prompts_the_partial_answer(
+    server: ServerProcess, hf_tokenizer: Any
+) -> None:
+    continued = _tokenize(server, {"messages": PARTIAL, "continue_final_message": True})
+    assert _ends_the_prompt_with(hf_tokenizer, continued, "One, two,")
+    want = hf_tokenizer.apply_chat_template(
+        PARTIAL, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert hf_tokenizer.decode(continued) == want
+    for extra in (
+        {"continue_final_message": True},
+        {"continue_final_message": True, "add_generation_prompt": False},
+        {"chat_template_kwargs": {"continue_final_message": True}},
+    ):
+        body = {"model": "m", "messages": PARTIAL, "max_tokens": 3, "temperature": 0}
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, **extra}, timeout=60)
+        assert r.status_code == 200, (extra, r.text)
+        assert r.json()["usage"]["prompt_tokens"] == len(continued), extra
+    # Without the fields the partial message is a closed turn and a new one starts.
+    fresh = _tokenize(server, {"messages": PARTIAL})
+    assert _ends_the_prompt_with(hf_tokenizer, fresh, "<|im_start|>assistant\n")
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"model": "m", "messages": PARTIAL, "max_tokens": 1, "add_generation_prompt": False},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(fresh) - 3
+
+
+def test_continue_final_message_conflicts_are_400s(server: ServerProcess) -> None:
+    cases = [
+        ({"continue_final_message": True, "add_generation_prompt": True}, PARTIAL),
+        ({"chat_template_kwargs": {"continue_final_message": True}, "add_generation_prompt": True},
+         PARTIAL),
+        ({"continue_final_message": True}, PARTIAL[:1]),  # nothing of the assistant's to go on
+    ]  # fmt: skip
+    for extra, messages in cases:
+        body = {"model": "m", "messages": messages, "max_tokens": 2, **extra}
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400, (extra, r.text)
+        error = r.json()["error"]
+        assert error["param"] in ("continue_final_message", "messages"), error
+    assert server.wait_idle()["num_running"] == 0
