@@ -166,12 +166,22 @@ async def on_deployment(body: kopf.Body, **_: Any) -> None:
     await _owner_changed(meta["namespace"], meta.get("labels"))
 
 
-@kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels=OURS)
 async def on_leader_worker_set(body: kopf.Body, **_: Any) -> None:
     # As for Deployments: a group becoming ready refreshes status (watched only while the
     # LeaderWorkerSet CRD is installed).
     meta = body["metadata"]
     await _owner_changed(meta["namespace"], meta.get("labels"))
+
+
+# The watch needs list and watch on LeaderWorkerSets, which the chart grants only with
+# rbac.leaderWorkerSet: kopf stops the whole operator when a watch stays forbidden (about a
+# minute after start, once the CRD is installed). Without the grant the chart sets this to 0;
+# multi-node ModelServers are then Degraded (forbidden) and nothing else changes.
+WATCH_LEADER_WORKER_SETS = os.environ.get("MINISGL_OPERATOR_WATCH_LEADER_WORKER_SETS", "1") != "0"
+if WATCH_LEADER_WORKER_SETS:
+    kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels=OURS)(
+        on_leader_worker_set
+    )
 
 
 @kopf.on.event("", "v1", "services", labels=OURS)

@@ -218,9 +218,17 @@ def service_account_kubeconfig(api: Api, namespace: str, account: str, path: Pat
 class Operator:
     """`python -m minisgl_operator ARGS` as a subprocess, logged to a file."""
 
-    def __init__(self, args: list[str], kubeconfig: Path, log: Path, resync_s: float) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        kubeconfig: Path,
+        log: Path,
+        resync_s: float,
+        env: dict[str, str] | None = None,
+    ) -> None:
         env = {
             **os.environ,
+            **(env or {}),
             "KUBECONFIG": str(kubeconfig),
             "MINISGL_OPERATOR_RESYNC_SECONDS": str(resync_s),
         }

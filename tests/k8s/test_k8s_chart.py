@@ -159,6 +159,19 @@ def test_routing_rbac_is_opt_in_and_reads_pods_only(render) -> None:
     assert not any(r in ("secrets", "networkpolicies") for _, r in granted(role))
 
 
+def test_without_the_leader_worker_set_grant_the_operator_does_not_watch_them(render) -> None:
+    """kopf stops the operator when a watch stays forbidden: no grant, no watch."""
+
+    def env(values: dict[str, Any]) -> dict[str, str]:
+        (dep,) = by_kind(render(values), "Deployment")
+        (container,) = dep["spec"]["template"]["spec"]["containers"]
+        return {e["name"]: e["value"] for e in container.get("env", [])}
+
+    assert "MINISGL_OPERATOR_WATCH_LEADER_WORKER_SETS" not in env({})
+    off = env({"rbac": {"leaderWorkerSet": False}})
+    assert off["MINISGL_OPERATOR_WATCH_LEADER_WORKER_SETS"] == "0"
+
+
 def test_endpoint_picker_values_become_operator_flags(render) -> None:
     values = {"operator": {"endpointPicker": {"image": "r/epp:v2", "extraArgs": ["--v", "3"]}}}
     (dep,) = by_kind(render(values), "Deployment")

@@ -188,15 +188,16 @@ def dry_run_examples(cluster: Api, ns: str) -> None:
             assert resp.status_code == 201, (path.name, resp.text)
 
 
-def installed_operator_args(cluster: Api, ns: str, liveness: str) -> list[str]:
-    """The operator's command line as the chart's Deployment runs it (its liveness endpoint
-    moved to a free local port)."""
+def installed_operator(cluster: Api, ns: str, liveness: str) -> tuple[list[str], dict[str, str]]:
+    """The operator's command line and environment as the chart's Deployment runs it (its
+    liveness endpoint moved to a free local port)."""
     dep = cluster.get(f"/apis/apps/v1/namespaces/{ns}/deployments/{RELEASE}-operator")
     assert dep is not None
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     args = [a for a in container["args"] if not a.startswith("--liveness=")]
     assert len(args) == len(container["args"]) - 1
-    return [f"--liveness={liveness}", *args]
+    env = {e["name"]: e["value"] for e in container.get("env", [])}
+    return [f"--liveness={liveness}", *args], env
 
 
 def _live(url: str, operator: Operator) -> bool:
@@ -214,8 +215,8 @@ def operator_as_installed(cluster: Api, ns: str, tmp: Path) -> Iterator[Operator
     its ServiceAccount (not the admin's kubeconfig), so RBAC judges every call it makes."""
     kubeconfig = service_account_kubeconfig(cluster, ns, f"{RELEASE}-operator", tmp / "sa.yaml")
     liveness = f"http://127.0.0.1:{free_port()}/healthz"
-    args = installed_operator_args(cluster, ns, liveness)
-    operator = Operator(args, kubeconfig, tmp / "operator.log", resync_s=2)
+    args, env = installed_operator(cluster, ns, liveness)
+    operator = Operator(args, kubeconfig, tmp / "operator.log", resync_s=2, env=env)
     try:
         # kopf answers its liveness endpoint once it has started and logged in.
         wait_for("the operator to start", lambda: _live(liveness, operator))
@@ -478,6 +479,36 @@ def test_a_modelserver_is_deleted_while_the_operator_is_gone(
             "its Deployment to go",
             lambda: cluster.get(child_path("Deployment", ns, "qwen")) is None,
         )
+
+
+def test_without_the_leader_worker_set_grant_the_operator_keeps_running(
+    cluster: Api, upstream_crds: list[str], tmp_path: Path
+) -> None:
+    """rbac.leaderWorkerSet=false with the LeaderWorkerSet CRD installed: the operator must not
+    watch what it may not list (kopf retries a forbidden watch, then stops the operator). It
+    serves single-node ModelServers and reports a multi-node one Degraded (forbidden)."""
+    with namespace(cluster, "nolws") as ns:
+        objs = install(cluster, ns, {"rbac": {"leaderWorkerSet": False}})
+        try:
+            path = ms_path(ns, "group")
+            with operator_as_installed(cluster, ns, tmp_path) as operator:
+                single = cluster.create(modelserver(ns, "single", {"model": "m"}))
+                assert single.status_code == 201, single.text
+                uid = single.json()["metadata"]["uid"]
+                wait_for(
+                    "the Deployment",
+                    lambda: owned(cluster, child_path("Deployment", ns, "single"), uid),
+                )
+                multi = {"model": "m", "engine": {"tensorParallelSize": 2, "nodes": 2}}
+                assert cluster.create(modelserver(ns, "group", multi)).status_code == 201
+                wait_for("status", lambda: "Degraded" in conditions(cluster, ns, "group"))
+                degraded = conditions(cluster, ns, "group")["Degraded"]
+                assert degraded["status"] == "True" and degraded["reason"] == "ApplyFailed"
+                assert "forbidden" in degraded["message"]
+                assert operator.proc.poll() is None
+                assert cluster.delete(path).status_code == 200
+        finally:
+            uninstall(cluster, ns, objs)
 
 
 @pytest.mark.parametrize(
