@@ -37,6 +37,7 @@ from minisgl.server.protocol import (
     SamplingFields,
     Usage,
 )
+from minisgl.server.structured_request import grammar_field
 
 log = logging.getLogger("minisgl.api")
 
@@ -243,7 +244,7 @@ async def serve_request(
     counted = getattr(request.state, "arrival_count", None)
     tok_req.more = await more_behind(ctx.arrivals, counted, not ctx.manager.requests)
     try:
-        state = ctx.manager.submit(tok_req)
+        state = ctx.manager.submit(tok_req, grammar_field(req) if grammar else None)
     except (TypeError, ValueError, OverflowError) as exc:  # e.g. a 2**70 in chat_template_kwargs
         log.info("rid=%s rejected: cannot encode: %s", rid, exc)
         raise APIError(400, "the request holds values that cannot be processed") from None

@@ -31,6 +31,7 @@ from minisgl.message.detokenizer_to_api import (
 from minisgl.message.endpoints import Endpoints
 from minisgl.message.queue import AsyncPullQueue, PushQueue
 from minisgl.message.scheduler_to_detokenizer import SchedulerStatsUpdate
+from minisgl.structured.spec import KIND_FIELDS
 
 log = logging.getLogger("minisgl.api")
 
@@ -47,6 +48,7 @@ class RequestState:
     # Set once the engine accepted the request or it failed (then `error` says why).
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     error: ErrorReply | None = None
+    grammar_field: str | None = None  # the request field its grammar came from, if any
 
 
 class RequestManager:
@@ -89,11 +91,13 @@ class RequestManager:
         """Sequences (samples of requests) accepted here that have no output yet."""
         return sum(len(s.waiting) for s in self.requests.values())
 
-    def submit(self, req: TokenizeRequest) -> RequestState:
+    def submit(self, req: TokenizeRequest, grammar_field: str | None = None) -> RequestState:
         # Encode first: a request that cannot be sent must not stay registered (it would
         # count as waiting forever and, with enough of them, close admission for good).
         self.to_tokenizer.put(req)
-        state = RequestState(req.rid, req.arrival_time, waiting=set(range(req.params.n)))
+        state = RequestState(
+            req.rid, req.arrival_time, waiting=set(range(req.params.n)), grammar_field=grammar_field
+        )
         self.requests[req.rid] = state  # no await since put(): no reply can come before this
         return state
 
@@ -186,6 +190,8 @@ class RequestManager:
             state.waiting.discard(reply.index)
         else:
             state.waiting.clear()
+        if isinstance(reply, ErrorReply):
+            reply = _named(reply, state.grammar_field)
         if isinstance(reply, ErrorReply) and state.error is None:
             state.error = reply
         state.settled.set()
@@ -208,3 +214,21 @@ class RequestManager:
             )
         except Exception:
             log.exception("metrics update failed")
+
+
+# The fields a grammar's 400 names from the scheduler, which knows only the grammar's kind.
+_KIND_PARAMS = frozenset(KIND_FIELDS.values())
+
+
+def _named(reply: ErrorReply, grammar_field: str | None) -> ErrorReply:
+    """A grammar's 400 naming the request field that gave the grammar (a tool's parameters
+    or guided_json compile as a json_schema, which the scheduler calls response_format)."""
+    param = reply.param
+    if grammar_field is None or param is None or param == grammar_field:
+        return reply
+    if param not in _KIND_PARAMS:
+        return reply
+    message = reply.message
+    if message.startswith(param) and message[len(param) : len(param) + 1] in (" ", ":"):
+        message = grammar_field + message[len(param) :]  # "regex is invalid", "regex: ..."
+    return ErrorReply(reply.rid, message, reply.status, grammar_field)

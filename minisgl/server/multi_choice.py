@@ -30,6 +30,7 @@ from minisgl.server.errors import APIError, error_response
 from minisgl.server.handlers import Tracker, admit, sampling_params, sse_event
 from minisgl.server.manager import RequestState
 from minisgl.server.protocol import CompletionRequest
+from minisgl.server.structured_request import grammar_field
 
 log = logging.getLogger("minisgl.api")
 
@@ -76,7 +77,7 @@ async def serve_prompts(
                     more=p_index < len(prompts) - 1 or sample < samples - 1,
                     **fields,
                 )
-                state = ctx.manager.submit(tok_req)
+                state = ctx.manager.submit(tok_req, grammar_field(req) if grammar else None)
                 out = Choices("completion", 1, want_logprobs, req.echo, prompt_text)
                 tracker = Tracker(rid, arrival, req.stream)
                 choices.append(Choice(index, sample, tracker, state, out))

@@ -76,6 +76,17 @@ def output_grammar(req: SamplingFields) -> Grammar | None:
     return found[0][1] if found else None
 
 
+def grammar_field(req: SamplingFields) -> str | None:
+    """The request field that gave its grammar (chat_grammar / output_grammar found at most
+    one): the scheduler's 400 for a grammar it cannot compile names this field."""
+    if isinstance(req, ChatCompletionRequest) and req.tool_choice not in (None, "auto", "none"):
+        return "tools"  # the forced call's grammar holds the tools' parameter schemas
+    if req.response_format is not None and req.response_format.type != "text":
+        return "response_format"
+    spellings = ("guided_json", "regex", "guided_regex", "ebnf", "guided_grammar", "guided_choice")
+    return next((f for f in spellings if getattr(req, f) is not None), None)
+
+
 def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     """The tools the chat template renders (none for tool_choice none, as SGLang does)."""
     if not req.tools or req.tool_choice == "none":

@@ -174,3 +174,32 @@ def test_continue_final_message_conflicts_are_400s(server: ServerProcess) -> Non
         error = r.json()["error"]
         assert error["param"] in ("continue_final_message", "messages"), error
     assert server.wait_idle()["num_running"] == 0
+
+
+def test_an_invalid_grammar_is_named_by_the_field_that_gave_it(server: ServerProcess) -> None:
+    """The scheduler compiles a grammar knowing only its kind; the 400 names the request's
+    own field (a tool's parameters are no response_format)."""
+    bad_schema = {"type": "object", "properties": {"a": {"type": "bogus"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": bad_schema}}
+    chat = {"model": "m", "messages": MSG, "max_tokens": 2}
+    cases = [
+        ("/v1/chat/completions", {**chat, "tools": [tool], "tool_choice": "required"}, "tools"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "guided_json": bad_schema},
+         "guided_json"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "guided_regex": "("},
+         "guided_regex"),
+        ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2, "guided_grammar": "x ::="},
+         "guided_grammar"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "regex": "("}, "regex"),
+        ("/v1/chat/completions",
+         {**chat, "response_format": {"type": "json_schema", "json_schema": {"schema": bad_schema}}},
+         "response_format"),
+    ]  # fmt: skip
+    for path, body, field in cases:
+        for stream in (False, True):
+            r = httpx.post(f"{server.url}{path}", json={**body, "stream": stream}, timeout=120)
+            assert r.status_code == 400, (body, r.text)
+            error = r.json()["error"]
+            assert error["param"] == field, (body, error)
+            assert error["message"].startswith(f"{field} is invalid: "), (body, error)
+    assert server.wait_idle()["num_running"] == 0
