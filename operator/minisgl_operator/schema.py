@@ -479,8 +479,10 @@ SPEC = obj(
         ),
         "startupTimeoutSeconds": integer(
             "How long a pod may take to download and load the model before it is restarted "
-            "(the startup probe's budget).",
+            "(the startup probe's budget), at most a day: the Deployment's progress deadline "
+            "adds 600 s to it and must fit in 32 bits.",
             minimum=60,
+            maximum=86400,
             default=1800,
         ),
         "engine": ENGINE,

@@ -119,6 +119,10 @@ REJECTED = {
         "must be a Kubernetes quantity",
     ),
     "negative cpu": ({"model": "m", "resources": {"cpu": -1}}, "must be a Kubernetes quantity"),
+    "startup timeout past a day": (
+        {"model": "m", "startupTimeoutSeconds": 2**31 - 1},
+        "should be less than or equal to 86400",
+    ),
     "cache size no quantity": (
         {"model": "m", "modelCache": {"size": "10gi"}},
         "must be a Kubernetes quantity",

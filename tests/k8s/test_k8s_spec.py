@@ -81,6 +81,11 @@ def test_defaults() -> None:
         ({"model": "m", "env": [{"value": "v"}]}, "env entry needs a name"),
         ({"model": "m", "nodeSelector": ["a"]}, "nodeSelector must be an object"),
         ({"model": "m", "startupTimeoutSeconds": 10}, "startupTimeoutSeconds must be >= 60"),
+        # Past 2**31 - 601 the Deployment's progressDeadlineSeconds (it + 600) overflowed.
+        (
+            {"model": "m", "startupTimeoutSeconds": 2**31 - 1},
+            "startupTimeoutSeconds must be <= 86400",
+        ),
     ],
 )
 def test_field_errors(raw: Any, message: str) -> None:
