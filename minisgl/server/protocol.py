@@ -133,6 +133,14 @@ class SamplingFields(_Request):
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)  # vLLM/SGLang extra
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # vLLM extra: answered with a 400 (use echo + logprobs)
+    # vLLM extras that change what is generated and that minisgl does not implement: read so
+    # that a value other than vLLM's default is refused, not served as if absent.
+    min_tokens: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    use_beam_search: bool = False
+    truncate_prompt_tokens: int | None = None  # -1 (vLLM: the context length) changes nothing
+    return_tokens_as_token_ids: bool = False
     user: str | None = None
     metadata: dict[str, Any] | None = None  # accepted and ignored
     # Structured outputs: OpenAI's response_format, SGLang's regex/ebnf, vLLM's guided_*.
@@ -194,6 +202,16 @@ class SamplingFields(_Request):
             )
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
+        for name, used in (
+            ("min_tokens", bool(self.min_tokens)),
+            ("bad_words", bool(self.bad_words)),
+            ("allowed_token_ids", self.allowed_token_ids is not None),
+            ("use_beam_search", self.use_beam_search),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens not in (None, -1)),
+            ("return_tokens_as_token_ids", self.return_tokens_as_token_ids),
+        ):
+            if used:
+                return name, f"{name} is not supported"
         return None
 
     def num_logprobs(self) -> int | None:

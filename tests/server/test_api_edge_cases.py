@@ -203,3 +203,30 @@ def test_an_invalid_grammar_is_named_by_the_field_that_gave_it(server: ServerPro
             assert error["param"] == field, (body, error)
             assert error["message"].startswith(f"{field} is invalid: "), (body, error)
     assert server.wait_idle()["num_running"] == 0
+
+
+# vLLM sampling extras that change what is generated: served as if absent they would give a
+# different answer than asked (vLLM honours them), so they are refused. Their defaults pass.
+CHANGES_THE_OUTPUT = [
+    ("min_tokens", 5, 0),
+    ("bad_words", ["the"], []),
+    ("allowed_token_ids", [1, 2, 3], None),
+    ("use_beam_search", True, False),
+    ("truncate_prompt_tokens", 8, None),
+    ("return_tokens_as_token_ids", True, False),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "default"), CHANGES_THE_OUTPUT)
+def test_vllm_extras_we_do_not_honour_are_refused(
+    server: ServerProcess, field: str, value: object, default: object
+) -> None:
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": MSG, "max_tokens": 1}),
+    ):
+        r = httpx.post(f"{server.url}{path}", json={**body, field: value}, timeout=30)
+        assert r.status_code == 400, (field, r.text)
+        assert r.json()["error"]["param"] == field
+        ok = httpx.post(f"{server.url}{path}", json={**body, field: default}, timeout=30)
+        assert ok.status_code == 200, (field, ok.text)
