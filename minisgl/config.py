@@ -286,9 +286,79 @@ def build_parser(
     return parser
 
 
+# Numeric flags' valid ranges: (lowest, whether the lowest itself is allowed, highest or None).
+# Checked before any worker starts: a value outside them used to pass the parser and fail seconds
+# later in a worker with a traceback (--page-size 0: ZeroDivisionError; --num-pages -5: a negative
+# tensor dimension; --port 70000: bind's OverflowError), or to be read as "unset" (--num-pages 0,
+# --max-seq-len-override 0: the defaults, silently).
+FLAG_RANGES: dict[str, tuple[float, bool, float | None]] = {
+    "num_pages": (1, True, None),
+    "page_size": (1, True, None),
+    "max_seq_len_override": (1, True, None),
+    "max_running_requests": (1, True, None),
+    "max_prefill_tokens": (1, True, None),
+    "prefill_chunk_overhead": (0, True, None),
+    "tp_size": (1, True, None),
+    "nnodes": (1, True, None),
+    "node_rank": (0, True, None),
+    "memory_fraction": (0, False, 1),
+    "cpu_weight_copies_max_gb": (0, True, None),
+    "grammar_compile_timeout": (0, False, None),
+    "speculative_num_draft_tokens": (1, True, None),
+    "speculative_ngram_min_match_window_size": (1, True, None),
+    "speculative_ngram_max_match_window_size": (1, True, None),
+    "cuda_graph_max_bs": (1, True, None),
+    "port": (1, True, 65535),
+    "max_queued_requests": (1, True, None),
+    "shutdown_timeout": (0, True, None),
+    "max_request_body_bytes": (1, True, None),
+    "max_n": (1, True, None),
+    "max_prompts_per_request": (1, True, None),
+    "chat_template_timeout": (0, False, None),
+    "tokenizer_health_timeout": (0, False, None),
+}
+
+
+def _range_text(low: float, inclusive: bool, high: float | None) -> str:
+    if high is not None:
+        return f"in {'[' if inclusive else '('}{low}, {high}]"
+    return f"{'>=' if inclusive else '>'} {low}"
+
+
+def check_ranges(args: EngineArgs) -> None:
+    """Raise ValueError naming the flag whose value is out of its range (FLAG_RANGES); NaN is
+    out of every range."""
+    for f in dataclasses.fields(args):
+        bounds = FLAG_RANGES.get(f.name)
+        value = getattr(args, f.name)
+        if bounds is None or value is None:
+            continue
+        low, inclusive, high = bounds
+        above_low = value >= low if inclusive else value > low
+        if not (above_low and (high is None or value <= high)):
+            raise ValueError(
+                f"{flag_name(f.name)} must be {_range_text(low, inclusive, high)}, got {value}"
+            )
+    lo, hi = (
+        args.speculative_ngram_min_match_window_size,
+        args.speculative_ngram_max_match_window_size,
+    )
+    if lo > hi:
+        raise ValueError(
+            f"--speculative-ngram-min-match-window-size ({lo}) must not exceed "
+            f"--speculative-ngram-max-match-window-size ({hi})"
+        )
+
+
 def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
-    ns = build_parser().parse_args(argv)
-    return ServerArgs(**vars(ns))
+    parser = build_parser()
+    args = ServerArgs(**vars(parser.parse_args(argv)))
+    try:
+        check_ranges(args)
+    except ValueError as e:
+        # One line (no usage dump to scroll past) and argparse's exit code for a bad flag.
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    return args
 
 
 def to_cli_args(args: EngineArgs, include_defaults: bool = False) -> list[str]:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from minisgl.config import EngineArgs
+from minisgl.config import EngineArgs, check_ranges
 from minisgl.engine.engine import Engine
 
 
 def create_engine(args: EngineArgs) -> Engine:
-    if args.tp_size < 1:
-        raise ValueError(f"tp_size must be >= 1, got {args.tp_size}")
+    check_ranges(args)  # e.g. LLM(num_pages=0): refused, not read as "derive it"
     if args.tp_size == 1:
         return Engine(args)
     from minisgl.engine.tp_engine import TPEngine

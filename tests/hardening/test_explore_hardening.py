@@ -1,0 +1,71 @@
+"""Exploratory findings on the operator's side: flags, signals, processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from minisgl.config import parse_server_args
+
+# Out-of-range values of numeric flags, and what used to happen (each seconds into start-up, in
+# a worker, with a traceback, or not at all).
+BAD_FLAGS = [
+    (["--num-pages", "0"], "--num-pages must be >= 1"),  # served with derived pages
+    (["--num-pages", "-5"], "--num-pages must be >= 1"),  # negative tensor dimension
+    (["--page-size", "0"], "--page-size must be >= 1"),  # ZeroDivisionError
+    (["--max-seq-len-override", "0"], "--max-seq-len-override must be >= 1"),  # model's length
+    (["--tp-size", "0"], "--tp-size must be >= 1"),  # traceback in the scheduler worker
+    (["--max-running-requests", "0"], "--max-running-requests must be >= 1"),
+    (["--max-prefill-tokens", "-1"], "--max-prefill-tokens must be >= 1"),
+    (["--memory-fraction", "0"], "--memory-fraction must be in (0, 1]"),  # served
+    (["--memory-fraction", "nan"], "--memory-fraction must be in (0, 1]"),
+    (["--speculative-num-draft-tokens", "0"], "--speculative-num-draft-tokens must be >= 1"),
+    (["--port", "70000"], "--port must be in [1, 65535]"),  # bind(): OverflowError traceback
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
+    (["--max-n", "0"], "--max-n must be >= 1"),
+    (
+        [
+            "--speculative-ngram-min-match-window-size",
+            "5",
+            "--speculative-ngram-max-match-window-size",
+            "2",
+        ],
+        "must not exceed --speculative-ngram-max-match-window-size",
+    ),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_out_of_range_flag_is_one_line_and_exit_2(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_server_args(["--model", "m", *flags])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m minisgl: error: "), lines
+    assert message in lines[0]
+
+
+def test_in_range_edges_accepted() -> None:
+    args = parse_server_args(
+        ["--model", "m", "--num-pages", "1", "--memory-fraction", "1", "--port", "65535"]
+    )
+    assert (args.num_pages, args.memory_fraction, args.port) == (1, 1.0, 65535)
+
+
+def test_cli_refuses_before_starting_anything() -> None:
+    """The real entry point: the refusal comes before any worker starts (no model is read:
+    the model path does not exist), in one line with exit code 2."""
+    out = subprocess.run(
+        [sys.executable, "-m", "minisgl", "--model", "/nonexistent", "--page-size", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "python -m minisgl: error: --page-size must be >= 1, got 0"
+    ]
