@@ -41,6 +41,7 @@ class Node:
     items: Node | None = None
     required: tuple[str, ...] = ()
     rules: tuple[tuple[str, str], ...] = ()  # CEL (rule, message): x-kubernetes-validations
+    name_pattern: str | None = None  # what a name field's CEL rule matches (for the operator)
 
     @property
     def default(self) -> Any:
@@ -147,6 +148,43 @@ def quantity(description: str, **kw: Any) -> Node:
                 "must be a Kubernetes quantity (not negative) such as 24Gi, 500m or 4",
             ),
         ),
+    )
+
+
+# Names the children refer to (a Secret, a claim, a class, a Gateway, a host): refused at
+# admission when the API server would refuse the child that carries them.
+_LABEL = "[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+DNS_SUBDOMAIN_PATTERN = rf"^{_LABEL}(\.{_LABEL})*$"
+DNS_LABEL_PATTERN = rf"^{_LABEL}$"
+HOST_PATTERN = rf"^(\*\.)?{_LABEL}(\.{_LABEL})*$"
+_NAME_KINDS = {  # pattern: (longest, what a value must be)
+    DNS_SUBDOMAIN_PATTERN: (
+        253,
+        "a Kubernetes object name: lowercase letters, digits, '-' and '.', starting and ending "
+        "with a letter or digit",
+    ),
+    DNS_LABEL_PATTERN: (
+        63,
+        "a namespace name: lowercase letters, digits and '-', starting and ending with a letter "
+        "or digit",
+    ),
+    HOST_PATTERN: (253, "a lowercase DNS name such as qwen.example.com (or *.example.com)"),
+}
+
+
+def object_name(
+    description: str, pattern: str = DNS_SUBDOMAIN_PATTERN, allow_empty: bool = False
+) -> Node:
+    """A string that names something in the cluster; `pattern` is one of the three above.
+    `allow_empty`: "" stays accepted (and means the field is not set)."""
+    longest, what = _NAME_KINDS[pattern]
+    message = f"must be {what}"
+    rule = f"self.matches(r'{pattern}')"
+    return Node(
+        description,
+        {"type": "string", **({} if allow_empty else {"minLength": 1}), "maxLength": longest},
+        rules=((f"self == '' || {rule}" if allow_empty else rule, message),),
+        name_pattern=pattern,
     )
 
 
@@ -297,12 +335,12 @@ MODEL_CACHE = obj(
     "emptyDir that lives as long as the pod.",
     {
         "size": quantity("Size of the PersistentVolumeClaim <name>-cache.", default="100Gi"),
-        "storageClassName": string(
-            "StorageClass of that claim. Default: the cluster's default class."
+        "storageClassName": object_name(
+            "StorageClass of that claim. Default: the cluster's default class.",
+            allow_empty=True,
         ),
-        "existingClaim": string(
-            "Use this existing PersistentVolumeClaim instead of creating <name>-cache.",
-            minLength=1,
+        "existingClaim": object_name(
+            "Use this existing PersistentVolumeClaim instead of creating <name>-cache."
         ),
     },
 )
@@ -374,8 +412,10 @@ AUTOSCALING = obj(
 INGRESS = obj(
     "An Ingress <name> routing http(s)://host/ to the Service; status.endpoint then names it.",
     {
-        "host": string("Host name clients use, e.g. qwen.example.com.", minLength=1),
-        "className": string("IngressClass (ingressClassName). Default: the cluster's default."),
+        "host": object_name("Host name clients use, e.g. qwen.example.com.", HOST_PATTERN),
+        "className": object_name(
+            "IngressClass (ingressClassName). Default: the cluster's default."
+        ),
         "tls": boolean(
             "Serve TLS from the Secret <name>-tls (e.g. made by cert-manager).", default=False
         ),
@@ -389,8 +429,10 @@ GATEWAY_REF = obj(
     "<name> sending every path on it to the InferencePool. The Gateway must allow routes "
     "from this namespace (its listeners' allowedRoutes).",
     {
-        "name": string("Name of the Gateway.", minLength=1),
-        "namespace": string("Namespace of the Gateway. Default: the ModelServer's.", minLength=1),
+        "name": object_name("Name of the Gateway."),
+        "namespace": object_name(
+            "Namespace of the Gateway. Default: the ModelServer's.", DNS_LABEL_PATTERN
+        ),
     },
     required=["name"],
 )
@@ -488,10 +530,9 @@ SPEC = obj(
         "engine": ENGINE,
         "resources": RESOURCES,
         "modelCache": MODEL_CACHE,
-        "hfTokenSecret": string(
+        "hfTokenSecret": object_name(
             "Secret holding the Hugging Face token under the key `token`; becomes the HF_TOKEN "
-            "environment variable (gated or private models).",
-            minLength=1,
+            "environment variable (gated or private models)."
         ),
         "autoscaling": AUTOSCALING,
         "ingress": INGRESS,

@@ -230,6 +230,17 @@ def _quantity(d: Mapping[str, Any], path: str) -> str | None:
     return value
 
 
+def _name(d: Mapping[str, Any], path: str) -> str | None:
+    """A name field: its schema's pattern (the CRD checks it with CEL)."""
+    value = _str(d, path)
+    node = SPEC.at(path)
+    assert node.name_pattern is not None, path
+    longest = node.keywords["maxLength"]
+    if value is not None and (len(value) > longest or not re.fullmatch(node.name_pattern, value)):
+        raise SpecError(f"{path} {node.rules[0][1]}, got {value!r}")
+    return value
+
+
 def _obj(d: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any] | None:
     value = d.get(key)
     if value is not None and not isinstance(value, Mapping):
@@ -348,10 +359,10 @@ def _routing(raw: Mapping[str, Any], namespace: str) -> RoutingSpec:
     if ref is not None:
         if not pool:
             raise SpecError("routing.gatewayRef needs routing.inferencePool: true")
-        name = _str(ref, "routing.gatewayRef.name")
+        name = _name(ref, "routing.gatewayRef.name")
         if name is None:
             raise SpecError("routing.gatewayRef.name is required")
-        gateway = GatewayRef(name, _str(ref, "routing.gatewayRef.namespace") or namespace)
+        gateway = GatewayRef(name, _name(ref, "routing.gatewayRef.namespace") or namespace)
     return RoutingSpec(inference_pool=pool, gateway=gateway)
 
 
@@ -392,19 +403,23 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any] | None) -> Mod
     if cache_raw is not None:
         cache = CacheSpec(
             size=_quantity(cache_raw, "modelCache.size") or DEFAULT_CACHE_SIZE,
-            storage_class_name=cache_raw.get("storageClassName") or None,
-            existing_claim=_str(cache_raw, "modelCache.existingClaim"),
+            storage_class_name=(
+                _name(cache_raw, "modelCache.storageClassName")
+                if cache_raw.get("storageClassName")
+                else None
+            ),
+            existing_claim=_name(cache_raw, "modelCache.existingClaim"),
         )
     auto_raw = _obj(spec, "autoscaling", "")
     ing_raw = _obj(spec, "ingress", "")
     ingress = None
     if ing_raw is not None:
-        host = _str(ing_raw, "ingress.host")
+        host = _name(ing_raw, "ingress.host")
         if host is None:
             raise SpecError("ingress.host is required")
         ingress = IngressSpec(
             host=host,
-            class_name=ing_raw.get("className") or None,
+            class_name=_name(ing_raw, "ingress.className"),
             tls=_bool(ing_raw, "ingress.tls"),
             annotations=_str_map(ing_raw, "annotations"),
         )
@@ -429,7 +444,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any] | None) -> Mod
         engine=engine,
         resources=resources,
         model_cache=cache,
-        hf_token_secret=_str(spec, "hfTokenSecret"),
+        hf_token_secret=_name(spec, "hfTokenSecret"),
         autoscaling=_autoscaling(auto_raw) if auto_raw is not None else None,
         ingress=ingress,
         routing=_routing(_obj(spec, "routing", "") or {}, namespace),

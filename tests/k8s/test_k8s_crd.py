@@ -233,6 +233,34 @@ CEL_CASES = {
         {"model": "m", "modelCache": {"size": "big"}},
         "must be a Kubernetes quantity",
     ),
+    # Names the children carry: refused here, not by the Deployment, claim or Ingress.
+    "a token Secret that is no name": (
+        {"model": "m", "hfTokenSecret": "HF_Token"},
+        "must be a Kubernetes object name",
+    ),
+    "a storage class with a space": (
+        {"model": "m", "modelCache": {"storageClassName": "fast ssd"}},
+        "must be a Kubernetes object name",
+    ),
+    "an existing claim in capitals": (
+        {"model": "m", "modelCache": {"existingClaim": "Weights"}},
+        "must be a Kubernetes object name",
+    ),
+    "an ingress host with a space": (
+        {"model": "m", "ingress": {"host": "qwen example.com"}},
+        "must be a lowercase DNS name",
+    ),
+    "an ingress class in capitals": (
+        {"model": "m", "ingress": {"host": "q.example.com", "className": "NGINX"}},
+        "must be a Kubernetes object name",
+    ),
+    "a gateway namespace with a dot": (
+        {
+            "model": "m",
+            "routing": {"inferencePool": True, "gatewayRef": {"name": "gw", "namespace": "a.b"}},
+        },
+        "must be a namespace name",
+    ),
 }
 
 
@@ -259,6 +287,13 @@ def test_cel_rules_accept_edge_cases() -> None:
         {"model": "m", "resources": {"cpu": 4, "memory": "24Gi", "sharedMemory": "1.5Gi"}},
         {"model": "m", "resources": {"cpu": "500m", "memory": "1e9"}, "modelCache": {}},
         {"model": "m", "resources": {"cpu": "+2", "memory": 0}, "modelCache": {"size": "1Ti"}},
+        {"model": "m", "hfTokenSecret": "hf-token.v2", "modelCache": {"storageClassName": ""}},
+        {"model": "m", "modelCache": {"existingClaim": "weights", "storageClassName": "rwx"}},
+        {"model": "m", "ingress": {"host": "*.example.com", "className": "nginx"}},
+        {
+            "model": "m",
+            "routing": {"inferencePool": True, "gatewayRef": {"name": "gw.v1", "namespace": "gw"}},
+        },
     ):
         assert cel_failures(ms(good)) == []
         spec.parse_spec("m", "ns", good)

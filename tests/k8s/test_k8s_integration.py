@@ -119,6 +119,14 @@ REJECTED = {
         "must be a Kubernetes quantity",
     ),
     "negative cpu": ({"model": "m", "resources": {"cpu": -1}}, "must be a Kubernetes quantity"),
+    "token secret no name": (
+        {"model": "m", "hfTokenSecret": "HF_Token"},
+        'spec.hfTokenSecret: Invalid value: "HF_Token": must be a Kubernetes object name',
+    ),
+    "ingress host with a space": (
+        {"model": "m", "ingress": {"host": "qwen example.com"}},
+        "must be a lowercase DNS name",
+    ),
     "startup timeout past a day": (
         {"model": "m", "startupTimeoutSeconds": 2**31 - 1},
         "should be less than or equal to 86400",
