@@ -38,6 +38,7 @@ from minisgl.server.structured_request import (
     template_tools,
     validate_tools,
 )
+from minisgl.structured.reasoning_parser import THINK_END
 from minisgl.structured.template_kwargs import template_kwargs_problem
 
 log = logging.getLogger("minisgl.api")
@@ -99,6 +100,7 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
         tools = template_tools(req)
         kwargs = _template_kwargs(ctx, req)
         generation_prompt = _generation_prompt(req, kwargs)
+        grammar = chat_grammar(req)
         fields: dict[str, Any] = {
             "messages": [m.template_dict() for m in req.messages],
             "chat_template_kwargs": kwargs,
@@ -109,13 +111,13 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
             reasoning=ctx.reasoning_parser,
             tools=bool(tools) and ctx.tool_call_parser,
             special_tags=ctx.special_tags if req.skip_special_tokens else (),
-            thinking=generation_prompt and _prompt_opens_think(ctx, kwargs),
+            thinking=generation_prompt
+            and _closes_think(grammar)
+            and _prompt_opens_think(ctx, kwargs),
         )
         # The parsers read their tags even where the tokenizer marks them special.
         fields["keep_special"] = list(output.special_tags)
-        return await serve_request(
-            ctx, request, req, fields, "chat", arrival, chat_grammar(req), output
-        )
+        return await serve_request(ctx, request, req, fields, "chat", arrival, grammar, output)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
@@ -304,6 +306,13 @@ def _generation_prompt(body: ChatCompletionRequest | TokenizeBody, kwargs: dict[
         )
     kwargs["continue_final_message"] = True
     return False
+
+
+def _closes_think(grammar: tuple[str, str] | None) -> bool:
+    """Whether the output may close a think block the prompt opened: a grammar applies from
+    the first token, so what it makes is the answer (a JSON object, a forced tool call)
+    unless it writes `</think>` itself."""
+    return grammar is None or THINK_END in grammar[1]
 
 
 def _prompt_opens_think(ctx: ServerContext, kwargs: dict[str, Any]) -> bool:

@@ -24,6 +24,7 @@ MSG = [{"role": "user", "content": "hi"}]
 # What a Thinking-2507 model writes after its prompt's `<think>\n`: reasoning, the closing
 # tag, the answer.
 CLOSES_THINK = 'root ::= [a-z]{3,6} "</think>" "\\n\\n" [a-z]{2,5}'
+LONG_THOUGHT = 'root ::= [a-z]{8,12} "</think>" [a-z]{2}'
 HYBRID_PROMPT = """    {{- '<|im_start|>assistant\\n' }}
     {%- if enable_thinking is defined and enable_thinking is false %}
         {{- '<think>\\n\\n</think>\\n\\n' }}
@@ -81,9 +82,35 @@ def test_a_prompt_that_opens_the_think_block_splits_at_its_close(
     assert (streamed_reasoning, streamed_content) == (reasoning, msg.content)
 
 
+def test_a_constrained_output_is_the_answer_even_after_an_open_think_block(
+    thinking_client: openai.OpenAI,
+) -> None:
+    """A grammar applies from the first token (docs/serving.md): what it makes is the answer
+    (or the tool call), not reasoning, though the prompt opened the block."""
+    reply = thinking_client.chat.completions.create(
+        model="m",
+        messages=MSG,
+        max_tokens=30,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+                "a": {"type": "string", "maxLength": 3}}, "required": ["a"]}},
+        },
+    )  # fmt: skip
+    msg = reply.choices[0].message
+    assert json.loads(msg.content or "").keys() == {"a"}
+    assert msg.reasoning_content is None  # type: ignore[attr-defined]
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+    called = thinking_client.chat.completions.create(
+        model="m", messages=MSG, max_tokens=60, tools=[tool], tool_choice="required"
+    )
+    calls = called.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "now"
+
+
 def test_a_cut_off_thought_is_all_reasoning(thinking_client: openai.OpenAI) -> None:
     reply = thinking_client.chat.completions.create(
-        model="m", messages=MSG, max_tokens=2, extra_body={"regex": "[a-z]{8}"}
+        model="m", messages=MSG, max_tokens=2, extra_body={"ebnf": LONG_THOUGHT}
     )
     msg = reply.choices[0].message
     assert reply.choices[0].finish_reason == "length"
