@@ -9,7 +9,7 @@ from minisgl_operator.children import Problem
 from minisgl_operator.meta import selector_string
 from minisgl_operator.network import endpoint
 from minisgl_operator.spec import ModelServerSpec
-from minisgl_operator.workload import available_replicas, deployment_failed
+from minisgl_operator.workload import available_replicas, deployment_failed, failure_conditions
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -47,10 +47,10 @@ def _rollout(deployment: Mapping[str, Any]) -> tuple[bool, str]:
 
 
 def _failure_message(deployment: Mapping[str, Any]) -> str:
-    for c in (deployment.get("status") or {}).get("conditions") or []:
-        if c.get("type") in ("Progressing", "ReplicaFailure") and c.get("message"):
-            return str(c["message"])
-    return "the Deployment reports a failed rollout"
+    # The failing conditions' own words: a Progressing condition that is not a deadline only
+    # says "Created new replica set ..." while pods are refused.
+    messages = [str(c["message"]) for c in failure_conditions(deployment) if c.get("message")]
+    return "; ".join(messages) or "the Deployment reports a failed rollout"
 
 
 def deployment_is_lws(workload: Mapping[str, Any] | None) -> bool:

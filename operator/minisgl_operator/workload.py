@@ -67,15 +67,21 @@ def available_replicas(workload: Mapping[str, Any]) -> int:
     return int(st.get(key) or 0)
 
 
-def deployment_failed(deployment: Mapping[str, Any]) -> bool:
+def failure_conditions(deployment: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The Deployment's conditions that say its rollout failed: a progress deadline exceeded,
+    or pods it cannot create (ReplicaFailure: a quota, an admission policy, ...)."""
     if deployment.get("kind") == "LeaderWorkerSet":
-        return False  # it restarts failing groups itself and reports no deadline
-    for c in (deployment.get("status") or {}).get("conditions") or []:
-        if c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded":
-            return True
-        if c.get("type") == "ReplicaFailure" and c.get("status") == "True":
-            return True
-    return False
+        return []  # it restarts failing groups itself and reports no deadline
+    return [
+        c
+        for c in (deployment.get("status") or {}).get("conditions") or []
+        if (c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded")
+        or (c.get("type") == "ReplicaFailure" and c.get("status") == "True")
+    ]
+
+
+def deployment_failed(deployment: Mapping[str, Any]) -> bool:
+    return bool(failure_conditions(deployment))
 
 
 def _resources(spec: ModelServerSpec) -> dict[str, Any]:

@@ -493,6 +493,30 @@ def test_a_modelserver_is_deleted_while_the_operator_is_gone(
         )
 
 
+def test_pods_a_quota_refuses_make_the_modelserver_degraded_with_the_quotas_words(
+    cluster: Api, installed: str, tmp_path: Path
+) -> None:
+    """The controller-manager's own Deployment conditions: Progressing says only that a
+    ReplicaSet was made; ReplicaFailure says why no pod is."""
+    with namespace(cluster, "quota") as ns, operator_as_installed(cluster, installed, tmp_path):
+        quota = {
+            "apiVersion": "v1",
+            "kind": "ResourceQuota",
+            "metadata": {"name": "no-pods", "namespace": ns},
+            "spec": {"hard": {"pods": "0"}},
+        }
+        assert cluster.create(quota).status_code == 201
+        created = cluster.create(modelserver(ns, "q", {"model": "m", "resources": {"gpus": 0}}))
+        assert created.status_code == 201, created.text
+
+        def degraded() -> dict[str, Any] | None:
+            c = conditions(cluster, ns, "q").get("Degraded")
+            return c if c and c["reason"] == "RolloutFailed" else None
+
+        message = wait_for("RolloutFailed", degraded)["message"]
+        assert "exceeded quota: no-pods" in message, message
+
+
 def test_without_the_leader_worker_set_grant_the_operator_keeps_running(
     cluster: Api, upstream_crds: list[str], tmp_path: Path
 ) -> None:

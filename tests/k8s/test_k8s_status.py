@@ -107,6 +107,40 @@ def test_failed_rollout_is_degraded() -> None:
     assert "timed out" in cond(s, "Degraded")["message"]
 
 
+def test_pods_the_deployment_cannot_create_are_degraded_with_the_reason() -> None:
+    """A quota (or admission policy) refusing the pods: the Deployment's conditions, as the
+    controller-manager wrote them on a real API server, Progressing first."""
+    refused = dep(
+        1,
+        0,
+        conditions=[
+            {
+                "type": "Progressing",
+                "status": "True",
+                "reason": "NewReplicaSetCreated",
+                "message": 'Created new replica set "qwen-7f46f7fd7f"',
+            },
+            {
+                "type": "Available",
+                "status": "False",
+                "reason": "MinimumReplicasUnavailable",
+                "message": "Deployment does not have minimum availability.",
+            },
+            {
+                "type": "ReplicaFailure",
+                "status": "True",
+                "reason": "FailedCreate",
+                "message": 'pods "qwen-7f46f7fd7f-qtvm6" is forbidden: exceeded quota: nopods',
+            },
+        ],
+    )
+    degraded = cond(compute_status(owner(), SPEC, refused, [], NOW), "Degraded")
+    assert degraded["reason"] == "RolloutFailed"
+    assert (
+        degraded["message"] == 'pods "qwen-7f46f7fd7f-qtvm6" is forbidden: exceeded quota: nopods'
+    )
+
+
 def test_several_problems_are_all_reported() -> None:
     s = compute_status(owner(), SPEC, dep(1, 1), [Problem("A", "one"), Problem("B", "two")], NOW)
     assert cond(s, "Degraded")["reason"] == "A"
