@@ -54,9 +54,23 @@ def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return _invalid_json(first, getattr(exc, "body", None))
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if not loc:
+        return _not_an_object(first)
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value")
     return APIError(400, f"{param}: {msg}" if param else msg, param)
+
+
+def _not_an_object(error: Any) -> APIError:
+    """The body as a whole is no JSON object. FastAPI parses JSON only under a JSON content
+    type, so `curl -d` (form-urlencoded) or a client that sends none hands it raw bytes."""
+    if isinstance(error.get("input"), bytes):
+        return APIError(
+            400, "the request body must be JSON, sent as Content-Type: application/json"
+        )
+    if error.get("type") == "missing":
+        return APIError(400, "the request body is empty: send a JSON object")
+    return APIError(400, "the request body must be a JSON object")
 
 
 def _invalid_json(error: Any, body: Any) -> APIError:

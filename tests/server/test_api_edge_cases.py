@@ -257,3 +257,28 @@ def test_vllm_extras_we_do_not_honour_are_refused(
         assert r.json()["error"]["param"] == field
         ok = httpx.post(f"{server.url}{path}", json={**body, field: default}, timeout=30)
         assert ok.status_code == 200, (field, ok.text)
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type", "says"),
+    [
+        (b'{"prompt": "hi"}', None, "Content-Type: application/json"),
+        (
+            b'{"prompt": "hi"}',
+            "application/x-www-form-urlencoded",
+            "Content-Type: application/json",
+        ),
+        (b"", "application/json", "empty"),
+        (b"[1, 2]", "application/json", "must be a JSON object"),
+        (b"null", "application/json", "must be a JSON object"),
+    ],
+)
+def test_a_body_that_is_no_json_object_says_why(
+    server: ServerProcess, content: bytes, content_type: str | None, says: str
+) -> None:
+    """`curl -d` sends form-urlencoded and some clients no content type at all: the 400 says
+    what to fix, not that the input 'should be a valid dictionary'."""
+    headers = {"content-type": content_type} if content_type else {}
+    r = httpx.post(f"{server.url}/v1/completions", content=content, headers=headers, timeout=30)
+    assert r.status_code == 400
+    assert says in r.json()["error"]["message"], r.text
