@@ -133,21 +133,25 @@ QUANTITY_PATTERN = rf"^\+?{_DECIMAL}(([KMGTPE]i)|[numkMGTPE]|([eE][-+]?{_DECIMAL
 
 
 def quantity(description: str, **kw: Any) -> Node:
-    """A Kubernetes quantity: "8Gi", "500m" or a plain number (never negative)."""
+    """A Kubernetes quantity: "8Gi", "500m" or a plain number such as 4 or 0.5 (never negative),
+    as a Pod's resources take it.
+
+    x-kubernetes-int-or-string would refuse 0.5 (its type is integer or string), and CEL cannot
+    see a node without a type, so this one has none (preserve-unknown-fields) and checks by
+    value: a string by the pattern, a number by its minimum (each keyword applies to its own
+    JSON type only), and the rest (true, {}, [1], ...) is refused."""
     return Node(
         description,
         {
-            "x-kubernetes-int-or-string": True,
-            "anyOf": [{"type": "integer"}, {"type": "string"}],
-            "maxLength": 64,  # bounds the CEL rule's cost
+            "x-kubernetes-preserve-unknown-fields": True,
+            "pattern": QUANTITY_PATTERN,
+            "maxLength": 64,
+            "minimum": 0,
+            "maxProperties": 0,
+            "maxItems": 0,
+            "not": {"enum": [True, False, {}, []]},
             **kw,
         },
-        rules=(
-            (
-                f"type(self) == int ? self >= 0 : self.matches(r'{QUANTITY_PATTERN}')",
-                "must be a Kubernetes quantity (not negative) such as 24Gi, 500m or 4",
-            ),
-        ),
     )
 
 

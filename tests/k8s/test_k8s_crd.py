@@ -60,7 +60,11 @@ def test_schema_is_structural() -> None:
     # Every node has a type (or is int-or-string / preserve-unknown): what the API server needs
     # to prune and default.
     def walk(node: dict[str, Any], where: str) -> None:
-        ok = "type" in node or node.get("x-kubernetes-int-or-string")
+        ok = (
+            "type" in node
+            or node.get("x-kubernetes-int-or-string")
+            or node.get("x-kubernetes-preserve-unknown-fields")
+        )
         assert ok, f"{where} has no type"
         for key, sub in (node.get("properties") or {}).items():
             walk(sub, f"{where}.{key}")
@@ -124,6 +128,16 @@ BAD_SCHEMA = {
     "bad toleration": {"model": "m", "tolerations": [{"operator": "Maybe"}]},
     "env without name": {"model": "m", "env": [{"value": "x"}]},
     "prometheus url": {"model": "m", "autoscaling": {"maxReplicas": 2, "prometheusUrl": "p:9090"}},
+    # Quantities: refused here, not later by the Deployment or claim they would become.
+    "a memory that is no quantity": {"model": "m", "resources": {"memory": "lots"}},
+    "a negative cpu": {"model": "m", "resources": {"cpu": "-1"}},
+    "a negative integer cpu": {"model": "m", "resources": {"cpu": -2}},
+    "a negative fractional cpu": {"model": "m", "resources": {"cpu": -0.5}},
+    "a cpu that is a boolean": {"model": "m", "resources": {"cpu": True}},
+    "a memory that is an object": {"model": "m", "resources": {"memory": {"gi": 2}}},
+    "a memory that is a list": {"model": "m", "resources": {"memory": []}},
+    "shared memory in lowercase units": {"model": "m", "resources": {"sharedMemory": "2gi"}},
+    "a cache size that is no quantity": {"model": "m", "modelCache": {"size": "big"}},
 }
 
 
@@ -215,24 +229,6 @@ CEL_CASES = {
         {"model": "m", "engine": {"speculative": {"algorithm": "ngram", "draftModelPath": "d"}}},
         "draftModelPath is for algorithm eagle3 only",
     ),
-    # Refused here, not later by the Deployment or claim they would become.
-    "a memory that is no quantity": (
-        {"model": "m", "resources": {"memory": "lots"}},
-        "must be a Kubernetes quantity",
-    ),
-    "a negative cpu": ({"model": "m", "resources": {"cpu": "-1"}}, "must be a Kubernetes quantity"),
-    "a negative integer cpu": (
-        {"model": "m", "resources": {"cpu": -2}},
-        "must be a Kubernetes quantity",
-    ),
-    "shared memory in lowercase units": (
-        {"model": "m", "resources": {"sharedMemory": "2gi"}},
-        "must be a Kubernetes quantity",
-    ),
-    "a cache size that is no quantity": (
-        {"model": "m", "modelCache": {"size": "big"}},
-        "must be a Kubernetes quantity",
-    ),
     # Names the children carry: refused here, not by the Deployment, claim or Ingress.
     "a token Secret that is no name": (
         {"model": "m", "hfTokenSecret": "HF_Token"},
@@ -287,6 +283,7 @@ def test_cel_rules_accept_edge_cases() -> None:
         {"model": "m", "resources": {"cpu": 4, "memory": "24Gi", "sharedMemory": "1.5Gi"}},
         {"model": "m", "resources": {"cpu": "500m", "memory": "1e9"}, "modelCache": {}},
         {"model": "m", "resources": {"cpu": "+2", "memory": 0}, "modelCache": {"size": "1Ti"}},
+        {"model": "m", "resources": {"cpu": 0.5, "memory": 1024}, "modelCache": {"size": 1e11}},
         {"model": "m", "hfTokenSecret": "hf-token.v2", "modelCache": {"storageClassName": ""}},
         {"model": "m", "modelCache": {"existingClaim": "weights", "storageClassName": "rwx"}},
         {"model": "m", "ingress": {"host": "*.example.com", "className": "nginx"}},
@@ -295,6 +292,7 @@ def test_cel_rules_accept_edge_cases() -> None:
             "routing": {"inferencePool": True, "gatewayRef": {"name": "gw.v1", "namespace": "gw"}},
         },
     ):
+        validate_modelserver(ms(good))
         assert cel_failures(ms(good)) == []
         spec.parse_spec("m", "ns", good)
 
@@ -434,7 +432,6 @@ def test_declared_defaults_satisfy_their_own_cel_rules() -> None:
     found = list(_defaults_with_rules(crd_schema()))
     assert [where for where, _ in found] == [
         ".spec.engine",
-        ".spec.modelCache.size",
         ".spec.autoscaling.targets",
     ]
     env = celpy.Environment()

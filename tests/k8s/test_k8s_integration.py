@@ -116,9 +116,18 @@ REJECTED = {
     "unknown field": ({"model": "m", "replica": 2}, 'unknown field "spec.replica"'),
     "memory no quantity": (
         {"model": "m", "resources": {"memory": "lots"}},
-        "must be a Kubernetes quantity",
+        "spec.resources.memory in body should match",
     ),
-    "negative cpu": ({"model": "m", "resources": {"cpu": -1}}, "must be a Kubernetes quantity"),
+    "negative cpu": (
+        {"model": "m", "resources": {"cpu": -1}},
+        "spec.resources.cpu in body should be greater than or equal to 0",
+    ),
+    "negative fractional cpu": (
+        {"model": "m", "resources": {"cpu": -0.5}},
+        "spec.resources.cpu in body should be greater than or equal to 0",
+    ),
+    "boolean cpu": ({"model": "m", "resources": {"cpu": True}}, '"spec.resources.cpu" must not'),
+    "object memory": ({"model": "m", "resources": {"memory": {"gi": 2}}}, "spec.resources.memory"),
     "token secret no name": (
         {"model": "m", "hfTokenSecret": "HF_Token"},
         'spec.hfTokenSecret: Invalid value: "HF_Token": must be a Kubernetes object name',
@@ -133,7 +142,7 @@ REJECTED = {
     ),
     "cache size no quantity": (
         {"model": "m", "modelCache": {"size": "10gi"}},
-        "must be a Kubernetes quantity",
+        "spec.modelCache.size in body should match",
     ),
 }
 
@@ -153,6 +162,43 @@ def test_the_api_server_rejects_what_the_crd_forbids(cluster: Api, crd: dict[str
         obj["metadata"]["namespace"] = "default"
         resp = cluster.create(obj, dry_run=True)
         assert resp.status_code == 422, (path.name, resp.text)
+
+
+NUMERIC_QUANTITIES = {
+    "cpu": 0.5,
+    "memory": 1024,
+    "sharedMemory": 1.5e9,
+}
+
+
+def test_quantities_written_as_numbers_are_accepted_and_rendered(
+    cluster: Api, crd: dict[str, Any]
+) -> None:
+    """`cpu: 0.5` in YAML is a number, and a Pod takes it: so does a ModelServer, and the
+    Deployment and claim the operator renders from it are accepted as well."""
+    raw = {
+        "model": "m",
+        "resources": {**NUMERIC_QUANTITIES, "gpus": 0},
+        "modelCache": {"size": 100e9},
+    }
+    resp = cluster.create(modelserver("default", "numbers", raw), dry_run=True)
+    assert resp.status_code == 201, resp.text
+    stored = resp.json()
+    assert stored["spec"]["resources"] == {**NUMERIC_QUANTITIES, "gpus": 0}
+    stored["metadata"]["uid"] = "00000000-0000-0000-0000-000000000002"
+    children = {c["kind"]: c for c in plan(stored, Cluster()).apply}
+    for kind in ("Deployment", "PersistentVolumeClaim"):
+        children[kind]["metadata"].pop("ownerReferences")  # no owner in a dry run
+        resp = cluster.create(children[kind], dry_run=True)
+        assert resp.status_code == 201, (kind, resp.text)
+        if kind == "Deployment":
+            pod = resp.json()["spec"]["template"]["spec"]
+            (server,) = [c for c in pod["containers"] if c["name"] == "server"]
+            assert server["resources"]["requests"] == {"cpu": "500m", "memory": "1024"}
+            (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+            assert shm["emptyDir"]["sizeLimit"] == "1500M"
+        else:
+            assert resp.json()["spec"]["resources"]["requests"]["storage"] == "100G"
 
 
 # --- the chart, installed with real Helm ------------------------------------------------------
