@@ -33,12 +33,34 @@ class WorkerLife:
     worker also stops when its parent is gone, so a kill -9 of the server leaves no orphans.
     """
 
+    ORPHAN_CHECK_S = 0.5
+
     def __init__(self) -> None:
         self.parent_pid = os.getppid()
         self.stopping = False
         self.loaded = False
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, self._on_term)
+        threading.Thread(
+            target=self._leave_if_orphaned_while_loading, name="minisgl-load-watch", daemon=True
+        ).start()
+
+    def _leave_if_orphaned_while_loading(self) -> None:
+        """While loading, the loop that checks `alive` has not started: a server killed then
+        (SIGKILL, or a SIGTERM before its handlers are up) left this worker loading weights and
+        timing kernels to the end (and under TP its rank processes with it), only to die on a
+        broken pipe: tens of seconds of cores, or a GPU's memory, held for nobody."""
+        while not self.loaded:
+            if os.getppid() != self.parent_pid:
+                logging.getLogger("minisgl.process").warning(
+                    "the server (pid %d) is gone while this worker was starting: leaving",
+                    self.parent_pid,
+                )
+                for child in mp.active_children():  # e.g. tensor-parallel ranks still loading
+                    child.kill()
+                logging.shutdown()
+                os._exit(1)
+            time.sleep(self.ORPHAN_CHECK_S)
 
     def _on_term(self, signum: int, frame: Any) -> None:
         if not self.loaded:

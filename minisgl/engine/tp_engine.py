@@ -47,7 +47,7 @@ from minisgl.engine.multinode import (
 )
 from minisgl.engine.node_auth import group_secret
 from minisgl.engine.startup import spawn_main_problem
-from minisgl.process import freeze_startup_objects
+from minisgl.process import freeze_startup_objects, leave_with_parent
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.scheduler import SchedulerStats
 from minisgl.structured.compile_worker import CompileOutcome
@@ -448,6 +448,8 @@ def follower_main(args_dict: dict, rank: int, rdv_dict: dict, parent_pid: int) -
         level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(message)s"
     )
     args, rdv = EngineArgs(**args_dict), Rendezvous(**rdv_dict)
+    # Rank 0 gone (killed while this rank loads, or later): nothing is left to follow.
+    leave_with_parent(parent_pid)
     ctx = zmq.Context()
     ack = ctx.socket(zmq.PUSH)
     ack.setsockopt(zmq.LINGER, 1000)

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 
 from minisgl.config import parse_server_args
+from minisgl.testing.live_server import free_port
 
 # Out-of-range values of numeric flags, and what used to happen (each seconds into start-up, in
 # a worker, with a traceback, or not at all).
@@ -69,3 +77,54 @@ def test_cli_refuses_before_starting_anything() -> None:
     assert out.stderr.strip().splitlines() == [
         "python -m minisgl: error: --page-size must be >= 1, got 0"
     ]
+
+
+def _workers(launcher: psutil.Process) -> list[psutil.Process]:
+    """The launcher's worker processes and their tensor-parallel ranks (not the resource
+    tracker, which leaves on its own once they are gone)."""
+    out = []
+    for p in launcher.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "spawn_main" in " ".join(p.cmdline()):
+                out.append(p)
+    return out
+
+
+def test_workers_leave_when_the_server_dies_while_they_load(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A server killed during start-up (SIGKILL; or SIGTERM before its handlers are up) used
+    to leave its workers loading to the end, and rank 0 waiting for a rank still loading:
+    here that rank is held 120 s by a test hook, so before the fix the scheduler and the rank
+    outlived the server by ~2 minutes (on a real model: the whole load, and a GPU's memory)."""
+    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 (closed below)
+    env = {**os.environ, "MINISGL_TP_SUBSCRIBE_DELAY_S": "120"}
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "minisgl", "--model", str(tiny_model_dir),
+            "--dtype", "float32", "--port", str(free_port()), "--tp-size", "2",
+        ],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+    launcher = psutil.Process(proc.pid)
+    workers: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers) < 4:  # tokenizer, detokenizer, scheduler and rank 1
+            assert time.monotonic() < deadline, "the tensor-parallel rank never started"
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            time.sleep(0.2)
+            workers = _workers(launcher)
+        proc.kill()
+        proc.wait()
+        _, alive = psutil.wait_procs(workers, timeout=20)
+        assert not alive, f"workers still running 20 s after the server died: {alive}"
+    finally:
+        for p in workers:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        log.close()
+        text = (tmp_path / "server.log").read_text()
+        ipc = re.search(r"ipc dir (\S+)", text)
+        if ipc:  # the server was killed: nothing removed its socket directory
+            shutil.rmtree(ipc.group(1), ignore_errors=True)
