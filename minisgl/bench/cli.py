@@ -140,7 +140,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """ValueError for values that cannot describe a run: they used to pass and end in a
+    traceback (--request-rate 0: ZeroDivisionError; --max-concurrency -1: the semaphore's
+    ValueError), in a report of nothing with exit code 0 (--num-prompts 0), or quietly as
+    something else (--max-concurrency 0: unlimited)."""
+    at_least_one = ("num_prompts", "max_concurrency", "random_input_len", "random_output_len")
+    for name in at_least_one:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.warmup_requests < 0:
+        raise ValueError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
+    if not args.request_rate > 0:  # NaN too
+        raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0, got {args.timeout}")
+    if not 0.0 <= args.random_range_ratio <= 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1], got {args.random_range_ratio}")
+    if args.extra_request_body is not None:
+        try:
+            body = json.loads(args.extra_request_body)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--extra-request-body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ValueError("--extra-request-body must be a JSON object")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    record = run(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    try:
+        record = run(args)
+    except httpx.HTTPError as e:  # e.g. nothing listening at --base-url: one line, no traceback
+        base_url = args.base_url or f"http://{args.host}:{args.port}"
+        print(f"{parser.prog}: error: {base_url}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # e.g. --tokenizer names no tokenizer.json
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 1
     return 0 if record["failed"] == 0 else 1

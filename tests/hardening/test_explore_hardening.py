@@ -128,3 +128,46 @@ def test_workers_leave_when_the_server_dies_while_they_load(
         ipc = re.search(r"ipc dir (\S+)", text)
         if ipc:  # the server was killed: nothing removed its socket directory
             shutil.rmtree(ipc.group(1), ignore_errors=True)
+
+
+BAD_BENCH_FLAGS = [
+    (["--num-prompts", "0"], "--num-prompts must be >= 1"),  # an empty report, exit code 0
+    (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),  # ran unlimited
+    (["--max-concurrency", "-1"], "--max-concurrency must be >= 1"),  # Semaphore traceback
+    (["--request-rate", "0"], "--request-rate must be > 0"),  # ZeroDivisionError traceback
+    (["--random-output-len", "0"], "--random-output-len must be >= 1"),  # every request a 400
+    (["--random-range-ratio", "2"], "--random-range-ratio must be in [0, 1]"),  # traceback
+    (["--extra-request-body", "{top_k: 1}"], "--extra-request-body is not JSON"),  # traceback
+]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"), BAD_BENCH_FLAGS, ids=[" ".join(f) for f, _ in BAD_BENCH_FLAGS]
+)
+def test_bench_refuses_bad_flags_in_one_line(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from minisgl.bench.cli import main
+
+    # Nothing listens there: the refusal must come before any request.
+    with pytest.raises(SystemExit) as exc:
+        main(["--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "2", *flags])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m minisgl.bench: error: "), lines
+    assert message in lines[0]
+
+
+def test_bench_against_no_server_is_one_line_and_exit_1() -> None:
+    """It was httpx's ConnectError traceback."""
+    url = f"http://127.0.0.1:{free_port()}"
+    out = subprocess.run(
+        [sys.executable, "-m", "minisgl.bench", "--base-url", url, "--num-prompts", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"python -m minisgl.bench: error: {url}: ")
+    assert "ConnectError" in lines[0]
