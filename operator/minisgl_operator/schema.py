@@ -155,6 +155,28 @@ def quantity(description: str, **kw: Any) -> Node:
     )
 
 
+def byte_size(description: str, **kw: Any) -> Node:
+    """A size in bytes: a quantity string ("100Gi") or a whole number. Unlike `quantity`, the
+    node has a type (int-or-string), so CEL sees it: a claim's size may grow but never shrink,
+    and the rule that says so compares sizes with quantity()."""
+    return Node(
+        description,
+        {
+            "x-kubernetes-int-or-string": True,
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "maxLength": 64,  # bounds the CEL rules' cost
+            **kw,
+        },
+        rules=(
+            (
+                f"type(self) == int ? self >= 0 : self.matches(r'{QUANTITY_PATTERN}')",
+                "must be a Kubernetes quantity (not negative) such as 100Gi or 500G, or a "
+                "whole number of bytes",
+            ),
+        ),
+    )
+
+
 # Names the children refer to (a Secret, a claim, a class, a Gateway, a host): refused at
 # admission when the API server would refuse the child that carries them.
 _LABEL = "[a-z0-9]([-a-z0-9]*[a-z0-9])?"
@@ -338,7 +360,11 @@ MODEL_CACHE = obj(
     ", so a restarted pod does not download the model again. Without it, weights go to an "
     "emptyDir that lives as long as the pod.",
     {
-        "size": quantity("Size of the PersistentVolumeClaim <name>-cache.", default="100Gi"),
+        "size": byte_size(
+            "Size of the PersistentVolumeClaim <name>-cache. It may grow (if its StorageClass "
+            "allows volume expansion) but not shrink: a claim cannot.",
+            default="100Gi",
+        ),
         "storageClassName": object_name(
             "StorageClass of that claim. Default: the cluster's default class.",
             allow_empty=True,
@@ -347,6 +373,27 @@ MODEL_CACHE = obj(
             "Use this existing PersistentVolumeClaim instead of creating <name>-cache."
         ),
     },
+    # A claim's class is immutable and its size cannot shrink: such an edit would leave the
+    # ModelServer Degraded for good (the claim refused). Refused here instead, while the
+    # operator's own claim is in use (before and after the edit).
+    rules=[
+        (
+            "has(self.existingClaim) || has(oldSelf.existingClaim) || "
+            "(has(self.storageClassName) ? self.storageClassName : '') == "
+            "(has(oldSelf.storageClassName) ? oldSelf.storageClassName : '')",
+            "modelCache.storageClassName cannot change: the claim <name>-cache keeps the class "
+            "it was made with. Remove modelCache (the operator deletes its claim) and add it "
+            "back with the new class, or use existingClaim",
+        ),
+        (
+            "has(self.existingClaim) || has(oldSelf.existingClaim) || "
+            "!isQuantity(string(self.size)) || !isQuantity(string(oldSelf.size)) || "
+            "quantity(string(self.size)).compareTo(quantity(string(oldSelf.size))) >= 0",
+            "modelCache.size cannot shrink: a PersistentVolumeClaim only grows. Remove "
+            "modelCache (the operator deletes its claim) and add it back with the smaller "
+            "size, or use existingClaim",
+        ),
+    ],
 )
 
 TARGETS = obj(

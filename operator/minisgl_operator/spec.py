@@ -230,6 +230,14 @@ def _quantity(d: Mapping[str, Any], path: str) -> str | None:
     return value
 
 
+def _byte_size(d: Mapping[str, Any], path: str) -> str | None:
+    """A quantity whose numbers are whole (int-or-string in the CRD, so CEL can compare it)."""
+    _, key = _split(path)
+    if isinstance(d.get(key), float):
+        raise SpecError(f"{path} must be a quantity such as 100Gi or a whole number of bytes")
+    return _quantity(d, path)
+
+
 def _name(d: Mapping[str, Any], path: str) -> str | None:
     """A name field: its schema's pattern (the CRD checks it with CEL)."""
     value = _str(d, path)
@@ -402,7 +410,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any] | None) -> Mod
     cache = None
     if cache_raw is not None:
         cache = CacheSpec(
-            size=_quantity(cache_raw, "modelCache.size") or DEFAULT_CACHE_SIZE,
+            size=_byte_size(cache_raw, "modelCache.size") or DEFAULT_CACHE_SIZE,
             storage_class_name=(
                 _name(cache_raw, "modelCache.storageClassName")
                 if cache_raw.get("storageClassName")

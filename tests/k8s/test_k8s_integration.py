@@ -142,7 +142,11 @@ REJECTED = {
     ),
     "cache size no quantity": (
         {"model": "m", "modelCache": {"size": "10gi"}},
-        "spec.modelCache.size in body should match",
+        "must be a Kubernetes quantity",
+    ),
+    "fractional cache size": (
+        {"model": "m", "modelCache": {"size": 0.5}},
+        "spec.modelCache.size in body must be of type integer,string",
     ),
 }
 
@@ -179,7 +183,7 @@ def test_quantities_written_as_numbers_are_accepted_and_rendered(
     raw = {
         "model": "m",
         "resources": {**NUMERIC_QUANTITIES, "gpus": 0},
-        "modelCache": {"size": 100e9},
+        "modelCache": {"size": 100_000_000_000},  # bytes: a whole number
     }
     resp = cluster.create(modelserver("default", "numbers", raw), dry_run=True)
     assert resp.status_code == 201, resp.text
@@ -199,6 +203,50 @@ def test_quantities_written_as_numbers_are_accepted_and_rendered(
             assert shm["emptyDir"]["sizeLimit"] == "1500M"
         else:
             assert resp.json()["spec"]["resources"]["requests"]["storage"] == "100G"
+
+
+def _edit(cluster: Api, ns: str, name: str, spec_: dict[str, Any]) -> httpx.Response:
+    """What `kubectl edit` / `kubectl apply` send: a merge patch of the spec."""
+    return cluster.client.patch(
+        ms_path(ns, name),
+        headers={"Content-Type": "application/merge-patch+json"},
+        json={"spec": spec_},
+    )
+
+
+def test_a_cache_claims_class_and_size_only_change_as_a_claim_can(
+    cluster: Api, crd: dict[str, Any]
+) -> None:
+    """A claim's storageClassName is immutable and its size cannot shrink: an edit that asks
+    for either is refused at admission (else the claim is refused on every reconcile and the
+    ModelServer stays Degraded), while growing it, bringing an existingClaim or removing the
+    cache stay allowed."""
+    with namespace(cluster, "cache") as ns:
+        cache = {"size": "20Gi", "storageClassName": "fast"}
+        resp = cluster.create(modelserver(ns, "c", {"model": "m", "modelCache": cache}))
+        assert resp.status_code == 201, resp.text
+        refused = {
+            "another class": ({"storageClassName": "slow"}, "storageClassName cannot change"),
+            "the default class": ({"storageClassName": None}, "storageClassName cannot change"),
+            "a smaller size": ({"size": "10Gi"}, "modelCache.size cannot shrink"),
+            "fewer bytes": ({"size": 20 * 2**30 - 1}, "modelCache.size cannot shrink"),
+        }
+        for what, (change, message) in refused.items():
+            resp = _edit(cluster, ns, "c", {"modelCache": change})
+            assert resp.status_code == 422, (what, resp.text)
+            assert message in resp.json()["message"], (what, resp.text)
+        for allowed in (
+            {"size": "21474836480"},  # the same size, in bytes
+            {"size": "30Gi"},
+            {"size": 40 * 2**30, "storageClassName": "fast"},
+            {"existingClaim": "weights", "storageClassName": "slow", "size": "1Gi"},
+        ):
+            resp = _edit(cluster, ns, "c", {"modelCache": allowed})
+            assert resp.status_code == 200, (allowed, resp.text)
+        resp = _edit(cluster, ns, "c", {"modelCache": None})
+        assert resp.status_code == 200, resp.text
+        resp = _edit(cluster, ns, "c", {"modelCache": {"size": "5Gi", "storageClassName": "x"}})
+        assert resp.status_code == 200, resp.text
 
 
 # --- the chart, installed with real Helm ------------------------------------------------------
