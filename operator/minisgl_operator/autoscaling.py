@@ -56,7 +56,7 @@ def quantity(value: float) -> str:
 def keda_triggers(spec: ModelServerSpec, prometheus_url: str) -> list[dict[str, Any]]:
     auto = spec.autoscaling
     assert auto is not None
-    ns, model = spec.namespace, spec.model_name
+    ns, name = spec.namespace, spec.name
     t = auto.targets
     out: list[dict[str, Any]] = []
 
@@ -68,12 +68,12 @@ def keda_triggers(spec: ModelServerSpec, prometheus_url: str) -> list[dict[str, 
 
     # Latencies are fleet-wide values: desired = current * observed / target ("Value").
     if t.ttft_p95_s is not None:
-        trigger("ttft-p95", queries.or_zero(queries.ttft_p95(ns, model)), t.ttft_p95_s, "Value")
+        trigger("ttft-p95", queries.or_zero(queries.ttft_p95(ns, name)), t.ttft_p95_s, "Value")
     if t.tpot_p95_s is not None:
-        trigger("tpot-p95", queries.or_zero(queries.tpot_p95(ns, model)), t.tpot_p95_s, "Value")
+        trigger("tpot-p95", queries.or_zero(queries.tpot_p95(ns, name)), t.tpot_p95_s, "Value")
     # Waiting requests are a total to spread: desired = total / per-replica target.
     if t.waiting_per_replica is not None:
-        q = queries.or_zero(queries.waiting_total(ns, model))
+        q = queries.or_zero(queries.waiting_total(ns, name))
         trigger("waiting-requests", q, t.waiting_per_replica, "AverageValue")
     return out
 

@@ -39,11 +39,11 @@ async def observe(
     client: httpx.AsyncClient, base_url: str, spec: ModelServerSpec
 ) -> dict[str, Any]:
     """status.observed: TTFT p95, TPOT p95 (seconds) and waiting requests, absent when unknown."""
-    ns, model = spec.namespace, spec.model_name
+    ns, name = spec.namespace, spec.name
     wanted = {
-        "ttftP95Seconds": queries.ttft_p95(ns, model),
-        "tpotP95Seconds": queries.tpot_p95(ns, model),
-        "waitingRequests": queries.waiting_total(ns, model),
+        "ttftP95Seconds": queries.ttft_p95(ns, name),
+        "tpotP95Seconds": queries.tpot_p95(ns, name),
+        "waitingRequests": queries.waiting_total(ns, name),
     }
     out: dict[str, Any] = {}
     for key, promql in wanted.items():

@@ -4,6 +4,10 @@ and the status timer so that what scales a ModelServer is exactly what its statu
 
 from __future__ import annotations
 
+import re
+
+from minisgl_operator import MODELSERVER_LABEL
+
 TTFT_HISTOGRAM = "minisgl_time_to_first_token_seconds"
 TPOT_HISTOGRAM = "minisgl_time_per_output_token_seconds"
 WAITING_GAUGE = "minisgl_num_requests_waiting"
@@ -18,29 +22,39 @@ ADAPTER_TPOT_P95 = "minisgl_tpot_p95_seconds"
 ADAPTER_WAITING = WAITING_GAUGE
 
 
+# The ModelServer a series came from: its pods' label minisgl.io/modelserver, copied onto every
+# series as Prometheus names a pod label (non-alphanumerics to "_"). The chart's PodMonitor and
+# ServiceMonitor copy it (podTargetLabels), and so does the usual annotation-driven pods job
+# (labelmap __meta_kubernetes_pod_label_(.+)). A ModelServer's SLOs are its own pods' only:
+# two ModelServers in one namespace may serve the same model name.
+SERIES_MODELSERVER_LABEL = re.sub(r"[^a-zA-Z0-9_]", "_", MODELSERVER_LABEL)
+
+
 def _quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def selector(namespace: str, model_name: str) -> str:
-    return "{" + f"namespace={_quote(namespace)},model_name={_quote(model_name)}" + "}"
+def selector(namespace: str, modelserver: str) -> str:
+    """The series of one ModelServer's pods."""
+    ms = f"{SERIES_MODELSERVER_LABEL}={_quote(modelserver)}"
+    return "{" + f"namespace={_quote(namespace)},{ms}" + "}"
 
 
-def p95(histogram: str, namespace: str, model_name: str) -> str:
-    sel = selector(namespace, model_name)
+def p95(histogram: str, namespace: str, modelserver: str) -> str:
+    sel = selector(namespace, modelserver)
     return f"histogram_quantile(0.95, sum by (le) (rate({histogram}_bucket{sel}[{WINDOW}])))"
 
 
-def ttft_p95(namespace: str, model_name: str) -> str:
-    return p95(TTFT_HISTOGRAM, namespace, model_name)
+def ttft_p95(namespace: str, modelserver: str) -> str:
+    return p95(TTFT_HISTOGRAM, namespace, modelserver)
 
 
-def tpot_p95(namespace: str, model_name: str) -> str:
-    return p95(TPOT_HISTOGRAM, namespace, model_name)
+def tpot_p95(namespace: str, modelserver: str) -> str:
+    return p95(TPOT_HISTOGRAM, namespace, modelserver)
 
 
-def waiting_total(namespace: str, model_name: str) -> str:
-    return f"sum({WAITING_GAUGE}{selector(namespace, model_name)})"
+def waiting_total(namespace: str, modelserver: str) -> str:
+    return f"sum({WAITING_GAUGE}{selector(namespace, modelserver)})"
 
 
 def or_zero(query: str) -> str:

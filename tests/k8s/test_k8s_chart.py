@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import helm_python as helm
@@ -11,6 +15,9 @@ import yaml
 from k8s_support import CHART, validate_k8s
 from minisgl_operator import queries
 from minisgl_operator.children import LEADER_WORKER_SET, Cluster, plan
+from minisgl_operator.spec import parse_spec
+
+KEDA_CLUSTER = {"keda": True, "prometheus_url": "http://prometheus.monitoring:9090"}
 
 FULL = {
     "operator": {"prometheusUrl": "http://prometheus.monitoring:9090", "verbose": True},
@@ -322,3 +329,86 @@ def test_values_schema_rejects_bad_values(bad: dict[str, Any]) -> None:
 def test_invalid_modelserver_values_fail_to_render() -> None:
     with helm.Chart.load(str(CHART)) as chart, pytest.raises(helm.HelmError):
         chart.render({"modelServer": {"enabled": True, "spec": {"model": ""}}}, name="demo")
+
+
+def _promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool not installed; CI installs it (scripts/install.sh)")
+        pytest.skip("promtool not installed (Debian package 'prometheus'; scripts/install.sh)")
+    return path
+
+
+def _series_labels(podmonitor: dict[str, Any], pod_labels: dict[str, str]) -> dict[str, str]:
+    """The target labels the Prometheus Operator gives a pod's series: podTargetLabels copied
+    with their names sanitized as Prometheus does (the rest: namespace, pod)."""
+    return {
+        re.sub(r"[^a-zA-Z0-9_]", "_", k): pod_labels[k]
+        for k in podmonitor["spec"].get("podTargetLabels", [])
+        if k in pod_labels
+    }
+
+
+def test_two_modelservers_serving_one_model_name_scale_on_their_own_pods(
+    render, tmp_path: Path
+) -> None:
+    """Two ModelServers of one namespace serve model name "qwen": each one's KEDA triggers and
+    status must read its own pods' series, as the chart's monitors label them. Evaluated by
+    promtool on the series those pods would export."""
+    objs = render(FULL)
+    (pm,) = by_kind(objs, "PodMonitor")
+    (sm,) = by_kind(objs, "ServiceMonitor")
+    assert sm["spec"].get("podTargetLabels") == pm["spec"].get("podTargetLabels")
+    ttft, waiting = queries.TTFT_HISTOGRAM, queries.WAITING_GAUGE
+    # "a" answers every first token within 0.1 s, "b" within (0.5, 1] s; 3 and 5 waiting.
+    shapes = {"a": ({"0.1": 10, "1": 10, "+Inf": 10}, 3), "b": ({"0.1": 0, "1": 10, "+Inf": 10}, 5)}
+    series = []
+    for name, (buckets, queued) in shapes.items():
+        owner = {"metadata": {"name": name, "namespace": "llm", "uid": name}}
+        owner["spec"] = {"model": "m", "servedModelName": "qwen"}
+        (deploy,) = [c for c in plan(owner, Cluster()).apply if c["kind"] == "Deployment"]
+        labels = {
+            "namespace": "llm",
+            "pod": f"{name}-7d4b9c-x2x5q",
+            "model_name": "qwen",
+            **_series_labels(pm, deploy["spec"]["template"]["metadata"]["labels"]),
+        }
+        text = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        series += [
+            {"series": f'{ttft}_bucket{{{text},le="{le}"}}', "values": f"0+{n}x16"}
+            for le, n in buckets.items()
+        ]
+        series.append({"series": f"{waiting}{{{text}}}", "values": f"{queued}x16"})
+    # a: p95 interpolates to 0.095 s within (0, 0.1]; b: to 0.955 s within (0.1, 1].
+    expected = {"a": (0.095, 3), "b": (0.955, 5)}
+    tests = []
+    for name, (p95, queued) in expected.items():
+        owner = {"metadata": {"name": name, "namespace": "llm", "uid": name}}
+        owner["spec"] = {
+            "model": "m",
+            "servedModelName": "qwen",
+            "autoscaling": {"maxReplicas": 3, "targets": {"ttftP95Seconds": 0.5}},
+        }
+        (so,) = [
+            c for c in plan(owner, Cluster(**KEDA_CLUSTER)).apply if c["kind"] == "ScaledObject"
+        ]
+        (trigger,) = so["spec"]["triggers"]
+        ms_spec = parse_spec(name, "llm", owner["spec"])
+        for expr, value in (
+            (trigger["metadata"]["query"], p95),
+            (queries.waiting_total(ms_spec.namespace, ms_spec.name), queued),
+        ):
+            tests.append(
+                {"expr": expr, "eval_time": "3m", "exp_samples": [{"labels": "{}", "value": value}]}
+            )
+    unit = {
+        "evaluation_interval": "15s",
+        "tests": [{"interval": "15s", "input_series": series, "promql_expr_test": tests}],
+    }
+    path = tmp_path / "slo_test.yaml"
+    path.write_text(yaml.safe_dump(unit))
+    result = subprocess.run(
+        [_promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -328,7 +328,7 @@ def test_keda_scaled_object_targets_the_modelserver_with_one_trigger_per_target(
         assert t["type"] == "prometheus"
         assert t["metadata"]["serverAddress"] == KEDA.prometheus_url
         assert (
-            'model_name="q8"' in t["metadata"]["query"]
+            'minisgl_io_modelserver="qwen"' in t["metadata"]["query"]
             and 'namespace="llm"' in t["metadata"]["query"]
         )
     assert triggers["ttft-p95"]["metadata"]["threshold"] == "0.5"

@@ -284,7 +284,7 @@ def test_observe_reads_the_three_slos() -> None:
     def handler(req: httpx.Request) -> httpx.Response:
         q = req.url.params["query"]
         assert req.url.path == "/api/v1/query"
-        assert 'model_name="qwen-chat"' in q and 'namespace="llm"' in q
+        assert 'minisgl_io_modelserver="qwen"' in q and 'namespace="llm"' in q
         value = next(v for k, v in answers.items() if k in q)
         body = {
             "status": "success",
