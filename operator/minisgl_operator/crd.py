@@ -19,7 +19,13 @@ from minisgl_operator.schema import (
     string,
 )
 
-CHART_CRD = Path(__file__).resolve().parents[2] / "charts/minisgl/crds/modelservers.minisgl.io.yaml"
+CHART = Path(__file__).resolve().parents[2] / "charts/minisgl"
+CHART_CRD = CHART / "crds/modelservers.minisgl.io.yaml"
+# The chart's values schema: its modelServer.spec is the CRD's spec schema, rendered below, so
+# Helm refuses a misspelt field there instead of dropping it (the API server prunes unknown
+# fields of a custom resource without a word when Helm applies it).
+CHART_VALUES_SCHEMA = CHART / "values.schema.json"
+VALUES_SPEC_DEFINITION = "modelServerSpec"
 HEADER = """\
 # ModelServer: one served model. The operator (minisgl_operator) turns it into a Deployment,
 # (or LeaderWorkerSet), Service, autoscaler and optional PVC/Ingress/InferencePool/HTTPRoute.
@@ -111,6 +117,45 @@ def crd() -> dict[str, Any]:
     }
 
 
+def json_schema(node: dict[str, Any]) -> dict[str, Any]:
+    """A CRD (OpenAPI 3.0 structural) schema as JSON Schema draft 7, for Helm: an object with
+    properties closed to others (what strict field validation does on the API server),
+    exclusiveMinimum as a number, and the x-kubernetes- keywords (CEL, list types) left out;
+    the API server still checks those when the ModelServer is applied."""
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key.startswith("x-kubernetes-"):
+            continue
+        if key == "properties":
+            out[key] = {k: json_schema(v) for k, v in value.items()}
+        elif key in ("items", "not") or (key == "additionalProperties" and isinstance(value, dict)):
+            out[key] = json_schema(value)
+        elif key in ("anyOf", "allOf", "oneOf"):
+            out[key] = [json_schema(v) for v in value]
+        elif key == "exclusiveMinimum":
+            if value:
+                out[key] = node["minimum"]
+        else:
+            out[key] = value
+    if node.get("exclusiveMinimum"):
+        del out["minimum"]
+    if "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+def values_spec_schema() -> dict[str, Any]:
+    return json_schema(SPEC.openapi())
+
+
+def render_values_schema() -> str:
+    import json
+
+    schema = json.loads(CHART_VALUES_SCHEMA.read_text())
+    schema.setdefault("definitions", {})[VALUES_SPEC_DEFINITION] = values_spec_schema()
+    return json.dumps(schema, indent=2, ensure_ascii=False) + "\n"
+
+
 def render() -> str:
     import yaml  # only for rendering: the operator itself never needs it
 
@@ -119,10 +164,15 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m minisgl_operator.crd", description=__doc__)
-    p.add_argument("--write", action="store_true", help=f"write {CHART_CRD} (default: print)")
+    p.add_argument(
+        "--write",
+        action="store_true",
+        help=f"write {CHART_CRD} and {CHART_VALUES_SCHEMA.name} (default: print the CRD)",
+    )
     args = p.parse_args(argv)
     if args.write:
         CHART_CRD.write_text(render())
+        CHART_VALUES_SCHEMA.write_text(render_values_schema())
     else:
         print(render(), end="")
 

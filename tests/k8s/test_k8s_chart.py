@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -12,7 +13,7 @@ from typing import Any
 import helm_python as helm
 import pytest
 import yaml
-from k8s_support import CHART, validate_k8s
+from k8s_support import CHART, ROOT, validate_k8s
 from minisgl_operator import queries
 from minisgl_operator.children import LEADER_WORKER_SET, Cluster, plan
 from minisgl_operator.spec import parse_spec
@@ -319,11 +320,43 @@ def test_notes_tell_how_to_reach_the_endpoint() -> None:
         {"monitoring": {"podMonitor": {"interval": "often"}}},
         {"modelServer": {"name": "Not_A_Name"}},
         {"unknownKey": 1},
+        # modelServer.spec is checked against the CRD's schema: Helm would apply a misspelt
+        # field, and the API server would prune it without a word.
+        {"modelServer": {"spec": {"model": "m", "replica": 2}}},
+        {"modelServer": {"spec": {"model": "m", "engine": {"tensorParalelSize": 2}}}},
+        {"modelServer": {"spec": {"model": "m", "autoscaling": {"maxReplicas": 2, "min": 1}}}},
+        {"modelServer": {"spec": {"model": "m", "engine": {"dtype": "int4"}}}},
+        {"modelServer": {"spec": {"model": "m", "resources": {"cpu": "lots"}}}},
+        {"modelServer": {"spec": {"model": "m", "replicas": "two"}}},
+        {"modelServer": {"spec": {"model": ""}}},
     ],
 )
 def test_values_schema_rejects_bad_values(bad: dict[str, Any]) -> None:
     with helm.Chart.load(str(CHART)) as chart, pytest.raises(helm.HelmValuesError):
         chart.validate_schema(bad)
+
+
+def test_values_schema_checks_model_server_spec_by_the_crds_own_schema() -> None:
+    """One source: the values schema's modelServer.spec is rendered from the CRD's spec schema
+    (`python -m minisgl_operator.crd --write` writes both), and every example's spec passes."""
+    from minisgl_operator import crd
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["properties"]["modelServer"]["properties"]["spec"] == {
+        "$ref": f"#/definitions/{crd.VALUES_SPEC_DEFINITION}"
+    }
+    assert schema["definitions"][crd.VALUES_SPEC_DEFINITION] == crd.values_spec_schema()
+    assert (CHART / "values.schema.json").read_text() == crd.render_values_schema(), (
+        "the chart's values schema is stale: run `python -m minisgl_operator.crd --write`"
+    )
+    examples = sorted((ROOT / "examples").glob("modelserver*.yaml"))
+    assert examples
+    with helm.Chart.load(str(CHART)) as chart:
+        for path in examples:
+            spec_ = yaml.safe_load(path.read_text())["spec"]
+            chart.validate_schema({"modelServer": {"enabled": True, "spec": spec_}})
+        numbers = {"model": "m", "replicas": 2, "resources": {"cpu": 0.5, "memory": 1024}}
+        chart.validate_schema({"modelServer": {"spec": numbers}})
 
 
 def test_invalid_modelserver_values_fail_to_render() -> None:
