@@ -159,10 +159,11 @@ class SamplingFields(_Request):
         "presence_penalty",
         "frequency_penalty",
         "repetition_penalty",
+        mode="before",  # ahead of the bounds, which a NaN fails with a message about them
     )
     @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
+    def _finite(cls, v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
             raise ValueError("must be a finite number")
         return v
 
