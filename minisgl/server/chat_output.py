@@ -60,11 +60,12 @@ class ChatOutput:
         """The stream deltas (`delta` objects) for a new piece of text."""
         return self._deltas(text, final=False)
 
-    def finish(self) -> list[dict[str, Any]]:
-        return self._deltas("", final=True)
+    def finish(self, *, cut: bool = False) -> list[dict[str, Any]]:
+        """The last deltas; cut: max_tokens ended the output (see Qwen3ToolParser.finish)."""
+        return self._deltas("", final=True, cut=cut)
 
-    def _deltas(self, text: str, *, final: bool) -> list[dict[str, Any]]:
-        out = self._parsed(text, final=final)
+    def _deltas(self, text: str, *, final: bool, cut: bool = False) -> list[dict[str, Any]]:
+        out = self._parsed(text, final=final, cut=cut)
         if not self.special_tags:
             return out
         # A tag's text comes whole (one token) and the parsers hold back only what may begin
@@ -87,7 +88,7 @@ class ChatOutput:
             text = text.replace(tag, "")
         return text
 
-    def _parsed(self, text: str, *, final: bool) -> list[dict[str, Any]]:
+    def _parsed(self, text: str, *, final: bool, cut: bool) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         answer = text
         if self.reasoning is not None:
@@ -101,7 +102,7 @@ class ChatOutput:
             return out
         parts = [self.tools.feed(answer)] if answer else []
         if final:
-            parts.append(self.tools.finish())
+            parts.append(self.tools.finish(cut=cut))
         for piece in parts:
             if piece.content:
                 out.append({"content": piece.content})
@@ -109,11 +110,13 @@ class ChatOutput:
                 out.append({"tool_calls": piece.calls})
         return out
 
-    def whole(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
-        """(content, reasoning_content, tool calls) of a finished output."""
+    def whole(
+        self, text: str, *, cut: bool = False
+    ) -> tuple[str | None, str | None, list[ToolCall]]:
+        """(content, reasoning_content, tool calls) of a finished output (cut: by max_tokens)."""
         content: list[str] = []
         reasoning: list[str] = []
-        for delta in self.feed(text) + self.finish():
+        for delta in self.feed(text) + self.finish(cut=cut):
             content.append(delta.get("content", ""))
             reasoning.append(delta.get("reasoning_content", ""))
         answer = "".join(content)

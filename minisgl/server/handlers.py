@@ -344,7 +344,9 @@ def _chat_choice(entry: dict[str, Any], outputs: list[ChatOutput] | None) -> Cha
     """One choice of a chat response: its text parsed into reasoning/content/tool calls."""
     if outputs is None:
         return ChatChoice(**entry)
-    content, reasoning, calls = outputs[entry["index"]].whole(entry["message"]["content"])
+    output = outputs[entry["index"]]
+    cut = entry["finish_reason"] == "length"
+    content, reasoning, calls = output.whole(entry["message"]["content"], cut=cut)
     message = ResponseMessage(
         content=content,
         reasoning_content=reasoning,
@@ -404,13 +406,13 @@ async def _stream(
             out["usage"] = tracker.usage() if continuous else None
         return out
 
-    def deltas(index: int, text: str, final: bool) -> list[dict[str, Any] | str]:
+    def deltas(index: int, text: str, final: bool, cut: bool = False) -> list[dict[str, Any] | str]:
         if kind != "chat":
             return [text] if text else []
         if outputs is None:
             return [{"content": text}] if text else []
         output = outputs[index]
-        return list(output.finish() if final else output.feed(text))
+        return list(output.finish(cut=cut) if final else output.feed(text))
 
     try:
         if kind == "chat":
@@ -443,9 +445,9 @@ async def _stream(
                     timeline.mark(tracker.rid, "token" if tracker.first_byte else "first_byte")
                     tracker.first_byte = True
             if reply.finished:
-                for delta in deltas(reply.index, "", True):
-                    yield sse_event(chunk(reply.index, delta, None))
                 reason = choices.choices[reply.index].finish_reason or "stop"
+                for delta in deltas(reply.index, "", True, cut=reason == "length"):
+                    yield sse_event(chunk(reply.index, delta, None))
                 if outputs is not None:
                     reason = _finish_reason(reason, bool(outputs[reply.index].calls))
                 yield sse_event(chunk(reply.index, {} if kind == "chat" else "", reason))

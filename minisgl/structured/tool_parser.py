@@ -7,7 +7,8 @@ tags never leak into it). A block is a call once its body names the function and
 function of the body alone: the model's own JSON text of the arguments object, byte for byte,
 up to where that value ends (keys after it are not arguments); for arguments written as a JSON
 string, the string's text when it holds a JSON object. A block cut short (max_tokens) is a
-call with what was written. Other blocks are calls when the whole body is a JSON object with a
+call with what was written; cut before its name (or inside `<tool_call>`), it is dropped. A
+closing tag inside a string of the body's JSON object is text, not the block's end. Other blocks are calls when the whole body is a JSON object with a
 string `name` and object `arguments`; else they stay content, as the model wrote them.
 
 Streaming emits OpenAI's `delta.tool_calls` shape: the first delta of a call carries its index,
@@ -122,6 +123,43 @@ def _value_end(body: str, at: int) -> int | None:
     return None
 
 
+def _block_end(text: str) -> int | None:
+    """Where the open block's `</tool_call>` starts in `text` (what follows `<tool_call>`).
+
+    A body that is a JSON object ends at the first tag outside its strings: a string argument
+    may hold the tag's text. A raw newline in a string is not JSON (Qwen3 writes one before
+    the tag), so from there, as for a body that is not an object, the first tag ends it.
+    """
+    i = len(text) - len(text.lstrip())
+    if text.startswith("{", i):
+        depth = 0
+        in_string = escaped = False
+        while i < len(text):
+            ch = text[i]
+            if in_string:
+                if ch == "\n":
+                    break
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    in_string = False
+            elif text.startswith(CALL_END, i):
+                return i
+            elif ch == '"':
+                in_string = True
+            elif ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+                if depth == 0:
+                    break
+            i += 1
+    at = text.find(CALL_END, i)
+    return at if at >= 0 else None
+
+
 def _string_arguments(raw: str) -> str:
     """Arguments written as a JSON string: its text when that is a JSON object, else as is."""
     try:
@@ -177,16 +215,20 @@ class ToolDelta:
 class Qwen3ToolParser:
     """Incremental parser; `feed` chunks, then `finish` once. Whole texts: `parse`.
 
-    Whitespace next to a block (Qwen3 puts a newline between content and calls, and between
-    calls) is not content; a stream holds trailing whitespace back until it knows.
+    Content is the text outside the calls as written, except the whitespace between a call and
+    the start or the end of the content (Qwen3 puts a newline between content and calls, and
+    between calls): "Sure.\n<call>" is "Sure.", "a <call> b" is "a  b". A stream holds
+    whitespace back until it knows which.
     """
 
     def __init__(self) -> None:
         self.buffer = ""
         self.in_call = False
-        self.after_call = False  # drop whitespace until the next non-space content
+        self.after_call = False  # whitespace goes to `pending` until the next non-space
         self.open: _OpenCall | None = None
-        self.gap = ""  # whitespace before the open block: content again if it is no call
+        self.gap = ""  # whitespace right before the open block
+        self.pending = ""  # whitespace next to a call: content once more content follows
+        self.said = False  # some content was sent (so whitespace after a call is inside it)
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> ToolDelta:
@@ -194,22 +236,24 @@ class Qwen3ToolParser:
         out = ToolDelta()
         while True:
             if self.in_call:
-                end = self.buffer.find(CALL_END)
-                if end < 0:
+                end = _block_end(self.buffer)
+                if end is None:
                     self._stream_partial(out)
                     return out
                 body, self.buffer = self.buffer[:end], self.buffer[end + len(CALL_END) :]
                 self._close(body, out, closed=True)
                 continue
             if self.after_call:
-                self.buffer = self.buffer.lstrip()
+                rest = self.buffer.lstrip()
+                self.pending += self.buffer[: len(self.buffer) - len(rest)]
+                self.buffer = rest
                 if not self.buffer:
                     return out
                 self.after_call = False
             at = self.buffer.find(CALL_START)
             if at >= 0:
                 before = self.buffer[:at]
-                out.content += before.rstrip()
+                self._say(out, before.rstrip())
                 self.gap = before[len(before.rstrip()) :]
                 self.buffer = self.buffer[at + len(CALL_START) :]
                 self.in_call = True
@@ -218,9 +262,17 @@ class Qwen3ToolParser:
             keep = partial_marker_len(self.buffer, (CALL_START,))
             cut = len(self.buffer) - keep
             cut = len(self.buffer[:cut].rstrip())  # maybe the newline before a call
-            out.content += self.buffer[:cut]
+            self._say(out, self.buffer[:cut])
             self.buffer = self.buffer[cut:]
             return out
+
+    def _say(self, out: ToolDelta, text: str) -> None:
+        """Send content; whitespace after a call leads it only when content came before."""
+        if not text:
+            return
+        out.content += (self.pending if self.said else "") + text
+        self.pending = ""
+        self.said = True
 
     def _stream_partial(self, out: ToolDelta) -> None:
         call = self.open
@@ -245,7 +297,7 @@ class Qwen3ToolParser:
             call.sent += frag
             out.calls.append({"index": call.index, "function": {"arguments": frag}})
 
-    def _close(self, body: str, out: ToolDelta, *, closed: bool) -> None:
+    def _close(self, body: str, out: ToolDelta, *, closed: bool, cut: bool = False) -> None:
         call = self.open
         assert call is not None
         self.open = None
@@ -253,9 +305,11 @@ class Qwen3ToolParser:
         parsed = parse_call(body)
         if parsed is None:  # not a call (nothing was streamed as one: see the module doc)
             assert call.name is None
-            out.content += self.gap + CALL_START + body + (CALL_END if closed else "")
+            if not cut:  # a block cut before its name is a call never written: no content
+                self._say(out, self.gap + CALL_START + body + (CALL_END if closed else ""))
             return
         self.after_call = True
+        self.pending += self.gap
         name, args = parsed
         if call.name is None:
             call.id = new_call_id()
@@ -266,22 +320,28 @@ class Qwen3ToolParser:
             out.calls.append({"index": call.index, "function": {"arguments": rest}})
         self.calls.append(ToolCall(call.id, name, args))
 
-    def finish(self) -> ToolDelta:
-        """The end of the output: an unclosed block is a call when it parses, else content."""
+    def finish(self, *, cut: bool = False) -> ToolDelta:
+        """The end of the output: an unclosed block is a call when it parses, else content.
+
+        cut: max_tokens ended the output. Then an unclosed block that does not parse yet, or
+        the start of an opening tag, is a call cut before its name: neither content nor a call.
+        """
         out = ToolDelta()
         if self.in_call:
             body, self.buffer = self.buffer, ""
-            self._close(body, out, closed=False)
-        elif not self.after_call:
-            out.content = self.buffer
+            self._close(body, out, closed=False, cut=cut)
+        else:
+            tag = partial_marker_len(self.buffer, (CALL_START,)) if cut else 0
+            rest = self.buffer[: len(self.buffer) - tag]
+            self._say(out, rest.rstrip() if tag else rest)
         self.buffer = ""
         return out
 
     @classmethod
-    def parse(cls, text: str) -> tuple[str, list[ToolCall]]:
-        """(content, calls) of a whole output."""
+    def parse(cls, text: str, *, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """(content, calls) of a whole output (cut: max_tokens ended it)."""
         parser = cls()
-        a, b = parser.feed(text), parser.finish()
+        a, b = parser.feed(text), parser.finish(cut=cut)
         return a.content + b.content, parser.calls
 
 
