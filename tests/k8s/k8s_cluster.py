@@ -8,11 +8,14 @@ API, InferencePool) come from $MINISGL_K8S_CRDS, which it exports too.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -179,9 +182,12 @@ def namespace(api: Api, prefix: str) -> Iterator[str]:
         api.delete(f"/api/v1/namespaces/{name}")
 
 
-def service_account_kubeconfig(api: Api, namespace: str, account: str, path: Path) -> Path:
+def service_account_kubeconfig(
+    api: Api, namespace: str, account: str, path: Path, server: str | None = None
+) -> Path:
     """A kubeconfig that authenticates as the ServiceAccount, with a token from the TokenRequest
-    API (what the kubelet mounts into its pods): exactly the rights its Roles grant."""
+    API (what the kubelet mounts into its pods): exactly the rights its Roles grant. `server`:
+    another address of the API server (a RecordingProxy's)."""
     resp = api.client.post(
         f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token",
         json={
@@ -200,6 +206,8 @@ def service_account_kubeconfig(api: Api, namespace: str, account: str, path: Pat
         cluster["certificate-authority"] = info.ca_path
     if info.insecure:
         cluster["insecure-skip-tls-verify"] = True
+    if server is not None:
+        cluster = {"server": server}
     path.write_text(
         yaml.safe_dump(
             {
@@ -248,3 +256,120 @@ class Operator:
         code = stop_process(self.proc, timeout_s=15)
         self._log.close()
         return code
+
+
+# --- what a client calls: a recording proxy in front of the API server ----------------------
+
+# Paths that name no resource (discovery, version): any authenticated user may read them.
+_NON_RESOURCE_PREFIXES = ("/version", "/openapi", "/healthz", "/livez", "/readyz")
+
+
+def rbac_attributes(method: str, path: str, query: str, status: int) -> list[tuple[str, str, str]]:
+    """The (apiGroup, resource[/subresource], verb) an API request is authorized as, as the
+    API server's RequestInfo resolves it; [] for non-resource paths. A server-side apply that
+    creates its object (201) needs create as well as patch."""
+    parts = [p for p in path.split("/") if p]
+    if path.startswith(_NON_RESOURCE_PREFIXES) or not parts:
+        return []
+    if parts[0] == "api" and len(parts) >= 2:
+        group, rest = "", parts[2:]
+    elif parts[0] == "apis" and len(parts) >= 3:
+        group, rest = parts[1], parts[3:]
+    else:
+        return []  # /api, /apis, /apis/<group>: discovery
+    if len(rest) >= 2 and rest[0] == "namespaces" and len(rest) != 2:
+        rest = rest[2:]  # namespaced: /namespaces/<ns>/<resource>...
+    if not rest:
+        return []  # /apis/<group>/<version>: discovery
+    resource, name = rest[0], rest[1] if len(rest) > 1 else None
+    if len(rest) > 2:
+        resource += "/" + rest[2]
+    params = dict(p.split("=", 1) for p in query.split("&") if "=" in p)
+    if method == "GET":
+        watch = params.get("watch") in ("true", "1")
+        verb = "get" if name else ("watch" if watch else "list")
+    else:
+        verb = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}[method]
+        if verb == "delete" and not name:
+            verb = "deletecollection"
+    out = [(group, resource, verb)]
+    if method == "PATCH" and status == 201:
+        out.append((group, resource, "create"))
+    return out
+
+
+class RecordingProxy:
+    """Plain HTTP on 127.0.0.1 to the API server's HTTPS, passing every request through as is
+    (watches streamed) and recording its method, path, query and status. A client pointed here
+    makes exactly the calls it would make directly, with its own credentials."""
+
+    def __init__(self, info: kopf.ConnectionInfo) -> None:
+        self.upstream = info.server.rstrip("/")
+        self.ssl = info.as_ssl_context()
+        self.calls: list[tuple[str, str, str, int]] = []
+        self.port = 0
+        self._loop: Any = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> RecordingProxy:
+        self._thread.start()
+        assert self._ready.wait(30), "the recording proxy did not start"
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        import aiohttp
+        from aiohttp import web
+
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        passed = ("Authorization", "Content-Type", "Accept")
+
+        async def forward(request: web.Request) -> web.StreamResponse:
+            headers = {k: v for k, v in request.headers.items() if k in passed}
+            body = await request.read()
+            async with session.request(
+                request.method,
+                self.upstream + request.path_qs,
+                headers=headers,
+                data=body or None,
+                ssl=self.ssl,
+            ) as upstream:
+                self.calls.append(
+                    (request.method, request.path, request.query_string, upstream.status)
+                )
+                out = web.StreamResponse(status=upstream.status)
+                if "Content-Type" in upstream.headers:
+                    out.content_type = upstream.headers["Content-Type"].split(";")[0]
+                await out.prepare(request)
+                with contextlib.suppress(ConnectionResetError, aiohttp.ClientError):
+                    async for chunk in upstream.content.iter_any():
+                        await out.write(chunk)
+                return out
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", forward)
+        runner = web.AppRunner(app, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._ready.set()
+        await self._stop.wait()
+        await runner.cleanup()
+        await session.close()
+
+    def attributes(self) -> set[tuple[str, str, str]]:
+        return {a for m, p, q, s in self.calls for a in rbac_attributes(m, p, q, s)}

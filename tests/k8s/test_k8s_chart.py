@@ -134,7 +134,10 @@ def test_rbac_is_least_privilege(render) -> None:
     assert all("*" not in v for v in verbs.values())
     assert all("*" not in k[1] for k in verbs)
     assert verbs[("minisgl.io", "modelservers")] == {"get", "list", "watch", "patch"}
-    assert verbs[("minisgl.io", "modelservers/status")] == {"get", "patch"}
+    assert verbs[("minisgl.io", "modelservers/status")] == {"patch"}
+    # kopf posts core v1 Events, never patches them nor uses events.k8s.io.
+    assert verbs[("", "events")] == {"create"}
+    assert not any(g == "events.k8s.io" for g, _ in verbs)
     assert verbs[("apps", "deployments")] == {"get", "list", "watch", "create", "patch", "delete"}
     assert verbs[("keda.sh", "scaledobjects")] == {"get", "create", "patch", "delete"}
     assert verbs[("leaderworkerset.x-k8s.io", "leaderworkersets")] == verbs[("apps", "deployments")]
@@ -445,3 +448,31 @@ def test_two_modelservers_serving_one_model_name_scale_on_their_own_pods(
         [_promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_rbac_attributes_resolve_requests_as_the_api_server_does() -> None:
+    from k8s_cluster import rbac_attributes
+
+    ms = "/apis/minisgl.io/v1alpha1"
+    assert rbac_attributes("GET", f"{ms}/modelservers", "watch=true&x=1", 200) == [
+        ("minisgl.io", "modelservers", "watch")
+    ]
+    assert rbac_attributes("GET", f"{ms}/namespaces/a/modelservers", "", 200) == [
+        ("minisgl.io", "modelservers", "list")
+    ]
+    assert rbac_attributes("PATCH", f"{ms}/namespaces/a/modelservers/q/status", "", 200) == [
+        ("minisgl.io", "modelservers/status", "patch")
+    ]
+    assert rbac_attributes("PATCH", "/api/v1/namespaces/a/services/q", "force=true", 201) == [
+        ("", "services", "patch"),
+        ("", "services", "create"),
+    ]
+    assert rbac_attributes("POST", "/api/v1/namespaces/a/events", "", 201) == [
+        ("", "events", "create")
+    ]
+    assert rbac_attributes("GET", "/api/v1/namespaces/a", "", 200) == [("", "namespaces", "get")]
+    assert rbac_attributes("DELETE", "/apis/apps/v1/namespaces/a/deployments/q", "", 200) == [
+        ("apps", "deployments", "delete")
+    ]
+    for discovery in ("/api", "/apis", "/apis/apps", "/apis/apps/v1", "/version", "/api/v1"):
+        assert rbac_attributes("GET", discovery, "", 200) == [], discovery

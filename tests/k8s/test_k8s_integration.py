@@ -25,6 +25,7 @@ from k8s_cluster import (
     CRD_ROOT,
     Api,
     Operator,
+    RecordingProxy,
     install_modelserver_crd,
     namespace,
     service_account_kubeconfig,
@@ -316,10 +317,15 @@ def _live(url: str, operator: Operator) -> bool:
 
 
 @contextmanager
-def operator_as_installed(cluster: Api, ns: str, tmp: Path) -> Iterator[Operator]:
+def operator_as_installed(
+    cluster: Api, ns: str, tmp: Path, proxy: RecordingProxy | None = None
+) -> Iterator[Operator]:
     """The chart's operator, run here: its Deployment's arguments, authenticated with a token of
-    its ServiceAccount (not the admin's kubeconfig), so RBAC judges every call it makes."""
-    kubeconfig = service_account_kubeconfig(cluster, ns, f"{RELEASE}-operator", tmp / "sa.yaml")
+    its ServiceAccount (not the admin's kubeconfig), so RBAC judges every call it makes; through
+    `proxy` when given, which records those calls."""
+    kubeconfig = service_account_kubeconfig(
+        cluster, ns, f"{RELEASE}-operator", tmp / "sa.yaml", proxy.url if proxy else None
+    )
     liveness = f"http://127.0.0.1:{free_port()}/healthz"
     args, env = installed_operator(cluster, ns, liveness)
     operator = Operator(args, kubeconfig, tmp / "operator.log", resync_s=2, env=env)
@@ -449,7 +455,12 @@ def merge_patch(cluster: Api, path: str, patch: dict[str, Any]) -> dict[str, Any
 def test_operator_under_its_service_account_through_a_modelservers_life(
     cluster: Api, installed: str, tmp_path: Path
 ) -> None:
-    with namespace(cluster, "life") as ns, operator_as_installed(cluster, installed, tmp_path):
+    proxy = RecordingProxy(cluster.info)
+    with (
+        proxy,
+        namespace(cluster, "life") as ns,
+        operator_as_installed(cluster, installed, tmp_path, proxy),
+    ):
         path = ms_path(ns, "qwen")
         created = cluster.create(modelserver(ns, "qwen", {"model": "m", "resources": {"gpus": 0}}))
         assert created.status_code == 201, created.text
@@ -479,9 +490,17 @@ def test_operator_under_its_service_account_through_a_modelservers_life(
         merge_patch(cluster, f"{path}/scale", {"spec": {"replicas": 2}})
         wait_for("2 replicas", lambda: (child("Deployment") or {})["spec"]["replicas"] == 2)
 
-        # A spec edit: a new engine flag rolls out; autoscaling adds an HPA (no KEDA here).
-        edit = {"engine": {"dtype": "float32"}, "autoscaling": {"maxReplicas": 3}}
+        # A spec edit: a new engine flag rolls out; autoscaling adds an HPA (no KEDA here), a
+        # model cache its claim and a host its Ingress.
+        edit = {
+            "engine": {"dtype": "float32"},
+            "autoscaling": {"maxReplicas": 3},
+            "modelCache": {"size": "1Gi"},
+            "ingress": {"host": "qwen.example.com"},
+        }
         merge_patch(cluster, path, {"spec": edit})
+        wait_for("the cache claim", lambda: child("PersistentVolumeClaim", "qwen-cache"))
+        wait_for("the Ingress", lambda: child("Ingress"))
 
         def command() -> list[str]:
             dep = child("Deployment") or {"spec": {"template": {"spec": {"containers": [{}]}}}}
@@ -507,6 +526,10 @@ def test_operator_under_its_service_account_through_a_modelservers_life(
                 != hpa["metadata"]["uid"]
             ),
         )
+
+        # Without the cache and the host, their claim and Ingress go.
+        merge_patch(cluster, path, {"spec": {"modelCache": None, "ingress": None}})
+        wait_for("the Ingress to go", lambda: child("Ingress") is None)
 
         # Multi-node: a LeaderWorkerSet (accepted by its upstream CRD) replaces the Deployment.
         merge_patch(cluster, path, {"spec": {"engine": {"tensorParallelSize": 2, "nodes": 2}}})
@@ -538,22 +561,61 @@ def test_operator_under_its_service_account_through_a_modelservers_life(
             "routing"
         ] == f"InferencePool+Gateway {ns}/gateway"
 
+        # Back to one plain pod: what routing, multi-node and autoscaling added goes.
+        plain = {"routing": None, "autoscaling": None, "engine": {"nodes": 1}}
+        merge_patch(cluster, path, {"spec": plain})
+        for kind, name in (*picker, node_secret, node_policy, ("LeaderWorkerSet", "qwen")):
+            wait_for(f"the {kind} {name} to go", lambda k=kind, n=name: child(k, n) is None)
+        for kind in ("InferencePool", "HTTPRoute", "HorizontalPodAutoscaler"):
+            wait_for(f"the {kind} to go", lambda k=kind: child(k) is None)
+        wait_for("the Deployment again", lambda: child("Deployment"))
+        wait_for("status for the plain spec", healthy)
+
         # Delete: the ModelServer goes, and everything it owned with it.
         owned_paths = [child_path(k, ns, n) for k, n in (*picker, node_secret, node_policy)]
-        owned_paths += [
-            child_path(k, ns, "qwen")
-            for k in (
-                "Service",
-                "HorizontalPodAutoscaler",
-                "LeaderWorkerSet",
-                "InferencePool",
-                "HTTPRoute",
-            )
-        ]
+        owned_paths += [child_path(k, ns, "qwen") for k in ("Service", "Deployment")]
         assert cluster.delete(path).status_code == 200
         wait_for("the ModelServer to go", lambda: cluster.get(path) is None)
         for p in owned_paths:
             wait_for(f"{p} to go", lambda p=p: cluster.get(p) is None)
+
+    # RBAC: the chart grants what the operator called, and nothing else but what it needs
+    # without calling it here.
+    role = cluster.get(f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{RELEASE}-operator")
+    assert role is not None
+    granted = {
+        (g, r, v)
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+    called = proxy.attributes()
+    assert called <= granted, sorted(called - granted)  # else forbidden, seen in the log
+    owner = modelserver(ns, "qwen", {"model": "m", "routing": {"inferencePool": True}})
+    owner["metadata"]["uid"] = "u"
+    (picker_role,) = [
+        c for c in plan(owner, Cluster(inference_pool=True)).apply if c["kind"] == "Role"
+    ]
+    uncalled_but_needed = {
+        # kopf posts a core v1 Event (POST) when a handler fails: none failed here.
+        ("", "events", "create"),
+        # blockOwnerDeletion on the children's ownerReferences: the admission plugin
+        # OwnerReferencesPermissionEnforcement (on in some clusters) asks for it.
+        (GROUP, f"{PLURAL}/finalizers", "update"),
+        # KEDA is not installed here: its ScaledObject replaces the HPA, with the same verbs.
+        *{("keda.sh", "scaledobjects", v) for v in ("get", "create", "patch", "delete")},
+        # RBAC lets the operator grant the picker's Role only what it holds itself.
+        *{
+            (g, r, v)
+            for rule in picker_role["rules"]
+            for g in rule["apiGroups"]
+            for r in rule["resources"]
+            for v in rule["verbs"]
+        },
+    }
+    unused = sorted(granted - called - uncalled_but_needed)
+    assert not unused, "granted, never called: " + ", ".join(map(str, unused))
 
 
 def test_a_modelserver_is_deleted_while_the_operator_is_gone(
