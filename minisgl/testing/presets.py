@@ -3,7 +3,7 @@ itself, transformers_writer.py has transformers' `save_pretrained` write them.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from minisgl.testing.tokenizer_builder import added_token_id
@@ -51,6 +51,16 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 1024,
 }
 
+_QUANT = Preset(128, 256, 2, 4, 2, 64, 4096, std=0.5, dtype="float32")
+_QUANT_MOE = replace(
+    _QUANT,
+    arch="qwen3_moe",
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    mlp_only_layers=(1,),
+)
+
 PRESETS: dict[str, Preset] = {
     # GQA with head counts divisible by 2, so tensor parallel can split it. std 0.5 keeps greedy
     # top-1/top-2 logit margins far from ties, so float reorderings cannot flip a token.
@@ -92,44 +102,14 @@ PRESETS: dict[str, Preset] = {
     ),
     # Quantized-checkpoint tests: every matmul dimension a multiple of 128 (the published
     # layouts' block and group sizes), otherwise tiny. q 256, kv 128, MLP 256.
-    "quant": Preset(128, 256, 2, 4, 2, 64, 4096, std=0.5, dtype="float32"),
-    "quant-moe": Preset(
-        128,
-        256,
-        2,
-        4,
-        2,
-        64,
-        4096,
-        std=0.5,
-        dtype="float32",
-        arch="qwen3_moe",
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=128,
-        mlp_only_layers=(1,),
-    ),
+    "quant": _QUANT,
+    "quant-moe": _QUANT_MOE,
     # Tensor parallelism cutting quantization groups of 128 (test_quantized_tensor_parallel):
     # MLP 384 -> 192 a rank at TP=2 (Qwen3-30B-A3B's experts at TP=4), groups of 64.
-    "quant-split": Preset(128, 384, 2, 4, 2, 64, 4096, std=0.5, dtype="float32"),
+    "quant-split": replace(_QUANT, intermediate_size=384),
     # Its experts' 192 -> 96 a rank at TP=2 (1.5 groups of 128 in all: GPTQ's last group is
     # short), groups of 32; 48 at TP=4, groups of 16, which no kernel takes. Layer 1 dense as above.
-    "quant-moe-split": Preset(
-        128,
-        384,
-        2,
-        4,
-        2,
-        64,
-        4096,
-        std=0.5,
-        dtype="float32",
-        arch="qwen3_moe",
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=192,
-        mlp_only_layers=(1,),
-    ),
+    "quant-moe-split": replace(_QUANT_MOE, intermediate_size=384, moe_intermediate_size=192),
     # The real Qwen3-30B-A3B shape (48 layers; benchmarks take fewer with num_hidden_layers).
     "30b-a3b": Preset(
         2048,
