@@ -4,7 +4,12 @@ Processes: this one (API server: FastAPI + uvicorn) plus the tokenizer, detokeni
 scheduler workers, started with multiprocessing's spawn (no forked torch/ZMQ state). They talk
 over ipc sockets in a private temporary directory that is removed at exit.
 
-Exit codes: 0 after a signal-initiated drain, 1 when a worker fails to start or dies.
+The HTTP port is bound before any worker starts (a port in use fails at once, not after the
+model loaded) and the bound sockets are handed to uvicorn. SIGTERM/SIGINT are handled from the
+start: during start-up they stop the workers, remove the socket directory and exit 0.
+
+Exit codes: 0 after a signal (a drain, or a stop during start-up), 1 when the port cannot be
+bound or a worker fails to start or dies.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import asyncio
 import logging
 import multiprocessing as mp
 import signal
+import socket
 import sys
 import time
 from multiprocessing.connection import Connection, wait
@@ -41,10 +47,40 @@ log = logging.getLogger("minisgl.launcher")
 
 STARTUP_TIMEOUT = 1800.0  # a large model's first download and load can take this long
 WORKER_STOP_TIMEOUT = 5.0
+LISTEN_BACKLOG = 2048  # uvicorn's default
 
 
 class WorkerStartError(RuntimeError):
     pass
+
+
+class _StopRequested(Exception):
+    """Raised by the signal handler while start-up waits on the workers."""
+
+
+def bind_listeners(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> list[socket.socket]:
+    """The sockets uvicorn would bind for host:port, bound and listening now. Listening, not
+    only bound: with SO_REUSEADDR another process could still bind the port and listen first
+    while the model loads. Same rules as asyncio's create_server, which uvicorn uses: every
+    address the host resolves to (``localhost``: 127.0.0.1 and ::1), IPv6 sockets v6-only."""
+    infos = socket.getaddrinfo(
+        host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE
+    )
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+            sock.listen(backlog)
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
 
 
 class _Server(uvicorn.Server):
@@ -69,6 +105,8 @@ class Launcher(Hooks):
         self.loop: asyncio.AbstractEventLoop | None = None
         self.ctx: ServerContext | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self.stop_signal: int | None = None  # a signal that came before uvicorn ran
+        self._waiting_on_workers = False  # the handler may raise: nothing is half-started
 
     # ---- workers ----------------------------------------------------------------------------
     def start_workers(self) -> dict[str, Any]:
@@ -88,6 +126,7 @@ class Launcher(Hooks):
         }
         pipes: dict[Connection, str] = {}
         for name, (target, head) in targets.items():
+            self._raise_if_stopped()
             reader, writer = spawn.Pipe(duplex=False)
             proc = spawn.Process(
                 target=target, args=(*head, writer, a.log_level), name=f"minisgl-{name}"
@@ -97,6 +136,14 @@ class Launcher(Hooks):
             self.procs[name] = proc
             pipes[reader] = name
             log.info("started %s worker (pid %d)", name, proc.pid)
+        self._waiting_on_workers = True
+        try:
+            return self._wait_for_workers(pipes)
+        finally:
+            self._waiting_on_workers = False
+
+    def _wait_for_workers(self, pipes: dict[Connection, str]) -> dict[str, Any]:
+        self._raise_if_stopped()
         start = time.monotonic()
         infos: dict[str, Any] = {}
         sentinels = {p.sentinel: n for n, p in self.procs.items()}
@@ -168,6 +215,25 @@ class Launcher(Hooks):
             self.server.should_exit = True
 
     # ---- signals and drain ------------------------------------------------------------------
+    def on_startup_signal(self, sig: int, frame: FrameType | None) -> None:
+        """SIGTERM/SIGINT outside uvicorn's serve(): before it (start-up) and after it."""
+        name = signal.Signals(sig).name
+        if self.stopping or (self.loop is not None and self.loop.is_closed()):
+            log.info("%s received: already stopping", name)
+            return
+        if self.loop is not None and self.server is not None:
+            self.on_signal(sig)  # between our check in _serve and uvicorn's own handler
+            return
+        if self.stop_signal is None:
+            log.info("%s received during start-up: stopping the workers", name)
+        self.stop_signal = sig
+        if self._waiting_on_workers:
+            raise _StopRequested
+
+    def _raise_if_stopped(self) -> None:
+        if self.stop_signal is not None:
+            raise _StopRequested
+
     def on_signal(self, sig: int) -> None:
         # Runs in the main thread between bytecodes: hand over to the event loop.
         if self.loop is None or self.server is None:
@@ -206,6 +272,14 @@ class Launcher(Hooks):
     # ---- run --------------------------------------------------------------------------------
     def run(self) -> int:
         a = self.args
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.on_startup_signal)
+        try:
+            listeners = bind_listeners(a.host, a.port)
+        except OSError as exc:
+            self.endpoints.remove()
+            log.error("cannot listen on %s port %d: %s", a.host, a.port, exc.strerror or exc)
+            return 1
         log.info("starting: model %s, ipc dir %s", a.model, self.endpoints.root)
         try:
             infos = self.start_workers()
@@ -246,10 +320,15 @@ class Launcher(Hooks):
                 timeout_graceful_shutdown=5,
                 timeout_keep_alive=5,
             )
+            self._raise_if_stopped()
             self.server = _Server(config, self)
-            asyncio.run(self._serve())
+            asyncio.run(self._serve(listeners))
+            self._raise_if_stopped()
             if not self.server.started and self.exit_code == 0:
-                self.exit_code = 1  # e.g. the port was taken
+                self.exit_code = 1  # e.g. the app's lifespan failed
+        except _StopRequested:
+            log.info("stopped during start-up")
+            self.exit_code = 0
         except WorkerStartError as exc:
             log.error("%s", exc)
             self.exit_code = 1
@@ -257,6 +336,8 @@ class Launcher(Hooks):
             self.exit_code = exc.code if isinstance(exc.code, int) and exc.code else 1
         finally:
             t0 = time.monotonic()
+            for sock in listeners:
+                sock.close()
             self.stop_workers()
             self.endpoints.remove()
             log.info(
@@ -265,10 +346,12 @@ class Launcher(Hooks):
         log.info("exited with code %d", self.exit_code)
         return self.exit_code
 
-    async def _serve(self) -> None:
+    async def _serve(self, listeners: list[socket.socket]) -> None:
         assert self.server is not None
         self.loop = asyncio.get_running_loop()
-        await self.server.serve()
+        if self.stop_signal is not None:
+            return  # came just before the loop existed: the handler could only note it
+        await self.server.serve(sockets=listeners)
 
 
 def main(argv: list[str] | None = None) -> None:
