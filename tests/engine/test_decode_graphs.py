@@ -161,5 +161,5 @@ def test_a_failed_capture_leaves_decode_eager(
 def test_a_max_batch_below_one_is_refused_at_start(
     tiny_model_dir: Path, graph_path: type[CallGraph]
 ) -> None:
-    with pytest.raises(ValueError, match="cuda_graph_max_bs must be at least 1, got 0"):
+    with pytest.raises(ValueError, match="--cuda-graph-max-bs must be >= 1, got 0"):
         _llm(tiny_model_dir, attention_backend="flashinfer", cuda_graph_max_bs=0)

@@ -121,11 +121,12 @@ def test_two_models_in_one_process_keep_their_own_int4_activations(quant_dir: Pa
 
 
 def test_a_tp_split_inside_an_at_load_group_names_the_flag() -> None:
-    """--quantization int4 on a float checkpoint whose shard splits a group of 128 (the MoE
-    fixture's experts, 128 features, under --tp-size 2): the refusal names the flag the groups
-    come from, not the checkpoint, which has none."""
+    """--quantization int4 on a float checkpoint whose shard splits a group of 128 into pieces
+    no kernel takes (the MoE fixture's experts, 128 features, under --tp-size 8: groups of 16;
+    at --tp-size 2 the ranks hold groups of 64, which load): the refusal names the flag the
+    groups come from, not the checkpoint, which has none."""
     with pytest.raises(ValueError, match="--quantization int4's groups of 128") as err:
-        _holder(load_scheme("int4"), 128, 64, 128, True, 8)
+        _holder(load_scheme("int4"), 128, 16, 128, True, 8)
     assert "checkpoint" not in str(err.value)
 
 
