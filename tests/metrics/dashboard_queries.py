@@ -8,8 +8,15 @@ from promtool import DASHBOARD_DIR
 
 # What Grafana substitutes: "All" for the label variables, and a window for $__rate_interval
 # that holds several samples at the test's 1 s scrape interval.
-VARIABLES = {"$model_name": ".*", "$pod": ".*", "$__rate_interval": "1m"}
-METRIC_NAME = re.compile(r"\bminisgl_[a-z0-9_]+\b")
+VARIABLES = {
+    "$namespace": ".*",
+    "$modelserver": ".*",
+    "$model_name": ".*",
+    "$pod": ".*",
+    "$__rate_interval": "1m",
+}
+# Metric names, not the label minisgl_io_modelserver (the pods' minisgl.io/modelserver label).
+METRIC_NAME = re.compile(r"\bminisgl_(?!io_modelserver\b)[a-z0-9_]+\b")
 
 
 def dashboards() -> dict[str, dict[str, Any]]:
@@ -25,9 +32,10 @@ def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def substitute(expr: str) -> str:
+def substitute(expr: str, **picked: str) -> str:
+    """Grafana's variables replaced: "All" unless `picked` names a value (e.g. modelserver=)."""
     for var, value in VARIABLES.items():
-        expr = expr.replace(var, value)
+        expr = expr.replace(var, picked.get(var[1:], value))
     return expr
 
 

@@ -156,5 +156,7 @@ def test_dashboards_and_rules_have_data_and_counts_match(tmp_path: Path) -> None
             )
         no_data = [title for title, expr in queries() if not query(prom, f"({expr}) >= 0")]
         assert not no_data, f"dashboard queries without data: {no_data}"
-        ttft_p95 = scalar(prom, "namespace_model_name:minisgl_time_to_first_token_seconds:p95_1m")
+        ttft_p95 = scalar(
+            prom, "namespace_modelserver_model_name:minisgl_time_to_first_token_seconds:p95_1m"
+        )
         assert ttft_p95 is not None and 0 < ttft_p95 < 60

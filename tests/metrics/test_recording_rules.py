@@ -5,9 +5,9 @@ from pathlib import Path
 import yaml
 from promtool import RULES_FILE, promtool
 
-RECORD_TTFT = "namespace_model_name:minisgl_time_to_first_token_seconds:p95_1m"
-RECORD_TPOT = "namespace_model_name:minisgl_time_per_output_token_seconds:p95_1m"
-RECORD_WAITING = "namespace_model_name:minisgl_num_requests_waiting:avg_per_replica"
+RECORD_TTFT = "namespace_modelserver_model_name:minisgl_time_to_first_token_seconds:p95_1m"
+RECORD_TPOT = "namespace_modelserver_model_name:minisgl_time_per_output_token_seconds:p95_1m"
+RECORD_WAITING = "namespace_modelserver_model_name:minisgl_num_requests_waiting:avg_per_replica"
 
 
 def test_rules_file_is_a_plain_prometheus_rules_file() -> None:
@@ -82,12 +82,67 @@ def test_rules_compute_slis_on_synthetic_series(tmp_path: Path) -> None:
                     check(RECORD_TPOT, (95, "m")),
                     check(RECORD_WAITING, (4000, "m"), (7000, "other")),
                     # 6 + 4 requests per 15 s step for "m", 4 for "other"; 100 tokens per step.
-                    check("namespace_model_name:minisgl_requests:rate1m", (667, "m"), (267, "other")),
-                    check("namespace_model_name:minisgl_generation_tokens:rate1m", (6667, "m")),
+                    check("namespace_modelserver_model_name:minisgl_requests:rate1m", (667, "m"), (267, "other")),
+                    check("namespace_modelserver_model_name:minisgl_generation_tokens:rate1m", (6667, "m")),
                 ],
             }
         ],
     }  # fmt: skip
+    path = tmp_path / "rules_test.yaml"
+    path.write_text(yaml.safe_dump(test, sort_keys=False))
+    result = promtool("test", "rules", path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_rules_keep_two_modelservers_of_one_model_name_apart(tmp_path: Path) -> None:
+    # Two ModelServers in one namespace serve the model name "m"; their pods' series carry
+    # minisgl_io_modelserver (the chart's monitors copy the pods' minisgl.io/modelserver label).
+    # "fast" answers every request within 0.1 s, "slow" within 1 s: one p95 each, not a blend.
+    def series(ms: str, pod: str, per_step: dict[str, int], waiting: int) -> list[dict[str, str]]:
+        labels = f'namespace="ns",minisgl_io_modelserver="{ms}",model_name="m",pod="{pod}"'
+        out = [
+            {
+                "series": f'minisgl_time_to_first_token_seconds_bucket{{{labels},le="{le}"}}',
+                "values": f"0+{inc}x10",
+            }
+            for le, inc in per_step.items()
+        ]
+        out.append(
+            {"series": f"minisgl_num_requests_waiting{{{labels}}}", "values": f"{waiting}x10"}
+        )
+        return out
+
+    inputs = series("fast", "a", {"0.1": 10, "1": 10, "+Inf": 10}, 3) + series(
+        "slow", "b", {"0.1": 0, "1": 10, "+Inf": 10}, 5
+    )
+
+    def check(expr: str, fast: float, slow: float) -> dict[str, object]:
+        return {
+            "expr": f"round(({expr}) * 1000)",
+            "eval_time": "2m",
+            "exp_samples": [
+                {
+                    "labels": f'{{namespace="ns",minisgl_io_modelserver="{ms}",model_name="m"}}',
+                    "value": v,
+                }
+                for ms, v in (("fast", fast), ("slow", slow))
+            ],
+        }
+
+    test = {
+        "rule_files": [str(RULES_FILE)],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": inputs,
+                "promql_expr_test": [
+                    check(RECORD_TTFT, 95, 955),
+                    check(RECORD_WAITING, 3000, 5000),
+                ],
+            }
+        ],
+    }
     path = tmp_path / "rules_test.yaml"
     path.write_text(yaml.safe_dump(test, sort_keys=False))
     result = promtool("test", "rules", path)
