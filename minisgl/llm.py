@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,9 @@ class LLM:
         self.engine: Engine = create_engine(self.args)
         self._tokenizer: Any = None
         self._next_call = 0
+        # One call steps the engine at a time: the engine is not thread-safe, and a call that
+        # stepped it would be handed another thread's outputs. Calls from threads take turns.
+        self._lock = threading.RLock()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel follower processes (also done at exit)."""
@@ -87,9 +91,12 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            with self._lock:
+                if self._tokenizer is None:
+                    from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(str(self.engine.model_path))
+                    path = str(self.engine.model_path)
+                    self._tokenizer = AutoTokenizer.from_pretrained(path)
         return self._tokenizer
 
     def generate(
@@ -98,7 +105,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt together (continuous batching); outputs in input order."""
+        """Generate for every prompt together (continuous batching); outputs in input order.
+        Safe to call from several threads: the calls run one after the other."""
         if isinstance(prompts, str):
             prompts = [prompts]
         params_list = _per_prompt(sampling_params, len(prompts))
@@ -111,6 +119,16 @@ class LLM:
             else:
                 texts.append(None)
                 prompt_ids.append([int(t) for t in p])
+        with self._lock:
+            return self._generate(texts, prompt_ids, params_list, use_tqdm)
+
+    def _generate(
+        self,
+        texts: list[str | None],
+        prompt_ids: list[list[int]],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         for ids, params in zip(prompt_ids, params_list):
             self.engine.validate(ids, params)
         call = self._next_call

@@ -157,3 +157,31 @@ def test_the_scheduler_worker_reports_a_failed_request_as_an_error() -> None:
     assert [o.rid for b in batches for o in b.outputs] == ["ok"]
     assert [(e.rid, e.reason, e.status) for e in ended] == [("bad", "error", 500)]
     assert "NaN or infinite logits" in ended[0].message
+
+
+def test_calls_from_threads_each_get_their_own_outputs(llm: LLM) -> None:
+    """Threads sharing one LLM: each call's outputs are its own, as if called alone (before,
+    a call that stepped the engine met another thread's outputs: KeyError 'offline-4-0')."""
+    import threading
+
+    prompts = _prompts(4, seed=9)
+    expected = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+    got: dict[int, list[list[int]]] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(prompts))
+
+    def work(i: int) -> None:
+        try:
+            start.wait()
+            got[i] = [llm.generate([prompts[i]], GREEDY)[0].token_ids for _ in range(3)]
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == []
+    assert got == {i: [expected[i]] * 3 for i in range(len(prompts))}
+    _assert_idle(llm)
