@@ -8,8 +8,9 @@ The candidates (cpu_gemv.py), all reading the quantized weight as loaded (no sec
 - "dequant_panel": 16 rows at a time dequantized once into a register tile's layout, for all
   input rows (cpu_panel.py);
 - "int16_panel": the same with integer codes against x quantized per row to int16 (VPMADDWD);
-- "amx_panel": a panel dequantized once into bf16 and multiplied on AMX tiles (bf16 x; where
-  the CPU and build have no AMX, or x is fp32, it runs dequant_panel);
+- "amx_panel": a panel dequantized once into bf16 and multiplied on AMX tiles, or by
+  VDPBF16PS where the CPU has AVX512-BF16 and no AMX (bf16 x; where the CPU and build have
+  neither, or x is fp32, it runs dequant_panel);
 - "amx_int": few rows on AMX tiles straight from the codes, a weight byte costing the same
   work for 1 to 16 rows (cpu_panel.py): integer codes as AMX-INT8 tiles against x quantized
   per row to int16 (qgemv's numerics), fp8 codes converted exactly to bf16 against bf16 x
@@ -18,7 +19,7 @@ Which wins at which row count depends on the CPU (FMA width, integer multiply ra
 nothing is a fixed row limit: each shape and code kind is timed per bucket at start-up, or read
 from the cache. Tuning "off": qgemv for one row, amx_int for 2 to cpu_kernels.MAX_ROWS where
 its tiles run (AMX-INT8; fp8 codes: AMX-BF16 with bf16 x; qgemv elsewhere), then amx_panel
-where AMX runs, else dequant_panel.
+where AMX or AVX512-BF16 runs it, else dequant_panel.
 """
 
 from __future__ import annotations

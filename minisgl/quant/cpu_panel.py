@@ -5,7 +5,8 @@ there. The values are qtensor.dequantize's exactly, the products and sums fp32 (
 panel kernel's), so the result is the dequantized weight's matmul to fp32 rounding; weights as
 cpu_gemv.usable takes them. `int16_panel`: the same blocking with x quantized per row to int16
 and integer codes multiplied in int32 (VPMADDWD), where that is faster. `amx_panel`: on AMX
-tiles, the panel dequantized once into bf16 (qamx.c). `amx_int`: few rows (decode) straight
+tiles, or VDPBF16PS where the CPU has AVX512-BF16 and no AMX, the panel dequantized once into
+bf16 (qamx.c). `amx_int`: few rows (decode) straight
 from the codes on AMX tiles: integer codes on AMX-INT8 (qamxi.c), x quantized per row to int16
 as the decode GEMV does; fp8 codes converted exactly to bf16 on AMX-BF16 (qamxf.c), bf16 x.
 Candidates of the quantized chooser (cpu_choice.py)."""
@@ -40,10 +41,13 @@ def int16_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = Non
 
 
 def amx_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """As dequant_panel on AMX tiles (qamx.c): a panel of weight rows dequantized once into
-    bf16 (the dequantized weight rounded to bf16, as a bf16 twin of the model holds it) and
-    multiplied with bf16 activations by TDPBF16PS, fp32 sums. fp32 activations (which bf16
-    would round) and CPUs or builds without AMX take dequant_panel."""
+    """As dequant_panel on bf16 dot products (qamx.c): a panel of weight rows dequantized once
+    into bf16 (the dequantized weight rounded to bf16, as a bf16 twin of the model holds it)
+    and multiplied with bf16 activations by TDPBF16PS on AMX tiles, or, on a CPU with
+    AVX512-BF16 and no AMX (AMD Zen 4), by VDPBF16PS on zmm registers (1.0-1.1x the time of
+    oneDNN's bf16 matmul over the bf16 weight at 320-512 rows on a Zen 4 EPYC, one thread,
+    where the fp32 panel took 2.1-2.5x); fp32 sums either way. fp32 activations (which bf16
+    would round) and CPUs or builds with neither take dequant_panel."""
     lib = cpu_kernels.load()
     assert lib is not None
     kind = cpu_gemv.kind(w)

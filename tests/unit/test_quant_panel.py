@@ -6,20 +6,21 @@ codes; the int16 one on x as it quantizes it (per row to int16, as the decode GE
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl.layers import cpu_kernels, kernel_choice
+from minisgl.layers import cpu_build, cpu_kernels, kernel_choice
 from minisgl.quant import cpu_choice, cpu_gemv
 from minisgl.quant.cpu_panel import amx_panel, dequant_panel, int16_panel
 from minisgl.quant.qtensor import FP8, QTensor, dequantize
 from minisgl.quant.quantize import quantize
 from minisgl.quant.scheme import load_scheme
-from minisgl.testing import builds
 from minisgl.testing.threads import at_thread_counts
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no CPU kernels here")
@@ -131,7 +132,7 @@ def test_chooser_runs_it_for_many_rows() -> None:
 _AMX = bool((lib := cpu_kernels.load()) is not None and lib.qamx)
 
 
-@pytest.mark.skipif(not _AMX, reason="no AMX tiles on this CPU or build (qamx.c)")
+@pytest.mark.skipif(not _AMX, reason="no AMX tiles or AVX512-BF16 on this CPU or build (qamx.c)")
 @pytest.mark.parametrize(
     "method,group,n,k",
     [("int8", None, 37, 1024), ("int4", 128, 101, 640), ("fp8", 128, 45, 2048 + 384)],
@@ -158,7 +159,7 @@ def test_amx_panel_equals_the_bf16_dequantized_matmul(
         assert torch.equal(out_bf16, outs[0].bfloat16())
 
 
-@pytest.mark.skipif(not _AMX, reason="no AMX tiles on this CPU or build (qamx.c)")
+@pytest.mark.skipif(not _AMX, reason="no AMX tiles or AVX512-BF16 on this CPU or build (qamx.c)")
 def test_amx_panel_reads_a_shard_and_every_fp8_code() -> None:
     """A tensor-parallel shard's strided codes and group scales; every e4m3 byte but NaN."""
     g = torch.Generator().manual_seed(5)
@@ -186,11 +187,26 @@ def test_amx_panel_is_a_candidate_and_fp32_x_takes_the_fp32_panel() -> None:
     assert torch.equal(cpu_choice.QuantKernel(picks)(x, w), dequant_panel(x, w))
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
-def test_qamx_builds_without_amx_and_exports_nothing(tmp_path: Path, isa: str) -> None:
-    """The AVX2 build and an AVX-512 build without AMX compile qamx.c too, with no entry
-    points (cpu_kernels then offers no AMX panel and amx_panel runs dequant_panel)."""
-    lib = builds.without_amx("qamx.c", isa, tmp_path)
-    if lib is None:
+@pytest.mark.parametrize(
+    "isa,extra,exports",
+    [("avx2", (), False), ("avx512", (), False), ("avx512", ("avx512_bf16",), True)],
+)
+def test_qamx_builds_without_amx(
+    tmp_path: Path, isa: str, extra: tuple[str, ...], exports: bool
+) -> None:
+    """qamx.c compiles into every build. Without AMX tiles and without AVX512-BF16 it has no
+    entry points (cpu_kernels then offers no bf16 panel and amx_panel runs dequant_panel); an
+    AVX-512 build with AVX512-BF16 but no AMX (AMD Zen 4) has the VDPBF16PS panel, so that
+    the chooser can pick it for prefill there."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
         pytest.skip("no C compiler here")
-    assert getattr(lib, "qamx_ready", None) is None
+    flags = frozenset({"avx2", "fma", *extra}) | (
+        cpu_build.AVX512_NEEDS if isa == "avx512" else frozenset()
+    )
+    lib_path = tmp_path / f"qamx-{isa}.so"
+    cflags = cpu_build.compile_flags(isa, flags)
+    assert cpu_build._compile(cc, cflags, [cpu_build.CSRC / "qamx.c"], tmp_path, lib_path) is None
+    lib = ctypes.CDLL(str(lib_path))
+    for name in ("qamx_ready", "qamx_u8", "qamx_u4", "qamx_fp8"):
+        assert (getattr(lib, name, None) is not None) == exports, name
