@@ -154,6 +154,7 @@ class LLM:
             stop=params.stop,
             hidden_token_ids=hidden,
             include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
         )
 
     def _run(

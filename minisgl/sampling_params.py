@@ -21,6 +21,9 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = 16  # 0 only with prompt_logprobs: score the prompt, generate nothing
+    # vLLM's min_tokens (SGLang's min_new_tokens): until this many tokens are generated, the
+    # EOS token(s) and stop_token_ids cannot be sampled and stop strings are not matched.
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -65,6 +68,11 @@ class SamplingParams:
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
             raise ValueError(
                 f"max_tokens must be >= 1 (0 only when scoring the prompt), got {self.max_tokens}"
+            )
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens], got min_tokens={self.min_tokens} "
+                f"and max_tokens={self.max_tokens}"
             )
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")

@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from minisgl.config import EngineArgs
 from minisgl.engine.model_runner import ForwardInput, ModelRunner, PromptRows
+from minisgl.layers.penalties import min_tokens_bans, only_allows
 from minisgl.layers.sampling import INVALID_TOKEN
 from minisgl.logprobs import TokenLogprobs
 from minisgl.models.config import ModelConfig
@@ -145,6 +147,12 @@ class Engine:
                 f"this model's maximum context length is {self.max_seq_len} tokens, but "
                 f"{len(prompt_ids)} prompt tokens plus max_tokens={params.max_tokens} were "
                 f"requested ({need})"
+            )
+        if len(prompt_ids) + params.min_tokens > self.max_seq_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_seq_len} tokens, but "
+                f"{len(prompt_ids)} prompt tokens plus min_tokens={params.min_tokens} were "
+                f"requested ({len(prompt_ids) + params.min_tokens})"
             )
         params.validate()
         if params.grammar_kind is not None and compile_grammar:
@@ -408,9 +416,22 @@ class Engine:
                 if req.grammar is not None and drafts[i]:
                     # A token the grammar forbids would be rejected anyway: don't score it.
                     drafts[i] = self.grammars.grammar_prefix(req.grammar, drafts[i])
+                if req.params.min_tokens > len(req.output_ids) and drafts[i]:
+                    # A stop token min_tokens masks would be rejected anyway: don't score it.
+                    drafts[i] = self._drafts_before_stop(req, drafts[i])
         if self.args.tp_size > 1:
             drafts = share_drafts(drafts, len(reqs), k_max)
         assert drafts is not None
+        return drafts
+
+    def _drafts_before_stop(self, req: Request, drafts: list[int]) -> list[int]:
+        """The drafts before the first that is a stop token at a position min_tokens masks
+        (draft j would be output token len(output_ids) + j)."""
+        stops = set(self.stop_ids(req.params))
+        step = len(req.output_ids)
+        for j, t in enumerate(drafts):
+            if t in stops and step + j < req.params.min_tokens:
+                return drafts[:j]
         return drafts
 
     def _draft_lengths(self, reqs: list[Request]) -> list[int]:
@@ -475,7 +496,11 @@ class Engine:
         if not any(drafts or ()):
             drafts = None
         mask = self._grammar_bitmask(reqs, drafts)
+        bans = None
+        if any(r.params.min_tokens for r in reqs):  # a plain batch pays this one pass only
+            bans = self._min_tokens_bans(reqs, drafts, mask)
         return ForwardInput(
+            stop_bans=bans,
             sample_drafts=drafts,
             grammar_bitmask=mask[0] if mask else None,
             grammar_rows=mask[1] if mask else None,
@@ -491,6 +516,34 @@ class Engine:
             prompt_rows=self._prompt_rows(batch),
             # EAGLE-3 (rank 0, which drafts): the target layers its head reads, every step.
             capture_layers=getattr(self.drafter, "capture_layers", ()),
+        )
+
+    def stop_ids(self, params: SamplingParams) -> list[int]:
+        """The tokens min_tokens holds back: EOS (with ignore_eos too, as vLLM) and the
+        request's stop_token_ids (those inside the vocabulary)."""
+        ids = dict.fromkeys(self.eos_token_ids + params.stop_token_ids)
+        return [t for t in ids if 0 <= t < self.vocab_size]
+
+    def _min_tokens_bans(
+        self,
+        reqs: list[Request],
+        drafts: list[list[int]] | None,
+        mask: tuple[object, list[int]] | None,
+    ) -> tuple[list[int], list[int]] | None:
+        """min_tokens: the stop tokens each sampled row must not draw (see penalties.py)."""
+        bitmask = mask[0] if mask is not None else None
+        grammar_rows: set[int] = set(mask[1]) if mask is not None else set()
+
+        def forced_end(row: int, ids: Sequence[int]) -> bool:
+            # Where a grammar allows only a stop token (it is complete), the grammar wins.
+            return row in grammar_rows and only_allows(bitmask[row], ids)  # type: ignore[index]
+
+        return min_tokens_bans(
+            [len(r.output_ids) for r in reqs],
+            [1] * len(reqs) if drafts is None else [1 + len(d) for d in drafts],
+            [r.params.min_tokens for r in reqs],
+            [self.stop_ids(r.params) if r.params.min_tokens else [] for r in reqs],
+            forced_end if grammar_rows else None,
         )
 
     def _prompt_rows(self, batch: ScheduledBatch) -> list[PromptRows]:

@@ -26,6 +26,7 @@ from minisgl.layers.penalties import (
     PenaltyState,
     PenaltyUndo,
     apply_penalties,
+    ban_tokens,
     undo_penalties,
 )
 from minisgl.layers.sampling import SamplingBatch, sample
@@ -82,6 +83,9 @@ class ForwardInput:
     # Speculative decoding: per sampled request, the draft tokens that end its tokens (scored
     # at every position after them too); None: no request has any this step.
     sample_drafts: list[list[int]] | None = None
+    # min_tokens: (rows, tokens) of the sampled logits (one row per scored position) set to
+    # -inf before sampling; None: no request holds back its stop tokens this step.
+    stop_bans: tuple[list[int], list[int]] | None = None
 
 
 @dataclass
@@ -308,6 +312,8 @@ class ModelRunner:
             undo = self._apply_penalties(
                 logits, states if drafts is None else expand_states(states, drafts)
             )
+        if inp.stop_bans is not None:  # min_tokens: after the bias, which cannot revive them
+            ban_tokens(logits, inp.stop_bans)
         # The grammar mask goes last, so no penalty or bias can revive a disallowed token.
         if inp.grammar_rows:
             apply_grammar_mask(logits, inp.grammar_bitmask, inp.grammar_rows)

@@ -218,6 +218,7 @@ class SchedulerLoop:
                 n=params.n,
                 echo_ids=list(req.prompt_ids) if req.echo else None,
                 keep_special=list(req.keep_special),
+                min_tokens=params.min_tokens,
             )
         )
 

@@ -1,4 +1,4 @@
-"""Per-request logit adjustments before sampling: logit_bias and the three penalties.
+"""Per-request logit adjustments before sampling: logit_bias, the three penalties, min_tokens.
 
 Semantics (the ones OpenAI, vLLM and HF document):
 - logit_bias: `bias[t]` is added to token t's logit (-100 bans it in practice);
@@ -14,11 +14,17 @@ seen flag and output count) in host arrays that grow by the tokens generated sin
 step; a step gathers exactly those logits of all penalised rows in one go, adjusts them with a
 handful of small ops and scatters them back. No [rows, vocab] tensor is built, so requests that
 ask for nothing pay nothing and those that ask pay in proportion to their own tokens.
+
+min_tokens (vLLM's; SGLang's min_new_tokens): while a request has generated fewer tokens, its
+stop tokens (EOS and stop_token_ids) are set to -inf, after the bias and penalties (nothing
+revives them) and before the grammar mask; log-probabilities stay those of the raw logits, as
+vLLM reports them by default. A row whose grammar allows nothing but a stop token is left as it
+is: the grammar wins, and the request ends there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,3 +155,46 @@ def apply_penalties(logits: torch.Tensor, batch: PenaltyBatch) -> PenaltyUndo | 
 def undo_penalties(logits: torch.Tensor, undo: PenaltyUndo) -> None:
     """Put back the raw logits apply_penalties changed (log-probabilities report those)."""
     logits.view(-1).index_copy_(0, undo.flat, undo.raw)
+
+
+# ---- min_tokens ---------------------------------------------------------------------------
+def min_tokens_bans(
+    steps: Sequence[int],
+    widths: Sequence[int],
+    min_tokens: Sequence[int],
+    stop_ids: Sequence[Sequence[int]],
+    forced_end: Callable[[int, Sequence[int]], bool] | None = None,
+) -> tuple[list[int], list[int]] | None:
+    """The (row, token) pairs a step masks for min_tokens, as two flat lists; None: none.
+
+    Request i has generated steps[i] tokens and is scored at widths[i] rows (its next token,
+    then one more past each draft under speculative decoding), row r of it drawing output token
+    steps[i] + r: that row bans stop_ids[i] while steps[i] + r < min_tokens[i], unless
+    forced_end(row, ids) says its grammar allows nothing else there (the grammar wins)."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    row = 0
+    for step, width, least, ids in zip(steps, widths, min_tokens, stop_ids, strict=True):
+        for r in range(min(width, least - step)):
+            if ids and not (forced_end is not None and forced_end(row + r, ids)):
+                rows += [row + r] * len(ids)
+                tokens += ids
+        row += width
+    return (rows, tokens) if rows else None
+
+
+def only_allows(bitmask_row: torch.Tensor, ids: Sequence[int]) -> bool:
+    """Whether a grammar's token bitmask row (int32 words, bit set = allowed) allows no token
+    but some of `ids`."""
+    words = bitmask_row.cpu().numpy().view(np.uint32).copy()
+    for t in ids:
+        if t >> 5 < len(words):
+            words[t >> 5] &= ~np.uint32(1 << (t & 31))
+    return not words.any()
+
+
+def ban_tokens(logits: torch.Tensor, bans: tuple[list[int], list[int]]) -> None:
+    """logits[rows[i], tokens[i]] = -inf, in place."""
+    rows, tokens = bans
+    index = torch.tensor([rows, tokens], dtype=torch.long).to(logits.device)
+    logits.index_put_((index[0], index[1]), torch.tensor(float("-inf"), device=logits.device))

@@ -24,6 +24,7 @@ class RequestRegistered:
     n: int = 1  # samples: outputs carry their index
     echo_ids: list[int] | None = None  # prompt ids whose text the first reply carries
     keep_special: list[str] = field(default_factory=list)  # see TokenizeRequest
+    min_tokens: int = 0  # stop strings are not matched in the first min_tokens tokens' text
 
 
 @register("token_out")

@@ -83,6 +83,7 @@ class Detokenizer:
                     skip_special_tokens=msg.skip_special_tokens,
                     include_stop_str_in_output=msg.include_stop_str_in_output,
                     skip_ids=self._skip_ids(msg),
+                    min_tokens=msg.min_tokens,
                 )
                 for i in range(msg.n)
             }

@@ -29,6 +29,7 @@ class IncrementalDecoder:
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
         skip_ids: frozenset[int] | None = None,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         # vLLM's rule: the stop string, or the text of the stop/EOS token that ended the
@@ -48,6 +49,10 @@ class IncrementalDecoder:
         self.sent = 0  # chars of self.text already handed out
         self.num_tokens = 0  # every generated token, hidden ones included
         self.stopped = False  # a stop string hit
+        # vLLM's min_tokens: stop strings are matched only once more tokens than this are
+        # generated, and only where they end in the text of those later tokens (one may begin
+        # before).
+        self.min_tokens = min_tokens
 
     def _decode(self, ids: list[int]) -> str:
         if self.skip_ids is not None:
@@ -98,9 +103,17 @@ class IncrementalDecoder:
         self.ids.extend(ids)
         self._advance(final=finished)
         end = len(self.text)
-        if self.stop:
-            start = max(0, checked - self.max_stop + 1)
-            hits = [(p, p + len(s)) for s in self.stop if (p := self.text.find(s, start)) >= 0]
+        if self.stop and self.num_tokens <= self.min_tokens:
+            if not finished:
+                end -= self._held_back()  # it may begin a stop string that ends later
+        elif self.stop:
+            # A hit ends in the new text: the text before was searched, or (the first
+            # min_tokens tokens' text) is never searched.
+            hits = [
+                (p, p + len(s))
+                for s in self.stop
+                if (p := self.text.find(s, max(0, checked - len(s) + 1))) >= 0
+            ]
             if hits:
                 self.stopped = True
                 first, last = min(hits)

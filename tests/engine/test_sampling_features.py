@@ -6,6 +6,7 @@ logits (1e-4), whatever the batch, the prefix cache or prefill chunking did.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from functools import lru_cache
 
@@ -164,3 +165,77 @@ def test_plain_requests_unchanged_in_a_mixed_batch(llm):
     assert [o.token_ids for o in mixed[:6]] == [o.token_ids for o in alone]
     assert len(mixed[8].outputs) == 3 and mixed[9].token_ids == []
     assert llm.engine.num_live_requests() == 0
+
+
+# ---- min_tokens ------------------------------------------------------------------------------
+def _eos_first(llm: LLM, **kw) -> SamplingParams:
+    """Parameters under which the model's every pick is EOS (+100 on its ids)."""
+    return SamplingParams(logit_bias={t: 100.0 for t in llm.engine.eos_token_ids}, **kw)
+
+
+def test_min_tokens_holds_back_eos_greedy_sampled_and_n(llm):
+    prompt = [11, 22, 33, 44]
+    eos = set(llm.engine.eos_token_ids)
+    early = llm.generate([prompt], _eos_first(llm, temperature=0, max_tokens=10))[0]
+    assert len(early.token_ids) == 1 and early.token_ids[0] in eos and early.finish_reason == "stop"
+    # Greedy: the best tokens but EOS for 5 tokens (those of a run that bans EOS outright),
+    # then EOS; counted as a token, never shown.
+    banned = SamplingParams(temperature=0, max_tokens=5, logit_bias=dict.fromkeys(eos, -100.0))
+    want = llm.generate([prompt], banned)[0].token_ids
+    params = [
+        _eos_first(llm, temperature=0, max_tokens=10, min_tokens=5, logprobs=2),
+        _eos_first(llm, temperature=1.0, seed=4, max_tokens=10, min_tokens=3, n=3),
+        _eos_first(llm, temperature=0, max_tokens=10, min_tokens=4, ignore_eos=True),
+    ]
+    greedy, sampled, ignoring = llm.generate([prompt] * 3, params)
+    assert greedy.token_ids[:5] == want and greedy.token_ids[5] in eos
+    assert len(greedy.token_ids) == 6 and greedy.finish_reason == "stop"
+    assert greedy.text == llm.tokenizer.decode(want)
+    # Log-probabilities are the raw model's (vLLM's default): the first token's equal those
+    # of the plain request's first token.
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=2))[0]
+    assert greedy.logprobs is not None and plain.logprobs is not None
+    assert greedy.logprobs.top_ids[0] == plain.logprobs.top_ids[0]
+    assert greedy.logprobs.logprobs[0] == pytest.approx(plain.logprobs.logprobs[0], abs=1e-5)
+    for o in sampled.outputs:  # each sample holds back its own
+        assert len(o.token_ids) == 4 and o.token_ids[3] in eos and o.finish_reason == "stop"
+        assert not eos & set(o.token_ids[:3])
+    # ignore_eos: EOS masked for 4 tokens (as vLLM), then drawn and not ending the output.
+    assert not eos & set(ignoring.token_ids[:4]) and set(ignoring.token_ids[4:]) <= eos
+    assert len(ignoring.token_ids) == 10 and ignoring.finish_reason == "length"
+
+
+def test_min_tokens_holds_back_stop_token_ids_and_stop_strings(llm):
+    prompt = [5, 6, 7, 8, 9]
+    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    first = base.token_ids[0]
+    stopped = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first], ignore_eos=True)
+    assert llm.generate([prompt], stopped)[0].token_ids == [first]
+    held = dataclasses.replace(stopped, min_tokens=3)
+    out = llm.generate([prompt], held)[0]
+    assert len(out.token_ids) >= 3 and first not in out.token_ids[:3]
+    # A stop string in the text of the first min_tokens tokens does not end the output.
+    text = llm.tokenizer.decode(base.token_ids[:1])
+    strings = SamplingParams(temperature=0, max_tokens=8, stop=[text], ignore_eos=True)
+    assert llm.generate([prompt], strings)[0].text == ""
+    out = llm.generate([prompt], dataclasses.replace(strings, min_tokens=4))[0]
+    assert out.token_ids[:4] == base.token_ids[:4]
+    assert out.text.startswith(llm.tokenizer.decode(base.token_ids[:4]))
+
+
+def test_min_tokens_and_a_grammar_that_must_end(llm):
+    tok = llm.tokenizer
+    prompt = tok.encode("say yes")
+    eos = set(llm.engine.eos_token_ids)
+    # The grammar allows only EOS after 'yes': the grammar wins, the output ends before
+    # min_tokens (and the request does not fail for want of a token).
+    done = _eos_first(llm, temperature=0, max_tokens=12, min_tokens=10, grammar_kind="regex",
+                      grammar="yes")  # fmt: skip
+    # Where it allows more than EOS, min_tokens holds EOS back.
+    more = _eos_first(llm, temperature=0, max_tokens=12, min_tokens=6, grammar_kind="regex",
+                      grammar="a+")  # fmt: skip
+    a, b = llm.generate([prompt, prompt], [done, more])
+    assert a.text == "yes" and a.finish_reason == "stop" and a.token_ids[-1] in eos
+    assert len(a.token_ids) < 10
+    assert len(b.token_ids) == 7 and b.token_ids[-1] in eos and b.finish_reason == "stop"
+    assert set(b.text) == {"a"}
