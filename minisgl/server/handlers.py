@@ -157,6 +157,21 @@ class Tracker:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
+    def refuse(self) -> None:
+        """The request was refused (a 4xx: bad input the engine found, e.g. an invalid
+        grammar or too long a context) or dropped with a sibling that was: it never ran, so
+        it counts in no request metric, as the API server's own 400s do not."""
+        if not self.done:
+            self.done = True
+            log.info("rid=%s refused", self.rid)
+
+    def fail(self, ctx: ServerContext, reply: ErrorReply) -> None:
+        """End the request with an error reply: refused (4xx) or failed (5xx: `error`)."""
+        if reply.status < 500:
+            self.refuse()
+        else:
+            self.finish(ctx, "error")
+
     def finish(self, ctx: ServerContext, reason: str) -> None:
         if self.done:
             return
@@ -264,7 +279,7 @@ async def serve_request(
     if isinstance(first, ErrorReply):
         watcher.cancel()
         ctx.manager.release(rid)
-        tracker.finish(ctx, "error")
+        tracker.fail(ctx, first)
         return error_response(first.status, first.message, first.param)
     if req.stream:
         watcher.cancel()  # from here Starlette cancels the stream when the client goes
@@ -298,7 +313,7 @@ async def _collect(
                 return Response(status_code=499)
             if isinstance(reply, ErrorReply):
                 ctx.manager.release(tracker.rid)
-                tracker.finish(ctx, "error")
+                tracker.fail(ctx, reply)
                 return error_response(reply.status, reply.message, reply.param)
             tracker.on_output(reply)
             choices.add(reply)

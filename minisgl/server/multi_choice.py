@@ -123,11 +123,23 @@ async def _pump(choice: Choice, merged: asyncio.Queue[tuple[Choice, Any]]) -> No
             return
 
 
-def _abort_all(ctx: ServerContext, choices: list[Choice]) -> None:
+def _abort_all(ctx: ServerContext, choices: list[Choice], refused: bool = False) -> None:
+    """Drop the choices still in flight: aborted (the client went, or a sibling failed), or,
+    with `refused`, not counted at all (a sibling was refused with a 4xx: none of it ran)."""
     for c in choices:
         if not c.tracker.done:
             ctx.manager.abort(c.tracker.rid)
-            c.tracker.finish(ctx, "abort")
+            if refused:
+                c.tracker.refuse()
+            else:
+                c.tracker.finish(ctx, "abort")
+
+
+def _fail(ctx: ServerContext, choice: Choice, reply: ErrorReply, choices: list[Choice]) -> None:
+    """End the request on one choice's error reply (refused, or failed), dropping the rest."""
+    ctx.manager.release(choice.tracker.rid)
+    choice.tracker.fail(ctx, reply)
+    _abort_all(ctx, choices, refused=reply.status < 500)
 
 
 def _usage(choices: list[Choice]) -> dict[str, Any]:
@@ -183,9 +195,7 @@ async def _settle(
     error = failed.state.error
     assert error is not None
     log.info("rid=%s rejected: choice %d: %s", base, failed.index, error.message)
-    ctx.manager.release(failed.tracker.rid)
-    failed.tracker.finish(ctx, "error")
-    _abort_all(ctx, choices)
+    _fail(ctx, failed, error, choices)
     return error_response(error.status, error.message, error.param)
 
 
@@ -215,9 +225,7 @@ async def _collect(
                 return Response(status_code=499)
             choice, reply = getter.result()
             if isinstance(reply, ErrorReply):
-                ctx.manager.release(choice.tracker.rid)
-                choice.tracker.finish(ctx, "error")
-                _abort_all(ctx, choices)
+                _fail(ctx, choice, reply, choices)
                 return error_response(reply.status, reply.message, reply.param)
             left -= _on_reply(ctx, choice, reply)[0]
     except BaseException:
@@ -276,9 +284,7 @@ async def _stream(
         while left:
             choice, reply = await merged.get()
             if isinstance(reply, ErrorReply):
-                ctx.manager.release(choice.tracker.rid)
-                choice.tracker.finish(ctx, "error")
-                _abort_all(ctx, choices)
+                _fail(ctx, choice, reply, choices)
                 error = {"message": reply.message, "type": "server_error", "code": reply.status}
                 yield sse_event({"error": {**error, "param": None}})
                 return
