@@ -60,6 +60,10 @@ def sampling_params(
         raise APIError(
             400, f"n must be at most {ctx.args.max_n} on this server (--max-n), got {req.n}", "n"
         )
+    least = req.least_tokens()
+    if limit is not None and least > limit:
+        name = "min_tokens" if req.min_tokens is not None else "min_new_tokens"
+        raise APIError(400, f"{name} ({least}) must be at most {req.limit_text()}", name)
     bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
     if vocab is not None and any(t >= vocab for t in bias):
         raise APIError(
@@ -72,8 +76,9 @@ def sampling_params(
             top_k=req.top_k,
             min_p=req.min_p,
             seed=req.seed,
-            # The scheduler fills the context when limit is None.
-            max_tokens=limit if limit is not None else 1,
+            # The scheduler fills the context when limit is None (and checks min_tokens then).
+            max_tokens=limit if limit is not None else max(1, least),
+            min_tokens=least,
             ignore_eos=req.ignore_eos,
             stop=req.stop or [],  # type: ignore[arg-type]
             stop_token_ids=req.stop_token_ids or [],

@@ -133,9 +133,12 @@ class SamplingFields(_Request):
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)  # vLLM/SGLang extra
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # vLLM extra: answered with a 400 (use echo + logprobs)
+    # No EOS / stop_token_ids / stop string ends the reply before this many tokens: vLLM's
+    # min_tokens, SGLang's min_new_tokens (either; both must then agree).
+    min_tokens: int | None = Field(None, ge=0, le=INT_MAX)
+    min_new_tokens: int | None = Field(None, ge=0, le=INT_MAX)
     # vLLM extras that change what is generated and that minisgl does not implement: read so
     # that a value other than vLLM's default is refused, not served as if absent.
-    min_tokens: int | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     use_beam_search: bool = False
@@ -203,8 +206,15 @@ class SamplingFields(_Request):
             )
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
+        if None not in (self.min_tokens, self.min_new_tokens) and (
+            self.min_tokens != self.min_new_tokens
+        ):
+            return (
+                "min_new_tokens",
+                f"min_tokens ({self.min_tokens}) and min_new_tokens ({self.min_new_tokens}) "
+                "are the same setting (vLLM's and SGLang's names): give one",
+            )
         for name, used in (
-            ("min_tokens", bool(self.min_tokens)),
             ("bad_words", bool(self.bad_words)),
             ("allowed_token_ids", self.allowed_token_ids is not None),
             ("use_beam_search", self.use_beam_search),
@@ -218,6 +228,15 @@ class SamplingFields(_Request):
     def num_logprobs(self) -> int | None:
         """Top alternatives per generated token, or None when logprobs are off."""
         return None
+
+    def least_tokens(self) -> int:
+        """min_tokens, or min_new_tokens (0 when neither is given)."""
+        given = self.min_tokens if self.min_tokens is not None else self.min_new_tokens
+        return given or 0
+
+    def limit_text(self) -> str:
+        """The field that set limit() and its value (for messages)."""
+        return f"max_tokens ({self.max_tokens})"
 
     def num_prompt_logprobs(self) -> int | None:
         return None
@@ -285,6 +304,10 @@ class ChatCompletionRequest(SamplingFields, _Templated):
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def limit_text(self) -> str:
+        name = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+        return f"{name} ({self.limit()})"
+
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
@@ -313,6 +336,13 @@ class CompletionRequest(SamplingFields):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default
+
+    def limit_text(self) -> str:
+        if self.max_completion_tokens is not None:
+            return f"max_completion_tokens ({self.max_completion_tokens})"
+        if self.max_tokens is None:
+            return f"max_tokens ({self.limit()}, the default)"
+        return f"max_tokens ({self.max_tokens})"
 
     def num_logprobs(self) -> int | None:
         return self.logprobs

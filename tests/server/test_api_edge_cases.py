@@ -235,7 +235,6 @@ def test_an_invalid_grammar_is_named_by_the_field_that_gave_it(server: ServerPro
 # vLLM sampling extras that change what is generated: served as if absent they would give a
 # different answer than asked (vLLM honours them), so they are refused. Their defaults pass.
 CHANGES_THE_OUTPUT = [
-    ("min_tokens", 5, 0),
     ("bad_words", ["the"], []),
     ("allowed_token_ids", [1, 2, 3], None),
     ("use_beam_search", True, False),
