@@ -15,6 +15,9 @@
 - panel: the same product for any M from bf16 weights repacked once into 16-column panels
   (csrc/panel.c): one contiguous stream per thread and a 6x16 register tile with no per-call
   conversion. Where it is measured fastest for every row count the panels replace the weight.
+  Where the CPU has AVX512-BF16 the build packs 32-column panels with K in pairs instead
+  (csrc/panel512.c): native bf16 dot products (bf16 x), register tiles of up to 8 rows x 32
+  columns, one layout for every row count (PanelWeight.pairs says which layout a copy is).
 - moe_decode: a mixture's expert MLPs at decode (bf16 experts) in one call: the chosen
   experts' GEMV blocks shared among the threads in one parallel region (csrc/moe.c), not two
   GEMV calls and a SiLU per expert, each a fork and join with a cold start of its prefetch.
@@ -89,6 +92,12 @@ class _Lib:
         for fn in (lib.panel_pack_bf16, lib.panel_bf16):
             fn.restype = None
         self.panel_pack, self.panel = lib.panel_pack_bf16, lib.panel_bf16
+        # The layout panel_pack_bf16 writes: 0 (panel.c) [K][16] with the lanes interleaved,
+        # 1 (panel512.c, AVX512-BF16) [K/2][32][2]: K in pairs, VDPBF16PS's layout.
+        self.panel_layout = ctypes.c_int.in_dll(lib, "panel_layout").value
+        # panel512.c's prefetch distance (bytes) and cache (1: L2), for the benchmarks.
+        self.panel512_pf_ahead: Any = _global(lib, "panel512_pf_ahead", ctypes.c_int64)
+        self.panel512_pf_l2: Any = _global(lib, "panel512_pf_l2", ctypes.c_int)
         norm_args: list[Any] = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, ctypes.c_float]
         for fn in (lib.rmsnorm_bf16, lib.rmsnorm_f32):
             fn.argtypes = norm_args + [ptr, ptr]
@@ -192,6 +201,14 @@ class _Lib:
         self.gemv512_prefetch_l1: Any = (
             ctypes.c_int.in_dll(lib, "gemv512_prefetch_l1") if self.gemv512_bf16 else None
         )
+
+
+def _global(lib: Any, name: str, ctype: Any) -> Any:
+    """The library's global `name` as a ctypes value, or None where the build has none."""
+    try:
+        return ctype.in_dll(lib, name)
+    except ValueError:
+        return None
 
 
 _LIB: _Lib | None = None
@@ -529,33 +546,49 @@ def amx(
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """A bf16 weight [n, k] repacked for `panel`: [ceil(n / 16), k, 16]."""
+    """A bf16 weight [n, k] repacked for `panel`: `data` [ceil(n / width), k, width], in the
+    layout of the build (`pairs`): 16-column panels [k][16] with the lanes interleaved
+    (panel.c), or on AVX512-BF16 32-column panels whose k runs in pairs, [k / 2][32][2]
+    (panel512.c; `data` views them as [k][32])."""
 
     data: torch.Tensor
     n: int
+    pairs: bool = False
 
 
 def supports_panel(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and supports(weight)
 
 
+def panel_pairs() -> bool:
+    """Whether the loaded build's panels are panel512.c's (K in pairs, 32 columns)."""
+    lib = load()
+    return lib is not None and lib.panel_layout == 1
+
+
 def panel_pack(weight: torch.Tensor) -> PanelWeight:
     lib = load()
     assert lib is not None and supports_panel(weight)
     n, k = weight.shape
+    pairs = lib.panel_layout == 1
+    width = 32 if pairs else 16
     # On huge pages: a decode step streams every panel once (hugepages.py).
-    data = hugepages.empty(-(-n // 16), k, 16, dtype=torch.bfloat16)
+    data = hugepages.empty(-(-n // width), k, width, dtype=torch.bfloat16)
     lib.panel_pack(weight.data_ptr(), data.data_ptr(), n, k)
-    return PanelWeight(data, n)
+    return PanelWeight(data, n, pairs)
 
 
 def panel_rows(packed: PanelWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` (any shape) of the weight the panels hold -> [*ids.shape, k]: an embedding
     lookup straight from a tied LM head's panels."""
     flat = ids.reshape(-1)
-    col = flat % 16
+    panels, k, width = packed.data.shape
+    col = flat % width
+    if packed.pairs:  # [k / 2][32][2]: column c's pairs, in order
+        quads = packed.data.view(panels, k // 2, width, 2)
+        return quads[flat // width, :, col, :].reshape(*ids.shape, k)
     lane = torch.where(col < 8, 2 * col, 2 * col - 15)  # the lane order of panel_pack_bf16
-    return packed.data[flat // 16, :, lane].reshape(*ids.shape, packed.data.shape[1])
+    return packed.data[flat // width, :, lane].reshape(*ids.shape, k)
 
 
 def panel(

@@ -42,30 +42,109 @@ def test_matmul_matches_reference(wdtype: torch.dtype, rows: int) -> None:
         assert torch.equal(f(xb, w, torch.float32), f(xb.float(), w))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 21, 23, 96, 100])
-@pytest.mark.parametrize("k", [96, 528])  # one short K chunk; two full chunks and a short one
+@pytest.mark.parametrize("rows", [*range(1, 18), 21, 23, 31, 64, 96, 100, 161, 320])
+@pytest.mark.parametrize("k", [96, 544])  # one short K chunk; two full chunks and a short one
 def test_panel_matmul_matches_reference(rows: int, k: int) -> None:
-    """bf16 weights repacked into 16-column panels, every row tile (6, 5, 4, 3, 2, 1; from bf16
-    up to 16 rows, from a converted chunk above) and the pass boundary at 96 rows, N not a
-    multiple of the panel; bf16 or fp32 x, either output."""
+    """bf16 weights repacked into the build's panels (panel.c: 16 columns, row tiles of 1-6,
+    a converted chunk from 17 rows, passes of 96; panel512.c on AVX512-BF16: 32 columns with K
+    in pairs, tiles of 1-8 bf16 rows or 1-6 fp32 rows, K chunked from 9 rows, passes of 160),
+    N not a multiple of either panel width; bf16 x (on panel512.c exact bf16 products summed
+    in fp32, as VDPBF16PS does) or fp32 x, either output, against the product in float64 of
+    the same values: fp32 sums, only their order differs."""
     torch.manual_seed(rows + k)
     n = 37
     w = torch.randn(n, k).bfloat16()
     packed = cpu_kernels.panel_pack(w)
-    assert packed.data.shape == (3, k, 16) and packed.n == n
+    width = 32 if cpu_kernels.panel_pairs() else 16
+    assert packed.pairs == cpu_kernels.panel_pairs() and packed.n == n
+    assert packed.data.shape == (-(-n // width), k, width)
     x = torch.randn(rows, k)
-    ref = F.linear(x.double(), w.double())
-    y = cpu_kernels.panel(x, packed)
-    assert y.dtype == torch.float32 and y.shape == (rows, n)
-    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
-    xb = x.bfloat16()
-    assert torch.equal(
-        cpu_kernels.panel(xb, packed, torch.float32), cpu_kernels.panel(xb.float(), packed)
-    )
-    yb = cpu_kernels.panel(xb, packed)
-    assert yb.dtype == torch.bfloat16 and torch.equal(
-        yb, cpu_kernels.panel(xb, packed, torch.float32).bfloat16()
-    )
+    for xin in (x, x.bfloat16()):
+        ref = F.linear(xin.double(), w.double())
+        y = cpu_kernels.panel(xin, packed, torch.float32)
+        assert y.dtype == torch.float32 and y.shape == (rows, n)
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+        # bf16 output: the fp32 result rounded to nearest even, as torch's cast does
+        yb = cpu_kernels.panel(xin, packed, torch.bfloat16)
+        assert yb.dtype == torch.bfloat16 and torch.equal(yb, y.bfloat16())
+    assert cpu_kernels.panel(x.bfloat16(), packed).dtype == torch.bfloat16  # x's by default
+
+
+def test_panel_rows_are_the_weights_rows() -> None:
+    """An embedding lookup from a tied LM head's panels (the only copy of the table) gives the
+    weight's rows, in the build's layout: every column of a panel, the zero-padded last panel,
+    ids of any shape."""
+    torch.manual_seed(0)
+    w = torch.randn(77, 64).bfloat16()
+    packed = cpu_kernels.panel_pack(w)
+    ids = torch.tensor([[0, 1, 15, 16, 17], [31, 32, 33, 63, 64], [65, 70, 75, 76, 8]])
+    assert torch.equal(cpu_kernels.panel_rows(packed, ids), w[ids])
+    assert torch.equal(cpu_kernels.panel_rows(packed, torch.tensor(76)), w[76])
+
+
+def _own_build(tmp_path: Path, src: str, drop: frozenset[str]) -> ctypes.CDLL:
+    """`src` compiled alone for this CPU's AVX-512 build less the CPU flags `drop`."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc is not None
+    flags = cpu_build.compile_flags("avx512", cpu_build.cpu_info()[1] - drop)
+    # A name of its own per build: dlopen hands back a library already loaded from a path.
+    out = tmp_path / f"{Path(src).stem}-{'-'.join(sorted(drop))}.so"
+    cmd = [cc, "-O2", *flags, "-fopenmp", "-fPIC", f"-I{cpu_build.CSRC}", "-shared"]
+    subprocess.run([*cmd, str(cpu_build.CSRC / src), "-o", str(out)], check=True)
+    return ctypes.CDLL(str(out))
+
+
+@pytest.mark.skipif(
+    cpu_build.pick_isa(cpu_build.cpu_info()[1]) != "avx512", reason="no AVX-512 on this CPU"
+)
+def test_panels_without_native_bf16_keep_their_own_layout(tmp_path: Path) -> None:
+    """The panel kernel's layout follows the build: on an AVX-512 CPU without AVX512-BF16
+    (compiled here without it) panel512.c has no entry points and panel.c's 16-column panels
+    serve, and the embedding lookup reads its rows from that layout; with AVX512-BF16,
+    panel512.c's pairs."""
+    lib = _own_build(tmp_path, "panel.c", frozenset({"avx512_bf16"}))
+    assert ctypes.c_int.in_dll(lib, "panel_layout").value == 0
+    empty = _own_build(tmp_path, "panel512.c", frozenset({"avx512_bf16"}))
+    assert not hasattr(empty, "panel_bf16")
+    lib.panel_pack_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 2
+    lib.panel_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+    torch.manual_seed(0)
+    n, k = 37, 96
+    w = torch.randn(n, k).bfloat16()
+    data = torch.empty(3, k, 16, dtype=torch.bfloat16)
+    lib.panel_pack_bf16(w.data_ptr(), data.data_ptr(), n, k)
+    ids = torch.tensor([0, 7, 8, 15, 16, 36])
+    assert torch.equal(cpu_kernels.panel_rows(cpu_kernels.PanelWeight(data, n), ids), w[ids])
+    for rows in (1, 7, 20):
+        x = torch.randn(rows, k).bfloat16()
+        y = torch.empty(rows, n)
+        lib.panel_bf16(x.data_ptr(), data.data_ptr(), y.data_ptr(), rows, n, k, 0, 1)
+        ref = F.linear(x.double(), w.double())
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+    if "avx512_bf16" in cpu_build.cpu_info()[1]:
+        native = _own_build(tmp_path, "panel512.c", frozenset())
+        assert ctypes.c_int.in_dll(native, "panel_layout").value == 1
+
+
+def test_panel_prefetch_switches_change_no_result() -> None:
+    """panel512.c's prefetch distance and cache (switches the benchmarks flip) only move lines
+    between caches: the same bits, whatever they are."""
+    lib = cpu_kernels.load()
+    if lib is None or lib.panel512_pf_ahead is None:  # panel.c's panels: no such switches
+        return
+    torch.manual_seed(0)
+    w = torch.randn(300, 512).bfloat16()  # panels far enough ahead for the prefetch to run
+    packed = cpu_kernels.panel_pack(w)
+    saved = lib.panel512_pf_ahead.value, lib.panel512_pf_l2.value
+    for rows in (1, 2, 8, 9):
+        x = torch.randn(rows, 512).bfloat16()
+        y = cpu_kernels.panel(x, packed, torch.float32)
+        try:
+            for ahead, l2 in ((0, 0), (64, 1), (1 << 16, 0), (1 << 40, 1)):
+                lib.panel512_pf_ahead.value, lib.panel512_pf_l2.value = ahead, l2
+                assert torch.equal(cpu_kernels.panel(x, packed, torch.float32), y)
+        finally:
+            lib.panel512_pf_ahead.value, lib.panel512_pf_l2.value = saved
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])

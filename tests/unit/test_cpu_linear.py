@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl.layers import cpu_linear
+from minisgl.layers import cpu_build, cpu_kernels, cpu_linear
 from minisgl.layers.kernel_choice import BUCKETS, LAYOUT, TIMED_ROWS
 
 
@@ -164,11 +164,62 @@ def test_off_never_measures(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def row_defaults(w: torch.Tensor) -> tuple[str, ...]:
-    """The untimed picks a layer runs by default (one layout, no copy): the defaults among the
-    candidates on the weight as loaded (where the CPU multiplies bf16 natively without AMX,
-    the defaults would name oneDNN, whose copy is not allowed by default)."""
+    """The untimed picks a layer runs by default (one layout, no copy): on AVX512-BF16 without
+    AMX, panel512.c's panels for every row count (a bf16 weight); elsewhere the defaults among
+    the candidates on the weight as loaded (where the CPU multiplies bf16 natively without
+    AMX, the defaults would name oneDNN, whose copy is not allowed by default)."""
     avail = cpu_linear.available(w, w.dtype)
+    if "panel" in avail and "amx" not in avail and cpu_kernels.panel_pairs():
+        return ("panel",) * len(BUCKETS)
     return cpu_linear.default_picks([a for a in avail if LAYOUT[a] == "row"], w.dtype)
+
+
+@pytest.mark.parametrize("pairs", [True, False])
+def test_untimed_defaults_on_native_bf16_panels_keep_one_copy(
+    monkeypatch: pytest.MonkeyPatch, pairs: bool
+) -> None:
+    """Tuning "off" where the panels are panel512.c's (AVX512-BF16, no AMX): every row count of
+    a bf16 weight on the panels, which are then the only copy of it (the layer's weight on the
+    meta device), and a tied embedding can read its rows from them; with panel.c's panels (no
+    AVX512-BF16) the defaults stay on the weight as loaded. fp32 weights never go on panels."""
+    w = weight()
+    if "panel" not in cpu_linear.available(w, w.dtype):
+        pytest.skip("no CPU kernels here")
+    monkeypatch.setattr(cpu_kernels, "panel_pairs", lambda: pairs)
+    monkeypatch.setattr(cpu_linear, "measure", Timings(["torch"] * len(BUCKETS)))
+    avail = [a for a in cpu_linear.available(w, w.dtype) if a != "amx"]
+    defaults = cpu_linear.default_picks(avail, w.dtype)
+    assert (defaults == ("panel",) * len(BUCKETS)) is pairs
+    assert "panel" not in cpu_linear.default_picks(avail, torch.float32)
+    if "amx" in cpu_linear.available(w, w.dtype):
+        return  # AMX's defaults lead there
+    layer, head = Layer(w), Layer(weight())
+    cpu_linear.prepack_modules([layer, head], "off", lookup={id(head.weight)})
+    x = torch.randn(5, 64).bfloat16()
+    for m, original in ((layer, w), (head, weight())):
+        kernel = m.kernel
+        assert kernel is not None and (kernel.picks == ("panel",) * len(BUCKETS)) is pairs
+        if pairs:  # one layout: the panels alone
+            assert set(kernel.packed) == {"panel"} and kernel.weight is None
+            assert m.weight.device.type == "meta" and m.weight.shape == original.shape
+            got = cpu_kernels.panel_rows(kernel.packed["panel"], torch.tensor([0, 17, 47]))
+            assert torch.equal(got, original[[0, 17, 47]])
+        else:
+            assert not kernel.packed and m.weight.device.type == "cpu"
+        torch.testing.assert_close(
+            kernel(x).double(), F.linear(x.double(), original.double()), rtol=1e-2, atol=1e-2
+        )
+
+
+def test_native_bf16_panels_exactly_where_the_cpu_has_avx512_bf16() -> None:
+    """panel512.c's layout is the panels' only on the AVX-512 build of a CPU with AVX512-BF16
+    (the running one's flags decide; MINISGL_CPU_ISA=avx2 or a CPU without them: panel.c's)."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no CPU kernels here")
+    flags = cpu_build.cpu_info()[1]
+    native = cpu_kernels.isa() == "avx512" and "avx512_bf16" in flags
+    assert cpu_kernels.panel_pairs() is native
+    assert cpu_kernels.panel_pack(weight()).pairs is native
 
 
 def test_bad_mode_is_refused() -> None:

@@ -11,8 +11,17 @@
    L1 while every row tile passes over it; the accumulators wait in a small buffer between
    chunks. During the first tile of a chunk the chunk PF_CHUNKS ahead is prefetched (memory
    keeps streaming while the FMAs run: measured on a 2-core Zen 3, 8 rows from memory 10-25%
-   faster than the row-major GEMV, one row 3-15%). K % 16 == 0. */
+   faster than the row-major GEMV, one row 3-15%). K % 16 == 0.
+
+   The AVX-512 build on a CPU with AVX512-BF16 compiles panel512.c instead: the same entry
+   points on 32-column panels with K in pairs (VDPBF16PS's layout). */
 #include "common.h"
+
+#ifndef __AVX512BF16__
+
+/* The panels' layout, for the Python side (cpu_kernels.panel_rows): 0 = [K][16], lanes as
+   panel_pack_bf16 orders them. */
+int panel_layout = 0;
 
 #define KC 256
 #define PF_CHUNKS 2
@@ -237,3 +246,5 @@ void panel_bf16(const void* x, const uint16_t* p, void* y, int64_t M, int64_t N,
     }
     free(conv);
 }
+
+#endif

@@ -1,0 +1,278 @@
+/* The "panel" matmul of the AVX-512 build on CPUs with AVX512-BF16: y[M, N] = x[M, K] @ W[N, K].T
+   from bf16 weights repacked once into 32-column panels whose K is laid out in pairs, the
+   layout VDPBF16PS reads: panel q holds W's rows 32q..32q+31 as [K/2][32][2] bf16, so one
+   64-byte load gives 16 columns' weights for two k, and one VDPBF16PS against x's pair
+   (broadcast as one 32-bit value) does their 32 products (exact, bf16 x bf16) with fp32 sums,
+   the arithmetic of gemv512 and oneDNN's bf16 path. (Builds without AVX512-BF16 compile
+   panel.c instead: 16-column panels, fp32 FMAs.)
+
+   One layout serves every row count:
+   - a few rows (up to TR) stream each panel once over all of K in one register tile (TR rows x
+     32 columns: 2 x TR accumulators of the 32 registers), the lines PF_AHEAD bytes ahead of
+     the read prefetched by hand (a thread reads one contiguous run of panels);
+   - more rows walk K in chunks of KC (16 KB of a panel, in L1) and pass tiles of up to TR rows
+     over each chunk (the accumulators wait in a buffer between chunks), the chunk PF_CHUNKS
+     ahead prefetched during the first tile, so the weights come from memory once for up to MB
+     rows.
+   fp32 x (an x of another dtype than the model's) runs on the same panels with FMAs: a shift
+   and a mask split each 32-bit pair into its two fp32 weights (products in fp32, as panel.c).
+   K % 16 == 0 (as supports_panel asks). */
+#include "common.h"
+
+#ifdef __AVX512BF16__
+
+#define PW 32 /* columns per panel */
+#define KC 256 /* k per chunk: 128 pairs, 16 KB of a panel */
+#define PF_CHUNKS 2
+#define TR 8 /* bf16 x: rows per register tile (16 accumulators) */
+#define TRF 6 /* fp32 x: rows per tile (4 accumulators a row: even and odd k apart) */
+#define MB 160 /* input rows per pass over the weights (their accumulators on the stack) */
+
+/* The panels' layout, for the Python side (cpu_kernels.panel_rows): 1 = K pairs, 32 columns. */
+int panel_layout = 1;
+/* How far ahead of the read a few-row tile prefetches (bytes of the thread's run of panels)
+   and into which cache (0: L1, 1: L2): switches for the benchmarks. */
+int64_t panel512_pf_ahead = 2048;
+int panel512_pf_l2 = 0;
+
+void panel_pack_bf16(const uint16_t* w, uint16_t* p, int64_t N, int64_t K) {
+    int64_t panels = (N + PW - 1) / PW, pairs = K / 2;
+    #pragma omp parallel for schedule(static)
+    for (int64_t q = 0; q < panels; q++) {
+        uint32_t* out = (uint32_t*)(p + q * K * PW);
+        for (int c = 0; c < PW; c++) {
+            int64_t n = q * PW + c;
+            const uint16_t* src = w + n * K;
+            for (int64_t j = 0; j < pairs; j++) {
+                uint32_t v = 0;
+                if (n < N) __builtin_memcpy(&v, src + 2 * j, 4);
+                out[j * PW + c] = v;
+            }
+        }
+    }
+}
+
+static inline void prefetch_pair(const char* pf, int64_t j) {
+    if (panel512_pf_l2) {
+        _mm_prefetch(pf + j * 128, _MM_HINT_T1);
+        _mm_prefetch(pf + j * 128 + 64, _MM_HINT_T1);
+    } else {
+        _mm_prefetch(pf + j * 128, _MM_HINT_T0);
+        _mm_prefetch(pf + j * 128 + 64, _MM_HINT_T0);
+    }
+}
+
+static inline __m512bh pair_of(const uint16_t* x) {
+    int32_t v;
+    __builtin_memcpy(&v, x, 4);
+    return (__m512bh)_mm512_set1_epi32(v);
+}
+
+/* R rows of bf16 x (row i at x + i * ldx, from the chunk's first k) against `np` pairs of a
+   panel chunk pw: acc[i * 32 + c] += sum over the pairs. `pf`: prefetch pf + 128 j at pair j
+   (0: none). */
+#define BF_TILE(NAME, R)                                                                     \
+    static inline void NAME(const uint16_t* x, int64_t ldx, int64_t np, const uint16_t* pw,  \
+                            float* acc, const char* pf) {                                   \
+        __m512 a0[R], a1[R];                                                                 \
+        for (int i = 0; i < R; i++) {                                                        \
+            a0[i] = _mm512_loadu_ps(acc + 32 * i);                                           \
+            a1[i] = _mm512_loadu_ps(acc + 32 * i + 16);                                      \
+        }                                                                                    \
+        _Pragma("GCC unroll 2") for (int64_t j = 0; j < np; j++) {                          \
+            if (pf) prefetch_pair(pf, j);                                                    \
+            __m512bh w0 = (__m512bh)_mm512_loadu_si512(pw + j * 64);                         \
+            __m512bh w1 = (__m512bh)_mm512_loadu_si512(pw + j * 64 + 32);                    \
+            _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                           \
+                __m512bh xv = pair_of(x + i * ldx + 2 * j);                                  \
+                a0[i] = _mm512_dpbf16_ps(a0[i], xv, w0);                                     \
+                a1[i] = _mm512_dpbf16_ps(a1[i], xv, w1);                                     \
+            }                                                                                \
+        }                                                                                    \
+        for (int i = 0; i < R; i++) {                                                        \
+            _mm512_storeu_ps(acc + 32 * i, a0[i]);                                           \
+            _mm512_storeu_ps(acc + 32 * i + 16, a1[i]);                                      \
+        }                                                                                    \
+    }
+BF_TILE(bf_tile8, 8)
+BF_TILE(bf_tile7, 7)
+BF_TILE(bf_tile6, 6)
+BF_TILE(bf_tile5, 5)
+BF_TILE(bf_tile4, 4)
+BF_TILE(bf_tile3, 3)
+
+/* One or two rows: pairs in twos on separate accumulators (one chain each would wait on the
+   dot product's latency when the panel is in cache). np even (K % 16 == 0). */
+#define BF_TILE_SPLIT(NAME, R)                                                               \
+    static inline void NAME(const uint16_t* x, int64_t ldx, int64_t np, const uint16_t* pw,  \
+                            float* acc, const char* pf) {                                   \
+        __m512 a[2][R][2];                                                                   \
+        for (int i = 0; i < R; i++)                                                          \
+            for (int h = 0; h < 2; h++) {                                                    \
+                a[0][i][h] = _mm512_loadu_ps(acc + 32 * i + 16 * h);                         \
+                a[1][i][h] = _mm512_setzero_ps();                                            \
+            }                                                                                \
+        for (int64_t j = 0; j < np; j += 2) {                                                \
+            if (pf) {                                                                        \
+                prefetch_pair(pf, j);                                                        \
+                prefetch_pair(pf, j + 1);                                                    \
+            }                                                                                \
+            for (int s = 0; s < 2; s++) {                                                    \
+                __m512bh w0 = (__m512bh)_mm512_loadu_si512(pw + (j + s) * 64);               \
+                __m512bh w1 = (__m512bh)_mm512_loadu_si512(pw + (j + s) * 64 + 32);          \
+                for (int i = 0; i < R; i++) {                                                \
+                    __m512bh xv = pair_of(x + i * ldx + 2 * (j + s));                        \
+                    a[s][i][0] = _mm512_dpbf16_ps(a[s][i][0], xv, w0);                       \
+                    a[s][i][1] = _mm512_dpbf16_ps(a[s][i][1], xv, w1);                       \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        for (int i = 0; i < R; i++)                                                          \
+            for (int h = 0; h < 2; h++)                                                      \
+                _mm512_storeu_ps(acc + 32 * i + 16 * h,                                      \
+                                 _mm512_add_ps(a[0][i][h], a[1][i][h]));                     \
+    }
+BF_TILE_SPLIT(bf_tile2, 2)
+BF_TILE_SPLIT(bf_tile1, 1)
+
+static inline void bf_tile(int r, const uint16_t* x, int64_t ldx, int64_t np, const uint16_t* pw,
+                           float* acc, const char* pf) {
+    switch (r) {
+        case 8: bf_tile8(x, ldx, np, pw, acc, pf); break;
+        case 7: bf_tile7(x, ldx, np, pw, acc, pf); break;
+        case 6: bf_tile6(x, ldx, np, pw, acc, pf); break;
+        case 5: bf_tile5(x, ldx, np, pw, acc, pf); break;
+        case 4: bf_tile4(x, ldx, np, pw, acc, pf); break;
+        case 3: bf_tile3(x, ldx, np, pw, acc, pf); break;
+        case 2: bf_tile2(x, ldx, np, pw, acc, pf); break;
+        default: bf_tile1(x, ldx, np, pw, acc, pf);
+    }
+}
+
+/* fp32 x: R rows, each pair's even and odd k on accumulators of their own. */
+#define F32_TILE(NAME, R)                                                                    \
+    static inline void NAME(const float* x, int64_t ldx, int64_t np, const uint16_t* pw,     \
+                            float* acc, const char* pf) {                                   \
+        const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);                              \
+        __m512 e0[R], e1[R], o0[R], o1[R];                                                   \
+        for (int i = 0; i < R; i++) {                                                        \
+            e0[i] = _mm512_loadu_ps(acc + 32 * i);                                           \
+            e1[i] = _mm512_loadu_ps(acc + 32 * i + 16);                                      \
+            o0[i] = o1[i] = _mm512_setzero_ps();                                             \
+        }                                                                                    \
+        _Pragma("GCC unroll 2") for (int64_t j = 0; j < np; j++) {                          \
+            if (pf) prefetch_pair(pf, j);                                                    \
+            __m512i v0 = _mm512_loadu_si512(pw + j * 64);                                    \
+            __m512i v1 = _mm512_loadu_si512(pw + j * 64 + 32);                               \
+            __m512 we0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));                     \
+            __m512 wo0 = _mm512_castsi512_ps(_mm512_and_si512(v0, hi));                      \
+            __m512 we1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));                     \
+            __m512 wo1 = _mm512_castsi512_ps(_mm512_and_si512(v1, hi));                      \
+            _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                           \
+                __m512 xe = _mm512_set1_ps(x[i * ldx + 2 * j]);                              \
+                __m512 xo = _mm512_set1_ps(x[i * ldx + 2 * j + 1]);                          \
+                e0[i] = _mm512_fmadd_ps(xe, we0, e0[i]);                                     \
+                e1[i] = _mm512_fmadd_ps(xe, we1, e1[i]);                                     \
+                o0[i] = _mm512_fmadd_ps(xo, wo0, o0[i]);                                     \
+                o1[i] = _mm512_fmadd_ps(xo, wo1, o1[i]);                                     \
+            }                                                                                \
+        }                                                                                    \
+        for (int i = 0; i < R; i++) {                                                        \
+            _mm512_storeu_ps(acc + 32 * i, _mm512_add_ps(e0[i], o0[i]));                     \
+            _mm512_storeu_ps(acc + 32 * i + 16, _mm512_add_ps(e1[i], o1[i]));                \
+        }                                                                                    \
+    }
+F32_TILE(f32_tile6, 6)
+F32_TILE(f32_tile5, 5)
+F32_TILE(f32_tile4, 4)
+F32_TILE(f32_tile3, 3)
+F32_TILE(f32_tile2, 2)
+F32_TILE(f32_tile1, 1)
+
+static inline void f32_tile(int r, const float* x, int64_t ldx, int64_t np, const uint16_t* pw,
+                            float* acc, const char* pf) {
+    switch (r) {
+        case 6: f32_tile6(x, ldx, np, pw, acc, pf); break;
+        case 5: f32_tile5(x, ldx, np, pw, acc, pf); break;
+        case 4: f32_tile4(x, ldx, np, pw, acc, pf); break;
+        case 3: f32_tile3(x, ldx, np, pw, acc, pf); break;
+        case 2: f32_tile2(x, ldx, np, pw, acc, pf); break;
+        default: f32_tile1(x, ldx, np, pw, acc, pf);
+    }
+}
+
+/* x rows [0, mb) (row stride K; bf16 where x_bf16) against panel pq (all of K), into acc
+   [mb][32]. Row tiles of near-equal size (17 rows: 6 + 6 + 5, not 8 + 8 + 1: a one-row tile
+   re-reads the chunk for a fraction of the dot products). `pf_end`: the first byte past the
+   packed weights (no prefetch beyond). */
+static void panel_rows(const void* x, int x_bf16, int64_t K, int64_t mb, const uint16_t* pq,
+                       float* acc, const char* pf_end) {
+    int tr = x_bf16 ? TR : TRF;
+    int64_t tiles = (mb + tr - 1) / tr;
+    if (tiles == 1) { /* one tile over all of K, streaming */
+        const char* pf = (const char*)pq + panel512_pf_ahead;
+        if (pf + K * 64 > pf_end) pf = 0;
+        if (x_bf16)
+            bf_tile((int)mb, (const uint16_t*)x, K, K / 2, pq, acc, pf);
+        else
+            f32_tile((int)mb, (const float*)x, K, K / 2, pq, acc, pf);
+        return;
+    }
+    int64_t base = mb / tiles, extra = mb % tiles;
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        int64_t kc = K - k0 < KC ? K - k0 : KC;
+        const uint16_t* pw = pq + k0 * PW;
+        const char* pf = (const char*)(pw + PF_CHUNKS * KC * PW);
+        if (pf + kc * 64 > pf_end) pf = 0;
+        int64_t m = 0;
+        for (int64_t t = 0; t < tiles; t++) {
+            int r = (int)(base + (t < extra));
+            const char* first = t == 0 ? pf : 0;
+            if (x_bf16)
+                bf_tile(r, (const uint16_t*)x + m * K + k0, K, kc / 2, pw, acc + m * PW, first);
+            else
+                f32_tile(r, (const float*)x + m * K + k0, K, kc / 2, pw, acc + m * PW, first);
+            m += r;
+        }
+    }
+}
+
+/* y = x @ W.T from the packed panels `p` (panel_pack_bf16); x fp32, or bf16 where x_bf16. */
+void panel_bf16(const void* x, const uint16_t* p, void* y, int64_t M, int64_t N, int64_t K,
+                int out_bf16, int x_bf16) {
+    int64_t panels = (N + PW - 1) / PW;
+    const char* end = (const char*)(p + panels * K * PW);
+    size_t xsize = x_bf16 ? 2 : 4;
+    Share shares[SHARE_MAX] __attribute__((aligned(64)));
+    int parts = share_parts();
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        int64_t mb = M - m0 < MB ? M - m0 : MB;
+        const char* xm = (const char*)x + m0 * K * xsize;
+        shares_init(shares, parts, panels);
+        #pragma omp parallel
+        for (int64_t q; (q = share_next(shares, parts, omp_get_thread_num())) >= 0;) {
+            float acc[MB * PW] __attribute__((aligned(64)));
+            for (int64_t i = 0; i < mb * PW; i++) acc[i] = 0.f;
+            panel_rows(xm, x_bf16, K, mb, p + q * K * PW, acc, end);
+            int64_t n0 = q * PW;
+            int cols = N - n0 < PW ? (int)(N - n0) : PW;
+            for (int64_t i = 0; i < mb; i++) {
+                const float* a = acc + i * PW;
+                if (cols == PW && out_bf16) {
+                    uint16_t* out = (uint16_t*)y + (m0 + i) * N + n0;
+                    __m512i two = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(a + 16),
+                                                               _mm512_loadu_ps(a));
+                    _mm512_storeu_si512(out, two);
+                } else if (cols == PW) {
+                    float* out = (float*)y + (m0 + i) * N + n0;
+                    _mm512_storeu_ps(out, _mm512_loadu_ps(a));
+                    _mm512_storeu_ps(out + 16, _mm512_loadu_ps(a + 16));
+                } else {
+                    for (int c = 0; c < cols; c++) store(y, (m0 + i) * N + n0 + c, a[c], out_bf16);
+                }
+            }
+        }
+    }
+}
+
+#endif
