@@ -136,6 +136,53 @@ def test_copying_workload_accepts_drafts_and_changes_nothing(plain, spec, chain,
     assert_no_pages_held(spec)
 
 
+def test_min_tokens_rejects_stop_drafts(copy_model_dir, plain, chain, monkeypatch):
+    """Drafts that are EOS or a stop_token_id at a position min_tokens holds back are never
+    kept: cut before scoring, and (with that cut off) rejected by the masked logits."""
+    eos = plain.engine.eos_token_ids
+    bias = {t: 100.0 for t in eos}  # the model's every pick is EOS
+    # After the first output token (chain[1], EOS held back), the suffix [T0, chain[1]] recurs
+    # at the start: the drafter proposes chain[2], EOS, ...
+    cases = [
+        ([T0, chain[1], chain[2], eos[0], T0], SamplingParams(
+            temperature=0, max_tokens=12, min_tokens=6, logit_bias=bias)),
+        (chain + [T0], SamplingParams(
+            temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=[chain[3]],
+            ignore_eos=True)),
+        (chain + [T0], SamplingParams(
+            temperature=0.8, seed=2, max_tokens=12, min_tokens=5, logit_bias=bias, n=2)),
+    ]  # fmt: skip
+    prompts = [c[0] for c in cases]
+    params = [c[1] for c in cases]
+    want = plain.generate(prompts, params)
+    assert want[0].token_ids[:6] == chain[1:7] and want[0].token_ids[6] in eos
+    assert len(want[0].token_ids) == 7 and want[0].finish_reason == "stop"
+    assert chain[3] not in want[1].token_ids[:6]
+    # K drafts every step, however few are kept.
+    spec = _llm(copy_model_dir, spec=True, disable_speculative_adaptive=True)
+    proposed: list[list[int]] = []
+    propose = spec.engine.drafter.propose
+
+    def recording(reqs, ks):
+        out = propose(reqs, ks)
+        proposed.extend(list(d) for d in out)
+        return out
+
+    monkeypatch.setattr(spec.engine.drafter, "propose", recording)
+
+    def outputs(results):
+        return [[(o.token_ids, o.text, o.finish_reason) for o in r.outputs] for r in results]
+
+    assert outputs(spec.generate(prompts, params)) == outputs(want)
+    assert any(eos[0] in d for d in proposed) and any(chain[3] in d for d in proposed)
+    # Scored anyway (no cut): the masked logits reject them.
+    monkeypatch.setattr(spec.engine, "_drafts_before_stop", lambda req, drafts: drafts)
+    seen = counting(spec, monkeypatch)
+    assert outputs(spec.generate(prompts, params)) == outputs(want)
+    assert sum(o.spec_draft_tokens for o in seen) > sum(o.spec_accepted_tokens for o in seen)
+    assert_no_pages_held(spec)
+
+
 def test_preemption_with_drafts_is_identical(copy_model_dir, plain, chain, monkeypatch):
     rng = random.Random(5)
     prompts = [chain[: rng.randint(8, 28)] for _ in range(4)]
