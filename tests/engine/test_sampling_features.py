@@ -239,3 +239,22 @@ def test_min_tokens_and_a_grammar_that_must_end(llm):
     assert len(a.token_ids) < 10
     assert len(b.token_ids) == 7 and b.token_ids[-1] in eos and b.finish_reason == "stop"
     assert set(b.text) == {"a"}
+
+
+def test_min_tokens_through_preemption_and_prefix_hits(model_dir, llm):
+    """A preempted request recomputes its KV and keeps its tokens: it holds EOS back for exactly
+    as many tokens as without preemption; a prefix-cache hit changes nothing either."""
+    rng = random.Random(11)
+    prompts = [_prompt(rng, 36) for _ in range(4)]  # 2 full pages of 16 each
+    params = [
+        _eos_first(llm, temperature=0, max_tokens=16, min_tokens=9),
+        _eos_first(llm, temperature=0.9, seed=5, max_tokens=16, min_tokens=12),
+    ] * 2
+    want = [o.token_ids for o in llm.generate(prompts, params)]
+    assert [len(w) for w in want] == [10, 13, 10, 13]
+    hits = llm.engine.stats().prefix_cache_hit_tokens_total
+    again = [o.token_ids for o in llm.generate(prompts, params)]  # prompts cached now
+    assert again == want and llm.engine.stats().prefix_cache_hit_tokens_total > hits
+    small = LLM(model_dir, dtype="float32", device="cpu", num_pages=44, page_size=4)
+    assert [o.token_ids for o in small.generate(prompts, params)] == want
+    assert small.engine.stats().num_preemptions_total > 0
