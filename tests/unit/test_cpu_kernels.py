@@ -43,11 +43,12 @@ def test_matmul_matches_reference(wdtype: torch.dtype, rows: int) -> None:
 
 
 @pytest.mark.parametrize("rows", [*range(1, 18), 21, 23, 31, 64, 96, 100, 161, 320])
-@pytest.mark.parametrize("k", [96, 544])  # one short K chunk; two full chunks and a short one
+@pytest.mark.parametrize("k", [96, 544, 2080])  # chunks: one short; panel.c's and panel512.c's
 def test_panel_matmul_matches_reference(rows: int, k: int) -> None:
     """bf16 weights repacked into the build's panels (panel.c: 16 columns, row tiles of 1-6,
     a converted chunk from 17 rows, passes of 96; panel512.c on AVX512-BF16: 32 columns with K
-    in pairs, tiles of 1-8 bf16 rows or 1-6 fp32 rows, K chunked from 9 rows, passes of 160),
+    in pairs, one tile of up to 12 bf16 rows or 6 fp32 rows, else K in chunks of 2048 under
+    tiles of up to 8 or 6 rows, passes of 160),
     N not a multiple of either panel width; bf16 x (on panel512.c exact bf16 products summed
     in fp32, as VDPBF16PS does) or fp32 x, either output, against the product in float64 of
     the same values: fp32 sums, only their order differs."""
@@ -63,7 +64,8 @@ def test_panel_matmul_matches_reference(rows: int, k: int) -> None:
         ref = F.linear(xin.double(), w.double())
         y = cpu_kernels.panel(xin, packed, torch.float32)
         assert y.dtype == torch.float32 and y.shape == (rows, n)
-        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+        # fp32 rounding of sums of k terms of about 1: the absolute error grows with k
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4 * max(1, k / 512))
         # bf16 output: the fp32 result rounded to nearest even, as torch's cast does
         yb = cpu_kernels.panel(xin, packed, torch.bfloat16)
         assert yb.dtype == torch.bfloat16 and torch.equal(yb, y.bfloat16())
