@@ -137,6 +137,9 @@ class Tracker:
     done: bool = False
     first_byte: bool = False  # the first content chunk went out (timeline)
     sample_tokens: dict[int, int] = field(default_factory=dict)  # per sample (n > 1)
+    # Whether the metrics count its prompt: a prompt's samples run as requests of their own
+    # in a list of prompts, and usage counts each prompt once (sample 0's).
+    counts_prompt: bool = True
 
     def on_output(self, out: TextOutput) -> None:
         if out.queue_time is not None and self.queue_time is None:
@@ -197,7 +200,7 @@ class Tracker:
         try:
             ctx.metrics.request_finished(
                 finish_reason=reason,
-                prompt_tokens=self.prompt_tokens,
+                prompt_tokens=self.prompt_tokens if self.counts_prompt else 0,
                 generation_tokens=self.completion_tokens,
                 cached_tokens=self.cached_tokens,
                 arrival_time=self.arrival,

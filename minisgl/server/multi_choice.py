@@ -79,7 +79,7 @@ async def serve_prompts(
                 )
                 state = ctx.manager.submit(tok_req, grammar_field(req) if grammar else None)
                 out = Choices("completion", 1, want_logprobs, req.echo, prompt_text)
-                tracker = Tracker(rid, arrival, req.stream)
+                tracker = Tracker(rid, arrival, req.stream, counts_prompt=sample == 0)
                 choices.append(Choice(index, sample, tracker, state, out))
     except (TypeError, ValueError, OverflowError):
         _abort_all(ctx, choices)

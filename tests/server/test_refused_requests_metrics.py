@@ -1,4 +1,6 @@
-"""A request refused with a 400 never ran: it is no finished request in /metrics.
+"""What /metrics counts of requests a live server answered.
+
+A request refused with a 400 never ran: it is no finished request in /metrics.
 
 The engine refuses some bad input only once the request reached it (an invalid grammar, a
 context too long). Such a 400 counted as finish_reason="error", and in a list of prompts the
@@ -23,7 +25,9 @@ def _counts(server: ServerProcess) -> dict[str, float]:
                 counts[s.labels["finish_reason"]] = s.value
             elif s.name == "minisgl_e2e_request_latency_seconds_count":
                 counts["e2e"] = s.value
-    assert set(counts) == {*REASONS, "e2e"}
+            elif s.name in ("minisgl_prompt_tokens_total", "minisgl_generation_tokens_total"):
+                counts[s.name.split("_")[1]] = s.value
+    assert set(counts) == {*REASONS, "e2e", "prompt", "generation"}
     return counts
 
 
@@ -50,3 +54,31 @@ def test_requests_refused_by_the_engine_count_nowhere(server: ServerProcess) -> 
     assert after["length"] == before["length"] + 2
     assert after["e2e"] == before["e2e"] + 2
     assert (after["abort"], after["error"]) == (before["abort"], before["error"])
+
+
+def test_token_counters_match_usage_for_lists_of_prompts_with_samples(
+    server: ServerProcess,
+) -> None:
+    """Prompt tokens are counted as usage counts them: each prompt once, whatever n (a list
+    of 2 prompts with n = 2 counted each prompt twice: 8 prompt tokens for a usage of 4)."""
+    url = f"{server.url}/v1/completions"
+    for body in (
+        {"prompt": "hello world", "n": 3},
+        {"prompt": ["hello world", "the end of it"], "n": 2},
+        {"prompt": ["hello world", "the end of it"], "n": 2, "stream": True},
+    ):
+        before = _counts(server)
+        r = httpx.post(url, json={**body, "max_tokens": 3, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        if body.get("stream"):
+            usage = httpx.post(
+                url, json={**body, "stream": False, "max_tokens": 3, "ignore_eos": True}
+            ).json()["usage"]
+            want_prompt = 2 * usage["prompt_tokens"]  # this request and the one for its usage
+            want_generated = 2 * usage["completion_tokens"]
+        else:
+            want_prompt = r.json()["usage"]["prompt_tokens"]
+            want_generated = r.json()["usage"]["completion_tokens"]
+        after = _counts(server)
+        assert after["prompt"] - before["prompt"] == want_prompt, body
+        assert after["generation"] - before["generation"] == want_generated, body
