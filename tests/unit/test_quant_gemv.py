@@ -343,6 +343,48 @@ def test_one_row_sums_exactly_as_bytes_and_as_int16(bits: int, k: int, group: in
             assert bool(((y - ref).abs() <= 1e-5 * terms).all()), (dtype, path)
 
 
+@pytest.mark.parametrize("k, group", [(1536, 0), (2560, 0), (1024, 32), (1024, 64), (1152, 128)])
+def test_8_bit_rows_sum_alike_at_every_batch_size(k: int, group: int) -> None:
+    """8-bit codes against a decode batch: each row of x gets the same bits whatever rows
+    share its call, up to 16 rows (the byte path multiplies them all where the build has
+    AVX512-VNNI; before, 2 and more rows took the int16 path, whose fp32 roundings differ
+    from one row's), and the exact sum but for fp32 roundings at every row count; one row
+    reads a block's rows one chunk at a time or a line of each in turn (qgemv_rows_seq) to
+    the same bits."""
+    g = torch.Generator().manual_seed(k + group)
+    n = 45
+    q = torch.randint(0, 256, (n, k), generator=g)
+    q[0, : k // 2], q[1, : k // 2] = 0, 255
+    groups = k // group if group else 1
+    zeros = torch.randint(0, 256, (n, groups), generator=g).to(torch.uint8)
+    scales = torch.rand(n, groups, generator=g) + 0.01
+    w = QTensor(q.to(torch.uint8), scales, zeros, None, 8, group, k)
+    x = torch.randn(17, k, generator=g)
+    x[:, ::7], x[:, 3::11] = 3.0, -3.0
+    lib = ctypes.CDLL(str(cpu_kernels._LIB_PATH))
+    byte_rows = getattr(lib, "qgemv_bytes_rows", None) is not None
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        ref, terms = _exact(xd, q, w)
+        one = torch.cat([cpu_gemv.qgemv(xd[i : i + 1], w, torch.float32) for i in range(17)])
+        assert bool(((one.double() - ref).abs() <= 1e-5 * terms).all()), dtype
+        if byte_rows:
+            seq = _switch("qgemv_rows_seq")
+            seq.value = 0
+            try:
+                lines = torch.cat(
+                    [cpu_gemv.qgemv(xd[i : i + 1], w, torch.float32) for i in range(17)]
+                )
+            finally:
+                seq.value = 1
+            assert torch.equal(lines, one), dtype
+        for rows in (2, 3, 4, 7, 8, 16, 17):
+            y = cpu_gemv.qgemv(xd[:rows], w, torch.float32)
+            assert bool(((y.double() - ref[:rows]).abs() <= 1e-5 * terms[:rows]).all()), rows
+            if byte_rows and rows <= 16:
+                assert torch.equal(y, one[:rows]), (dtype, rows)
+
+
 def _exact_x8(x: torch.Tensor, q: torch.Tensor, w: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x @ w.T as --cpu-int4-activations int8 computes it: x rounded to 8 bits per block of
     128 features (64 where groups are 64 long; max|x| / 127, the same fp32 operations, round

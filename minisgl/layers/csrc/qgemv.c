@@ -33,7 +33,10 @@
    integer codes are multiplied as the bytes they are (block_bytes: x split into a high and a
    low byte, VPDPBUSD, the same exact integer sums; one row at 97-106% of one thread's read
    rate for 8-bit codes, 84-95% for 4-bit, Qwen3-0.6B/8B shapes, Sapphire Rapids-class Xeon
-   under KVM, cold weights, CPU time on a loaded machine; the int16 path: 68-92%, 63-85%). Two: integer codes extracted in registers two weight
+   under KVM, cold weights, CPU time on a loaded machine; the int16 path: 68-92%, 63-85%).
+   8-bit codes read a block's rows a chunk of one row at a time (block_bytes_u8_runs: one
+   stream, 1.07-1.2x the rate on an AMD EPYC Zen 4, 1 thread, cold), and 2-16 rows of x take
+   the byte path too (block_bytes_u8_many). Two: integer codes extracted in registers two weight
    rows at a time (4x2 accumulators with the codes and x spill AVX2's 16 registers), fp8 pairs
    in registers; in the AVX2 build integer codes take that path for up to INT_PAIRS_MAX rows,
    fp8 codes for up to FP8_PAIRS_MAX, a pair at a time. More: each code is turned into numbers once per block, integer codes
@@ -1003,11 +1006,20 @@ static inline __attribute__((always_inline)) void block_fp8_many(
 
 static inline int bytes_step(int kind) { return kind == Q_U8 ? 64 : 128; }
 
+/* The most rows of x that 8-bit codes multiply as bytes (block_bytes_u8_many, at most
+   BYTES_ROWS_MAX); more take the int16 scratch path (block_int_many). 2-8 rows as bytes:
+   1.0-1.4x faster than the int16 paths (int8 per channel, Qwen3-0.6B shapes, 1 thread, cold
+   weights, CPU time, AMD EPYC Zen 4, interleaved), and a row's result the same bits at any
+   batch size up to it. Tests and benchmarks set 1 to compare. */
+#define BYTES_ROWS_MAX 16
+int qgemv_bytes_rows = BYTES_ROWS_MAX;
+
 /* Whether one row of x takes the byte path: groups a multiple of a step or a step's divisor
    (a group of 96 would end inside a lane's run of a step: the int16 path takes those). */
 static inline int bytes_usable(int kind, int64_t M, int64_t K, int64_t gs) {
     int S = bytes_step(kind);
-    return kind != Q_FP8 && M == 1 && K % S == 0 && (gs % S == 0 || S % gs == 0);
+    int rows = M == 1 || (kind == Q_U8 && M <= qgemv_bytes_rows && M <= BYTES_ROWS_MAX);
+    return kind != Q_FP8 && rows && K % S == 0 && (gs % S == 0 || S % gs == 0);
 }
 
 /* How a row's features are cut into chunks, all `len` long (whole steps): a group at most
@@ -1191,6 +1203,139 @@ static inline __attribute__((always_inline)) void block_bytes(
     acc->v[2][0] = fold512ps(f2), acc->v[3][0] = fold512ps(f3);
 }
 
+/* block_bytes for 8-bit codes a chunk of one weight row at a time: each row's chunk (up to
+   FLUSH codes, 16 lines) is read as one run, the 4 rows' runs one after another, where
+   block_bytes reads a line of each row in turn (4 streams the hardware prefetcher follows
+   less well: one row of x, 1 thread, cold weights, Qwen3-0.6B shapes, AMD EPYC Zen 4, 1.1-1.2x
+   the rate). The chunk of x (2 KB) stays in L1 across the 4 rows. The same per-lane integer
+   sums and the same fold per chunk, so the same bits; two sets of sums (even and odd steps,
+   exact integer adds) halve the VPDPBUSD chains. */
+static void block_bytes_u8_runs(const uint8_t* xb, const int32_t* xcorr,
+                                const uint8_t* const* wr, const float* const* sr, int64_t K,
+                                Chunks ch, int64_t ahead, __m512i lanes, Acc* acc) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __mmask16 smask = (__mmask16)((1 << ch.gstep) - 1);
+    __m512 f[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
+    for (int64_t c0 = 0, c = 0, g = 0, left = ch.per; c0 < K; c0 += ch.len, c++) {
+        const uint8_t* xs0 = xb + 2 * c0;
+        for (int j = 0; j < 4; j++) {
+            const uint8_t* w = wr[j] + c0;
+            const char* pf = ahead ? (const char*)w + ahead : NULL;
+            __m512i l = _mm512_loadu_si512(xcorr + 16 * c);
+            __m512i h = _mm512_setzero_si512(), h2 = h, l2 = h;
+            const uint8_t* xs = xs0;
+            int64_t k = 0;
+            for (; k + 128 <= ch.len; k += 128, xs += 256) {
+                if (pf) {
+                    _mm_prefetch(pf + k, _MM_HINT_T1);
+                    _mm_prefetch(pf + k + 64, _MM_HINT_T1);
+                }
+                __m512i wa = _mm512_loadu_si512(w + k), wb = _mm512_loadu_si512(w + k + 64);
+                h = _mm512_dpbusd_epi32(h, wa, _mm512_loadu_si512(xs));
+                l = _mm512_dpbusd_epi32(l, _mm512_loadu_si512(xs + 64), _mm512_xor_si512(wa, flip));
+                h2 = _mm512_dpbusd_epi32(h2, wb, _mm512_loadu_si512(xs + 128));
+                l2 = _mm512_dpbusd_epi32(l2, _mm512_loadu_si512(xs + 192),
+                                         _mm512_xor_si512(wb, flip));
+            }
+            if (k < ch.len) { /* a last step (chunks are whole steps of 64) */
+                if (pf) _mm_prefetch(pf + k, _MM_HINT_T1);
+                __m512i wa = _mm512_loadu_si512(w + k);
+                h = _mm512_dpbusd_epi32(h, wa, _mm512_loadu_si512(xs));
+                l = _mm512_dpbusd_epi32(l, _mm512_loadu_si512(xs + 64), _mm512_xor_si512(wa, flip));
+            }
+            __m512i t = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h, h2), 8),
+                                         _mm512_add_epi32(l, l2));
+            const float* sp = sr[j];
+            __m512 sc = ch.gstep
+                            ? _mm512_permutexvar_ps(lanes, _mm512_maskz_loadu_ps(smask, sp + g))
+                            : _mm512_set1_ps(sp[g]);
+            f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc, f[j]);
+        }
+        if (ch.gstep) g += ch.gstep;
+        else if (--left == 0) g++, left = ch.per;
+    }
+    for (int j = 0; j < 4; j++) acc->v[j][0] = fold512ps(f[j]);
+}
+/* 1: one row of x against 8-bit codes reads a block's rows a chunk at a time
+   (block_bytes_u8_runs); 0: a line of each in turn (block_bytes). The same bits; a switch
+   for the tests and benchmarks. */
+int qgemv_rows_seq = 1;
+
+/* 8-bit codes against several rows of x as bytes (M <= BYTES_ROWS_MAX): per chunk, each pair
+   of rows of x in turn against the block's 4 weight rows, a step at a time (4 x loads, then
+   per weight row a load, an XOR and four VPDPBUSD: 8 loads per 16 multiply ops). Each
+   (64 codes, x row) costs two VPDPBUSD (x's high and low bytes), as many as VDPBF16PS
+   takes for bf16 weights, so 8 rows cost what 8 rows of the bf16 panel do, not less: on
+   Zen 4 (VPDPBUSD measured at ~0.7x VDPBF16PS's issue rate, hot) 8 rows stay ~2x one row's
+   time at best. The block's chunk of codes (4 KB) is
+   read from memory on the first row and from L1 after. The same per-lane sums and fold as
+   block_bytes for every row, so a row's result does not depend on the rows beside it.
+   acc: a slot per pair of rows, as block_int_many's. */
+static void block_bytes_u8_many(const uint8_t* xb, const int32_t* xcorr,
+                                const uint8_t* const* wr, const float* const* sr, int64_t M,
+                                int64_t K, Chunks ch, int64_t ahead, __m512i lanes, Acc* acc) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __mmask16 smask = (__mmask16)((1 << ch.gstep) - 1);
+    const uint8_t *w0 = wr[0], *w1 = wr[1], *w2 = wr[2], *w3 = wr[3];
+    __m512 f[BYTES_ROWS_MAX][4];
+    for (int64_t i = 0; i < M; i++)
+        for (int j = 0; j < 4; j++) f[i][j] = _mm512_setzero_ps();
+    const int64_t cw = K / 64 * 16; /* xcorr's ints per row of x */
+    for (int64_t c0 = 0, c = 0, g = 0, left = ch.per; c0 < K; c0 += ch.len, c++) {
+        __m512 sc[4];
+        for (int j = 0; j < 4; j++)
+            sc[j] = ch.gstep
+                        ? _mm512_permutexvar_ps(lanes, _mm512_maskz_loadu_ps(smask, sr[j] + g))
+                        : _mm512_set1_ps(sr[j][g]);
+        for (int64_t i = 0; i < M; i += 2) {
+            /* rows i and i + 1 (i alone at an odd end: its sums twice, the second dropped) */
+            const int64_t i1 = i + 1 < M ? i + 1 : i;
+            const uint8_t* xa = xb + i * 2 * K + 2 * c0;
+            const uint8_t* xc = xb + i1 * 2 * K + 2 * c0;
+            __m512i la0 = _mm512_loadu_si512(xcorr + i * cw + 16 * c);
+            __m512i lc0 = _mm512_loadu_si512(xcorr + i1 * cw + 16 * c);
+            __m512i la1 = la0, la2 = la0, la3 = la0, lc1 = lc0, lc2 = lc0, lc3 = lc0;
+            __m512i ha0 = _mm512_setzero_si512(), ha1 = ha0, ha2 = ha0, ha3 = ha0;
+            __m512i hc0 = ha0, hc1 = ha0, hc2 = ha0, hc3 = ha0;
+            for (int64_t k = c0; k < c0 + ch.len; k += 64, xa += 128, xc += 128) {
+                if (i == 0 && ahead) {
+                    _mm_prefetch((const char*)w0 + ahead + k, _MM_HINT_T1);
+                    _mm_prefetch((const char*)w1 + ahead + k, _MM_HINT_T1);
+                    _mm_prefetch((const char*)w2 + ahead + k, _MM_HINT_T1);
+                    _mm_prefetch((const char*)w3 + ahead + k, _MM_HINT_T1);
+                }
+                __m512i ah = _mm512_loadu_si512(xa), al = _mm512_loadu_si512(xa + 64);
+                __m512i ch_ = _mm512_loadu_si512(xc), cl = _mm512_loadu_si512(xc + 64);
+#define MANY_U8(n, p)                                                                      \
+    {                                                                                      \
+        __m512i w = _mm512_loadu_si512(p + k), wf = _mm512_xor_si512(w, flip);             \
+        ha##n = _mm512_dpbusd_epi32(ha##n, w, ah);                                         \
+        hc##n = _mm512_dpbusd_epi32(hc##n, w, ch_);                                        \
+        la##n = _mm512_dpbusd_epi32(la##n, al, wf);                                        \
+        lc##n = _mm512_dpbusd_epi32(lc##n, cl, wf);                                        \
+    }
+                MANY_U8(0, w0)
+                MANY_U8(1, w1)
+                MANY_U8(2, w2)
+                MANY_U8(3, w3)
+#undef MANY_U8
+            }
+            __m512i hs[2][4] = {{ha0, ha1, ha2, ha3}, {hc0, hc1, hc2, hc3}};
+            __m512i ls[2][4] = {{la0, la1, la2, la3}, {lc0, lc1, lc2, lc3}};
+            for (int r = 0; r < (i1 > i ? 2 : 1); r++)
+                for (int jj = 0; jj < 4; jj++) {
+                    __m512i t = _mm512_add_epi32(_mm512_slli_epi32(hs[r][jj], 8), ls[r][jj]);
+                    f[i + r][jj] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc[jj], f[i + r][jj]);
+                }
+        }
+        if (ch.gstep) g += ch.gstep;
+        else if (--left == 0) g++, left = ch.per;
+    }
+    for (int64_t i = 0; i < M; i++)
+        for (int j = 0; j < 4; j++) acc[i / 2].v[j][i & 1] = fold512ps(f[i][j]);
+}
+
 /* The group of each lane of a step, for groups shorter than it (see the top). */
 static inline __m512i bytes_lanes(int kind, int64_t gs) {
     int32_t idx[16];
@@ -1356,7 +1501,7 @@ static void qgemv_kind(
        per pair of rows, block_int for a last odd one); more: once per block (integer codes
        into a scratch per segment, block_int_many; fp8 to fp32 with its scales,
        block_fp8_many) and every pass over that scratch. */
-    int many = !x8 && M > (kind == Q_FP8 ? FP8_PAIRS_MAX : INT_PAIRS_MAX);
+    int many = !x8 && !bytes && M > (kind == Q_FP8 ? FP8_PAIRS_MAX : INT_PAIRS_MAX);
     int64_t steps = kind == Q_FP8 ? K / 32 * ((M + 1) / 2 + (many ? 4 : 0))
                                   : (many ? K / step_features(kind) * 4 + K / 32 * ((M + 1) / 2)
                                           : K / step_features(kind) * M);
@@ -1383,7 +1528,8 @@ static void qgemv_kind(
         void* scratch = many ? aligned_alloc(64, kind == Q_FP8 ? sizeof(float) * 4 * KC
                                                                : sizeof(int16_t) * 4 * SEG)
                              : NULL;
-        Acc* accs = many ? (Acc*)aligned_alloc(64, sizeof(Acc) * ((M + 1) / 2)) : NULL;
+        Acc* accs = many || (bytes && M > 1) ? (Acc*)aligned_alloc(64, sizeof(Acc) * ((M + 1) / 2))
+                                             : NULL;
         /* the blocks shared as the bf16 GEMV shares them (common.h): a run per thread, then
            the ends of the others' runs, so a thread slowed by other work on its core holds
            the call up for the block in hand only */
@@ -1403,6 +1549,11 @@ static void qgemv_kind(
             Prefetch pf = {ahead(codes + n0 * cstride, block_bytes, n0 + 4 * PF_BLOCKS < N),
                            block_bytes / 64, steps, 0, 0};
             if (many) run_block(kind, 1, xq, xf, wr, sr, 0, M, K, gs, &pf, scratch, accs);
+#ifdef QBYTES
+            if (bytes && M > 1)
+                block_bytes_u8_many(xb, xcorr, wr, sr, M, K, chunks,
+                                    pf.base ? PF_BLOCKS * block_bytes : 0, lanes, accs);
+#endif
             /* one group a row (per channel) on a whole block: the zero points' terms of the 4
                rows as one vector after the horizontal sums, not zero_points' scalar loop per
                row (~5% of a hot int8 call's time) */
@@ -1414,10 +1565,14 @@ static void qgemv_kind(
                                             (float)zr[3][0]));
             for (int64_t m = 0; m < M; m += 2) {
                 Acc one;
-                Acc* acc = many ? &accs[m / 2] : &one;
+                Acc* acc = accs ? &accs[m / 2] : &one;
                 int mr = M - m >= 2 ? 2 : 1;
 #ifdef QBYTES
-                if (bytes)
+                if (bytes && M > 1) {
+                } else if (bytes && bkind == Q_U8 && qgemv_rows_seq)
+                    block_bytes_u8_runs(xb, xcorr, wr, sr, K, chunks,
+                                        pf.base ? PF_BLOCKS * block_bytes : 0, lanes, acc);
+                else if (bytes)
                     run_bytes(bkind, gfni, xb, xcorr, wr, sr, K, chunks,
                               pf.base ? PF_BLOCKS * block_bytes : 0, lanes, acc);
                 else
