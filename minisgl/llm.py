@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,13 +112,18 @@ class LLM:
         params_list = _per_prompt(sampling_params, len(prompts))
         texts: list[str | None] = []
         prompt_ids: list[list[int]] = []
-        for p in prompts:
+        for i, p in enumerate(prompts):
             if isinstance(p, str):
                 texts.append(p)
                 prompt_ids.append(list(self.tokenizer.encode(p)))
-            else:
+            elif isinstance(p, Iterable) and not isinstance(p, bytes | dict):
                 texts.append(None)
-                prompt_ids.append([int(t) for t in p])
+                prompt_ids.append([_token_id(t, i) for t in p])
+            else:
+                raise TypeError(
+                    f"prompt {i} has type {type(p).__name__}: each prompt is a string or a list "
+                    "of token ids (one prompt of ids is [[1, 2, 3]], not [1, 2, 3])"
+                )
         with self._lock:
             return self._generate(texts, prompt_ids, params_list, use_tqdm)
 
@@ -262,6 +267,12 @@ def _per_prompt(
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return params
+
+
+def _token_id(t: Any, prompt: int) -> int:
+    if isinstance(t, bool | float | str | bytes) or not hasattr(t, "__index__"):
+        raise TypeError(f"prompt {prompt} holds {t!r}: token ids are integers")
+    return int(t)
 
 
 def _progress(total: int, enabled: bool) -> Any:

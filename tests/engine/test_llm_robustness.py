@@ -185,3 +185,21 @@ def test_calls_from_threads_each_get_their_own_outputs(llm: LLM) -> None:
     assert errors == []
     assert got == {i: [expected[i]] * 3 for i in range(len(prompts))}
     _assert_idle(llm)
+
+
+def test_prompts_that_are_no_prompts_are_refused_clearly(llm: LLM) -> None:
+    """One prompt of ids passed flat ([1, 2, 3] for [[1, 2, 3]]) said "'int' object is not
+    iterable", and a float id was truncated (1.5 ran as token 1)."""
+    with pytest.raises(TypeError, match=r"one prompt of ids is \[\[1, 2, 3\]\]"):
+        llm.generate([1, 2, 3], GREEDY)  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="token ids are integers"):
+        llm.generate([[1.5, 2]], GREEDY)  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="token ids are integers"):
+        llm.generate([[True, 2]], GREEDY)
+    # Any sequence of integers is a prompt: a tuple, a numpy array, a tensor.
+    import numpy as np
+
+    want = llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+    for ids in ((5, 6, 7), np.array([5, 6, 7]), torch.tensor([5, 6, 7])):
+        assert llm.generate([ids], GREEDY)[0].token_ids == want  # type: ignore[list-item]
+    _assert_idle(llm)
