@@ -99,7 +99,9 @@ def default_picks(
     (fp8 codes: bf16 x only), else qgemv; then the panel on AMX tiles where this build and CPU
     have them (it runs the fp32 panel for fp32 x), else the fp32 panel. `x8` (4-bit weights
     under --cpu-int4-activations int8): qgemv, which then rounds x, for every row count it
-    rounds x in (0.65-0.86x the fp32 panel's time at 17-64 rows on an AVX2 EPYC VM)."""
+    rounds x in (0.65-0.86x the fp32 panel's time at 17-64 rows on an AVX2 EPYC VM). Where the
+    bf16 panel runs on AVX512-BF16 without AMX, fp8 and 4-bit codes take it for fewer rows
+    (see below)."""
     small = max(cpu_kernels.MAX_ROWS, cpu_kernels.int8_activation_rows() if x8 else 0)
     lib = cpu_kernels.load()
     many = "amx_panel" if lib is not None and lib.qamx else "dequant_panel"
@@ -109,9 +111,18 @@ def default_picks(
         tiles = lib is not None and kind in lib.qamxi
         tiles = tiles and (kind != "fp8" or x_dtype == torch.bfloat16)
     few = "amx_int" if tiles else "qgemv"
+    # AVX512-BF16 and no AMX tiles (AMD Zen 4): the bf16 panel (amx_panel) beats the GEMV's
+    # conversions at fewer rows for fp8 (from 5) and 4-bit codes (from 9); 8-bit codes keep
+    # the GEMV's VPDPBUSD up to `small` (1 thread, CPU time, Qwen3-0.6B shapes: fp8 at 8 rows
+    # 1.3-1.6x, 4-bit at 16 rows 1.2-1.3x faster than qgemv).
+    panel_from = None
+    if lib is not None and lib.qamx and not lib.qamxi and x_dtype == torch.bfloat16:
+        panel_from = {"fp8": 5, "u4": 9}.get(kind or "")
     return tuple(
-        ("qgemv" if last == 1 else few) if (last or small + 1) <= small else many
-        for _, last in BUCKETS
+        ("qgemv" if last == 1 else few)
+        if (last or small + 1) <= small and (panel_from is None or first < panel_from)
+        else many
+        for first, last in BUCKETS
     )
 
 

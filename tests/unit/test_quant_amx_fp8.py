@@ -93,12 +93,16 @@ def test_every_code_bf16_out_and_a_shard() -> None:
 
 def test_untuned_pick_for_few_rows_where_it_runs() -> None:
     """amx_int is the untuned pick of fp8 weights for 2-16 bf16 rows where the tiles run (qgemv
-    elsewhere and for one row), and a kernel whose picks name it runs it."""
+    elsewhere and for one row; from 5 rows the bf16 panel where it runs on AVX512-BF16
+    without AMX: test_quant_panel.py), and a kernel whose picks name it runs it."""
     w = _weight(128, 64, 256, 8)
     picks, _ = cpu_choice.choose([w], torch.bfloat16, "off") or ((), "")
     assert picks[0] == "qgemv"
-    assert set(picks[1:4]) == {"amx_int" if _FP8 else "qgemv"}
-    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(8)).bfloat16()
+    lib = cpu_kernels.load()
+    bf16_panel = lib is not None and bool(lib.qamx) and not lib.qamxi
+    assert set(picks[1:2]) == {"amx_int" if _FP8 else "qgemv"}
+    assert set(picks[2:4]) == {"amx_panel" if bf16_panel else "amx_int" if _FP8 else "qgemv"}
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(8)).bfloat16()
     expect = amx_int(x, w) if _FP8 else cpu_gemv.qgemv(x, w)
     assert torch.equal(cpu_choice.QuantKernel(picks)(x, w), expect)
 

@@ -122,8 +122,11 @@ def test_untuned_picks_name_what_runs_fp8_weights() -> None:
     fp8 = _weight("fp8", 128, 48, 256, 9)
     int8 = _weight("int8", None, 48, 256, 9)
     fp8_tiles = "amx_int" if lib is not None and "fp8" in lib.qamxi else "qgemv"
+    # AVX512-BF16 without AMX (Zen 4): the bf16 panel from 5 rows (test_quant_panel.py)
+    bf16_panel = lib is not None and bool(lib.qamx) and not lib.qamxi
     picks, _ = cpu_choice.choose([fp8], torch.bfloat16, "off") or ((), "")
-    assert picks[:4] == ("qgemv", fp8_tiles, fp8_tiles, fp8_tiles)
+    want = ("amx_panel",) * 2 if bf16_panel else (fp8_tiles,) * 2
+    assert picks[:4] == ("qgemv", fp8_tiles, *want)
     picks, _ = cpu_choice.choose([fp8], torch.float32, "off") or ((), "")
     assert picks[:4] == ("qgemv",) * 4
     picks, _ = cpu_choice.choose([int8], torch.bfloat16, "off") or ((), "")

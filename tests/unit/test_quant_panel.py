@@ -187,6 +187,32 @@ def test_amx_panel_is_a_candidate_and_fp32_x_takes_the_fp32_panel() -> None:
     assert torch.equal(cpu_choice.QuantKernel(picks)(x, w), dequant_panel(x, w))
 
 
+def test_untuned_picks_take_the_bf16_panel_for_fewer_rows_without_amx() -> None:
+    """Where the bf16 panel runs on AVX512-BF16 without AMX tiles (AMD Zen 4), the untuned
+    picks run fp8 codes on it from 5 rows and 4-bit codes from 9 (faster there than the
+    GEMV's conversions), 8-bit codes and fp32 x on the GEMV up to 16 rows; elsewhere the GEMV
+    (or AMX's tiles) up to 16 rows as before."""
+    g = torch.Generator().manual_seed(8)
+    lib = cpu_kernels.load()
+    zen4 = lib is not None and bool(lib.qamx) and not lib.qamxi
+    weights = {
+        m: quantize(torch.randn(32, 256, generator=g), load_scheme(m))
+        for m in ("int8", "int4", "fp8")
+    }
+    for method, first in (("fp8", 5), ("int4", 9), ("int8", 17)):
+        picks, _ = cpu_choice.choose([weights[method]], torch.bfloat16, "off") or ((), "")
+        for (lo, hi), pick in zip(kernel_choice.BUCKETS, picks, strict=True):
+            if zen4 and lo >= first:
+                assert pick == "amx_panel", (method, lo, picks)
+            elif hi is not None and hi <= 16:
+                assert pick in ("qgemv", "amx_int"), (method, lo, picks)
+        fp32, _ = cpu_choice.choose([weights[method]], torch.float32, "off") or ((), "")
+        assert all(p in ("qgemv", "amx_int") for p in fp32[:4]), (method, fp32)
+        x = torch.randn(6, 256, generator=g).bfloat16()  # bucket 5-8: what the pick runs
+        got = cpu_choice.QuantKernel(picks)(x, weights[method])
+        assert torch.equal(got, cpu_choice._RUN[picks[2]](x, weights[method])), method
+
+
 @pytest.mark.parametrize(
     "isa,extra,exports",
     [("avx2", (), False), ("avx512", (), False), ("avx512", ("avx512_bf16",), True)],
