@@ -77,10 +77,14 @@ class LLM:
         # One call steps the engine at a time: the engine is not thread-safe, and a call that
         # stepped it would be handed another thread's outputs. Calls from threads take turns.
         self._lock = threading.RLock()
+        self._closed = False  # shutdown() was called
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel follower processes (also done at exit)."""
-        shutdown_engine(self.engine)
+        """Stop the tensor-parallel follower processes (also done at exit). The LLM is
+        closed then: generate() raises."""
+        with self._lock:
+            self._closed = True
+            shutdown_engine(self.engine)
 
     def __enter__(self) -> LLM:
         return self
@@ -125,6 +129,10 @@ class LLM:
                     "of token ids (one prompt of ids is [[1, 2, 3]], not [1, 2, 3])"
                 )
         with self._lock:
+            if self._closed:
+                raise RuntimeError(
+                    "this LLM was shut down (shutdown() or the end of its with block)"
+                )
             return self._generate(texts, prompt_ids, params_list, use_tqdm)
 
     def _generate(

@@ -203,3 +203,11 @@ def test_prompts_that_are_no_prompts_are_refused_clearly(llm: LLM) -> None:
     for ids in ((5, 6, 7), np.array([5, 6, 7]), torch.tensor([5, 6, 7])):
         assert llm.generate([ids], GREEDY)[0].token_ids == want  # type: ignore[list-item]
     _assert_idle(llm)
+
+
+def test_a_closed_llm_says_so(tiny_model_dir) -> None:
+    with LLM(str(tiny_model_dir), dtype="float32", num_pages=16, cpu_kernel_tuning="off") as one:
+        assert len(one.generate([[1, 2, 3]], GREEDY)[0].token_ids) == 8
+    with pytest.raises(RuntimeError, match="this LLM was shut down"):
+        one.generate([[1, 2, 3]], GREEDY)
+    one.shutdown()  # again: nothing to do

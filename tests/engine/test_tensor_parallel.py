@@ -88,6 +88,9 @@ def test_tp2_abort_frees_pages_on_every_rank(tiny_model_dir):
             assert s.num_running == 0 and s.num_waiting == 0 and s.num_pages_used == 0
             assert s.num_pages_free + s.num_pages_cached == s.num_pages_total
         assert stats[0] == stats[1]
+    # Closed: said so (it was 'rank 1 exited with code 0: its error is printed above ...').
+    with pytest.raises(RuntimeError, match="this LLM was shut down"):
+        tp2.generate(_prompts(1, seed=13), SamplingParams(max_tokens=2))
 
 
 def _check_rich_sampling(tp2: LLM, model: str, prompts: list[list[int]]) -> None:
