@@ -73,8 +73,8 @@ CANDIDATES = ("gemv", "gemv512", "amx", "gemm", "torch", "panel", "onednn")
 # so each pass reads from memory as a decode step does), at most this many FLOPs per pass.
 _COLD_BYTES = 48 << 20
 _PASS_FLOPS = 4e8
-# The least output columns per thread a timing slice keeps (_timing_set): 8 of the kernels'
-# 16-column panels each.
+# The least output columns per thread a timing slice keeps (_timing_set): 8 of panel.c's
+# 16-column panels each (4 of panel512.c's 32-column ones).
 _SLICE_ROWS_PER_THREAD = 128
 # Passes per candidate: at least _MIN_REPEATS, more (up to _MAX_REPEATS) while some best still
 # improves by over 2%: on an idle machine that stops early, on a busy one it keeps looking for

@@ -75,13 +75,22 @@ def test_panel_matmul_matches_reference(rows: int, k: int) -> None:
 def test_panel_rows_are_the_weights_rows() -> None:
     """An embedding lookup from a tied LM head's panels (the only copy of the table) gives the
     weight's rows, in the build's layout: every column of a panel, the zero-padded last panel,
-    ids of any shape."""
+    ids of any shape; K a multiple of 32 and one that is not (panel512.c packs 16 pairs at a
+    time, the rest one by one), and the product from those panels as the weight's."""
     torch.manual_seed(0)
-    w = torch.randn(77, 64).bfloat16()
-    packed = cpu_kernels.panel_pack(w)
-    ids = torch.tensor([[0, 1, 15, 16, 17], [31, 32, 33, 63, 64], [65, 70, 75, 76, 8]])
-    assert torch.equal(cpu_kernels.panel_rows(packed, ids), w[ids])
-    assert torch.equal(cpu_kernels.panel_rows(packed, torch.tensor(76)), w[76])
+    for k in (64, 80):
+        w = torch.randn(77, k).bfloat16()
+        packed = cpu_kernels.panel_pack(w)
+        ids = torch.tensor([[0, 1, 15, 16, 17], [31, 32, 33, 63, 64], [65, 70, 75, 76, 8]])
+        assert torch.equal(cpu_kernels.panel_rows(packed, ids), w[ids])
+        assert torch.equal(cpu_kernels.panel_rows(packed, torch.tensor(76)), w[76])
+        x = torch.randn(3, k).bfloat16()
+        torch.testing.assert_close(
+            cpu_kernels.panel(x, packed, torch.float32).double(),
+            F.linear(x.double(), w.double()),
+            rtol=1e-5,
+            atol=1e-4,
+        )
 
 
 def _own_build(tmp_path: Path, src: str, drop: frozenset[str]) -> ctypes.CDLL:

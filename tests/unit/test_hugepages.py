@@ -55,7 +55,9 @@ def test_row_major_weights_a_cpu_layer_keeps_move_onto_them(
     w = torch.nn.Parameter(torch.randn(2048, 1024).bfloat16(), requires_grad=False)
     before, values = w.data_ptr(), w.detach().clone()
     layer = SimpleNamespace(weight=w, kernel_out_dtype=None, kernel=None)
-    cpu_linear.prepack_modules([layer], "off")
+    # Read elsewhere too (shared): the row-major weight is kept whatever the CPU's untimed
+    # defaults are (on AVX512-BF16 without AMX they would keep only panels of it).
+    cpu_linear.prepack_modules([layer], "off", shared={id(w)})
     assert layer.weight is w and torch.equal(w, values) and w.data_ptr() != before
     if thp_mode() in ("always", "madvise"):
         assert huge_kb_under(w.data_ptr() + w.numel()) >= 2048  # the middle of its 4 MiB
