@@ -343,22 +343,37 @@ def test_one_row_sums_exactly_as_bytes_and_as_int16(bits: int, k: int, group: in
             assert bool(((y - ref).abs() <= 1e-5 * terms).all()), (dtype, path)
 
 
-@pytest.mark.parametrize("k, group", [(1536, 0), (2560, 0), (1024, 32), (1024, 64), (1152, 128)])
-def test_8_bit_rows_sum_alike_at_every_batch_size(k: int, group: int) -> None:
-    """8-bit codes against a decode batch: each row of x gets the same bits whatever rows
+@pytest.mark.parametrize(
+    "bits, k, group",
+    [
+        (8, 1536, 0),
+        (8, 2560, 0),
+        (8, 1024, 32),
+        (8, 1024, 64),
+        (8, 1152, 128),
+        (4, 1536, 0),
+        (4, 1024, 32),
+        (4, 1024, 64),
+        (4, 1152, 128),
+        (4, 1024, 256),
+    ],
+)
+def test_integer_rows_sum_alike_at_every_batch_size(bits: int, k: int, group: int) -> None:
+    """Integer codes against a decode batch: each row of x gets the same bits whatever rows
     share its call, up to 16 rows (the byte path multiplies them all where the build has
-    AVX512-VNNI; before, 2 and more rows took the int16 path, whose fp32 roundings differ
+    AVX512-VNNI; before, 2 and more rows took the int16 paths, whose fp32 roundings differ
     from one row's), and the exact sum but for fp32 roundings at every row count; one row
-    reads a block's rows one chunk at a time or a line of each in turn (qgemv_rows_seq) to
-    the same bits."""
-    g = torch.Generator().manual_seed(k + group)
-    n = 45
-    q = torch.randint(0, 256, (n, k), generator=g)
-    q[0, : k // 2], q[1, : k // 2] = 0, 255
+    of 8-bit codes reads a block's rows one chunk at a time or a line of each in turn
+    (qgemv_rows_seq) to the same bits."""
+    g = torch.Generator().manual_seed(bits + k + group)
+    n, top = 45, (1 << bits) - 1
+    q = torch.randint(0, top + 1, (n, k), generator=g)
+    q[0, : k // 2], q[1, : k // 2] = 0, top
     groups = k // group if group else 1
-    zeros = torch.randint(0, 256, (n, groups), generator=g).to(torch.uint8)
+    zeros = torch.randint(0, top + 1, (n, groups), generator=g).to(torch.uint8)
     scales = torch.rand(n, groups, generator=g) + 0.01
-    w = QTensor(q.to(torch.uint8), scales, zeros, None, 8, group, k)
+    codes = pack_nibbles(q) if bits == 4 else q.to(torch.uint8)
+    w = QTensor(codes, scales, zeros, None, bits, group, k)
     x = torch.randn(17, k, generator=g)
     x[:, ::7], x[:, 3::11] = 3.0, -3.0
     lib = ctypes.CDLL(str(cpu_kernels._LIB_PATH))

@@ -36,7 +36,9 @@
    under KVM, cold weights, CPU time on a loaded machine; the int16 path: 68-92%, 63-85%).
    8-bit codes read a block's rows a chunk of one row at a time (block_bytes_u8_runs: one
    stream, 1.07-1.2x the rate on an AMD EPYC Zen 4, 1 thread, cold), and 2-16 rows of x take
-   the byte path too (block_bytes_u8_many). Two: integer codes extracted in registers two weight
+   the byte path too (block_bytes_u8_many, block_bytes_u4_many). 4-bit codes read in runs the same way took
+   1.3-1.5x the time there (each 64-byte step is a group of 128 and ends a chunk: the 4 rows'
+   interleaved chunks overlap better). Two: integer codes extracted in registers two weight
    rows at a time (4x2 accumulators with the codes and x spill AVX2's 16 registers), fp8 pairs
    in registers; in the AVX2 build integer codes take that path for up to INT_PAIRS_MAX rows,
    fp8 codes for up to FP8_PAIRS_MAX, a pair at a time. More: each code is turned into numbers once per block, integer codes
@@ -1006,11 +1008,12 @@ static inline __attribute__((always_inline)) void block_fp8_many(
 
 static inline int bytes_step(int kind) { return kind == Q_U8 ? 64 : 128; }
 
-/* The most rows of x that 8-bit codes multiply as bytes (block_bytes_u8_many, at most
-   BYTES_ROWS_MAX); more take the int16 scratch path (block_int_many). 2-8 rows as bytes:
-   1.0-1.4x faster than the int16 paths (int8 per channel, Qwen3-0.6B shapes, 1 thread, cold
-   weights, CPU time, AMD EPYC Zen 4, interleaved), and a row's result the same bits at any
-   batch size up to it. Tests and benchmarks set 1 to compare. */
+/* The most rows of x that integer codes multiply as bytes (block_bytes_u8_many,
+   block_bytes_u4_many; at most BYTES_ROWS_MAX); more take the int16 scratch path
+   (block_int_many). 2-8 rows as bytes: 1.0-1.4x faster than the int16 paths (int8 per
+   channel; int4 group 128: 4 rows 1.1-1.5x, 8 rows 1.05-1.25x, 16 rows even; Qwen3-0.6B
+   shapes, 1 thread, cold weights, CPU time, AMD EPYC Zen 4, interleaved), and a row's result
+   the same bits at any batch size up to it. Tests and benchmarks set 1 to compare. */
 #define BYTES_ROWS_MAX 16
 int qgemv_bytes_rows = BYTES_ROWS_MAX;
 
@@ -1018,7 +1021,7 @@ int qgemv_bytes_rows = BYTES_ROWS_MAX;
    (a group of 96 would end inside a lane's run of a step: the int16 path takes those). */
 static inline int bytes_usable(int kind, int64_t M, int64_t K, int64_t gs) {
     int S = bytes_step(kind);
-    int rows = M == 1 || (kind == Q_U8 && M <= qgemv_bytes_rows && M <= BYTES_ROWS_MAX);
+    int rows = M == 1 || (M <= qgemv_bytes_rows && M <= BYTES_ROWS_MAX);
     return kind != Q_FP8 && rows && K % S == 0 && (gs % S == 0 || S % gs == 0);
 }
 
@@ -1336,6 +1339,87 @@ static void block_bytes_u8_many(const uint8_t* xb, const int32_t* xcorr,
         for (int j = 0; j < 4; j++) acc[i / 2].v[j][i & 1] = fold512ps(f[i][j]);
 }
 
+/* The same for 4-bit codes (block_bytes' layout of x: per step of 128 features the high bytes
+   of the even and odd features, then the low ones, 64 each): per pair of x rows and weight
+   row, a step's nibbles split once and four VPDPBUSD per x row, two per 64 codes as for 8-bit
+   codes (the int16 scratch path takes four). */
+static inline __attribute__((always_inline)) void block_bytes_u4_many(
+    int gfni, const uint8_t* xb, const uint8_t* const* wr, const float* const* sr, int64_t M,
+    int64_t K, Chunks ch, int64_t ahead, __m512i lanes, Acc* acc) {
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const __mmask16 smask = (__mmask16)((1 << ch.gstep) - 1);
+    const uint8_t *w0 = wr[0], *w1 = wr[1], *w2 = wr[2], *w3 = wr[3];
+    __m512 f[BYTES_ROWS_MAX][4];
+    for (int64_t i = 0; i < M; i++)
+        for (int j = 0; j < 4; j++) f[i][j] = _mm512_setzero_ps();
+    for (int64_t c0 = 0, g = 0, left = ch.per; c0 < K; c0 += ch.len) {
+        __m512 sc[4];
+        for (int j = 0; j < 4; j++)
+            sc[j] = ch.gstep
+                        ? _mm512_permutexvar_ps(lanes, _mm512_maskz_loadu_ps(smask, sr[j] + g))
+                        : _mm512_set1_ps(sr[j][g]);
+        for (int64_t i = 0; i < M; i += 2) {
+            const int64_t i1 = i + 1 < M ? i + 1 : i;
+            const uint8_t* xa = xb + i * 2 * K + 2 * c0;
+            const uint8_t* xc = xb + i1 * 2 * K + 2 * c0;
+            __m512i ha0 = _mm512_setzero_si512(), ha1 = ha0, ha2 = ha0, ha3 = ha0;
+            __m512i hc0 = ha0, hc1 = ha0, hc2 = ha0, hc3 = ha0;
+            __m512i la0 = ha0, la1 = ha0, la2 = ha0, la3 = ha0;
+            __m512i lc0 = ha0, lc1 = ha0, lc2 = ha0, lc3 = ha0;
+            for (int64_t k = c0; k < c0 + ch.len; k += 128, xa += 256, xc += 256) {
+                const int64_t b = k / 2;
+                if (i == 0 && ahead) {
+                    _mm_prefetch((const char*)w0 + ahead + b, _MM_HINT_T1);
+                    _mm_prefetch((const char*)w1 + ahead + b, _MM_HINT_T1);
+                    _mm_prefetch((const char*)w2 + ahead + b, _MM_HINT_T1);
+                    _mm_prefetch((const char*)w3 + ahead + b, _MM_HINT_T1);
+                }
+                __m512i ahe = _mm512_loadu_si512(xa), aho = _mm512_loadu_si512(xa + 64);
+                __m512i ale = _mm512_loadu_si512(xa + 128), alo = _mm512_loadu_si512(xa + 192);
+                __m512i che = _mm512_loadu_si512(xc), cho = _mm512_loadu_si512(xc + 64);
+                __m512i cle = _mm512_loadu_si512(xc + 128), clo = _mm512_loadu_si512(xc + 192);
+#define MANY_U4(n, p)                                                                      \
+    {                                                                                      \
+        __m512i v = _mm512_loadu_si512(p + b);                                             \
+        __m512i e = _mm512_and_si512(v, m4), o = high_nibbles(v, gfni);                    \
+        ha##n = _mm512_dpbusd_epi32(ha##n, e, ahe);                                        \
+        hc##n = _mm512_dpbusd_epi32(hc##n, e, che);                                        \
+        la##n = _mm512_dpbusd_epi32(la##n, ale, e);                                        \
+        lc##n = _mm512_dpbusd_epi32(lc##n, cle, e);                                        \
+        ha##n = _mm512_dpbusd_epi32(ha##n, o, aho);                                        \
+        hc##n = _mm512_dpbusd_epi32(hc##n, o, cho);                                        \
+        la##n = _mm512_dpbusd_epi32(la##n, alo, o);                                        \
+        lc##n = _mm512_dpbusd_epi32(lc##n, clo, o);                                        \
+    }
+                MANY_U4(0, w0)
+                MANY_U4(1, w1)
+                MANY_U4(2, w2)
+                MANY_U4(3, w3)
+#undef MANY_U4
+            }
+            __m512i hs[2][4] = {{ha0, ha1, ha2, ha3}, {hc0, hc1, hc2, hc3}};
+            __m512i ls[2][4] = {{la0, la1, la2, la3}, {lc0, lc1, lc2, lc3}};
+            for (int r = 0; r < (i1 > i ? 2 : 1); r++)
+                for (int jj = 0; jj < 4; jj++) {
+                    __m512i t = _mm512_add_epi32(_mm512_slli_epi32(hs[r][jj], 8), ls[r][jj]);
+                    f[i + r][jj] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc[jj], f[i + r][jj]);
+                }
+        }
+        if (ch.gstep) g += ch.gstep;
+        else if (--left == 0) g++, left = ch.per;
+    }
+    for (int64_t i = 0; i < M; i++)
+        for (int j = 0; j < 4; j++) acc[i / 2].v[j][i & 1] = fold512ps(f[i][j]);
+}
+
+static void run_bytes_many(int kind, int gfni, const uint8_t* xb, const int32_t* xcorr,
+                           const uint8_t* const* wr, const float* const* sr, int64_t M,
+                           int64_t K, Chunks ch, int64_t ahead, __m512i lanes, Acc* acc) {
+    if (kind == Q_U8) block_bytes_u8_many(xb, xcorr, wr, sr, M, K, ch, ahead, lanes, acc);
+    else if (gfni) block_bytes_u4_many(1, xb, wr, sr, M, K, ch, ahead, lanes, acc);
+    else block_bytes_u4_many(0, xb, wr, sr, M, K, ch, ahead, lanes, acc);
+}
+
 /* The group of each lane of a step, for groups shorter than it (see the top). */
 static inline __m512i bytes_lanes(int kind, int64_t gs) {
     int32_t idx[16];
@@ -1551,8 +1635,8 @@ static void qgemv_kind(
             if (many) run_block(kind, 1, xq, xf, wr, sr, 0, M, K, gs, &pf, scratch, accs);
 #ifdef QBYTES
             if (bytes && M > 1)
-                block_bytes_u8_many(xb, xcorr, wr, sr, M, K, chunks,
-                                    pf.base ? PF_BLOCKS * block_bytes : 0, lanes, accs);
+                run_bytes_many(bkind, gfni, xb, xcorr, wr, sr, M, K, chunks,
+                               pf.base ? PF_BLOCKS * block_bytes : 0, lanes, accs);
 #endif
             /* one group a row (per channel) on a whole block: the zero points' terms of the 4
                rows as one vector after the horizontal sums, not zero_points' scalar loop per
