@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl.layers import cpu_build, cpu_kernels, cpu_linear
+from minisgl.layers import cpu_build, cpu_kernels, cpu_linear, kernel_choice
 from minisgl.layers.kernel_choice import BUCKETS, LAYOUT, TIMED_ROWS
 
 
@@ -354,6 +354,34 @@ def test_each_timed_pass_reads_its_weights_from_memory(monkeypatch: pytest.Monke
     assert passes and passes == "ecc" * (len(events) // 3)
     big = torch.zeros(cpu_linear._COLD_BYTES // 4 // 64, 64)
     assert real([big]) is None and real([big[:16]]) is not None
+
+
+def test_one_slow_first_pass_never_drops_the_self_contained_layout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A burst of other work over the panels' first pass (5x slower) does not drop them as
+    hopeless: they are a layout's only candidate, so one disturbed pass would decide the layout
+    of the weight, and with it the kernel, for every row count. Their later passes count, as
+    anyone's do."""
+    w = weight()
+    if "panel" not in cpu_linear.available(w, w.dtype):
+        pytest.skip("no CPU kernels here")
+    now = [0.0]
+    seen: dict[tuple[str, int], int] = {}
+
+    def fake(name: str, cost: float, first: float):  # noqa: ANN202
+        def run(x, w, p, o):  # noqa: ANN001, ANN202
+            calls = seen[(name, x.shape[0])] = seen.get((name, x.shape[0]), 0) + 1
+            now[0] += first if calls == 2 else cost  # call 1 is the warm-up
+            return torch.empty(x.shape[0], w.shape[0])
+
+        return run
+
+    monkeypatch.setitem(cpu_linear._RUN, "gemv", fake("gemv", 1.0, 1.0))
+    monkeypatch.setitem(cpu_linear._RUN, "panel", fake("panel", 0.5, 5.0))
+    timings = cpu_linear.measure([w], w.dtype, None, ["gemv", "panel"], clock=lambda: now[0])
+    assert timings["panel"] == [0.5] * len(BUCKETS) and timings["gemv"] == [1.0] * len(BUCKETS)
+    assert kernel_choice.single_layout(timings) == ("panel",) * len(BUCKETS)
 
 
 def test_a_timing_slice_keeps_columns_for_every_thread() -> None:
