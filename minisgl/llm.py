@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +134,97 @@ class LLM:
                     "this LLM was shut down (shutdown() or the end of its with block)"
                 )
             return self._generate(texts, prompt_ids, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        *,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to chat conversations, as vLLM's `LLM.chat`: `messages` is one
+        conversation (a list of {"role", "content"} dicts) or a list of them. Each is rendered
+        with the model's own chat template exactly as the server's /v1/chat/completions does
+        (same message rules, `chat_template_kwargs` such as enable_thinking, tools), then
+        generated as generate() does; outputs (raw text, in input order) like generate()'s.
+        add_generation_prompt: True unless continue_final_message (the model goes on from the
+        last message, an assistant's). A request's own template (`chat_template`) is refused,
+        as the server refuses it: only the model's template renders. Bad input: ValueError."""
+        conversations = _conversations(messages)
+        texts: list[str | None] = []
+        prompt_ids: list[list[int]] = []
+        for conv in conversations:
+            text = self._render_chat(
+                conv,
+                dict(chat_template_kwargs or {}),
+                add_generation_prompt,
+                continue_final_message,
+                tools,
+                chat_template,
+            )
+            texts.append(text)
+            prompt_ids.append(list(self.tokenizer.encode(text, add_special_tokens=False)))
+        params_list = _per_prompt(sampling_params, len(conversations))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(
+                    "this LLM was shut down (shutdown() or the end of its with block)"
+                )
+            return self._generate(texts, prompt_ids, params_list, use_tqdm)
+
+    def _render_chat(
+        self,
+        conversation: list[Mapping[str, Any]],
+        kwargs: dict[str, Any],
+        add_generation_prompt: bool | None,
+        continue_final_message: bool,
+        tools: Sequence[Mapping[str, Any]] | None,
+        chat_template: str | None,
+    ) -> str:
+        """The prompt text of one conversation, through the server's request model and rules."""
+        from pydantic import ValidationError
+
+        from minisgl.server.chat_prompt import chat_prompt
+        from minisgl.server.errors import APIError
+        from minisgl.server.protocol import ChatCompletionRequest
+        from minisgl.structured.template_kwargs import TEMPLATE_PARAM
+        from minisgl.tokenizer.chat_render import render_chat
+
+        body: dict[str, Any] = {
+            "messages": list(conversation),
+            "chat_template_kwargs": kwargs,
+            "continue_final_message": continue_final_message,
+        }
+        if add_generation_prompt is not None:
+            body["add_generation_prompt"] = add_generation_prompt
+        if tools is not None:
+            body["tools"] = list(tools)
+        if chat_template is not None:
+            body["chat_template"] = chat_template
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+            prompt = chat_prompt(req, trusted=False)
+        except ValidationError as exc:
+            raise ValueError(_first_problem(exc)) from None
+        except APIError as exc:
+            if exc.param is not None and exc.param.endswith(TEMPLATE_PARAM):
+                raise ValueError(
+                    f"{exc.param} is refused: LLM.chat renders only the model's own chat "
+                    "template (no request-supplied templates)"
+                ) from None
+            raise ValueError(exc.message) from None
+        return render_chat(
+            self.tokenizer,
+            prompt.messages,
+            prompt.template_kwargs,
+            prompt.tools,
+            prompt.add_generation_prompt,
+        )
 
     def _generate(
         self,
@@ -289,3 +380,30 @@ def _progress(total: int, enabled: bool) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, desc="generate", unit="req")
+
+
+def _conversations(messages: Any) -> list[list[Mapping[str, Any]]]:
+    """One conversation (a list of message dicts) or several (a list of such lists)."""
+    if isinstance(messages, Mapping | str | bytes):
+        raise TypeError(
+            "messages is a conversation (a list of {'role', 'content'} dicts) or a list of them"
+        )
+    items = list(messages)
+    if not items:
+        raise ValueError("messages must not be empty")
+    if all(isinstance(m, Mapping) for m in items):
+        return [items]
+    for i, conv in enumerate(items):
+        if isinstance(conv, Mapping | str | bytes) or not isinstance(conv, Iterable):
+            raise TypeError(
+                f"messages[{i}] has type {type(conv).__name__}: give one conversation (a list "
+                "of message dicts) or a list of conversations, not a mix"
+            )
+    return [list(conv) for conv in items]
+
+
+def _first_problem(exc: Any) -> str:
+    """A pydantic ValidationError as one line naming the field (as the server's 400s do)."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ()))
+    return f"{where}: {err.get('msg', 'invalid value')}" if where else str(err.get("msg"))

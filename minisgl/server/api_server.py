@@ -19,6 +19,8 @@ from minisgl.server.api_key import APIKeyCheck
 from minisgl.server.arrivals import CountArrivals
 from minisgl.server.body_limit import BodySizeLimit
 from minisgl.server.chat_output import ChatOutput
+from minisgl.server.chat_prompt import chat_prompt, template_kwargs
+from minisgl.server.chat_prompt import generation_prompt as generation_prompt_of
 from minisgl.server.context import ServerContext
 from minisgl.server.errors import APIError, error_response, install_handlers
 from minisgl.server.handlers import admit, serve_request
@@ -32,14 +34,8 @@ from minisgl.server.protocol import (
     ModelList,
     TokenizeBody,
 )
-from minisgl.server.structured_request import (
-    chat_grammar,
-    output_grammar,
-    template_tools,
-    validate_tools,
-)
+from minisgl.server.structured_request import chat_grammar, output_grammar
 from minisgl.structured.reasoning_parser import THINK_END
-from minisgl.structured.template_kwargs import template_kwargs_problem
 
 log = logging.getLogger("minisgl.api")
 
@@ -96,13 +92,13 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         arrival = getattr(request.state, "arrival", None) or time.time()
-        validate_tools(req)
-        tools = template_tools(req)
-        kwargs = _template_kwargs(ctx, req)
-        generation_prompt = _generation_prompt(req, kwargs)
+        prompt = chat_prompt(req, trusted=ctx.args.trust_request_chat_template)
+        tools = prompt.tools
+        kwargs = prompt.template_kwargs
+        generation_prompt = prompt.add_generation_prompt
         grammar = chat_grammar(req)
         fields: dict[str, Any] = {
-            "messages": [m.template_dict() for m in req.messages],
+            "messages": prompt.messages,
             "chat_template_kwargs": kwargs,
             "add_generation_prompt": generation_prompt,
             "tools": tools,
@@ -161,8 +157,8 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
     async def tokenize(body: TokenizeBody) -> JSONResponse:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
-        kwargs = _template_kwargs(ctx, body)
-        generation_prompt = _generation_prompt(body, kwargs) if body.messages else True
+        kwargs = template_kwargs(body, trusted=ctx.args.trust_request_chat_template)
+        generation_prompt = generation_prompt_of(body, kwargs) if body.messages else True
         msg = TokenizeOnly(
             rid="tok-" + uuid.uuid4().hex[:24],
             prompt=body.prompt,
@@ -268,44 +264,6 @@ def build_app(ctx: ServerContext, hooks: Hooks) -> FastAPI:
     if not ctx.args.disable_playground:
         install_playground(app)
     return app
-
-
-def _template_kwargs(
-    ctx: ServerContext, body: ChatCompletionRequest | TokenizeBody
-) -> dict[str, Any]:
-    """The request's chat template kwargs, once it may pass them (a 400 otherwise)."""
-    trusted = ctx.args.trust_request_chat_template
-    problem = template_kwargs_problem(body.chat_template_kwargs, trusted=trusted)
-    if problem is None and body.chat_template is not None:
-        problem = template_kwargs_problem(
-            {"chat_template": body.chat_template}, trusted=trusted, field=""
-        )
-    if problem is not None:
-        raise APIError(400, *problem)
-    return body.template_kwargs()
-
-
-def _generation_prompt(body: ChatCompletionRequest | TokenizeBody, kwargs: dict[str, Any]) -> bool:
-    """Whether the prompt ends with a new assistant turn's header. continue_final_message
-    (top level, as vLLM takes it, or among the template kwargs, where transformers reads it)
-    goes on from the last message instead: it needs that message to be the assistant's and
-    rules the header out (unless asked for, add_generation_prompt is then false)."""
-    continuing = body.continue_final_message or kwargs.get("continue_final_message") is True
-    if not continuing:
-        return body.add_generation_prompt
-    if "add_generation_prompt" in body.model_fields_set and body.add_generation_prompt:
-        raise APIError(
-            400,
-            "continue_final_message and add_generation_prompt cannot both be true",
-            "continue_final_message",
-        )
-    messages = body.messages or []
-    if not messages or messages[-1].role != "assistant":
-        raise APIError(
-            400, "continue_final_message needs the last message to be the assistant's", "messages"
-        )
-    kwargs["continue_final_message"] = True
-    return False
 
 
 def _closes_think(grammar: tuple[str, str] | None) -> bool:
