@@ -12,12 +12,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from minisgl.sampling_params import MAX_LOGPROBS
-
-SEED_MAX = 2**63 - 1
 # Integers travel to the workers as msgpack (64-bit at most); far below that, no context or
-# vocabulary is this large, so anything beyond is a 400 here rather than an encoding error.
-INT_MAX = 2**31 - 1
+# vocabulary is this large (INT_MAX), so anything beyond is a 400 here rather than an encoding
+# error. SamplingParams checks the same bounds, offline too.
+from minisgl.sampling_params import (
+    INT_MAX,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    SEED_MAX,
+)
+
 MAX_STOP = 64
 
 
@@ -115,7 +120,7 @@ class SamplingFields(_Request):
     model: str | None = None  # a single-model server answers whatever model is named
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, le=INT_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -130,7 +135,7 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = True
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)  # vLLM/SGLang extra
+    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY)  # vLLM/SGLang extra
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # vLLM extra: answered with a 400 (use echo + logprobs)
     # No EOS / stop_token_ids / stop string ends the reply before this many tokens: vLLM's
