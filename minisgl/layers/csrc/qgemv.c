@@ -1269,9 +1269,13 @@ int qgemv_rows_seq = 1;
    of rows of x in turn against the block's 4 weight rows, a step at a time (4 x loads, then
    per weight row a load, an XOR and four VPDPBUSD: 8 loads per 16 multiply ops). Each
    (64 codes, x row) costs two VPDPBUSD (x's high and low bytes), as many as VDPBF16PS
-   takes for bf16 weights, so 8 rows cost what 8 rows of the bf16 panel do, not less: on
-   Zen 4 (VPDPBUSD measured at ~0.7x VDPBF16PS's issue rate, hot) 8 rows stay ~2x one row's
-   time at best. The block's chunk of codes (4 KB) is
+   takes for bf16 weights, so 8 rows cost what 8 rows of the bf16 panel do, not less (on
+   Zen 4 8 rows stay ~2x one row's time at best). Hot at 16 rows this loop issues its
+   VPDPBUSD at ~0.7x the rate the bf16 panel issues VDPBF16PS (2.1 against 3.0 G a second,
+   one thread), where a register-only loop of either issues alike: the gap is this loop's
+   loads (8 zmm loads per 16 ops, the panel's ~1 plus dword broadcasts). Codes laid out as
+   the panel's ([K/4][16 rows][4 bytes], x's bytes broadcast per row) would close it: not
+   done. The block's chunk of codes (4 KB) is
    read from memory on the first row and from L1 after. The same per-lane sums and fold as
    block_bytes for every row, so a row's result does not depend on the rows beside it.
    acc: a slot per pair of rows, as block_int_many's. */
