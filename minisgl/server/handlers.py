@@ -137,9 +137,10 @@ class Tracker:
     done: bool = False
     first_byte: bool = False  # the first content chunk went out (timeline)
     sample_tokens: dict[int, int] = field(default_factory=dict)  # per sample (n > 1)
-    # Whether the metrics count its prompt: a prompt's samples run as requests of their own
-    # in a list of prompts, and usage counts each prompt once (sample 0's).
-    counts_prompt: bool = True
+    # In a list of prompts, a prompt's n samples run as engine requests of their own; the
+    # metrics count the prompt as one request (as a single prompt with n samples is), through
+    # the group of its samples' trackers.
+    group: SampleGroup | None = None
 
     def on_output(self, out: TextOutput) -> None:
         if out.queue_time is not None and self.queue_time is None:
@@ -165,18 +166,20 @@ class Tracker:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
-    def refuse(self) -> None:
+    def refuse(self, ctx: ServerContext | None = None) -> None:
         """The request was refused (a 4xx: bad input the engine found, e.g. an invalid
         grammar or too long a context) or dropped with a sibling that was: it never ran, so
         it counts in no request metric, as the API server's own 400s do not."""
         if not self.done:
             self.done = True
             log.info("rid=%s refused", self.rid)
+            if self.group is not None and ctx is not None:
+                self.group.member_done(ctx, time.time())
 
     def fail(self, ctx: ServerContext, reply: ErrorReply) -> None:
         """End the request with an error reply: refused (4xx) or failed (5xx: `error`)."""
         if reply.status < 500:
-            self.refuse()
+            self.refuse(ctx)
         else:
             self.finish(ctx, "error")
 
@@ -197,20 +200,52 @@ class Tracker:
             f"{ttft:.3f}s" if ttft is not None else "-",
             now - self.arrival,
         )
-        try:
-            ctx.metrics.request_finished(
-                finish_reason=reason,
-                prompt_tokens=self.prompt_tokens if self.counts_prompt else 0,
-                generation_tokens=self.completion_tokens,
-                cached_tokens=self.cached_tokens,
-                arrival_time=self.arrival,
-                first_token_time=self.first_token_time,
-                finish_time=now,
-                queue_time=self.queue_time,
-                token_times=self.token_times,
-            )
-        except Exception:
-            log.exception("rid=%s metrics failed", self.rid)
+        self.finish_reason = reason
+        if self.group is not None:
+            self.group.member_done(ctx, now)
+            return
+        record_finished(ctx, [self], reason, now)
+
+
+def record_finished(ctx: ServerContext, trackers: list[Tracker], reason: str, now: float) -> None:
+    """One finished request in the metrics: a prompt and all its samples (the first tracker
+    holds the prompt, as usage counts it: once)."""
+    first = trackers[0]
+    firsts = [t.first_token_time for t in trackers if t.first_token_time is not None]
+    try:
+        ctx.metrics.request_finished(
+            finish_reason=reason,
+            prompt_tokens=first.prompt_tokens,
+            generation_tokens=sum(t.completion_tokens for t in trackers),
+            cached_tokens=first.cached_tokens,
+            arrival_time=first.arrival,
+            first_token_time=min(firsts) if firsts else None,
+            finish_time=now,
+            queue_time=first.queue_time,
+            token_times=sorted(x for t in trackers for x in t.token_times),
+        )
+    except Exception:
+        log.exception("rid=%s metrics failed", first.rid)
+
+
+@dataclass
+class SampleGroup:
+    """The n samples of one prompt in a list of prompts (each its own engine request): one
+    request in the metrics once all are done, as a single prompt with n samples counts. Its
+    finish reason: error if a sample failed, else sample 0's (as a single prompt's). Samples
+    refused (a 4xx) count nowhere; a group with none finished counts nowhere."""
+
+    members: list[Tracker] = field(default_factory=list)
+
+    def member_done(self, ctx: ServerContext, now: float) -> None:
+        if not all(t.done for t in self.members):
+            return
+        ran = [t for t in self.members if t.finish_reason is not None]
+        if not ran:
+            return
+        reasons = [t.finish_reason for t in ran]
+        reason = "error" if "error" in reasons else str(ran[0].finish_reason)
+        record_finished(ctx, ran, reason, now)
 
 
 async def _wait_disconnect(request: Request) -> None:

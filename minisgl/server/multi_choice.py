@@ -27,7 +27,7 @@ from minisgl.sampling_params import SamplingParams
 from minisgl.server.choices import Choices
 from minisgl.server.context import ServerContext
 from minisgl.server.errors import APIError, error_response
-from minisgl.server.handlers import Tracker, admit, sampling_params, sse_event
+from minisgl.server.handlers import SampleGroup, Tracker, admit, sampling_params, sse_event
 from minisgl.server.manager import RequestState
 from minisgl.server.protocol import CompletionRequest
 from minisgl.server.structured_request import grammar_field
@@ -63,6 +63,7 @@ async def serve_prompts(
     try:
         for p_index, fields in enumerate(prompts):
             prompt_text = fields.get("prompt_text")
+            group = SampleGroup()  # the prompt: one request in the metrics, whatever n
             for sample in range(samples):
                 index = p_index * samples + sample
                 rid = f"{base}-{index}"
@@ -79,7 +80,8 @@ async def serve_prompts(
                 )
                 state = ctx.manager.submit(tok_req, grammar_field(req) if grammar else None)
                 out = Choices("completion", 1, want_logprobs, req.echo, prompt_text)
-                tracker = Tracker(rid, arrival, req.stream, counts_prompt=sample == 0)
+                tracker = Tracker(rid, arrival, req.stream, group=group)
+                group.members.append(tracker)
                 choices.append(Choice(index, sample, tracker, state, out))
     except (TypeError, ValueError, OverflowError):
         _abort_all(ctx, choices)
@@ -130,7 +132,7 @@ def _abort_all(ctx: ServerContext, choices: list[Choice], refused: bool = False)
         if not c.tracker.done:
             ctx.manager.abort(c.tracker.rid)
             if refused:
-                c.tracker.refuse()
+                c.tracker.refuse(ctx)
             else:
                 c.tracker.finish(ctx, "abort")
 

@@ -82,3 +82,23 @@ def test_token_counters_match_usage_for_lists_of_prompts_with_samples(
         after = _counts(server)
         assert after["prompt"] - before["prompt"] == want_prompt, body
         assert after["generation"] - before["generation"] == want_generated, body
+
+
+def test_a_request_is_a_prompt_whatever_n(server: ServerProcess) -> None:
+    """docs/metrics.md: requests_total counts one per prompt, its n samples together. A single
+    prompt with n = 3 counted one, a list of 2 prompts with n = 3 counted 6 (one per sample)."""
+    url = f"{server.url}/v1/completions"
+    for body, prompts in (
+        ({"prompt": "hello world", "n": 3}, 1),
+        ({"prompt": ["hello world", "the end of it"], "n": 3}, 2),
+        ({"prompt": ["hello world", "the end of it"], "n": 3, "stream": True}, 2),
+        ({"prompt": ["hello world", "the end of it", "more"]}, 3),
+    ):
+        before = _counts(server)
+        r = httpx.post(url, json={**body, "max_tokens": 3, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        server.wait_idle()
+        after = _counts(server)
+        assert after["length"] - before["length"] == prompts, body
+        assert after["e2e"] - before["e2e"] == prompts, body
+        assert after["generation"] - before["generation"] == 3 * prompts * body.get("n", 1)
