@@ -170,6 +170,11 @@ class Engine:
             self._compiles = GrammarCompileService(self.grammars, self.args.grammar_compile_timeout)
         self._compiles.submit(kind, value)
 
+    def cancel_grammar(self, kind: str, value: str) -> None:
+        """No request waits for this grammar any more: its compile is skipped or stopped."""
+        if self._compiles is not None:
+            self._compiles.cancel(kind, value)
+
     def finished_grammars(self) -> list[CompileOutcome]:
         """Compiles done since the last call (`install_grammar` puts a compiled one to use)."""
         return self._compiles.outcomes() if self._compiles is not None else []

@@ -212,6 +212,9 @@ class TPEngine:
     def request_grammar(self, kind: str, value: str) -> None:
         self.engine.request_grammar(kind, value)
 
+    def cancel_grammar(self, kind: str, value: str) -> None:
+        self.engine.cancel_grammar(kind, value)
+
     def finished_grammars(self) -> list[CompileOutcome]:
         return self.engine.finished_grammars()
 

@@ -130,9 +130,17 @@ class SchedulerLoop:
             self.burst_open = msg.more
             self.add(msg)
         elif isinstance(msg, AbortRequest):
-            if msg.index is None and self.compiling.pop(msg.rid, None) is not None:
+            gone = self.compiling.pop(msg.rid, None) if msg.index is None else None
+            if gone is not None:
                 self.log.info("rid=%s aborted while its grammar compiled", msg.rid)
                 self.send(RequestEnded(msg.rid, "abort"))
+                key = gone.params.grammar_kind, gone.params.grammar
+                if all(
+                    (r.params.grammar_kind, r.params.grammar) != key
+                    for r in self.compiling.values()
+                ):
+                    # Nobody waits for it now: it must hold no other grammar up.
+                    self.engine.cancel_grammar(key[0] or "", key[1] or "")
             elif self.engine.abort_request(msg.rid, msg.index):
                 which = "" if msg.index is None else f" (sample {msg.index})"
                 self.log.info("rid=%s aborted%s", msg.rid, which)

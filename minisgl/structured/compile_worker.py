@@ -57,6 +57,7 @@ class CompileOutcome:
     serialized: str | None = None
     error: GrammarError | None = None
     evicted: list[GrammarKey] = field(default_factory=list)  # filled in by the engine
+    cancelled: bool = False  # nobody wanted it any more: dropped, never handed out
 
 
 class GrammarCompileService:
@@ -72,6 +73,12 @@ class GrammarCompileService:
         self._jobs: queue.Queue[GrammarKey | None] = queue.Queue()
         self._done: queue.Queue[CompileOutcome] = queue.Queue()
         self._pending: set[GrammarKey] = set()
+        # Grammars whose requests all went (the client disconnected): a queued one is skipped,
+        # a running one is stopped (its child killed), so that it holds no other grammar up.
+        # Shared with the thread, under the lock; `_revived`: wanted again since (loop only).
+        self._lock = threading.Lock()
+        self._cancelled: set[GrammarKey] = set()
+        self._revived: set[GrammarKey] = set()
         self._child: KillableChild | None = None
         self._setup_error: GrammarError | None = None
         self._ready = False  # the child said ready (its first message is read)
@@ -79,9 +86,26 @@ class GrammarCompileService:
         self._thread.start()
 
     def submit(self, kind: str, value: str) -> None:
-        if (kind, value) not in self._pending:
-            self._pending.add((kind, value))
-            self._jobs.put((kind, value))
+        key = (kind, value)
+        if key not in self._pending:
+            self._pending.add(key)
+            self._jobs.put(key)
+            return
+        with self._lock:
+            # Wanted again: if not skipped yet, it compiles after all; if its cancellation is
+            # on the way back already, `outcomes` queues it again.
+            self._cancelled.discard(key)
+            self._revived.add(key)
+
+    def cancel(self, kind: str, value: str) -> None:
+        """No request waits for this grammar any more: skip its compile if it has not
+        started, stop it if it runs. `outcomes` never reports it (unless submitted again)."""
+        key = (kind, value)
+        if key not in self._pending:
+            return
+        with self._lock:
+            self._revived.discard(key)
+            self._cancelled.add(key)
 
     @property
     def busy(self) -> bool:
@@ -94,8 +118,16 @@ class GrammarCompileService:
                 done = self._done.get_nowait()
             except queue.Empty:
                 return out
-            self._pending.discard((done.kind, done.value))
-            out.append(done)
+            key = (done.kind, done.value)
+            with self._lock:
+                again = key in self._revived
+                self._revived.discard(key)
+            if done.cancelled and again:  # submitted again after it was cancelled: compile it
+                self._jobs.put(key)
+                continue
+            self._pending.discard(key)
+            if not done.cancelled:
+                out.append(done)
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -106,12 +138,23 @@ class GrammarCompileService:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             kind, value = job
+            with self._lock:
+                skip = job in self._cancelled
+                self._cancelled.discard(job)
+            if skip:
+                logger.info("a %s grammar was dropped before its compile: nobody waits", kind)
+                self._done.put(CompileOutcome(kind, value, cancelled=True))
+                continue
             try:
                 outcome = self._compile(kind, value)
             except Exception as exc:  # never let the thread die: the request gets the reason
                 logger.exception("grammar compile failed")
                 error = GrammarError(f"the grammar could not be compiled: {exc}", None)
                 outcome = CompileOutcome(kind, value, error=error)
+            with self._lock:
+                if job in self._cancelled:  # cancelled while it ran: its result is unwanted
+                    self._cancelled.discard(job)
+                    outcome = CompileOutcome(kind, value, cancelled=True)
             self._done.put(outcome)
         self._stop_child()
 
@@ -121,7 +164,13 @@ class GrammarCompileService:
         except GrammarError as exc:
             return CompileOutcome(kind, value, error=exc)
         conn.send((kind, value))
-        if not self._answered(conn):
+        answered = self._answered(conn, (kind, value))
+        if answered is None:  # cancelled: stop the work, keep a child ready for the next
+            logger.info("a %s grammar's compile was stopped: nobody waits for it", kind)
+            self._stop_child()
+            self._start_child()
+            return CompileOutcome(kind, value, cancelled=True)
+        if not answered:
             param = KIND_FIELDS.get(kind)
             logger.warning(
                 "a %s grammar took longer than %g s to compile: stopped", kind, self.timeout_s
@@ -146,14 +195,18 @@ class GrammarCompileService:
         compiled = self.backend.deserialize(payload)
         return CompileOutcome(kind, value, compiled=compiled, serialized=payload)
 
-    def _answered(self, conn: Connection) -> bool:
+    def _answered(self, conn: Connection, key: GrammarKey) -> bool | None:
         """Wait for the child's answer while its compile has used less than the bound in CPU
-        time (and the wall clock is under its cap); False when it went over."""
+        time (and the wall clock is under its cap); False when it went over, None when the
+        grammar was cancelled meanwhile."""
         assert self._child is not None and self._child.proc.pid is not None
         child = psutil.Process(self._child.proc.pid)
         start_cpu = _cpu_seconds(child)
         deadline = time.monotonic() + self.timeout_s * WALL_CAP_FACTOR
         while not conn.poll(_POLL_S):
+            with self._lock:
+                if key in self._cancelled:
+                    return None
             used = _cpu_seconds(child) - start_cpu
             if used > self.timeout_s or time.monotonic() > deadline:
                 return False

@@ -95,6 +95,37 @@ def test_compile_worker_bounds_a_compile_and_keeps_compiling(tiny_model_dir: Pat
         service.close()
 
 
+def test_a_grammar_nobody_waits_for_holds_no_other_up(tiny_model_dir: Path) -> None:
+    """A client that went away while its grammar compiled held the single compile worker
+    for the whole --grammar-compile-timeout (here 600 s of CPU): other grammars waited
+    behind it. A cancelled compile is stopped (or skipped, when queued) and never reported."""
+    from minisgl.structured.compile_worker import GrammarCompileService
+
+    backend = GrammarBackend(str(tiny_model_dir), VOCAB, STOP)
+    service = GrammarCompileService(backend, timeout_s=600.0)
+    try:
+        service.submit("regex", "[0-9]+")
+        _outcomes(service, 1, within=600)  # xgrammar's set-up, once
+        service.submit("json_schema", SLOW)  # minutes of compiling
+        service.submit("regex", "x+")  # queued behind it
+        service.submit("regex", "[a-c]+")
+        time.sleep(0.5)  # the slow one runs now
+        service.cancel("regex", "x+")  # its client left while it waited in the queue
+        service.cancel("json_schema", SLOW)  # ... and this one's while it compiled
+        (after,) = _outcomes(service, 1, within=60)  # not the minutes SLOW takes
+        assert (after.kind, after.value, after.error) == ("regex", "[a-c]+", None)
+        matcher = backend._xgr.GrammarMatcher(after.compiled)
+        assert matcher.accept_string("abc") and not matcher.accept_string("d")
+        # Wanted again after a cancel: compiled and reported, whichever way the race went.
+        service.submit("regex", "y+")
+        service.cancel("regex", "y+")
+        service.submit("regex", "y+")
+        (again,) = _outcomes(service, 1, within=60)
+        assert (again.value, again.error) == ("y+", None) and again.compiled is not None
+    finally:
+        service.close()
+
+
 def _outcomes(service: Any, n: int, within: float) -> list[Any]:
     got: list[Any] = []
     deadline = time.monotonic() + within
@@ -117,6 +148,8 @@ class _Engine:
         self.steps = 0
         self.ready: set[tuple[str, str]] = set()
         self.done: list[Any] = []
+        self.requested: list[tuple[str, str]] = []
+        self.cancelled: list[tuple[str, str]] = []
 
     def has_unfinished(self) -> bool:
         return True
@@ -133,7 +166,10 @@ class _Engine:
         return (kind, value) in self.ready
 
     def request_grammar(self, kind: str, value: str) -> None:
-        pass
+        self.requested.append((kind, value))
+
+    def cancel_grammar(self, kind: str, value: str) -> None:
+        self.cancelled.append((kind, value))
 
     def finished_grammars(self) -> list[Any]:
         done, self.done = self.done, []
@@ -192,3 +228,23 @@ def test_the_loop_steps_while_a_grammar_compiles() -> None:
         ("r3", 400, "regex"),
     ]
     assert engine.added == ["r1"]
+
+
+def test_the_loop_cancels_a_compile_once_nobody_waits_for_it() -> None:
+    from minisgl.engine.worker import SchedulerLoop
+    from minisgl.message.api_to_tokenizer import AbortRequest
+    from minisgl.message.tokenizer_to_scheduler import TokenizedRequest
+    from minisgl.sampling_params import SamplingParams
+
+    engine = _Engine()
+    out = _Out()
+    loop = SchedulerLoop(engine, None, out, logging.getLogger("test"))  # type: ignore[arg-type]
+    params = SamplingParams(max_tokens=4, grammar_kind="regex", grammar="a+")
+    for rid in ("r1", "r2"):
+        loop.add(TokenizedRequest(rid, [1, 2], params, 4, time.time()))
+    loop.handle(AbortRequest("r1"))
+    assert engine.cancelled == []  # r2 still waits for it
+    loop.handle(AbortRequest("r2"))
+    assert engine.cancelled == [("regex", "a+")] and not loop.compiling
+    ended = [(m.rid, m.reason) for m in out.sent if type(m).__name__ == "RequestEnded"]
+    assert ended == [("r1", "abort"), ("r2", "abort")]
