@@ -103,7 +103,7 @@ def test_finished_answer_shows_ttft_rate_and_token_counts(
     page.uncheck("#thinking")
     for field, value in {"#temperature": "0", "#max_tokens": "8", "#seed": "7"}.items():
         page.fill(field, value)
-    page.fill("#stop", "zzz, yyy")
+    page.fill("#stop", "zzz\nyyy")
     page.fill("#input", "hi")
     page.click("#send")
     page.wait_for_selector(".message.assistant[data-outcome='finished: length']")
@@ -126,6 +126,29 @@ def test_finished_answer_shows_ttft_rate_and_token_counts(
         "document.querySelectorAll('.message.assistant[data-outcome]').length == 2"
     )
     assert [m["role"] for m in sent[1]["messages"]] == ["system", "user", "assistant", "user"]
+
+
+def test_stop_strings_are_one_per_line_with_escapes(page: Any, server: ServerProcess) -> None:
+    """A comma, a newline or a space can be a stop string (the field split on commas, so ","
+    and "\\n" could not be entered): one per line, typed, or with \\n-style escapes."""
+    sent = _chat_bodies(page)
+    page.goto(f"{server.url}/playground")
+    page.uncheck("#thinking")
+    page.fill("#max_tokens", "2")
+    page.click("#stop")
+    page.keyboard.type(",")
+    page.keyboard.press("Enter")  # a new line in the field, not a send
+    page.keyboard.type("\\n")  # backslash n: a newline
+    page.keyboard.press("Enter")
+    page.keyboard.type("a, b\\t\\\\n")  # as typed but the escapes: "a, b<tab>\\n"
+    page.keyboard.press("Enter")
+    page.keyboard.press("Enter")  # an empty line is no stop string
+    page.keyboard.type(" ")
+    assert sent == []
+    page.fill("#input", "hi")
+    page.click("#send")
+    page.wait_for_selector(".message.assistant[data-outcome]")
+    assert sent[0]["stop"] == [",", "\n", "a, b\t\\n", " "]
 
 
 def test_clear_during_a_stream_starts_an_empty_conversation(

@@ -21,6 +21,17 @@ function numberField(id, parse) {
   return Number.isFinite(value) ? value : undefined;
 }
 
+// Stop strings: one per line, exactly as typed (a comma or a space is a stop string too);
+// \n, \t, \r and \\ stand for a newline, a tab, a carriage return and a backslash.
+const STOP_ESCAPES = { n: "\n", t: "\t", r: "\r", "\\": "\\" };
+
+function stopStrings(text) {
+  return text
+    .split("\n")
+    .map((line) => line.replace(/\\([ntr\\])/g, (_, c) => STOP_ESCAPES[c]))
+    .filter((s) => s.length > 0);
+}
+
 function samplingFields() {
   const body = {
     temperature: numberField("temperature", parseFloat),
@@ -30,7 +41,7 @@ function samplingFields() {
     max_tokens: numberField("max_tokens", (s) => parseInt(s, 10)),
     seed: numberField("seed", (s) => parseInt(s, 10)),
   };
-  const stop = $("stop").value.split(",").map((s) => s.trim()).filter((s) => s.length > 0);
+  const stop = stopStrings($("stop").value);
   if (stop.length > 0) body.stop = stop;
   for (const k of Object.keys(body)) if (body[k] === undefined) delete body[k];
   return body;
