@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         help="int8|int4|fp8, or several comma-separated ('none' for the float model): each "
         "measured on the same fixture in one run, side by side; FORMAT:HEAD gives that one "
         "its own LM head format (e.g. int4:int4 beside int4, whose head is int8), and a /x8 "
-        "suffix runs it with --cpu-int4-activations int8 (e.g. int4,int4/x8)",
+        "suffix runs it with --cpu-quantized-activations int8 (e.g. int8,int8/x8,int4,int4/x8)",
     )
     ap.add_argument(
         "--lm-head-quantization",
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     events: dict[tuple[str, str], list[StepEvents]] = {key: [] for key in times}
 
     def activations(q: str) -> None:  # a process-wide switch: set before each format's steps
-        cpu_kernels.set_int4_activations("int8" if q.endswith("/x8") else "int16")
+        cpu_kernels.set_quantized_activations("int8" if q.endswith("/x8") else "int16")
 
     for q, (runner, cases, *_) in builds.items():
         activations(q)
@@ -269,7 +269,7 @@ def _build(
         cpu_weight_copies_max_gb=args.cpu_weight_copies_max_gb,
         quantization=quantization if quantization not in ("", "none") else None,
         lm_head_quantization=head or args.lm_head_quantization,
-        cpu_int4_activations="int8" if x8 else "int16",
+        cpu_quantized_activations="int8" if x8 else "int16",
     )
     runner = ModelRunner(eargs, model, config, max_seq_len=4096)
     params, weight_bytes = linear_weights(runner.model)

@@ -46,7 +46,7 @@ def run_minisgl(
     model: str, dtype: str, device: str, prompts, out_len: int, quantization: str | None = None
 ) -> tuple[float, float]:
     """`quantization`: a --quantization format, with a /x8 suffix for
-    --cpu-int4-activations int8."""
+    --cpu-quantized-activations int8."""
     from minisgl import LLM, SamplingParams
 
     x8 = quantization is not None and quantization.endswith("/x8")
@@ -56,7 +56,7 @@ def run_minisgl(
         device=device,
         max_seq_len=2048,
         quantization=quantization.removesuffix("/x8") if quantization else None,
-        cpu_int4_activations="int8" if x8 else "int16",
+        cpu_quantized_activations="int8" if x8 else "int16",
     )
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     llm.generate([prompts[0][:16]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         "--quantization",
         default="none",
         help="comma-separated --quantization formats for minisgl (int8, int4, fp8; none: the "
-        "float model), each run on the same workload; a /x8 suffix adds --cpu-int4-activations "
-        "int8 (e.g. none,int4,int4/x8)",
+        "float model), each run on the same workload; a /x8 suffix adds "
+        "--cpu-quantized-activations int8 (e.g. none,int4,int4/x8)",
     )
     ap.add_argument(
         "--no-transformers", action="store_true", help="minisgl only (no transformers peer)"

@@ -100,7 +100,7 @@ def qgemv_int16(x: torch.Tensor, w: QTensor) -> torch.Tensor:
 
 
 def qgemv_x8(x: torch.Tensor, w: QTensor) -> torch.Tensor:
-    """x in 8 bits against 4-bit codes (--cpu-int4-activations int8)."""
+    """x in 8 bits against integer codes (--cpu-quantized-activations int8)."""
     return qgemv_switched("qgemv_x8", 1, x, w)
 
 
@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--x8",
         action="store_true",
-        help="also 4-bit codes against x in 8 bits (--cpu-int4-activations int8), side by side",
+        help="also integer codes against x in 8 bits (--cpu-quantized-activations int8) where "
+        "the build takes them, side by side",
     )
     ap.add_argument(
         "--hot",
@@ -181,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             cases[fmt] = ([(cpu_gemv.qgemv, w) for w in ws], w0.nbytes())
             if args.int16 and fmt != "fp8":
                 cases[f"{fmt} int16"] = ([(qgemv_int16, w) for w in ws], w0.nbytes())
-            if args.x8 and fmt == "int4":
-                cases["int4 x8"] = ([(qgemv_x8, w) for w in ws], w0.nbytes())
+            if args.x8 and cpu_gemv.takes_int8_activations(w0):
+                cases[f"{fmt} x8"] = ([(qgemv_x8, w) for w in ws], w0.nbytes())
             lib = cpu_kernels.load()
             if lib is not None and cpu_gemv.kind(w0) in lib.qamxi:  # AMX from the codes
                 cases[f"{fmt} amx"] = ([(cpu_panel.amx_int, w) for w in ws], w0.nbytes())

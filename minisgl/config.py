@@ -20,8 +20,11 @@ ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 OUTPUT_PARSERS = ("auto", "qwen3", "none")
 CPU_KERNEL_TUNING = ("cached", "full", "off")
-# --cpu-int4-activations: what 4-bit weights' decode matmuls multiply their codes by.
-CPU_INT4_ACTIVATIONS = ("int16", "int8")
+# --cpu-quantized-activations: what integer weights' decode matmuls multiply their codes by.
+CPU_QUANTIZED_ACTIVATIONS = ("int16", "int8")
+CPU_INT4_ACTIVATIONS = CPU_QUANTIZED_ACTIVATIONS  # the flag's old name
+# Fields' old names (a flag the CLI still takes for it, and an LLM keyword): old -> new.
+RENAMED_FIELDS = {"cpu_int4_activations": "cpu_quantized_activations"}
 # --quantization: how a float checkpoint is quantized at load (minisgl/quant/scheme.py).
 QUANTIZATIONS = ("int8", "int4", "fp8")
 # --lm-head-quantization: the LM head's (and a tied embedding's) format; auto: int8 per channel
@@ -35,10 +38,18 @@ NODE_SECRET_ENV = "MINISGL_NODE_SECRET"
 MIN_NODE_SECRET_CHARS = 16
 
 
-def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
-    meta = {"help": help}
+def _f(
+    default: Any,
+    help: str,
+    choices: tuple[str, ...] | None = None,
+    aliases: tuple[str, ...] = (),
+    **kw: Any,
+) -> Any:
+    meta: dict[str, Any] = {"help": help}
     if choices:
-        meta["choices"] = choices  # type: ignore[assignment]
+        meta["choices"] = choices
+    if aliases:  # old spellings of the flag the CLI still takes (RENAMED_FIELDS)
+        meta["aliases"] = aliases
     return field(default=default, metadata=meta, **kw)
 
 
@@ -112,15 +123,19 @@ class EngineArgs:
         "logged with what they buy; 0 keeps each weight once, in the layout measured best over "
         "all row counts (the KV cache is sized from what is left)",
     )
-    cpu_int4_activations: str = _f(
+    cpu_quantized_activations: str = _f(
         "int16",
-        "4-bit weights (--quantization int4, AWQ, GPTQ) on CPUs without AVX512-VNNI: int16 "
-        "multiplies the codes by x rounded to 15 bits per row (exact to the float model's "
-        "greedy tokens, bound by the integer multiplier on AVX2); int8 rounds x to 8 bits per "
-        "128 features in matmuls of up to 64 rows (decode batches), as llama.cpp's Q8 "
-        "activations and vLLM's CPU AWQ/GPTQ do (0.7-0.8x the time on AVX2; results within "
-        "about half a percent instead of exact)",
-        CPU_INT4_ACTIVATIONS,
+        "what integer-coded weights' CPU matmuls multiply their codes by: int16 (default) x "
+        "rounded to 15 bits per row, exact to the float model's greedy tokens; int8 x rounded "
+        "to 8 bits per block of at most 128 features in matmuls of up to 64 rows (decode "
+        "batches; prefill stays exact), as llama.cpp's Q8 activations and vLLM's CPU W8A8 and "
+        "AWQ/GPTQ do: results within about half a percent instead of exact. With AVX512-VNNI "
+        "it takes 8-bit (--quantization int8, 8-bit GPTQ) and 4-bit weights (one VPDPBUSD per "
+        "64 codes and row instead of two: decode batches of 8 rows 0.7x the time for 8-bit), "
+        "without it 4-bit weights in groups of 64 or more (0.7-0.8x the time on AVX2); fp8 "
+        "stays exact. --cpu-int4-activations is its old name",
+        CPU_QUANTIZED_ACTIVATIONS,
+        aliases=("--cpu-int4-activations",),
     )
     scheduler_nice: int = _f(
         5,
@@ -282,7 +297,8 @@ def build_parser(
             kwargs["help"] = f"{help_text} (default: {f.default})"
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
-        parser.add_argument(flag_name(f.name), **kwargs)
+        names = (flag_name(f.name), *f.metadata.get("aliases", ()))
+        parser.add_argument(*names, dest=f.name, **kwargs)
     return parser
 
 

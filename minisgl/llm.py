@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.config import EngineArgs
+from minisgl.config import RENAMED_FIELDS, EngineArgs
 from minisgl.engine.engine import Engine, StepOutput
 from minisgl.engine.factory import create_engine, shutdown_engine
 from minisgl.logprobs import TokenLogprobs
@@ -54,6 +54,9 @@ class LLM:
         tp_size: int = 1,
         **engine_kwargs: Any,
     ) -> None:
+        for old, new in RENAMED_FIELDS.items():  # e.g. cpu_int4_activations, the old name
+            if old in engine_kwargs:
+                engine_kwargs.setdefault(new, engine_kwargs.pop(old))
         # Offline, nobody waits for a first token: a batch's prefill is not split for one.
         engine_kwargs.setdefault("prefill_chunk_overhead", 0.0)
         given = dict(

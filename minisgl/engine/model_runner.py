@@ -125,11 +125,13 @@ class ModelRunner:
             quantization=args.quantization,
             lm_head_quantization=args.lm_head_quantization,
             cpu_weight_copies_max_gb=args.cpu_weight_copies_max_gb,
-            cpu_int4_activations=args.cpu_int4_activations,
+            cpu_quantized_activations=args.cpu_quantized_activations,
         )
-        # --cpu-int4-activations is one switch of the C kernels per process, which another
+        # --cpu-quantized-activations is one switch of the C kernels per process, which another
         # model loaded into it (a second LLM) sets too: each step sets this model's own.
-        self.int4_activations = args.cpu_int4_activations if self.device.type == "cpu" else None
+        self.quantized_activations = (
+            args.cpu_quantized_activations if self.device.type == "cpu" else None
+        )
         num_kv_heads = max(1, config.num_key_value_heads // tp_size)
         num_heads = config.num_attention_heads // tp_size
         bytes_per_page = KVPool.bytes_per_page(
@@ -224,8 +226,8 @@ class ModelRunner:
     def forward(self, inp: ForwardInput) -> ForwardOutput:
         """Run one batch: the sampled token of every request in `sample_rows`, plus the
         log-probabilities the requests asked for."""
-        if self.int4_activations is not None:
-            cpu_kernels.set_int4_activations(self.int4_activations)
+        if self.quantized_activations is not None:
+            cpu_kernels.set_quantized_activations(self.quantized_activations)
         logits = self._graph_logits(inp)
         if logits is not None:
             return self._sample(logits, inp, [])

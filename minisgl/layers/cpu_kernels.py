@@ -186,10 +186,13 @@ class _Lib:
         self.amx_prefetch_hint: Any = (
             ctypes.c_int.in_dll(lib, "amx_prefetch_hint") if self.amx is not None else None
         )
-        # x in 8 bits against 4-bit codes (qgemv.c, --cpu-int4-activations): 0 or 1.
+        # x in 8 bits against integer codes (qgemv.c, --cpu-quantized-activations): 0 or 1.
         self.qgemv_x8 = ctypes.c_int.in_dll(lib, "qgemv_x8")
-        # The most input rows it takes (0 where the build has AVX512-VNNI: exact is as fast).
+        # The most input rows it takes (decode batches), and which codes (bits, K, group).
         self.qgemv_x8_rows = ctypes.c_int.in_dll(lib, "qgemv_x8_rows").value
+        lib.qgemv_x8_takes.argtypes = [ctypes.c_int, i64, i64]
+        lib.qgemv_x8_takes.restype = ctypes.c_int
+        self.qgemv_x8_takes = lib.qgemv_x8_takes
         # The AVX-512 GEMV exists in that build only.
         self.gemv512_bf16: Any = getattr(lib, "gemv512_bf16", None)
         self.gemv512_f32: Any = getattr(lib, "gemv512_f32", None)
@@ -324,28 +327,33 @@ def build_id() -> str | None:
     return _LIB_PATH.stem.removeprefix("cpu-kernels-")
 
 
-def set_int4_activations(mode: str) -> None:
-    """--cpu-int4-activations: "int8" multiplies 4-bit codes by x rounded to 8 bits per 128
-    features in decode batches (qgemv.c's qgemv_x8, up to int8_activation_rows() rows; none
-    where the build has AVX512-VNNI, whose exact paths are as fast), "int16" by x in 15 bits
-    (exact)."""
+def set_quantized_activations(mode: str) -> None:
+    """--cpu-quantized-activations: "int8" multiplies integer codes by x rounded to 8 bits per
+    block of at most 128 features in decode batches (qgemv.c's qgemv_x8, up to
+    int8_activation_rows() rows, the codes cpu_gemv.takes_int8_activations says: 8- and 4-bit
+    with AVX512-VNNI, 4-bit without), "int16" by x in 15 bits (exact)."""
     if mode not in ("int16", "int8"):
-        raise ValueError(f"cpu_int4_activations must be int16 or int8, not {mode!r}")
+        raise ValueError(f"cpu_quantized_activations must be int16 or int8, not {mode!r}")
     lib = load()
     if lib is not None:
         lib.qgemv_x8.value = int(mode == "int8")
 
 
 def int8_activation_rows() -> int:
-    """The most input rows --cpu-int4-activations int8 applies to here (0: none)."""
+    """The most input rows --cpu-quantized-activations int8 applies to here (0: none)."""
     lib = load()
     return lib.qgemv_x8_rows if lib is not None else 0
 
 
-def int4_activations() -> str:
-    """The mode set_int4_activations set ("int16" without kernels)."""
+def quantized_activations() -> str:
+    """The mode set_quantized_activations set ("int16" without kernels)."""
     lib = load()
     return "int8" if lib is not None and lib.qgemv_x8.value else "int16"
+
+
+# The old names (--cpu-int4-activations), kept for callers of this module.
+set_int4_activations = set_quantized_activations
+int4_activations = quantized_activations
 
 
 def isa() -> str | None:

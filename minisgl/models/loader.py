@@ -148,28 +148,32 @@ def iter_tensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str
 
 
 def _log_int8_activations(model: torch.nn.Module) -> None:
-    """Say whether --cpu-int4-activations int8 rounds any matmul's x: only 4-bit weights in
-    groups of 64 or more take it, so a model without them (8-bit, fp8, float, AWQ in groups
-    of 32) runs exactly as without the flag."""
+    """Say whether --cpu-quantized-activations int8 rounds any matmul's x: integer weights
+    the C kernels' 8-bit path takes (cpu_gemv.takes_int8_activations: with AVX512-VNNI 8- and
+    4-bit codes, without it 4-bit codes in groups of 64 or more), so a model without them
+    (fp8, float; 8-bit or AWQ in groups of 32 without VNNI) runs exactly as without the
+    flag."""
     rows = cpu_kernels.int8_activation_rows()
     if not rows:
         logger.info(
-            "--cpu-int4-activations int8 unused: this CPU multiplies 4-bit codes exactly at "
-            "the same speed (AVX512-VNNI)"
+            "--cpu-quantized-activations int8 unused: these CPU kernels have no 8-bit "
+            "activation path (an AVX-512 build without AVX512-VNNI); every matmul stays exact"
         )
         return
     weights = [m for m in model.modules() if isinstance(m, QuantWeight)]
     taken = sum(cpu_gemv.takes_int8_activations(w.view(0 if w.experts else None)) for w in weights)
+    vnni = cpu_gemv.takes_8_bit_codes()
+    which = "8- or 4-bit integer codes" if vnni else "4-bit codes in groups of 64 or more"
     if not taken:
         logger.warning(
-            "--cpu-int4-activations int8 unused: the model has no 4-bit weights in groups of "
-            "64 or more features, the only ones it applies to; every matmul stays exact"
+            f"--cpu-quantized-activations int8 unused: the model has no weights in {which}, "
+            "the only ones it applies to on this CPU; every matmul stays exact"
         )
         return
     logger.info(
-        f"4-bit weights in decode batches of up to {rows} rows: x rounded to 8 bits per 128 "
-        f"features (--cpu-int4-activations int8) in {taken} of {len(weights)} quantized "
-        "weights, not exact"
+        f"integer weights in decode batches of up to {rows} rows: x rounded to 8 bits per "
+        f"block of at most 128 features (--cpu-quantized-activations int8, {which}) in "
+        f"{taken} of {len(weights)} quantized weights, not exact"
     )
 
 
@@ -186,7 +190,7 @@ def load_model(
     quantization: str | None = None,
     cpu_weight_copies_max_gb: float = 0.0,
     lm_head_quantization: str = "auto",
-    cpu_int4_activations: str = "int16",
+    cpu_quantized_activations: str = "int16",
 ) -> Qwen3ForCausalLM:
     """Build the model for this rank on `device` (its class picked by config.json's
     `architectures`, see registry.py) and fill it from the checkpoint at `path`.
@@ -198,8 +202,8 @@ def load_model(
     (int8, int4, fp8) quantizes a float one as it streams in (see minisgl/quant/), and
     `lm_head_quantization` the LM head (auto: int8 under `quantization`, else as it is).
     Each weight is kept once (in the layout measured best over all row counts) unless
-    `cpu_weight_copies_max_gb` allows second layouts. `cpu_int4_activations` (int16, int8)
-    sets what 4-bit weights' CPU decode matmuls multiply their codes by (cpu_kernels).
+    `cpu_weight_copies_max_gb` allows second layouts. `cpu_quantized_activations` (int16,
+    int8) sets what integer weights' CPU decode matmuls multiply their codes by (cpu_kernels).
     """
     if cpu_weight_copies_max_gb < 0:
         raise ValueError(f"cpu_weight_copies_max_gb must be >= 0, not {cpu_weight_copies_max_gb}")
@@ -230,8 +234,8 @@ def load_model(
         logger.info(quant_loading.summary(model, layout.scheme, layout.head))
     quant_loading.for_device(model, device, dtype)
     if device.type == "cpu":
-        cpu_kernels.set_int4_activations(cpu_int4_activations)
-        if cpu_int4_activations == "int8" and tp_rank == 0:
+        cpu_kernels.set_quantized_activations(cpu_quantized_activations)
+        if cpu_quantized_activations == "int8" and tp_rank == 0:
             _log_int8_activations(model)
     if prepack and device.type == "cpu":
         model.prepack(cpu_kernel_tuning, int(cpu_weight_copies_max_gb * 2**30))

@@ -204,8 +204,8 @@ def regrouped_line(weights: list[Regrouped], scheme: QuantScheme) -> str:
     short = sorted({r.group for r in counts if r.group < 64})
     if scheme.bits == 4 and short:
         line += (
-            "; --cpu-int4-activations int8 takes 4-bit groups of 64 or more: those of "
-            f"{', '.join(map(str, short))} stay exact"
+            "; --cpu-quantized-activations int8 takes 4-bit groups of 64 or more without "
+            f"AVX512-VNNI: there those of {', '.join(map(str, short))} stay exact"
         )
     return line
 

@@ -98,7 +98,7 @@ def default_picks(
     tiles for codes of `kind` (cpu_gemv.kind; None: any integer codes) and x of `x_dtype`
     (fp8 codes: bf16 x only), else qgemv; then the panel on AMX tiles where this build and CPU
     have them (it runs the fp32 panel for fp32 x), else the fp32 panel. `x8` (4-bit weights
-    under --cpu-int4-activations int8): qgemv, which then rounds x, for every row count it
+    under --cpu-quantized-activations int8): qgemv, which then rounds x, for every row count it
     rounds x in (0.65-0.86x the fp32 panel's time at 17-64 rows on an AVX2 EPYC VM). Where the
     bf16 panel runs on AVX512-BF16 without AMX, fp8 and 4-bit codes take it for fewer rows
     (see below)."""
@@ -116,7 +116,7 @@ def default_picks(
     # the GEMV's VPDPBUSD up to `small` (1 thread, CPU time, Qwen3-0.6B shapes: fp8 at 8 rows
     # 1.3-1.6x, 4-bit at 16 rows 1.2-1.3x faster than qgemv).
     panel_from = None
-    if lib is not None and lib.qamx and not lib.qamxi and x_dtype == torch.bfloat16:
+    if lib is not None and lib.qamx and not lib.qamxi and x_dtype == torch.bfloat16 and not x8:
         panel_from = {"fp8": 5, "u4": 9}.get(kind or "")
     return tuple(
         ("qgemv" if last == 1 else few)
@@ -135,7 +135,7 @@ def machine_key() -> MachineKey:
     model, flags = cpu_build.cpu_info()
     kernels = cpu_kernels.build_id() or "none"
     rules = f"quant:{kernel_choice.policy(CANDIDATES)};confirm {_CONFIRM_REPEATS}"
-    if cpu_kernels.int4_activations() == "int8":  # 4-bit decode timings differ
+    if cpu_kernels.quantized_activations() == "int8":  # integer decode timings differ
         rules += ":x8"
     return MachineKey.of(model, flags, torch.__version__, torch.get_num_threads(), kernels, rules)
 
@@ -150,7 +150,8 @@ def choose(
         return None
     if tuning not in kernel_choice.MODES:
         raise ValueError(f"cpu_kernel_tuning must be one of {kernel_choice.MODES}, not {tuning!r}")
-    x8 = cpu_kernels.int4_activations() == "int8" and cpu_gemv.takes_int8_activations(weights[0])
+    x8 = cpu_kernels.quantized_activations() == "int8"
+    x8 = x8 and cpu_gemv.takes_int8_activations(weights[0])
     defaults = default_picks(cpu_gemv.kind(weights[0]), x_dtype, x8)
     if tuning == "off":
         return defaults, "defaults"

@@ -51,12 +51,21 @@ def usable(x: torch.Tensor, w: QTensor) -> bool:
 
 
 def takes_int8_activations(w: QTensor) -> bool:
-    """Whether --cpu-int4-activations int8 can round x for w: 4-bit codes the C kernels run
-    in groups of 64 or more features (qgemv.c's qgemv_x8; groups of 32 and scattered groups
-    stay exact)."""
+    """Whether --cpu-quantized-activations int8 can round x for w: integer codes whose groups
+    the C kernels' 8-bit path takes (qgemv.c's qgemv_x8_takes: with AVX512-VNNI 8- and 4-bit
+    codes in groups of 32, 64 or a multiple of a step; without it 4-bit codes in groups of 64
+    or more); fp8 codes and scattered groups (desc_act) stay exact."""
+    lib = cpu_kernels.load()
+    if lib is None or kind(w) == "fp8" or w.g_idx is not None:
+        return False
     k = w.in_features
-    gs = w.group_size or k
-    return kind(w) == "u4" and w.g_idx is None and k % gs == 0 and gs % 64 == 0
+    return bool(lib.qgemv_x8_takes(w.bits, k, w.group_size or k))
+
+
+def takes_8_bit_codes() -> bool:
+    """Whether --cpu-quantized-activations int8 takes 8-bit codes here (AVX512-VNNI builds)."""
+    lib = cpu_kernels.load()
+    return lib is not None and bool(lib.qgemv_x8_takes(8, 1024, 1024))
 
 
 def _lib_qgemv() -> dict:

@@ -109,9 +109,9 @@ def weights_info(
     lm_head_quantization: str = "auto",
 ) -> dict:
     """What /metrics' model info says of the weights: the layers' format ("none" unquantized),
-    the LM head's ("none" float: a float model's head may be quantized alone), whether 4-bit
-    weights multiply x rounded to 8 bits ("int8", --cpu-int4-activations int8 where it takes
-    any weight) or as it is ("exact"), and the bytes this rank holds (quantized codes and
+    the LM head's ("none" float: a float model's head may be quantized alone), whether integer
+    weights multiply x rounded to 8 bits ("int8", --cpu-quantized-activations int8 where it
+    takes any weight) or as it is ("exact"), and the bytes this rank holds (quantized codes and
     scales plus the float tensors)."""
     quantized, _, other = weight_bytes(model)
     name = format_name(
@@ -133,12 +133,12 @@ def _head_quantized(model: torch.nn.Module) -> bool:
 
 
 def _activations(model: torch.nn.Module) -> str:
-    """What 4-bit weights multiply: x rounded to 8 bits ("int8": --cpu-int4-activations int8
-    on a build without AVX512-VNNI, with 4-bit weights in groups of 64 or more) or "exact"."""
+    """What integer weights multiply: x rounded to 8 bits ("int8": --cpu-quantized-activations
+    int8 with weights it takes, cpu_gemv.takes_int8_activations) or "exact"."""
     weights = [m for m in model.modules() if isinstance(m, QuantWeight)]
     if not weights or any(w.codes.device.type == "cuda" for w in weights):
         return "exact"  # float weights, or a GPU's (the flag is for the CPU kernels)
-    if cpu_kernels.int4_activations() != "int8" or not cpu_kernels.int8_activation_rows():
+    if cpu_kernels.quantized_activations() != "int8" or not cpu_kernels.int8_activation_rows():
         return "exact"
     views = (w.view(0 if w.experts else None) for w in weights)
     return "int8" if any(cpu_gemv.takes_int8_activations(v) for v in views) else "exact"

@@ -16,6 +16,7 @@ from quant_parity import MAX_TOKENS, assert_agree, greedy, prompts, source
 
 from minisgl import LLM, SamplingParams
 from minisgl.layers import cpu_kernels
+from minisgl.quant import cpu_gemv
 from minisgl.quant.qtensor import dequantize
 from minisgl.quant.quantize import quantize
 from minisgl.quant.scheme import head_scheme, load_scheme
@@ -25,7 +26,7 @@ from minisgl.testing.quant_writer import LINEAR, QuantFormat, write_quantized_pa
 
 pytestmark = pytest.mark.timeout(300)
 HIDDEN = 128  # the "quant" preset's
-# Logprob gap under which x in 8 bits (--cpu-int4-activations int8) may pick the other of two
+# Logprob gap under which x in 8 bits (--cpu-quantized-activations int8) may pick the other of two
 # candidates: its rounding moved this random model's top-two gaps by up to 0.57 (measured; its
 # logits are larger than a trained model's).
 X8_TIE = 1.0
@@ -154,7 +155,7 @@ def test_a_quantized_checkpoint_refuses_the_flag(tmp_path: Path) -> None:
 
 def _one_at_a_time(path: Path, **flags: str) -> tuple[list[list[int]], list[list[float]]]:
     """Each prompt alone (its prefill and decode steps within the 64 rows
-    --cpu-int4-activations int8 takes): its greedy tokens and their top-two logprob gaps."""
+    --cpu-quantized-activations int8 takes): its greedy tokens and their top-two logprob gaps."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     tokens: list[list[int]] = []
     gaps: list[list[float]] = []
@@ -169,33 +170,39 @@ def _one_at_a_time(path: Path, **flags: str) -> tuple[list[list[int]], list[list
                     assert step.error is None, step.error
                     tokens[-1] += step.new_token_ids
                     gaps[-1] += [top[0] - top[1] for top in step.logprobs.top_logprobs]
-        assert cpu_kernels.int4_activations() == flags.get("cpu_int4_activations", "int16")
+        assert cpu_kernels.quantized_activations() == flags.get(
+            "cpu_quantized_activations", "int16"
+        )
     return tokens, gaps
 
 
-def test_int4_with_activations_in_8_bits_keeps_the_tokens_but_near_ties(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_activations_in_8_bits_keep_the_tokens_but_near_ties(
+    method: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """--cpu-int4-activations int8 rounds x to 8 bits per 128 features in 4-bit weights'
-    matmuls of up to 64 rows: not exact, so a token may differ from the dequantized twin's
-    where the twin's top two candidates nearly tie, and nowhere else; the start-up log says
-    so."""
+    """--cpu-quantized-activations int8 rounds x to 8 bits per block of at most 128 features
+    in integer weights' matmuls of up to 64 rows (4-bit everywhere, 8-bit with AVX512-VNNI):
+    not exact, so a token may differ from the dequantized twin's where the twin's top two
+    candidates nearly tie, and nowhere else; the start-up log says so."""
     caplog.set_level(logging.INFO, logger="minisgl.models.loader")
-    reference, gaps = _one_at_a_time(_twin("int4", tmp_path / "twin"))
+    reference, gaps = _one_at_a_time(_twin(method, tmp_path / "twin"))
     try:
         ours, our_gaps = _one_at_a_time(
-            source("quant"), quantization="int4", cpu_int4_activations="int8"
+            source("quant"), quantization=method, cpu_quantized_activations="int8"
         )
     finally:
-        cpu_kernels.set_int4_activations("int16")
+        cpu_kernels.set_quantized_activations("int16")
+    rounds = cpu_kernels.int8_activation_rows() and (
+        method == "int4" or cpu_gemv.takes_8_bit_codes()
+    )
     for want, got, gap, our_gap in zip(reference, ours, gaps, our_gaps, strict=True):
         j = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), None)
         assert j is None or gap[j] <= X8_TIE, (j, want, got, gap)
         assert len(got) == MAX_TOKENS
         same = len(want) if j is None else j  # the gaps of the same tokens moved by little
         assert all(abs(a - b) <= X8_TIE for a, b in zip(gap[:same], our_gap[:same]))
-    if cpu_kernels.int8_activation_rows():
+    if rounds:
         assert our_gaps != gaps  # x was rounded: the switch took effect
-    else:  # AVX512-VNNI (or no C kernels): the exact paths run, the flag changes nothing
+    else:  # 8-bit codes without VNNI (or no C kernels): exact paths, the flag changes nothing
         assert ours == reference
-    assert any("--cpu-int4-activations int8" in r.getMessage() for r in caplog.records)
+    assert any("--cpu-quantized-activations int8" in r.getMessage() for r in caplog.records)

@@ -1,5 +1,5 @@
 """Quantized models under the flags users combine them with: what the start-up log says of
---cpu-int4-activations int8 matches what the matmuls do."""
+--cpu-quantized-activations int8 matches what the matmuls do."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from minisgl import LLM, SamplingParams
 from minisgl.layers import cpu_kernels
 from minisgl.layers.kernel_choice import BUCKETS
-from minisgl.quant import cpu_choice
+from minisgl.quant import cpu_choice, cpu_gemv
 from minisgl.quant.attach import _holder
 from minisgl.quant.quantize import quantize
 from minisgl.quant.scheme import load_scheme
@@ -22,7 +22,7 @@ from minisgl.testing.quant_writer import QuantFormat, write_quantized_pair
 
 pytestmark = pytest.mark.timeout(300)
 ROUNDED = "x rounded to 8 bits"
-UNUSED = "--cpu-int4-activations int8 unused"
+UNUSED = "--cpu-quantized-activations int8 unused"
 _REQUEST_IDS = itertools.count()
 
 
@@ -33,7 +33,7 @@ def quant_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _x8_log(path: Path, caplog: pytest.LogCaptureFixture, **flags: str) -> str:
-    """The loader's log lines of a model loaded with --cpu-int4-activations int8."""
+    """The loader's log lines of a model loaded with --cpu-quantized-activations int8."""
     caplog.clear()
     caplog.set_level(logging.INFO, logger="minisgl.models.loader")
     try:
@@ -42,37 +42,50 @@ def _x8_log(path: Path, caplog: pytest.LogCaptureFixture, **flags: str) -> str:
             dtype="float32",
             num_pages=16,
             cpu_kernel_tuning="off",
-            cpu_int4_activations="int8",
+            cpu_quantized_activations="int8",
             **flags,
         ):
             pass
     finally:
-        cpu_kernels.set_int4_activations("int16")
+        cpu_kernels.set_quantized_activations("int16")
     return "\n".join(r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8", None])
-def test_int8_activations_without_4_bit_weights_are_said_unused(
+def test_int8_activations_without_weights_they_take_are_said_unused(
     method: str | None, quant_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # 8-bit, fp8 and float weights: no matmul rounds x, so the log must not say one does.
-    log = _x8_log(quant_dir, caplog, **({"quantization": method} if method else {}))
+    # fp8 and float weights (and 8-bit ones without AVX512-VNNI): no matmul rounds x, so the
+    # log must not say one does; with VNNI 8-bit weights are rounded, and the log says so.
+    # (fp8 with its float head: under --quantization the head is int8 by default.)
+    flags = {"quantization": method} if method else {}
+    if method == "fp8":
+        flags["lm_head_quantization"] = "none"
+    log = _x8_log(quant_dir, caplog, **flags)
+    if method == "int8" and cpu_gemv.takes_8_bit_codes():
+        assert ROUNDED in log and UNUSED not in log
+        assert "8- or 4-bit integer codes" in log
+        return
     assert ROUNDED not in log
     assert UNUSED in log
     if cpu_kernels.int8_activation_rows():
-        assert "no 4-bit weights" in log
+        assert "the model has no weights in" in log
 
 
-def test_int8_activations_skip_4_bit_groups_of_32(
+def test_int8_activations_and_4_bit_groups_of_32(
     quant_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # AWQ in groups of 32: the 8-bit activation kernel takes groups of 64 or more only.
+    # AWQ in groups of 32: without AVX512-VNNI the 8-bit activation kernel takes groups of 64
+    # or more only; with it (a scale per lane) groups of 32 too.
     write_quantized_pair(
         quant_dir, tmp_path / "q", tmp_path / "t", QuantFormat("awq", group_size=32)
     )
     log = _x8_log(tmp_path / "q", caplog)
-    assert ROUNDED not in log
-    assert UNUSED in log
+    if cpu_gemv.takes_8_bit_codes():
+        assert ROUNDED in log and UNUSED not in log
+    else:
+        assert ROUNDED not in log
+        assert UNUSED in log
 
 
 @pytest.mark.parametrize("flags", [{"quantization": "int4"}, {"lm_head_quantization": "int4"}])
@@ -101,14 +114,14 @@ def _greedy_logprobs(llm: LLM, ids: list[int]) -> list[float]:
 
 
 def test_two_models_in_one_process_keep_their_own_int4_activations(quant_dir: Path) -> None:
-    """--cpu-int4-activations is a switch of the C kernels, one per process: a second LLM
+    """--cpu-quantized-activations is a switch of the C kernels, one per process: a second LLM
     loaded with the exact path must not turn the first one's 8-bit activations off (nor the
     other way round)."""
     ids = [11, 4021, 883, 17, 9, 12001, 64, 3]
     path = str(quant_dir)
     flags = {"dtype": "float32", "num_pages": 16, "cpu_kernel_tuning": "off"}
     try:
-        with LLM(path, quantization="int4", cpu_int4_activations="int8", **flags) as x8:
+        with LLM(path, quantization="int4", cpu_quantized_activations="int8", **flags) as x8:
             before = _greedy_logprobs(x8, ids)
             with LLM(path, quantization="int4", **flags) as exact:
                 exact_lp = _greedy_logprobs(exact, ids)
@@ -117,7 +130,7 @@ def test_two_models_in_one_process_keep_their_own_int4_activations(quant_dir: Pa
             if cpu_kernels.int8_activation_rows():
                 assert before != exact_lp  # the two modes differ here, so the check bites
     finally:
-        cpu_kernels.set_int4_activations("int16")
+        cpu_kernels.set_quantized_activations("int16")
 
 
 def test_a_tp_split_inside_an_at_load_group_names_the_flag() -> None:
@@ -132,17 +145,17 @@ def test_a_tp_split_inside_an_at_load_group_names_the_flag() -> None:
 
 def test_untuned_picks_run_8_bit_activations_in_every_row_count_they_take() -> None:
     """Untuned (--cpu-kernel-tuning off, or timings too disturbed to keep), 4-bit weights under
-    --cpu-int4-activations int8 run qgemv, the kernel that rounds x, for every row count the
+    --cpu-quantized-activations int8 run qgemv, the kernel that rounds x, for every row count the
     flag takes (up to 64): the fp32 panel from 17 rows left the flag unused in decode batches
     of 17-64 (and slower: qgemv with 8-bit x took 0.65-0.86x the panel's time there on the
     AVX2 EPYC VM, 1 thread)."""
     w = quantize(torch.randn(256, 256) * 0.02, load_scheme("int4"))
     rows = cpu_kernels.int8_activation_rows()
     try:
-        cpu_kernels.set_int4_activations("int8")
+        cpu_kernels.set_quantized_activations("int8")
         picks = cpu_choice.choose([w], torch.float32, "off")
     finally:
-        cpu_kernels.set_int4_activations("int16")
+        cpu_kernels.set_quantized_activations("int16")
     exact = cpu_choice.choose([w], torch.float32, "off")
     assert picks is not None and exact is not None
     for (first, last), pick, exact_pick in zip(BUCKETS, picks[0], exact[0], strict=True):
@@ -150,11 +163,18 @@ def test_untuned_picks_run_8_bit_activations_in_every_row_count_they_take() -> N
             assert pick == "qgemv", (first, last, picks)
         else:  # beyond the flag's rows: the exact path's picks
             assert pick == exact_pick
-    # int8 codes are not 4-bit: their picks stay the exact path's
+    # int8 codes: with AVX512-VNNI the same (qgemv for every row count the flag takes),
+    # without it their picks stay the exact path's
     w8 = quantize(torch.randn(256, 256) * 0.02, load_scheme("int8"))
     try:
-        cpu_kernels.set_int4_activations("int8")
+        cpu_kernels.set_quantized_activations("int8")
         picks8 = cpu_choice.choose([w8], torch.float32, "off")
     finally:
-        cpu_kernels.set_int4_activations("int16")
-    assert picks8 == cpu_choice.choose([w8], torch.float32, "off")
+        cpu_kernels.set_quantized_activations("int16")
+    exact8 = cpu_choice.choose([w8], torch.float32, "off")
+    assert picks8 is not None and exact8 is not None
+    if not cpu_gemv.takes_8_bit_codes():
+        assert picks8 == exact8
+        return
+    for (_first, last), pick, exact_pick in zip(BUCKETS, picks8[0], exact8[0], strict=True):
+        assert pick == ("qgemv" if last is not None and last <= rows else exact_pick)

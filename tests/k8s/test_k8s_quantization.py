@@ -64,3 +64,16 @@ def test_unknown_lm_head_quantization_and_extra_args_are_refused() -> None:
     with pytest.raises(SpecError, match="may not set --lm-head-quantization"):
         extra = ["--lm-head-quantization", "none"]
         plan(owner({"model": "m", "engine": {"extraArgs": extra}}), Cluster())
+
+
+@pytest.mark.parametrize("flag", ["--cpu-quantized-activations", "--cpu-int4-activations"])
+def test_quantized_activations_reach_the_pod_through_extra_args(flag: str) -> None:
+    """--cpu-quantized-activations (and its old name) has no spec field: engine.extraArgs
+    carries it to the pod, where it sets the one config field; a value the engine does not
+    take is refused when the ModelServer is planned, not by a crashing pod."""
+    spec = {"model": "Qwen/Qwen3-8B", "engine": {"quantization": "int8",
+                                                 "extraArgs": [flag, "int8"]}}  # fmt: skip
+    assert flags(make(spec)).cpu_quantized_activations == "int8"
+    with pytest.raises(SpecError, match="engine flags rejected"):
+        bad = {"model": "m", "engine": {"extraArgs": [flag, "int4"]}}
+        plan(owner(bad), Cluster())

@@ -1,6 +1,6 @@
 """minisgl_model_info's labels for what the scheduler loaded (weights_info): the layers'
-format, the LM head's (a float model's head can be quantized alone) and whether 4-bit weights
-round their input to 8 bits (--cpu-int4-activations int8)."""
+format, the LM head's (a float model's head can be quantized alone) and whether integer weights
+round their input to 8 bits (--cpu-quantized-activations int8)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from minisgl import LLM
 from minisgl.layers import cpu_kernels
 from minisgl.metrics import ServerMetrics
 from minisgl.metrics import names as n
+from minisgl.quant import cpu_gemv
 from minisgl.quant.loading import weights_info
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,7 +31,7 @@ def quant_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(autouse=True)
 def exact_activations_after() -> Iterator[None]:
     yield
-    cpu_kernels.set_int4_activations("int16")  # process-wide: the next test starts exact
+    cpu_kernels.set_quantized_activations("int16")  # process-wide: the next test starts exact
 
 
 def _info(path: Path, **flags: str) -> dict:
@@ -59,17 +60,19 @@ def test_a_float_model_with_only_its_head_quantized_says_so(tiny_model_dir: Path
 
 
 def test_int4_says_its_head_and_whether_activations_are_rounded(quant_model_dir: Path) -> None:
-    info = _info(quant_model_dir, quantization="int4", cpu_int4_activations="int8")
+    info = _info(quant_model_dir, quantization="int4", cpu_quantized_activations="int8")
     assert (info["quantization"], info["lm_head"]) == ("int4", "int8")  # auto head: int8
-    # A build with AVX512-VNNI multiplies 4-bit codes exactly at the same speed: no rounding.
     assert info["activations"] == ("int8" if cpu_kernels.int8_activation_rows() else "exact")
     exact = _info(quant_model_dir, quantization="int4", lm_head_quantization="none")
     assert (exact["lm_head"], exact["activations"]) == ("none", "exact")
 
 
-def test_int8_activations_leave_8_bit_weights_exact(quant_model_dir: Path) -> None:
+def test_int8_activations_round_8_bit_weights_where_vnni_takes_them(quant_model_dir: Path) -> None:
+    # With AVX512-VNNI 8-bit codes take x in 8 bits too; without it they stay exact. The old
+    # keyword (--cpu-int4-activations) still sets it.
     info = _info(quant_model_dir, quantization="int8", cpu_int4_activations="int8")
-    assert (info["quantization"], info["activations"]) == ("int8", "exact")
+    rounded = "int8" if cpu_gemv.takes_8_bit_codes() else "exact"
+    assert (info["quantization"], info["activations"]) == ("int8", rounded)
 
 
 def test_the_info_gauge_carries_the_labels() -> None:

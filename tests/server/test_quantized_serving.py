@@ -1,5 +1,6 @@
 """A model quantized at load served as users combine it: --quantization int4 with 8-bit
-activations (--cpu-int4-activations int8), two tensor-parallel ranks, ngram speculative
+activations (--cpu-quantized-activations int8, given by its old name --cpu-int4-activations),
+two tensor-parallel ranks, ngram speculative
 decoding and prefill chunks of at most 32 tokens (so long prompts are chunked and the chunks
 take the 8-bit path too). The start-up log and /metrics state the format; greedy tokens stay
 those of the exact path but for near ties; a burst of n > 1, logprobs, structured output and
@@ -89,7 +90,7 @@ def _reference(
                         lps[-1] += [top[0] for top in step.logprobs.top_logprobs]
                         gaps[-1] += [top[0] - top[1] for top in step.logprobs.top_logprobs]
     finally:
-        cpu_kernels.set_int4_activations("int16")
+        cpu_kernels.set_quantized_activations("int16")
     return tokens, lps, gaps
 
 
@@ -97,9 +98,9 @@ def test_start_up_log_and_metrics_state_the_format(server: ServerProcess) -> Non
     logs = server.logs()
     assert "weights: int4 4-bit, group 128" in logs
     if cpu_kernels.int8_activation_rows():
-        assert "x rounded to 8 bits" in logs and "--cpu-int4-activations int8" in logs
-    else:  # AVX512-VNNI: 4-bit codes are multiplied exactly at the same speed
-        assert "--cpu-int4-activations int8 unused: this CPU multiplies" in logs
+        assert "x rounded to 8 bits" in logs and "--cpu-quantized-activations int8" in logs
+    else:  # an AVX-512 build without VNNI: no 8-bit activation path
+        assert "--cpu-quantized-activations int8 unused: these CPU kernels" in logs
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
     labels = samples["minisgl_model_info"].labels
@@ -114,7 +115,7 @@ def test_greedy_tokens_stay_the_exact_paths_but_near_ties(
     (its prefill, which speculation leaves alone) has the logprob of one rank with 8-bit
     activations, not the exact path's: both ranks round x."""
     reference, exact_lps, gaps = _reference(quant_model_dir)
-    _, x8_lps, _ = _reference(quant_model_dir, cpu_int4_activations="int8")
+    _, x8_lps, _ = _reference(quant_model_dir, cpu_quantized_activations="int8")
     texts = TokenTexts(hf_tokenizer)
     moved = 0.0
     with httpx.Client(base_url=server.url, timeout=120) as c:

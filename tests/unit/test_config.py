@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from minisgl.config import ServerArgs, parse_server_args
+from minisgl.config import ServerArgs, parse_server_args, to_cli_args
 
 
 def test_full_flag_names_parse() -> None:
@@ -36,8 +36,12 @@ def test_help_lists_every_flag_even_with_a_percent_in_its_text() -> None:
     text = build_parser().format_help()
     for f in dataclasses.fields(ServerArgs):
         assert flag_name(f.name) in text, f.name
-    assert "--cpu-int4-activations {int16,int8}" in text
-    assert (
-        parse_server_args(["--model", "m", "--cpu-int4-activations", "int8"]).cpu_int4_activations
-        == "int8"
-    )
+    # --cpu-quantized-activations, and its old name --cpu-int4-activations, one field
+    assert "--cpu-quantized-activations {int16,int8}, --cpu-int4-activations {int16,int8}" in text
+    for flag in ("--cpu-quantized-activations", "--cpu-int4-activations"):
+        args = parse_server_args(["--model", "m", flag, "int8"])
+        assert args.cpu_quantized_activations == "int8"
+        assert to_cli_args(args)[-2:] == ["--cpu-quantized-activations", "int8"]
+    assert parse_server_args(["--model", "m"]).cpu_quantized_activations == "int16"
+    with pytest.raises(SystemExit):
+        parse_server_args(["--model", "m", "--cpu-int4-activations", "int4"])

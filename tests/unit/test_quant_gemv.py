@@ -400,8 +400,58 @@ def test_integer_rows_sum_alike_at_every_batch_size(bits: int, k: int, group: in
                 assert torch.equal(y, one[:rows]), (dtype, rows)
 
 
+def _x8_chunk(bits: int, k: int, gs: int) -> int:
+    """The features a chunk of the AVX512-VNNI 8-bit activation path spans (qgemv.c's
+    bytes_chunks): a step (64 features for 8-bit codes, 128 for 4-bit) where groups are
+    shorter, else a group's equal parts of whole steps, at most 1024 features."""
+    step = 64 if bits == 8 else 128
+    if gs < step:
+        return step
+    n = -(-gs // 1024)
+    while gs % n or (gs // n) % step:
+        n += 1
+    return gs // n
+
+
+def _exact_x8v(
+    x: torch.Tensor, q: torch.Tensor, w: QTensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x @ w.T as --cpu-quantized-activations int8 computes it with AVX512-VNNI: x rounded to
+    8 bits per block of features (max|x| / 127, round to nearest even, the same fp32
+    operations), a block being the features one lane of the kernel's 16 sums holds over a
+    chunk (8-bit codes: features 4l..4l+3 of each 64, 4-bit: 8l..8l+7 of each 128, l the
+    lane), every integer sum exact (float64); the size of the terms summed; and each
+    feature's rounding bound (half its block's step)."""
+    n, k = q.shape
+    gs = w.group_size or k
+    step_f = 64 if w.bits == 8 else 128
+    chunk = _x8_chunk(w.bits, k, gs)
+    f = torch.arange(k)
+    block = (f // chunk) * 16 + (f % step_f) // (step_f // 16)
+    order = torch.argsort(block, stable=True)  # each block's features contiguous
+    per = k // (16 * (k // chunk))
+    xb = x.float()[:, order].view(x.shape[0], -1, per)
+    step = xb.abs().amax(-1, keepdim=True) / 127
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    xq = torch.round(xb * (1 / step)).clamp(-127, 127).double()  # [rows, blocks, per]
+    codes = q.double()[:, order].view(n, -1, per)
+    steps = step.double().squeeze(-1).unsqueeze(1)  # [rows, 1, blocks]
+    group = order.view(-1, per)[:, 0] // gs  # each block's group
+    scale = w.scales.double()[:, group]  # [n, blocks]
+    sums = (xq.unsqueeze(1) * codes).sum(-1) * steps
+    y = (scale * sums).sum(-1)
+    terms = (scale.abs() * (xq.abs().unsqueeze(1) * codes).sum(-1) * steps).sum(-1)
+    if w.zeros is not None:
+        zero = w.zeros.double()[:, group] * (xq.sum(-1).unsqueeze(1) * steps)
+        y = y - (scale * zero).sum(-1)
+        terms = terms + (scale.abs() * zero.abs()).sum(-1)
+    half = torch.empty(x.shape[0], k)
+    half[:, order] = (step / 2).expand_as(xb).reshape(x.shape[0], k)
+    return y, terms, half
+
+
 def _exact_x8(x: torch.Tensor, q: torch.Tensor, w: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x @ w.T as --cpu-int4-activations int8 computes it: x rounded to 8 bits per block of
+    """x @ w.T as --cpu-quantized-activations int8 computes it without AVX512-VNNI: x rounded to 8 bits per block of
     128 features (64 where groups are 64 long; max|x| / 127, the same fp32 operations, round
     to nearest even), every integer sum exact (float64); and the size of the terms summed."""
     n, k = q.shape
@@ -428,12 +478,12 @@ def _exact_x8(x: torch.Tensor, q: torch.Tensor, w: QTensor) -> tuple[torch.Tenso
 
 @pytest.mark.parametrize("k, group", [(1536, 0), (1024, 64), (1152, 128), (1024, 256)])
 def test_int4_against_x_in_8_bits(k: int, group: int) -> None:
-    """--cpu-int4-activations int8 (qgemv_x8): x against 4-bit codes in decode batches (1 to
+    """--cpu-quantized-activations int8 (qgemv_x8): x against 4-bit codes in decode batches (1 to
     64 rows) is x rounded to 8 bits per 128 features (64 in groups of 64), times the codes,
     summed exactly: the same result as that reference but for fp32 roundings, and within x's
     rounding (half a step a feature) of the float matmul. Prefill (more rows) and the switch
-    off: exact to 15-bit x as before. Where the build has AVX512-VNNI the switch takes no
-    row (its exact paths are as fast): exact throughout."""
+    off: exact to 15-bit x as before. Where the build has AVX512-VNNI x's blocks are those of
+    its lanes (_exact_x8v), groups of 32 included."""
     g = torch.Generator().manual_seed(k + group)
     n = 37
     q = torch.randint(0, 16, (n, k), generator=g)
@@ -448,32 +498,100 @@ def test_int4_against_x_in_8_bits(k: int, group: int) -> None:
     x[:, 128:256] = 0.0  # an all-zero block
     deq = dequantize(w, torch.float32)
     most = cpu_kernels.int8_activation_rows()
-    assert most == (0 if cpu_kernels.isa() == "avx512" and "avx512_vnni" in _flags() else 64)
-    cpu_kernels.set_int4_activations("int8")
+    vnni = cpu_kernels.isa() == "avx512" and "avx512_vnni" in _flags()
+    assert most == 64
+    assert cpu_gemv.takes_8_bit_codes() == vnni
+
+    def reference(xr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _exact_x8v(xr, q, w)[:2] if vnni else _exact_x8(xr, q, w)
+
+    cpu_kernels.set_quantized_activations("int8")
     try:
         for dtype in (torch.float32, torch.bfloat16):
             xd = x.to(dtype)
             one = cpu_gemv.qgemv(xd[:1], w, torch.float32).double()
-            if most:
-                ref, terms = _exact_x8(xd[:1], q, w)
-                assert bool(((one - ref).abs() <= 1e-5 * terms).all()), dtype
+            ref, terms = reference(xd[:1])
+            assert bool(((one - ref).abs() <= 1e-5 * terms).all()), dtype
+            if vnni:
+                half = _exact_x8v(xd[:1], q, w)[2]
+            else:
                 blocks = xd[:1].float().view(1, -1, 128 if (group or k) % 128 == 0 else 64)
                 half = (blocks.abs().amax(-1, keepdim=True) / 254).expand_as(blocks)
-                rounding = F.linear(half.reshape(1, k), deq.abs()).double()
-                exact = F.linear(xd[:1].float(), deq).double()
-                assert bool(((one - exact).abs() <= rounding * 1.001 + 1e-4).all()), dtype
-                assert not torch.equal(one, exact)  # x was rounded: the switch took effect
+            rounding = F.linear(half.reshape(1, k), deq.abs()).double()
+            exact = F.linear(xd[:1].float(), deq).double()
+            assert bool(((one - exact).abs() <= rounding * 1.001 + 1e-4).all()), dtype
+            assert not torch.equal(one, exact)  # x was rounded: the switch took effect
             for rows in (1, 2, 3, 16, 64, 65):  # in pairs; past 64 rows exact
                 xr = xd.repeat(-(-rows // 3), 1)[:rows]
                 got = cpu_gemv.qgemv(xr, w, torch.float32).double()
-                ref, terms = _exact_x8(xr, q, w) if rows <= most else _exact(xr, q, w)
+                ref, terms = reference(xr) if rows <= most else _exact(xr, q, w)
                 assert bool(((got - ref).abs() <= 1e-5 * terms).all()), (dtype, rows)
     finally:
-        cpu_kernels.set_int4_activations("int16")
-    assert cpu_kernels.int4_activations() == "int16"
+        cpu_kernels.set_quantized_activations("int16")
+    assert cpu_kernels.quantized_activations() == "int16"
     ref16, terms16 = _exact(x[:1], q, w)
     off = cpu_gemv.qgemv(x[:1], w, torch.float32).double()
     assert bool(((off - ref16).abs() <= 1e-5 * terms16).all())
+
+
+@pytest.mark.parametrize(
+    "k, group, zeros",
+    [(1024, 0, False), (3072, 0, False), (1536, 0, True), (1024, 128, True), (1024, 32, True)],
+)
+def test_int8_weights_against_x_in_8_bits(k: int, group: int, zeros: bool) -> None:
+    """--cpu-quantized-activations int8 on 8-bit weights (--quantization int8: per channel,
+    zero point 128; 8-bit GPTQ: groups, zero points): with AVX512-VNNI, 1 to 16 rows of x (and
+    64) are x rounded to 8 bits per block of at most 64 features (_exact_x8v) times the codes,
+    summed exactly: within fp32 roundings of that reference, and within x's rounding (half a
+    step a feature) of the float matmul; each row's result the same bits whatever rows are
+    batched with it. Without VNNI 8-bit codes stay exact (the switch does not take them)."""
+    g = torch.Generator().manual_seed(k + group)
+    n = 45
+    q = torch.randint(0, 256, (n, k), generator=g)
+    q[0], q[1, : k // 2] = 255, 0
+    groups = k // group if group else 1
+    zero = (
+        torch.randint(0, 256, (n, groups), generator=g) if zeros else torch.full((n, groups), 128)
+    ).to(torch.uint8)
+    w = QTensor(q.to(torch.uint8), torch.rand(n, groups, generator=g) * 1e-2, zero, None, 8,
+                group, k)  # fmt: skip
+    deq = dequantize(w, torch.float32).double()
+    x = torch.randn(16, k, generator=g)
+    x[:, ::7], x[:, 3::11] = 3.0, -3.0  # codes +-127
+    x[:, 64:128] = 0.0  # all-zero blocks
+    x[3, 200] = 40.0  # an outlier: its block alone is coarser
+    takes = cpu_gemv.takes_int8_activations(w)
+    assert takes == cpu_gemv.takes_8_bit_codes()
+    cpu_kernels.set_quantized_activations("int8")
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            alone = [cpu_gemv.qgemv(xd[i : i + 1], w, torch.float32) for i in range(16)]
+            for rows in range(1, 17):
+                got = cpu_gemv.qgemv(xd[:rows], w, torch.float32)
+                for i in range(rows):  # batch independence: bit for bit
+                    assert torch.equal(got[i], alone[i][0]), (dtype, rows, i)
+            got = torch.cat(alone).double()
+            float_ref = xd.double() @ deq.T
+            if not takes:
+                ref, terms = _exact(xd, q, w)
+                assert bool(((got - ref).abs() <= 1e-5 * terms).all()), dtype
+                continue
+            ref, terms, half = _exact_x8v(xd, q, w)
+            assert bool(((got - ref).abs() <= 1e-5 * terms).all()), dtype
+            rounding = half.double() @ deq.abs().T
+            assert bool(((got - float_ref).abs() <= rounding * 1.001 + 1e-5).all()), dtype
+            assert not torch.equal(got, _exact(xd, q, w)[0].float().double())
+            # half a percent of the terms' size: the tolerance docs/models.md states
+            size = xd.double().abs() @ deq.abs().T
+            assert bool(((got - float_ref).abs() <= 5e-3 * size).all()), dtype
+            for rows in (64, 65):  # 64 rows rounded; past 64 (prefill) exact again
+                xr = xd.repeat(rows // 16 + 1, 1)[:rows]
+                y = cpu_gemv.qgemv(xr, w, torch.float32).double()
+                ref, terms = _exact_x8v(xr, q, w)[:2] if rows <= 64 else _exact(xr, q, w)
+                assert bool(((y - ref).abs() <= 1e-5 * terms).all()), (dtype, rows)
+    finally:
+        cpu_kernels.set_quantized_activations("int16")
 
 
 def _flags() -> frozenset[str]:
@@ -509,23 +627,23 @@ def _timings_taken(
 def test_picks_are_timed_again_for_8_bit_activations(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """--cpu-int4-activations changes what 4-bit matmuls cost: a model loaded in one mode does
+    """--cpu-quantized-activations changes what integer matmuls cost: a model loaded in one mode does
     not reuse the picks timed in the other, in memory (one process, e.g. a benchmark with both)
     or on disk (the tuning cache's key)."""
     from minisgl.quant import cpu_choice
 
     try:
         modes = ("int16", "int8", "int16", "int8")
-        timed = _timings_taken(tmp_path, monkeypatch, modes, cpu_kernels.set_int4_activations)
+        timed = _timings_taken(tmp_path, monkeypatch, modes, cpu_kernels.set_quantized_activations)
     finally:
-        cpu_kernels.set_int4_activations("int16")
+        cpu_kernels.set_quantized_activations("int16")
     assert timed == ["int16", "int8"]  # once per mode; then from memory
     keys = {cpu_choice.machine_key().digest()}
-    cpu_kernels.set_int4_activations("int8")
+    cpu_kernels.set_quantized_activations("int8")
     try:
         keys.add(cpu_choice.machine_key().digest())
     finally:
-        cpu_kernels.set_int4_activations("int16")
+        cpu_kernels.set_quantized_activations("int16")
     assert len(keys) == 2
 
 

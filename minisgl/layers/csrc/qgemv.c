@@ -1439,6 +1439,224 @@ static void run_bytes(int kind, int gfni, const uint8_t* xb, const int32_t* xcor
     else if (gfni) block_bytes(Q_U4, 1, xb, xcorr, wr, sr, K, ch, ahead, lanes, acc);
     else block_bytes(Q_U4, 0, xb, xcorr, wr, sr, K, ch, ahead, lanes, acc);
 }
+
+/* x in 8 bits against 8- and 4-bit codes with AVX512-VNNI (--cpu-quantized-activations int8,
+   qgemv_x8): one VPDPBUSD per 64 codes and row of x (the unsigned code byte times x's signed
+   byte), where the exact path takes two (x's high and low bytes) and, for 8-bit codes, an
+   XOR. The chunks are block_bytes' (a group of at most FLUSH features, a longer group's
+   equal parts, or a step of several short groups), and x's scale is per chunk and lane:
+   lane l of a step's sums holds the same S / 16 features of every step (8-bit: features
+   4l..4l+3 of 64; 4-bit: 8l..8l+7 of 128), so x is rounded to 8 bits per block of those
+   features over a chunk (len / 16 features: at most 64, 8 in groups of 128; max|x| / 127,
+   round to nearest even), and a chunk's exact integer sums become fp32 once, times the
+   group's scale times x's 16 per-lane scales, in one FMA per weight row (no flush per block
+   of x). x's layout: for 8-bit codes x as it is, for 4-bit per step of 128 features its 64
+   evens, then its 64 odds. The zero points take the groups' sums of x in the same scaled
+   units (xsum) and the row's xscale is 1. Rows of x are taken four, then two, then one at a
+   time against a block's 4 weight rows (the chunk's codes from L1 after the first), each
+   row's sums and fold the same whatever rows are beside it: a row's result does not depend
+   on the batch. */
+#define X8V_ROWS 64
+
+static inline int x8v_takes(int kind, int64_t K, int64_t gs) {
+    int S = bytes_step(kind == Q_U8 ? Q_U8 : Q_U4);
+    return kind != Q_FP8 && K % S == 0 && (gs % S == 0 || S % gs == 0);
+}
+
+/* x row m -> int8 codes in x8v's layout (xq row m: K bytes), x's scales per chunk and lane
+   (xsl row m: [K / len][16]), the groups' sums of x in scaled units (xsum), xscale[m] = 1. */
+static void quantize_x8v(int kind, const void* x, int x_bf16, int64_t m, int64_t K, int64_t gs,
+                         Chunks ch, __m512i lanes, int8_t* xq, float* xsl, float* xscale,
+                         float* xsum) {
+    const int S = bytes_step(kind), F = S / 16, V = S / 16; /* features a lane and step */
+    const int64_t C = K / ch.len, G = K / gs;
+    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+    int8_t* q = xq + m * K;
+    int32_t gl[16];
+    _mm512_storeu_si512(gl, lanes);
+    xscale[m] = 1.0f;
+    for (int64_t g = 0; g < G; g++) xsum[m * G + g] = 0.0f;
+    for (int64_t c = 0, c0 = 0; c < C; c++, c0 += ch.len) {
+        __m512 mx[8];
+        for (int i = 0; i < V; i++) mx[i] = _mm512_setzero_ps();
+        for (int64_t k = c0; k < c0 + ch.len; k += S)
+            for (int i = 0; i < V; i++)
+                mx[i] = _mm512_max_ps(
+                    mx[i], _mm512_and_ps(load16_f32(x, x_bf16, m * K + k + 16 * i), abs_mask));
+        float mf[128], inv[128];
+        float* s = xsl + (m * C + c) * 16;
+        for (int i = 0; i < V; i++) _mm512_storeu_ps(mf + 16 * i, mx[i]);
+        for (int l = 0; l < 16; l++) {
+            float amax = 0;
+            for (int f = l * F; f < (l + 1) * F; f++) amax = mf[f] > amax ? mf[f] : amax;
+            s[l] = amax > 0 && isfinite(amax) ? amax / 127.0f : 1.0f;
+            float r = 1.0f / s[l];
+            for (int f = l * F; f < (l + 1) * F; f++) inv[f] = r;
+        }
+        __m512i cs = _mm512_setzero_si512(); /* per lane: the sum of its codes */
+        for (int64_t k = c0; k < c0 + ch.len; k += S) {
+            for (int i = 0; i < V; i++) {
+                __m512 v = _mm512_mul_ps(load16_f32(x, x_bf16, m * K + k + 16 * i),
+                                         _mm512_loadu_ps(inv + 16 * i));
+                __m512i c8 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(v), top), bottom);
+                if (kind == Q_U8) {
+                    _mm_storeu_si128((__m128i*)(q + k + 16 * i), _mm512_cvtepi32_epi8(c8));
+                } else { /* the even features are the low dwords of c8's qwords */
+                    _mm_storel_epi64((__m128i*)(q + k + 8 * i), _mm512_cvtepi64_epi8(c8));
+                    _mm_storel_epi64((__m128i*)(q + k + 64 + 8 * i),
+                                     _mm512_cvtepi64_epi8(_mm512_srli_epi64(c8, 32)));
+                }
+            }
+            for (int p = 0; p < S; p += 64)
+                cs = _mm512_dpbusd_epi32(cs, _mm512_set1_epi8(1), _mm512_loadu_si512(q + k + p));
+        }
+        int32_t csl[16];
+        _mm512_storeu_si512(csl, cs);
+        for (int l = 0; l < 16; l++) {
+            int64_t g = ch.gstep ? c * ch.gstep + gl[l] : c / ch.per;
+            xsum[m * G + g] += s[l] * (float)csl[l];
+        }
+    }
+}
+
+/* One chunk of R rows of x (x0[r]: row r's codes at the chunk) against a block's 4 weight
+   rows (wc[j]: row j's codes at the chunk), folded into f (f[r * 4 + j]) with the chunk's
+   weight scales sc[j] and x's per-lane scales (xs[r]). `ahead`: as block_bytes. */
+static inline __attribute__((always_inline)) void x8v_rows(
+    int kind, int gfni, int R, const int8_t* const* x0, const float* const* xs,
+    const uint8_t* const* wc, int64_t len, int64_t ahead, const __m512* sc, __m512* f) {
+    const int S = bytes_step(kind);
+    const __m512i m4 = _mm512_set1_epi8(15);
+    __m512i a[4][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) a[r][j] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < len; k += S) {
+        const int64_t b = kind == Q_U8 ? k : k / 2; /* code bytes into the chunk */
+        if (ahead)
+            for (int j = 0; j < 4; j++) _mm_prefetch((const char*)wc[j] + ahead + b, _MM_HINT_T1);
+        if (kind == Q_U8) {
+            __m512i xv[4];
+            for (int r = 0; r < R; r++) xv[r] = _mm512_loadu_si512(x0[r] + k);
+            for (int j = 0; j < 4; j++) {
+                __m512i w = _mm512_loadu_si512(wc[j] + b);
+                for (int r = 0; r < R; r++) {
+                    a[r][j] = _mm512_dpbusd_epi32(a[r][j], w, xv[r]);
+                    KEEP512(a[r][j]);
+                }
+            }
+        } else {
+            __m512i xe[4], xo[4];
+            for (int r = 0; r < R; r++) {
+                xe[r] = _mm512_loadu_si512(x0[r] + k);
+                xo[r] = _mm512_loadu_si512(x0[r] + k + 64);
+            }
+            for (int j = 0; j < 4; j++) {
+                __m512i v = _mm512_loadu_si512(wc[j] + b);
+                __m512i e = _mm512_and_si512(v, m4), o = high_nibbles(v, gfni);
+                for (int r = 0; r < R; r++) {
+                    a[r][j] = _mm512_dpbusd_epi32(a[r][j], e, xe[r]);
+                    a[r][j] = _mm512_dpbusd_epi32(a[r][j], o, xo[r]);
+                    KEEP512(a[r][j]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m512 xv = _mm512_loadu_ps(xs[r]);
+        for (int j = 0; j < 4; j++)
+            f[r * 4 + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][j]), _mm512_mul_ps(sc[j], xv),
+                                           f[r * 4 + j]);
+    }
+}
+
+/* x8v_rows for one row of x against 8-bit codes, a weight row's chunk at a time as one run
+   (as block_bytes_u8_runs: one stream; 1 thread, cold, Qwen3-0.6B shapes, AMD EPYC Zen 4:
+   1.3-1.4x the rate of a line of each row in turn), two sums per row (even and odd steps,
+   exact integer adds): the same sums and fold, so the same bits. */
+static inline __attribute__((always_inline)) void x8v_runs_u8(
+    const int8_t* x0, const float* xs, const uint8_t* const* wc, int64_t len, int64_t ahead,
+    const __m512* sc, __m512* f) {
+    const __m512 xv = _mm512_loadu_ps(xs);
+    for (int j = 0; j < 4; j++) {
+        const uint8_t* w = wc[j];
+        __m512i a = _mm512_setzero_si512(), b = a;
+        int64_t k = 0;
+        for (; k + 128 <= len; k += 128) {
+            if (ahead) {
+                _mm_prefetch((const char*)w + ahead + k, _MM_HINT_T1);
+                _mm_prefetch((const char*)w + ahead + k + 64, _MM_HINT_T1);
+            }
+            a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(w + k), _mm512_loadu_si512(x0 + k));
+            b = _mm512_dpbusd_epi32(b, _mm512_loadu_si512(w + k + 64),
+                                    _mm512_loadu_si512(x0 + k + 64));
+        }
+        if (k < len) {
+            if (ahead) _mm_prefetch((const char*)w + ahead + k, _MM_HINT_T1);
+            a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(w + k), _mm512_loadu_si512(x0 + k));
+        }
+        f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, b)),
+                               _mm512_mul_ps(sc[j], xv), f[j]);
+    }
+}
+
+/* One 4-row block against all M rows of x in 8 bits (see x8v_takes): into acc, a slot per
+   pair of rows as block_int_many's; f: [M][4] scratch. */
+static inline __attribute__((always_inline)) void block_x8v(
+    int kind, int gfni, const int8_t* xq, const float* xsl, const uint8_t* const* wr,
+    const float* const* sr, int64_t M, int64_t K, Chunks ch, int64_t ahead, __m512i lanes,
+    __m512* f, Acc* acc) {
+    const __mmask16 smask = (__mmask16)((1 << ch.gstep) - 1);
+    const int64_t C = K / ch.len;
+    for (int64_t i = 0; i < 4 * M; i++) f[i] = _mm512_setzero_ps();
+    for (int64_t c0 = 0, c = 0, g = 0, left = ch.per; c0 < K; c0 += ch.len, c++) {
+        __m512 sc[4];
+        const uint8_t* wc[4];
+        for (int j = 0; j < 4; j++) {
+            sc[j] = ch.gstep ? _mm512_permutexvar_ps(lanes, _mm512_maskz_loadu_ps(smask, sr[j] + g))
+                             : _mm512_set1_ps(sr[j][g]);
+            wc[j] = wr[j] + (kind == Q_U8 ? c0 : c0 / 2);
+        }
+        int64_t i = 0;
+        const int8_t* x0[4];
+        const float* xs[4];
+#define X8V_AT(n)                                                                          \
+    for (int r = 0; r < n; r++) {                                                          \
+        x0[r] = xq + (i + r) * K + c0;                                                     \
+        xs[r] = xsl + ((i + r) * C + c) * 16;                                              \
+    }
+        for (; i + 4 <= M; i += 4) {
+            X8V_AT(4)
+            x8v_rows(kind, gfni, 4, x0, xs, wc, ch.len, i ? 0 : ahead, sc, f + 4 * i);
+        }
+        if (M - i >= 2) {
+            X8V_AT(2)
+            x8v_rows(kind, gfni, 2, x0, xs, wc, ch.len, i ? 0 : ahead, sc, f + 4 * i);
+            i += 2;
+        }
+        if (M - i == 1) {
+            X8V_AT(1)
+            if (kind == Q_U8 && qgemv_rows_seq)
+                x8v_runs_u8(x0[0], xs[0], wc, ch.len, i ? 0 : ahead, sc, f + 4 * i);
+            else
+                x8v_rows(kind, gfni, 1, x0, xs, wc, ch.len, i ? 0 : ahead, sc, f + 4 * i);
+        }
+#undef X8V_AT
+        if (ch.gstep) g += ch.gstep;
+        else if (--left == 0) g++, left = ch.per;
+    }
+    for (int64_t i = 0; i < M; i++)
+        for (int j = 0; j < 4; j++) acc[i / 2].v[j][i & 1] = fold512ps(f[i * 4 + j]);
+}
+
+/* block_x8v compiled for each kind, with and without GFNI. */
+static void run_x8v(int kind, int gfni, const int8_t* xq, const float* xsl,
+                    const uint8_t* const* wr, const float* const* sr, int64_t M, int64_t K,
+                    Chunks ch, int64_t ahead, __m512i lanes, __m512* f, Acc* acc) {
+    if (kind == Q_U8) block_x8v(Q_U8, 0, xq, xsl, wr, sr, M, K, ch, ahead, lanes, f, acc);
+    else if (gfni) block_x8v(Q_U4, 1, xq, xsl, wr, sr, M, K, ch, ahead, lanes, f, acc);
+    else block_x8v(Q_U4, 0, xq, xsl, wr, sr, M, K, ch, ahead, lanes, f, acc);
+}
 #endif
 
 /* sum over groups of scale * zero * xsum[m], per (weight row j, input row m), into the
@@ -1536,15 +1754,29 @@ int qgemv_gfni = -1;
 #define FP8_PAIRS_MAX 4
 #endif
 
-/* The most input rows qgemv_x8 takes (block_u4x8, block_u4x8_2: decode batches; prefill stays
-   exact): 0 where the build has AVX512-VNNI, whose exact paths multiply 4-bit codes at least
-   as fast (bytes at one row, 512-bit VPDPWSSD at more). On AVX2 (AMD EPYC VM, Zen 1 class):
-   0.70-0.80x the int16 paths' time at 1-64 rows (Qwen3-0.6B and 8B shapes, 2 threads, cold). */
-#ifdef __AVX512VNNI__
+/* The most input rows qgemv_x8 takes (decode batches; prefill stays exact). With AVX512-VNNI
+   (block_x8v): 8- and 4-bit codes, up to X8V_ROWS. Without it (block_u4x8, block_u4x8_2):
+   4-bit codes only (8-bit codes times 8-bit x would overflow VPMADDUBSW's int16 pair sums);
+   on AVX2 (AMD EPYC VM, Zen 1 class) 0.70-0.80x the int16 paths' time at 1-64 rows (Qwen3-0.6B
+   and 8B shapes, 2 threads, cold). An AVX-512 build without VNNI takes none. */
+#if defined(QBYTES)
+const int qgemv_x8_rows = X8V_ROWS;
+#elif defined(__AVX512VNNI__)
 const int qgemv_x8_rows = 0;
 #else
 const int qgemv_x8_rows = 64;
 #endif
+
+/* Whether qgemv_x8 rounds x for codes of `bits` bits (8 or 4) in groups of gs features, K of
+   them (minisgl/quant/cpu_gemv.py asks). */
+int qgemv_x8_takes(int bits, int64_t K, int64_t gs) {
+    if (gs <= 0 || K % gs || gs % 32 || !qgemv_x8_rows) return 0;
+#ifdef QBYTES
+    return x8v_takes(bits == 8 ? Q_U8 : Q_U4, K, gs);
+#else
+    return bits == 4 && gs % 64 == 0;
+#endif
+}
 
 static void qgemv_kind(
     int kind, const void* x, int x_bf16, const uint8_t* codes, int64_t cstride,
@@ -1557,19 +1789,22 @@ static void qgemv_kind(
     int bytes = 0; /* one row of x as bytes (block_bytes) */
     uint8_t* xb = NULL;
     int32_t* xcorr = NULL;
-    float* xsb = NULL; /* x8: x's scale per block */
+    float* xsb = NULL; /* x8: x's scale per block (x8v: per chunk and lane) */
+    int x8v = 0;       /* x in 8 bits with AVX512-VNNI (block_x8v) */
 #ifdef QBYTES
     int bkind = kind == Q_U8 ? Q_U8 : Q_U4; /* 4-bit codes in groups of 32 (Q_U4W) too */
-    bytes = qgemv_byte_path && bytes_usable(kind, M, K, gs);
-    __m512i lanes = bytes && gs < bytes_step(bkind) ? bytes_lanes(bkind, gs)
-                                                    : _mm512_setzero_si512();
+    x8v = qgemv_x8 && M <= X8V_ROWS && x8v_takes(kind, K, gs);
+    bytes = !x8v && qgemv_byte_path && bytes_usable(kind, M, K, gs);
+    __m512i lanes = (bytes || x8v) && gs < bytes_step(bkind) ? bytes_lanes(bkind, gs)
+                                                             : _mm512_setzero_si512();
     if (qgemv_gfni < 0) qgemv_gfni = cpu_gfni();
     int gfni = qgemv_gfni;
     Chunks chunks = {0, 0, 0};
-    if (bytes) chunks = bytes_chunks(bkind, gs);
+    if (bytes || x8v) chunks = bytes_chunks(bkind, gs);
+    if (x8v) xsb = (float*)malloc(sizeof(float) * M * (K / chunks.len) * 16);
 #endif
     /* 4-bit codes against x in 8 bits (see qgemv_x8) */
-    int x8 = qgemv_x8 && kind == Q_U4 && M <= qgemv_x8_rows && !bytes;
+    int x8 = qgemv_x8 && kind == Q_U4 && M <= qgemv_x8_rows && !bytes && !x8v;
     if (x8) xsb = (float*)malloc(sizeof(float) * M * (K / 64));
     if (kind == Q_FP8) {
         xf = (float*)malloc(sizeof(float) * M * K);
@@ -1580,8 +1815,8 @@ static void qgemv_kind(
         if (bytes) {
             xb = (uint8_t*)malloc(2 * M * K);
             xcorr = (int32_t*)malloc(sizeof(int32_t) * M * (K / 64) * 16);
-        } else {
-            xq = (int16_t*)malloc(sizeof(int16_t) * M * K);
+        } else { /* x8v: K bytes a row */
+            xq = (int16_t*)malloc((x8v ? 1 : sizeof(int16_t)) * M * K);
         }
     }
     int64_t blocks = (N + 3) / 4;
@@ -1589,7 +1824,7 @@ static void qgemv_kind(
        per pair of rows, block_int for a last odd one); more: once per block (integer codes
        into a scratch per segment, block_int_many; fp8 to fp32 with its scales,
        block_fp8_many) and every pass over that scratch. */
-    int many = !x8 && !bytes && M > (kind == Q_FP8 ? FP8_PAIRS_MAX : INT_PAIRS_MAX);
+    int many = !x8 && !x8v && !bytes && M > (kind == Q_FP8 ? FP8_PAIRS_MAX : INT_PAIRS_MAX);
     int64_t steps = kind == Q_FP8 ? K / 32 * ((M + 1) / 2 + (many ? 4 : 0))
                                   : (many ? K / step_features(kind) * 4 + K / 32 * ((M + 1) / 2)
                                           : K / step_features(kind) * M);
@@ -1608,6 +1843,9 @@ static void qgemv_kind(
             if (kind == Q_FP8) convert_x(x, x_bf16, m, K, xf, xexp);
 #ifdef QBYTES
             else if (bytes) quantize_x_bytes(bkind, x, x_bf16, m, K, gs, xb, xscale, xsum, xcorr);
+            else if (x8v)
+                quantize_x8v(bkind, x, x_bf16, m, K, gs, chunks, lanes, (int8_t*)xq, xsb,
+                             xscale, xsum);
 #endif
             else if (x8) quantize_x8(x, x_bf16, m, K, gs, (int8_t*)xq, xsb, xscale, xsum);
             else quantize_x(kind, x, x_bf16, m, K, gs, xq, xscale, xsum);
@@ -1616,8 +1854,12 @@ static void qgemv_kind(
         void* scratch = many ? aligned_alloc(64, kind == Q_FP8 ? sizeof(float) * 4 * KC
                                                                : sizeof(int16_t) * 4 * SEG)
                              : NULL;
-        Acc* accs = many || (bytes && M > 1) ? (Acc*)aligned_alloc(64, sizeof(Acc) * ((M + 1) / 2))
-                                             : NULL;
+        Acc* accs = many || x8v || (bytes && M > 1)
+                        ? (Acc*)aligned_alloc(64, sizeof(Acc) * ((M + 1) / 2))
+                        : NULL;
+#ifdef QBYTES
+        __m512* x8f = x8v ? (__m512*)aligned_alloc(64, sizeof(__m512) * 4 * M) : NULL;
+#endif
         /* the blocks shared as the bf16 GEMV shares them (common.h): a run per thread, then
            the ends of the others' runs, so a thread slowed by other work on its core holds
            the call up for the block in hand only */
@@ -1641,6 +1883,9 @@ static void qgemv_kind(
             if (bytes && M > 1)
                 run_bytes_many(bkind, gfni, xb, xcorr, wr, sr, M, K, chunks,
                                pf.base ? PF_BLOCKS * block_bytes : 0, lanes, accs);
+            if (x8v)
+                run_x8v(bkind, gfni, (const int8_t*)xq, xsb, wr, sr, M, K, chunks,
+                        pf.base ? PF_BLOCKS * block_bytes : 0, lanes, x8f, accs);
 #endif
             /* one group a row (per channel) on a whole block: the zero points' terms of the 4
                rows as one vector after the horizontal sums, not zero_points' scalar loop per
@@ -1656,7 +1901,7 @@ static void qgemv_kind(
                 Acc* acc = accs ? &accs[m / 2] : &one;
                 int mr = M - m >= 2 ? 2 : 1;
 #ifdef QBYTES
-                if (bytes && M > 1) {
+                if (x8v || (bytes && M > 1)) {
                 } else if (bytes && bkind == Q_U8 && qgemv_rows_seq)
                     block_bytes_u8_runs(xb, xcorr, wr, sr, K, chunks,
                                         pf.base ? PF_BLOCKS * block_bytes : 0, lanes, acc);
@@ -1690,6 +1935,9 @@ static void qgemv_kind(
         }
         free(scratch);
         free(accs);
+#ifdef QBYTES
+        free(x8f);
+#endif
         _mm_setcsr(csr);
     }
     free(xq);
