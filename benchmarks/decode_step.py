@@ -370,6 +370,7 @@ def _timed_parts(timer: PartTimer) -> Iterator[None]:
             # The decode chain (layers/cpu_chain.py) runs every layer's kernels in one call:
             # MINISGL_CPU_DECODE_CHAIN=0 splits them into the parts above.
             (lib, "decode_chain", "C decode chain (all layers)"),
+            (lib, "decode_chain_timed", "C decode chain (all layers)"),
         ]
         for table in ("qgemv", "qamxi", "qamx", "qpanel", "qpanel16"):
             tables += [(getattr(lib, table), kind, f"C {table}") for kind in getattr(lib, table)]
@@ -394,16 +395,29 @@ def breakdown(
 ) -> str:
     """Per format, ms per step in each part (the median over `repeats` interleaved steps per
     part), the step itself, and the rest no part covers."""
+    from minisgl.layers import cpu_chain
+
     parts: dict[str, dict[str, list[float]]] = {q: {} for q in runners}
     for runner in runners.values():
         runner.forward(inp)
     for _ in range(max(3, repeats)):
         for q, runner in runners.items():
             timer = PartTimer(clock)
-            with _timed_parts(timer):
-                t0 = clock()
-                runner.forward(inp)
-                total = clock() - t0
+            # The decode chain's ops, each timed by the C loop (one clock read per op).
+            cpu_chain.timing, cpu_chain.timing_cpu_clock = {}, clock is time.process_time
+            try:
+                with _timed_parts(timer):
+                    t0 = clock()
+                    runner.forward(inp)
+                    total = clock() - t0
+                ops = cpu_chain.timing
+            finally:
+                cpu_chain.timing = None
+            if ops:  # the chain call's own part is what its ops leave
+                chain = "C decode chain (all layers)"
+                timer.seconds[chain] = timer.seconds.get(chain, 0.0) - sum(ops.values())
+                for k, v in ops.items():
+                    timer.seconds[k] = timer.seconds.get(k, 0.0) + v
             timer.seconds["rest (model's Python, torch ops)"] = total - sum(timer.seconds.values())
             timer.seconds["step"] = total
             for k, v in timer.seconds.items():

@@ -40,6 +40,12 @@ STEP_IDS = 8
 STEP_WORDS = 9
 FROM_STEP_X, FROM_STEP_OUT = -1, -2
 
+# Where a step's time goes, op by op (benchmarks/decode_step.py --breakdown): while a dict,
+# each `Chain.run` times its ops (csrc/chain.c's decode_chain_timed) and adds their seconds
+# under each op's label ("C norms", "C matmul 6144x1024 panel", ...); None: the plain call.
+timing: dict[str, float] | None = None
+timing_cpu_clock = False  # the process's CPU time instead of the wall clock
+
 
 class Unsupported(Exception):
     """A call the chain does not express: the unfused path runs."""
@@ -80,6 +86,7 @@ class Chain:
         self.backend = backend  # the attention backend whose KV pool the ops write
         self.bf16 = int(dtype == torch.bfloat16)
         self._ops: list[list[int]] = []
+        self._labels: list[str] = []  # what each op is, for `timing`
         # Every tensor an op points at, kept alive as long as the chain.
         self._held: list[Any] = []
         self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
@@ -100,9 +107,10 @@ class Chain:
             t = self._buffers[key] = torch.empty(self.rows, *shape, dtype=self.dtype)
         return t
 
-    def _emit(self, kind: int, fn: Any, *args: int) -> None:
+    def _emit(self, kind: int, fn: Any, *args: int, label: str = "") -> None:
         assert len(args) <= OP_WORDS - 2
         self._ops.append([kind, _address(fn), *args] + [0] * (OP_WORDS - 2 - len(args)))
+        self._labels.append(label or _KIND_LABELS[kind])
 
     def _arg(self, t: torch.Tensor | int) -> int:
         if isinstance(t, int):
@@ -154,6 +162,7 @@ class Chain:
             d,
             _float_bits(eps),
             int(rope),
+            label="C q/k norms + rotary" if rope else "C norms",
         )
 
     def attention(
@@ -237,19 +246,23 @@ class Chain:
             k = packed.data.shape[1]
             self._held.append(packed)
             args = (xa, packed.data.data_ptr(), ya, self.rows, n, k, out_bf16, self.bf16)
-            self._emit(OP_MM8, lib.panel, *args)
+            self._emit(OP_MM8, lib.panel, *args, label=f"C matmul {n}x{k} panel")
             return
         if w is None or w.dtype != self.dtype:
             raise Unsupported(f"pick {name} on a {None if w is None else w.dtype} weight")
         self._held.append(w)
         k = w.shape[1]
+        label = f"C matmul {n}x{k} {name}"
         if name == "gemv" and self.bf16:
-            self._emit(OP_MM8, lib.bf16, xa, w.data_ptr(), ya, self.rows, n, k, out_bf16, 1)
+            args = (xa, w.data_ptr(), ya, self.rows, n, k, out_bf16, 1)
+            self._emit(OP_MM8, lib.bf16, *args, label=label)
         elif name == "gemv":
-            self._emit(OP_MM7, lib.f32, xa, w.data_ptr(), ya, self.rows, n, k, out_bf16)
+            self._emit(
+                OP_MM7, lib.f32, xa, w.data_ptr(), ya, self.rows, n, k, out_bf16, label=label
+            )
         elif name == "gemv512" and lib.gemv512_bf16 is not None:
             fn = lib.gemv512_bf16 if self.bf16 else lib.gemv512_f32
-            self._emit(OP_MM7, fn, xa, w.data_ptr(), ya, self.rows, n, k, out_bf16)
+            self._emit(OP_MM7, fn, xa, w.data_ptr(), ya, self.rows, n, k, out_bf16, label=label)
         else:
             raise Unsupported(f"pick {name}")
 
@@ -273,7 +286,8 @@ class Chain:
         # The output dtype the kernel writes: the chain's, or the LM head's float32 logits
         # (QuantWeight.matmul's out_dtype: the same kernel call, so the same bits).
         out_bf16 = int(out.dtype == torch.bfloat16)
-        self._emit(OP_QMM, fn, xa, self.bf16, *weight_args, ya, out_bf16, self.rows, n, k, group)
+        args = (xa, self.bf16, *weight_args, ya, out_bf16, self.rows, n, k, group)
+        self._emit(OP_QMM, fn, *args, label=f"C matmul {n}x{k} {ops.kind} {name}")
 
     def embedding(self, table: QuantWeight) -> None:
         """The step's token ids' rows of a quantized embedding table (as QuantWeight.rows
@@ -303,6 +317,7 @@ class Chain:
     def drop_after(self, mark: int) -> None:
         """Forget the ops emitted after `mark` (a stage that turned out Unsupported)."""
         del self._ops[mark:]
+        del self._labels[mark:]
 
     def seal(self) -> None:
         """The ops as one int64 tensor the C call reads."""
@@ -345,7 +360,24 @@ class Chain:
         step[STEP_OUT] = out.data_ptr() if out is not None else 0
         n = self.ops.shape[0] if upto is None else upto
         ops = self.ops.data_ptr() + first * OP_WORDS * 8
-        self.lib.decode_chain(ops, n - first, step)
+        if timing is None or self.lib.decode_chain_timed is None:
+            self.lib.decode_chain(ops, n - first, step)
+            return
+        ns = (ctypes.c_int64 * max(1, n - first))()
+        self.lib.decode_chain_timed(ops, n - first, step, ns, int(timing_cpu_clock))
+        for label, t in zip(self._labels[first:n], ns):
+            timing[label] = timing.get(label, 0.0) + t * 1e-9
+
+
+_KIND_LABELS = {
+    OP_NORM: "C norms",
+    OP_ATTN: "C attention",
+    OP_SILU: "C SiLU x up",
+    OP_MM8: "C matmul",
+    OP_MM7: "C matmul",
+    OP_QMM: "C matmul",
+    OP_ROWS: "C embedding rows",
+}
 
 
 def _quantized_kernel(lib: Any, name: str, kind: str, x_bf16: int) -> Any:

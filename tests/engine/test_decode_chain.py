@@ -177,3 +177,28 @@ def test_a_quantized_head_whose_pick_is_no_c_call_runs_apart(
     plain, _ = _run(tmp_path, torch.bfloat16, "int4")
     for a, b in zip(chained, plain, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not build here")
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_a_timed_chain_gives_the_same_logits_and_times_each_op(
+    tmp_path: Path, quantization: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cpu_chain.timing (decode_step.py --breakdown): the same steps' logits as the plain
+    call, and seconds for every kind of op the layers make, matmuls by shape."""
+    write_hf_model(tmp_path, **SHAPE)
+    plain, _ = _run(tmp_path, torch.bfloat16, quantization)
+    monkeypatch.setattr(cpu_chain, "timing", {})
+    timed, chains = _run(tmp_path, torch.bfloat16, quantization)
+    for a, b in zip(timed, plain, strict=True):
+        assert torch.equal(a, b)
+    seen = cpu_chain.timing
+    assert seen is not None and all(s >= 0 for s in seen.values())
+    kinds = {"C norms", "C q/k norms + rotary", "C attention", "C SiLU x up"}
+    assert kinds <= set(seen)
+    hidden, inter = SHAPE["hidden_size"], SHAPE["intermediate_size"]
+    vocab = ModelConfig.from_dir(tmp_path).vocab_size
+    shapes = {f"{2 * inter}x{hidden}", f"{hidden}x{inter}", f"{vocab}x{hidden}"}
+    for shape in shapes:
+        assert any(k.startswith(f"C matmul {shape} ") for k in seen), (shape, sorted(seen))
+    assert sum(seen.values()) > 0 and chains

@@ -11,6 +11,7 @@
    the logits' buffer) is read from `step` (STEP_*). */
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #define OP_WORDS 24
 
@@ -94,29 +95,45 @@ static void run_rows(const int64_t* a, void* fn, const int64_t* step) {
     }
 }
 
+static inline void run_op(const int64_t* op, const int64_t* step) {
+    void* fn = ptr(op[1]);
+    const int64_t* a = op + 2;
+    switch (op[0]) {
+        case OP_NORM: run_norm(a, fn, step); break;
+        case OP_ATTN: run_attn(a, fn, step); break;
+        case OP_SILU: ((SiluFn)fn)(ptr(a[0]), ptr(a[1]), a[2], a[3]); break;
+        case OP_MM8:
+            ((Matmul8Fn)fn)(input(a[0], step), ptr(a[1]), input(a[2], step), a[3], a[4], a[5],
+                            (int)a[6], (int)a[7]);
+            break;
+        case OP_MM7:
+            ((Matmul7Fn)fn)(input(a[0], step), ptr(a[1]), input(a[2], step), a[3], a[4], a[5],
+                            (int)a[6]);
+            break;
+        case OP_QMM:
+            ((QMatmulFn)fn)(input(a[0], step), (int)a[1], ptr(a[2]), a[3], ptr(a[4]), ptr(a[5]),
+                            a[6], input(a[7], step), (int)a[8], a[9], a[10], a[11], a[12]);
+            break;
+        case OP_ROWS: run_rows(a, fn, step); break;
+    }
+}
+
 void decode_chain(const int64_t* ops, int64_t n_ops, const int64_t* step) {
+    for (int64_t i = 0; i < n_ops; i++) run_op(ops + i * OP_WORDS, step);
+}
+
+/* decode_chain with each op's time added to ns[i], in nanoseconds of `clock_id` (0: wall,
+   CLOCK_MONOTONIC; 1: the process's CPU time): where a step's time goes (the benchmarks'
+   breakdown), at the cost of a clock read per op. */
+void decode_chain_timed(const int64_t* ops, int64_t n_ops, const int64_t* step, int64_t* ns,
+                        int clock_id) {
+    clockid_t clk = clock_id ? CLOCK_PROCESS_CPUTIME_ID : CLOCK_MONOTONIC;
+    struct timespec t0, t1;
+    clock_gettime(clk, &t0);
     for (int64_t i = 0; i < n_ops; i++) {
-        const int64_t* op = ops + i * OP_WORDS;
-        void* fn = ptr(op[1]);
-        const int64_t* a = op + 2;
-        switch (op[0]) {
-            case OP_NORM: run_norm(a, fn, step); break;
-            case OP_ATTN: run_attn(a, fn, step); break;
-            case OP_SILU: ((SiluFn)fn)(ptr(a[0]), ptr(a[1]), a[2], a[3]); break;
-            case OP_MM8:
-                ((Matmul8Fn)fn)(input(a[0], step), ptr(a[1]), input(a[2], step), a[3], a[4], a[5],
-                                (int)a[6], (int)a[7]);
-                break;
-            case OP_MM7:
-                ((Matmul7Fn)fn)(input(a[0], step), ptr(a[1]), input(a[2], step), a[3], a[4], a[5],
-                                (int)a[6]);
-                break;
-            case OP_QMM:
-                ((QMatmulFn)fn)(input(a[0], step), (int)a[1], ptr(a[2]), a[3], ptr(a[4]),
-                                ptr(a[5]), a[6], input(a[7], step), (int)a[8], a[9], a[10],
-                                a[11], a[12]);
-                break;
-            case OP_ROWS: run_rows(a, fn, step); break;
-        }
+        run_op(ops + i * OP_WORDS, step);
+        clock_gettime(clk, &t1);
+        ns[i] += (t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec);
+        t0 = t1;
     }
 }
