@@ -15,7 +15,8 @@ mixture of experts only the k routed experts per layer at B=1).
                                                      # B=1 step: ms per part (matmuls by shape,
                                                      # attention, norms, sampling, the rest)
     python benchmarks/decode_step.py --timings       # each case's spread of step times, and
-                                                     # what happened during its steps
+                                                     # what happened during its steps, next to
+                                                     # the pure read loop's (same bytes)
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="per case: step-time percentiles, and per step the page faults, context switches "
         "(involuntary: another task took a core) and garbage collections, with the median of "
-        "the steps that no other task interrupted",
+        "the steps that no other task interrupted; and the same for the pure read loop over "
+        "the weights' bytes, run between the steps (the spread the memory alone shows)",
     )
     ap.add_argument("--cpu-kernel-tuning", default="cached", choices=("cached", "full", "off"))
     ap.add_argument(
@@ -214,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         activations(q)
         for inp, *_ in cases.values():
             runner.forward(inp)  # warm-up: kernels built, tables cached
+    # --timings: the pure read loop over as many bytes as the first format's weights, timed
+    # between the steps the same way: the spread the machine's memory alone shows.
+    reader = ReadLoop(next(iter(builds.values()))[3], machine) if args.timings else None
     for _ in range(args.repeats):
         for name in next(iter(builds.values()))[1]:
             for q, (runner, cases, *_) in builds.items():
@@ -223,7 +228,11 @@ def main(argv: list[str] | None = None) -> int:
                 runner.forward(cases[name][0])
                 times[(q, name)].append(clock() - t0)
                 events[(q, name)].append(StepEvents.now() - before)
+        if reader is not None:
+            reader.run(clock)
     print(machine.describe())
+    if reader is not None:
+        print(reader.report())
     first = next(iter(builds))
     for q, (_, cases, params, weight_bytes) in builds.items():
         print(
@@ -476,6 +485,43 @@ def spread(times: list[float], events: list[StepEvents]) -> str:
         f"{mean('preempted'):.1f} preemptions, {mean('collections'):.2f} gc runs\n"
         f"    median of the steps not preempted: {med(quiet)}; preempted: {med(hit)}"
     )
+
+
+class ReadLoop:
+    """roofline's best read loop over `nbytes` on huge pages (as the weights lie), one pass
+    per repeat, with what the process went through during it (StepEvents)."""
+
+    def __init__(self, nbytes: int, machine: Machine) -> None:
+        from roofline import READ_LOOPS, _stream_lib
+
+        from minisgl import hugepages
+
+        self.raw = _stream_lib()
+        self.loop = machine.read.loop if machine.read and self.raw is not None else "plain"
+        self.ahead, self.l2, self.narrow = READ_LOOPS[self.loop]
+        self.buf = hugepages.empty(max(64, nbytes // 4), dtype=torch.float32).fill_(1.0)
+        self.times: list[float] = []
+        self.events: list[StepEvents] = []
+
+    def run(self, clock: Callable[[], float]) -> None:
+        before = StepEvents.now()
+        t0 = clock()
+        if self.raw is not None:
+            self.raw.stream_read_ahead(
+                self.buf.data_ptr(), self.buf.numel(), self.ahead, self.l2, self.narrow
+            )
+        else:
+            self.buf.sum()
+        self.times.append(clock() - t0)
+        self.events.append(StepEvents.now() - before)
+
+    def report(self) -> str:
+        nbytes = self.buf.numel() * 4
+        return (
+            f"read loop ({self.loop}) over {nbytes / 1e9:.2f} GB, between the steps: best "
+            f"{min(self.times) * 1e3:.1f} ms ({nbytes / min(self.times) / 1e9:.1f} GB/s)\n"
+            + spread(self.times, self.events)
+        )
 
 
 def batch_ratios(

@@ -1,24 +1,66 @@
 /* The machine's roofline, for the benchmarks to report: read bandwidth and FMA issue rate. */
 #include "common.h"
 
-/* Read bandwidth: every thread sums its share of a buffer far larger than the caches, with four
-   independent accumulators so the adds never limit the loads. n % 32 == 0. */
-float stream_read(const float* p, int64_t n) {
-    float total = 0.f;
-    #pragma omp parallel reduction(+ : total)
-    {
-        __m256 a = _mm256_setzero_ps(), b = a, c = a, d = a;
-        #pragma omp for schedule(static)
-        for (int64_t i = 0; i < n; i += 32) {
-            a = _mm256_add_ps(a, _mm256_loadu_ps(p + i));
-            b = _mm256_add_ps(b, _mm256_loadu_ps(p + i + 8));
-            c = _mm256_add_ps(c, _mm256_loadu_ps(p + i + 16));
-            d = _mm256_add_ps(d, _mm256_loadu_ps(p + i + 24));
-        }
-        total += hsum(_mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d)));
+/* Read bandwidth: every thread sums its share (schedule(static): one contiguous run, as the
+   matmuls read theirs) of a buffer far larger than the caches, with four independent
+   accumulators so the adds never limit the loads, at the build's vector width (64-byte loads,
+   one cache line each, in the AVX-512 build; `narrow`: 32-byte loads there too). `ahead` > 0:
+   each line `ahead` bytes past the read is also prefetched by hand (into L1 where `l2` is 0,
+   else into L2), as the GEMV and panel kernels do; 0: the hardware prefetcher alone. Any n
+   (the last values one at a time). */
+#define STREAM_LOOP(V, ZERO, LOAD, ADD, SUM)                                                   \
+    {                                                                                          \
+        const int64_t w = (int64_t)(sizeof(V) / sizeof(float)), step = 4 * w;                \
+        whole = n - n % step;                                                                  \
+        _Pragma("omp parallel reduction(+ : total)") {                                         \
+            V a = ZERO(), b = a, c = a, d = a;                                                 \
+            if (pf <= 0) {                                                                     \
+                _Pragma("omp for schedule(static)") for (int64_t i = 0; i < whole; i += step) {\
+                    STREAM_ADDS(LOAD, ADD);                                                    \
+                }                                                                              \
+            } else if (l2) {                                                                   \
+                _Pragma("omp for schedule(static)") for (int64_t i = 0; i < whole; i += step) {\
+                    STREAM_PREFETCH(_MM_HINT_T1);                                              \
+                    STREAM_ADDS(LOAD, ADD);                                                    \
+                }                                                                              \
+            } else {                                                                           \
+                _Pragma("omp for schedule(static)") for (int64_t i = 0; i < whole; i += step) {\
+                    STREAM_PREFETCH(_MM_HINT_T0);                                              \
+                    STREAM_ADDS(LOAD, ADD);                                                    \
+                }                                                                              \
+            }                                                                                  \
+            total += SUM(ADD(ADD(a, b), ADD(c, d)));                                           \
+        }                                                                                      \
     }
+#define STREAM_ADDS(LOAD, ADD)                                                                 \
+    a = ADD(a, LOAD(p + i));                                                                   \
+    b = ADD(b, LOAD(p + i + w));                                                               \
+    c = ADD(c, LOAD(p + i + 2 * w));                                                           \
+    d = ADD(d, LOAD(p + i + 3 * w))
+/* The lines iteration i reads, `pf` floats on (none past the buffer). */
+#define STREAM_PREFETCH(hint)                                                                  \
+    if (i + pf < whole)                                                                        \
+        for (int64_t o = 0; o < step * (int64_t)sizeof(float); o += 64)                        \
+            _mm_prefetch((const char*)(p + i + pf) + o, hint)
+
+float stream_read_ahead(const float* p, int64_t n, int64_t ahead, int l2, int narrow) {
+    float total = 0.f;
+    int64_t pf = ahead / (int64_t)sizeof(float), whole = 0;
+#ifdef __AVX512F__
+    if (!narrow)
+        STREAM_LOOP(__m512, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_add_ps,
+                    _mm512_reduce_add_ps)
+    else
+#endif
+        STREAM_LOOP(__m256, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_add_ps, hsum)
+    (void)narrow;
+    for (int64_t i = whole; i < n; i++) total += p[i];
     return total;
 }
+
+/* The plain loop at the build's width (no hand prefetch): what the other kernels' callers use
+   to evict caches. */
+float stream_read(const float* p, int64_t n) { return stream_read_ahead(p, n, 0, 0, 0); }
 
 /* fp32 FMA issue rate, at the vector width of this build: every thread runs `iters` rounds of
    12 independent multiply-add chains (more than FMA latency x FMA units on the CPUs seen, so

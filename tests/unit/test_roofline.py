@@ -1,0 +1,71 @@
+"""benchmarks/roofline.py's read bandwidth: the best of the read loops (stream.c), never below
+the plain loop, with the spread of its passes; every loop reads every value."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+import pytest
+import torch
+
+from minisgl.layers import cpu_kernels
+
+
+def test_the_read_rate_is_the_best_loop_and_never_below_the_plain_one(
+    import_benchmark: Callable[[str], ModuleType],
+) -> None:
+    roofline = import_benchmark("roofline")
+    rate = roofline.read_rates(nbytes=16 << 20, passes=3)
+    assert "plain" in rate.passes and set(rate.passes) <= set(roofline.READ_LOOPS)
+    assert all(len(v) == 3 for v in rate.passes.values())
+    # The figure is the fastest pass any loop made, the plain loop's included.
+    assert rate.best == max(max(v) for v in rate.passes.values())
+    assert rate.best >= rate.plain == max(rate.passes["plain"])
+    assert rate.median <= rate.best
+    assert roofline.read_bandwidth.__doc__  # the public entry qgemv_bench uses
+    line = rate.describe()
+    assert rate.loop in line and "median" in line and "plain loop best" in line
+
+
+def test_the_machine_line_shows_the_read_loop_and_its_spread(
+    import_benchmark: Callable[[str], ModuleType],
+) -> None:
+    roofline = import_benchmark("roofline")
+    passes = {"plain": [40e9, 44e9], "prefetch 2 KB to L1": [50e9, 46e9]}
+    read = roofline.ReadRate(50e9, "prefetch 2 KB to L1", 48e9, 44e9, passes)
+    machine = roofline.Machine("AMD EPYC", "avx512f", 2, read.best, {}, {}, None, read)
+    assert (
+        "read 50.0 GB/s (prefetch 2 KB to L1; median of its 2 passes 48.0, plain loop best "
+        "44.0)" in machine.describe()
+    )
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C kernels on this CPU")
+@pytest.mark.parametrize("n", [5, 64, 64 * 1000, 64 * 1000 + 37])
+def test_every_read_loop_reads_every_value(
+    import_benchmark: Callable[[str], ModuleType], n: int
+) -> None:
+    roofline = import_benchmark("roofline")
+    lib = roofline._stream_lib()
+    buf = (torch.arange(n) % 7).float()  # small integers: every order of the adds is exact
+    for loop in roofline.READ_LOOPS.values():
+        assert lib.stream_read_ahead(buf.data_ptr(), n, *loop) == float(buf.sum())
+    assert cpu_kernels.load().stream_read(buf.data_ptr(), n) == float(buf.sum())
+
+
+def test_decode_step_times_the_read_loop_between_the_steps(
+    import_benchmark: Callable[[str], ModuleType],
+) -> None:
+    """--timings: the pure read loop over the weights' bytes, timed as the steps are, with its
+    spread (a machine whose memory itself is noisy shows it there as much as in the steps)."""
+    roofline = import_benchmark("roofline")
+    decode_step = import_benchmark("decode_step")
+    read = roofline.read_rates(nbytes=8 << 20, passes=1)
+    machine = roofline.Machine("AMD EPYC", "avx512f", 1, read.best, {}, {}, None, read)
+    reader = decode_step.ReadLoop(8 << 20, machine)
+    for _ in range(3):
+        reader.run(roofline.time.perf_counter)
+    report = reader.report()
+    assert report.startswith(f"read loop ({read.loop}) over 0.01 GB, between the steps: best ")
+    assert "median/best" in report and "page faults" in report
