@@ -138,24 +138,36 @@ def test_panels_without_native_bf16_keep_their_own_layout(tmp_path: Path) -> Non
 
 
 def test_panel_prefetch_switches_change_no_result() -> None:
-    """panel512.c's prefetch distance and cache (switches the benchmarks flip) only move lines
-    between caches: the same bits, whatever they are."""
+    """panel512.c's prefetch distances and caches (switches the benchmarks flip; one pair for
+    fewer than 6 rows, one for more) only move lines between caches: the same bits, whatever
+    they are, for bf16 and fp32 x, with the prefetch into L1, into L2 and none (past the end)."""
     lib = cpu_kernels.load()
     if lib is None or lib.panel512_pf_ahead is None:  # panel.c's panels: no such switches
         return
     torch.manual_seed(0)
     w = torch.randn(300, 512).bfloat16()  # panels far enough ahead for the prefetch to run
     packed = cpu_kernels.panel_pack(w)
-    saved = lib.panel512_pf_ahead.value, lib.panel512_pf_l2.value
-    for rows in (1, 2, 8, 9):
-        x = torch.randn(rows, 512).bfloat16()
-        y = cpu_kernels.panel(x, packed, torch.float32)
-        try:
-            for ahead, l2 in ((0, 0), (64, 1), (1 << 16, 0), (1 << 40, 1)):
-                lib.panel512_pf_ahead.value, lib.panel512_pf_l2.value = ahead, l2
-                assert torch.equal(cpu_kernels.panel(x, packed, torch.float32), y)
-        finally:
-            lib.panel512_pf_ahead.value, lib.panel512_pf_l2.value = saved
+    switches = (
+        lib.panel512_pf_ahead,
+        lib.panel512_pf_l2,
+        lib.panel512_pf_many_ahead,
+        lib.panel512_pf_many_l2,
+    )
+    saved = [s.value for s in switches]
+    for rows in (1, 2, 5, 6, 8, 9, 12):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(rows, 512).to(dtype)
+            y = cpu_kernels.panel(x, packed, torch.float32)
+            ref = F.linear(x.double(), w.double())
+            torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+            try:
+                for ahead, l2 in ((0, 0), (64, 1), (8192, 1), (1 << 16, 0), (1 << 40, 1)):
+                    for s, v in zip(switches, (ahead, l2, ahead, l2), strict=True):
+                        s.value = v
+                    assert torch.equal(cpu_kernels.panel(x, packed, torch.float32), y)
+            finally:
+                for s, v in zip(switches, saved, strict=True):
+                    s.value = v
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])

@@ -8,10 +8,18 @@
 
    One layout serves every row count:
    - up to TR1 bf16 rows (TRF fp32 rows) stream each panel once over all of K in one register
-     tile (up to 12 rows x 32 columns: 24 accumulators of the 32 registers), the lines
-     panel512_pf_ahead bytes ahead of the read prefetched by hand (a thread reads one
-     contiguous run of panels; on the Zen 4 below the hardware prefetcher alone does about as
-     well at any distance);
+     tile (up to 12 rows x 32 columns: 24 accumulators of the 32 registers), the lines ahead of
+     the read prefetched by hand (a thread reads one contiguous run of panels): below PF_MANY
+     rows 2 KB ahead into L1, from PF_MANY rows on, where the tile's dot products take about
+     as long as the memory, 8 KB ahead into L2, which keeps the memory busy while the tile
+     computes. Measured on a 2-core AMD EPYC Zen 4, one thread (CPU time of the 0.6B decode
+     step's 113 matmuls, cold weights, old and new A/B interleaved layer by layer, machine
+     shared): 8 KB into L2 against 2 KB into L1 0.86-0.89x the time at 8 rows, 0.94-0.99x at
+     6, 0.93-0.95x at 10-12 (4 KB: 1.06-1.2x at 6-8; 16 KB: 0.96x at 8), but 1.04-1.4x at
+     1-2 rows (8-32 KB), where the loop waits on the memory anyway. (Until then the L2 switch
+     compiled to prefetcht0 either way: gcc merged the two branches. Each tile is now compiled
+     once per prefetch mode, so its loop tests nothing but its count.) In a one-tile pass the
+     hardware prefetcher alone does about as well as 2 KB into L1 at 1 row;
    - more rows walk K in chunks of KC (128 KB of a panel, held in L2) and pass tiles of up to
      TR rows, of near-equal sizes, over each chunk (the accumulators wait in a buffer between
      chunks), the next chunk prefetched into L2 during the first tile, so the weights come
@@ -37,9 +45,13 @@
 /* The panels' layout, for the Python side (cpu_kernels.panel_rows): 1 = K pairs, 32 columns. */
 int panel_layout = 1;
 /* How far ahead of the read a one-tile pass prefetches (bytes of the thread's run of panels)
-   and into which cache (0: L1, 1: L2): switches for the benchmarks. */
+   and into which cache (0: L1, 1: L2), for fewer than PF_MANY rows and for more: switches for
+   the benchmarks. */
+#define PF_MANY 6
 int64_t panel512_pf_ahead = 2048;
 int panel512_pf_l2 = 0;
+int64_t panel512_pf_many_ahead = 8192;
+int panel512_pf_many_l2 = 1;
 
 /* 16 columns x 16 pairs at a time through a dword transpose in registers (the 151936x1024
    LM head into touched memory, one thread of the Zen 4 below: 46 ms, against 99 ms for one
@@ -70,7 +82,8 @@ void panel_pack_bf16(const uint16_t* w, uint16_t* p, int64_t N, int64_t K) {
     }
 }
 
-static inline void prefetch_pair(const char* pf, int64_t j, int l2) {
+static inline __attribute__((always_inline)) void prefetch_pair(const char* pf, int64_t j,
+                                                              int l2) {
     if (l2) {
         _mm_prefetch(pf + j * 128, _MM_HINT_T1);
         _mm_prefetch(pf + j * 128 + 64, _MM_HINT_T1);
@@ -86,19 +99,31 @@ static inline __m512bh pair_of(const uint16_t* x) {
     return (__m512bh)_mm512_set1_epi32(v);
 }
 
+/* Each tile below is compiled three times, without a prefetch and with one into L1 or L2
+   (`mode` 0, 1, 2: a constant in each copy), so that its loop tests nothing but its count
+   (and no branch the compiler may merge: see the top). */
+#define PF_MODES(NAME, XT)                                                                   \
+    static inline void NAME(const XT* x, int64_t ldx, int64_t np, const uint16_t* pw,        \
+                            float* acc, const char* pf, int l2) {                            \
+        if (!pf) NAME##_k(x, ldx, np, pw, acc, pf, 0);                                       \
+        else if (l2) NAME##_k(x, ldx, np, pw, acc, pf, 2);                                   \
+        else NAME##_k(x, ldx, np, pw, acc, pf, 1);                                           \
+    }
+
 /* R rows of bf16 x (row i at x + i * ldx, from the chunk's first k) against `np` pairs of a
    panel chunk pw: acc[i * 32 + c] += sum over the pairs. `pf`: prefetch pf + 128 j at pair j
-   (0: none). */
+   (mode 0: none). */
 #define BF_TILE(NAME, R)                                                                     \
-    static inline void NAME(const uint16_t* x, int64_t ldx, int64_t np, const uint16_t* pw,  \
-                            float* acc, const char* pf, int l2) {                                   \
+    static inline __attribute__((always_inline)) void NAME##_k(                              \
+        const uint16_t* x, int64_t ldx, int64_t np, const uint16_t* pw, float* acc,          \
+        const char* pf, const int mode) {                                                    \
         __m512 a0[R], a1[R];                                                                 \
         for (int i = 0; i < R; i++) {                                                        \
             a0[i] = _mm512_loadu_ps(acc + 32 * i);                                           \
             a1[i] = _mm512_loadu_ps(acc + 32 * i + 16);                                      \
         }                                                                                    \
         _Pragma("GCC unroll 2") for (int64_t j = 0; j < np; j++) {                          \
-            if (pf) prefetch_pair(pf, j, l2);                                                    \
+            if (mode) prefetch_pair(pf, j, mode == 2);                                       \
             __m512bh w0 = (__m512bh)_mm512_loadu_si512(pw + j * 64);                         \
             __m512bh w1 = (__m512bh)_mm512_loadu_si512(pw + j * 64 + 32);                    \
             _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) {                          \
@@ -111,7 +136,8 @@ static inline __m512bh pair_of(const uint16_t* x) {
             _mm512_storeu_ps(acc + 32 * i, a0[i]);                                           \
             _mm512_storeu_ps(acc + 32 * i + 16, a1[i]);                                      \
         }                                                                                    \
-    }
+    }                                                                                        \
+    PF_MODES(NAME, uint16_t)
 BF_TILE(bf_tile12, 12)
 BF_TILE(bf_tile11, 11)
 BF_TILE(bf_tile10, 10)
@@ -126,8 +152,9 @@ BF_TILE(bf_tile3, 3)
 /* One or two rows: pairs in twos on separate accumulators (one chain each would wait on the
    dot product's latency when the panel is in cache). np even (K % 16 == 0). */
 #define BF_TILE_SPLIT(NAME, R)                                                               \
-    static inline void NAME(const uint16_t* x, int64_t ldx, int64_t np, const uint16_t* pw,  \
-                            float* acc, const char* pf, int l2) {                                   \
+    static inline __attribute__((always_inline)) void NAME##_k(                              \
+        const uint16_t* x, int64_t ldx, int64_t np, const uint16_t* pw, float* acc,          \
+        const char* pf, const int mode) {                                                    \
         __m512 a[2][R][2];                                                                   \
         for (int i = 0; i < R; i++)                                                          \
             for (int h = 0; h < 2; h++) {                                                    \
@@ -135,9 +162,9 @@ BF_TILE(bf_tile3, 3)
                 a[1][i][h] = _mm512_setzero_ps();                                            \
             }                                                                                \
         for (int64_t j = 0; j < np; j += 2) {                                                \
-            if (pf) {                                                                        \
-                prefetch_pair(pf, j, l2);                                                        \
-                prefetch_pair(pf, j + 1, l2);                                                    \
+            if (mode) {                                                                      \
+                prefetch_pair(pf, j, mode == 2);                                             \
+                prefetch_pair(pf, j + 1, mode == 2);                                         \
             }                                                                                \
             for (int s = 0; s < 2; s++) {                                                    \
                 __m512bh w0 = (__m512bh)_mm512_loadu_si512(pw + (j + s) * 64);               \
@@ -153,7 +180,8 @@ BF_TILE(bf_tile3, 3)
             for (int h = 0; h < 2; h++)                                                      \
                 _mm512_storeu_ps(acc + 32 * i + 16 * h,                                      \
                                  _mm512_add_ps(a[0][i][h], a[1][i][h]));                     \
-    }
+    }                                                                                        \
+    PF_MODES(NAME, uint16_t)
 BF_TILE_SPLIT(bf_tile2, 2)
 BF_TILE_SPLIT(bf_tile1, 1)
 
@@ -177,8 +205,9 @@ static inline void bf_tile(int r, const uint16_t* x, int64_t ldx, int64_t np, co
 
 /* fp32 x: R rows, each pair's even and odd k on accumulators of their own. */
 #define F32_TILE(NAME, R)                                                                    \
-    static inline void NAME(const float* x, int64_t ldx, int64_t np, const uint16_t* pw,     \
-                            float* acc, const char* pf, int l2) {                                   \
+    static inline __attribute__((always_inline)) void NAME##_k(                              \
+        const float* x, int64_t ldx, int64_t np, const uint16_t* pw, float* acc,             \
+        const char* pf, const int mode) {                                                    \
         const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);                              \
         __m512 e0[R], e1[R], o0[R], o1[R];                                                   \
         for (int i = 0; i < R; i++) {                                                        \
@@ -187,7 +216,7 @@ static inline void bf_tile(int r, const uint16_t* x, int64_t ldx, int64_t np, co
             o0[i] = o1[i] = _mm512_setzero_ps();                                             \
         }                                                                                    \
         _Pragma("GCC unroll 2") for (int64_t j = 0; j < np; j++) {                          \
-            if (pf) prefetch_pair(pf, j, l2);                                                    \
+            if (mode) prefetch_pair(pf, j, mode == 2);                                       \
             __m512i v0 = _mm512_loadu_si512(pw + j * 64);                                    \
             __m512i v1 = _mm512_loadu_si512(pw + j * 64 + 32);                               \
             __m512 we0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));                     \
@@ -207,7 +236,8 @@ static inline void bf_tile(int r, const uint16_t* x, int64_t ldx, int64_t np, co
             _mm512_storeu_ps(acc + 32 * i, _mm512_add_ps(e0[i], o0[i]));                     \
             _mm512_storeu_ps(acc + 32 * i + 16, _mm512_add_ps(e1[i], o1[i]));                \
         }                                                                                    \
-    }
+    }                                                                                        \
+    PF_MODES(NAME, float)
 F32_TILE(f32_tile6, 6)
 F32_TILE(f32_tile5, 5)
 F32_TILE(f32_tile4, 4)
@@ -236,12 +266,13 @@ static void panel_rows(const void* x, int x_bf16, int64_t K, int64_t mb, const u
     int tr = x_bf16 ? TR : TRF;
     int64_t tiles = x_bf16 && mb <= TR1 ? 1 : (mb + tr - 1) / tr;
     if (tiles == 1) { /* one tile over all of K, streaming */
-        const char* pf = (const char*)pq + panel512_pf_ahead;
+        int many = mb >= PF_MANY, l2 = many ? panel512_pf_many_l2 : panel512_pf_l2;
+        const char* pf = (const char*)pq + (many ? panel512_pf_many_ahead : panel512_pf_ahead);
         if (pf + K * 64 > pf_end) pf = 0;
         if (x_bf16)
-            bf_tile((int)mb, (const uint16_t*)x, K, K / 2, pq, acc, pf, panel512_pf_l2);
+            bf_tile((int)mb, (const uint16_t*)x, K, K / 2, pq, acc, pf, l2);
         else
-            f32_tile((int)mb, (const float*)x, K, K / 2, pq, acc, pf, panel512_pf_l2);
+            f32_tile((int)mb, (const float*)x, K, K / 2, pq, acc, pf, l2);
         return;
     }
     int64_t base = mb / tiles, extra = mb % tiles;
