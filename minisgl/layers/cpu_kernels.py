@@ -98,7 +98,7 @@ class _Lib:
         # panel512.c's prefetch distance (bytes) and cache (1: L2), for the benchmarks.
         self.panel512_pf_ahead: Any = _global(lib, "panel512_pf_ahead", ctypes.c_int64)
         self.panel512_pf_l2: Any = _global(lib, "panel512_pf_l2", ctypes.c_int)
-        # The same for the one-tile passes of 6 rows and more.
+        # The same for the one-tile passes of 7 rows and more.
         self.panel512_pf_many_ahead: Any = _global(lib, "panel512_pf_many_ahead", ctypes.c_int64)
         self.panel512_pf_many_l2: Any = _global(lib, "panel512_pf_many_l2", ctypes.c_int)
         norm_args: list[Any] = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, ctypes.c_float]

@@ -12,14 +12,18 @@
      the read prefetched by hand (a thread reads one contiguous run of panels): below PF_MANY
      rows 2 KB ahead into L1, from PF_MANY rows on, where the tile's dot products take about
      as long as the memory, 8 KB ahead into L2, which keeps the memory busy while the tile
-     computes. Measured on a 2-core AMD EPYC Zen 4, one thread (CPU time of the 0.6B decode
-     step's 113 matmuls, cold weights, old and new A/B interleaved layer by layer, machine
-     shared): 8 KB into L2 against 2 KB into L1 0.86-0.89x the time at 8 rows, 0.94-0.99x at
-     6, 0.93-0.95x at 10-12 (4 KB: 1.06-1.2x at 6-8; 16 KB: 0.96x at 8), but 1.04-1.4x at
-     1-2 rows (8-32 KB), where the loop waits on the memory anyway. (Until then the L2 switch
-     compiled to prefetcht0 either way: gcc merged the two branches. Each tile is now compiled
-     once per prefetch mode, so its loop tests nothing but its count.) In a one-tile pass the
-     hardware prefetcher alone does about as well as 2 KB into L1 at 1 row;
+     computes. Measured on a 2-core AMD EPYC Zen 4 (the 0.6B decode step's 113 matmuls, cold
+     weights, old and new A/B interleaved layer by layer, machine shared): one thread (CPU
+     time) 8 KB into L2 against 2 KB into L1 0.86-0.89x the time at 8 rows, 0.74-0.99x at 6-7,
+     0.93-0.95x at 10-12, but 1.07-1.12x at 3-5 rows and 1.04-1.4x at 1-2, where the loop
+     waits on the memory anyway (4 KB: 1.06-1.2x at 6-8; 16 KB: 0.96x at 8; 2 KB into L1 as
+     well: no better); two threads (the sum of each call's best wall time over 15 steps, as
+     the other work left no undisturbed step) 0.75-0.88x at 8 rows, 0.93x at 7, 0.82x at 12,
+     but 1.09-1.16x at 6 (two threads share the memory: a row count is more memory-bound),
+     hence PF_MANY 7. (Until then the L2 switch compiled to prefetcht0 either way: gcc merged
+     the two branches. Each tile is now compiled once per prefetch mode, so its loop tests
+     nothing but its count.) In a one-tile pass the hardware prefetcher alone does about as
+     well as 2 KB into L1 at 1 row;
    - more rows walk K in chunks of KC (128 KB of a panel, held in L2) and pass tiles of up to
      TR rows, of near-equal sizes, over each chunk (the accumulators wait in a buffer between
      chunks), the next chunk prefetched into L2 during the first tile, so the weights come
@@ -47,7 +51,7 @@ int panel_layout = 1;
 /* How far ahead of the read a one-tile pass prefetches (bytes of the thread's run of panels)
    and into which cache (0: L1, 1: L2), for fewer than PF_MANY rows and for more: switches for
    the benchmarks. */
-#define PF_MANY 6
+#define PF_MANY 7
 int64_t panel512_pf_ahead = 2048;
 int panel512_pf_l2 = 0;
 int64_t panel512_pf_many_ahead = 8192;
