@@ -10,8 +10,9 @@ and makes one call. The kernels and their arguments are those of the unfused pat
 outputs are the same bits.
 
 Around the layers, where the model has them as C calls: a quantized embedding table's lookup
-of the step's token ids (the first op) and the final norm and the LM head, float or quantized,
-into the step's float32 logits (the last ops).
+of the step's token ids (the first op), the rotary rows of the step's positions (`rope`: read
+from the model's tables, not gathered by torch each step) and the final norm and the LM head,
+float or quantized, into the step's float32 logits (the last ops).
 
 The model (qwen3.py) lays out the layers with `Chain`'s emitters; whatever it cannot express
 (another kernel pick, a bias, tensor parallelism, a batch that is not a plain decode) leaves
@@ -34,10 +35,10 @@ from minisgl.quant.weight import QuantWeight
 
 # As csrc/chain.c.
 OP_WORDS = 24
-OP_NORM, OP_ATTN, OP_SILU, OP_MM8, OP_MM7, OP_QMM, OP_ROWS = range(7)
+OP_NORM, OP_ATTN, OP_SILU, OP_MM8, OP_MM7, OP_QMM, OP_ROWS, OP_ROPE = range(8)
 STEP_X, STEP_SLOTS, STEP_LENS, STEP_KMAX, STEP_NEW_SLOTS, STEP_COS, STEP_SIN, STEP_OUT = range(8)
-STEP_IDS = 8
-STEP_WORDS = 9
+STEP_IDS, STEP_POS = 8, 9
+STEP_WORDS = 10
 FROM_STEP_X, FROM_STEP_OUT = -1, -2
 
 # Where a step's time goes, op by op (benchmarks/decode_step.py --breakdown): while a dict,
@@ -98,6 +99,9 @@ class Chain:
         # may follow): a step that wants the hidden states runs only these.
         self.layers_end: int | None = None
         self.ops = torch.empty(0, OP_WORDS, dtype=torch.int64)
+        # The step's rotary rows (`rope`), which the norms' rotation reads.
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
 
     def buffer(self, name: str, *shape: int) -> torch.Tensor:
         """[rows, *shape] in the chain's dtype: one per name and shape (layers reuse them)."""
@@ -109,7 +113,8 @@ class Chain:
 
     def _emit(self, kind: int, fn: Any, *args: int, label: str = "") -> None:
         assert len(args) <= OP_WORDS - 2
-        self._ops.append([kind, _address(fn), *args] + [0] * (OP_WORDS - 2 - len(args)))
+        addr = 0 if fn is None else _address(fn)
+        self._ops.append([kind, addr, *args] + [0] * (OP_WORDS - 2 - len(args)))
         self._labels.append(label or _KIND_LABELS[kind])
 
     def _arg(self, t: torch.Tensor | int) -> int:
@@ -310,6 +315,22 @@ class Chain:
         fn = self.lib.qdequant[ops.kind]
         self._emit(OP_ROWS, fn, *weight_args, self._arg(out), *sizes, self._arg(scratch))
 
+    def rope(self, table: torch.Tensor) -> None:
+        """The step's rotary rows, cos and signed sin of each row's position, from `table`
+        [2, positions, D] (RotaryEmbedding's float32 tables) into the buffers the norms'
+        rotation reads, in the chain's dtype (as RotaryEmbedding.cos_sin's gather and cast);
+        before the first norm with `rope`. A step with a position past the table is refused
+        (`run` gives False) before any layer runs."""
+        if any(op[0] == OP_NORM for op in self._ops):
+            raise Unsupported("rotary rows after the norms that read them")
+        if table.dtype != torch.float32 or not table.is_contiguous() or table.dim() != 3:
+            raise Unsupported("rotary tables other than float32 [2, positions, D]")
+        _, positions, d = table.shape
+        self.cos, self.sin = self.buffer("cos", d), self.buffer("sin", d)
+        sin_table = table.data_ptr() + positions * d * table.element_size()
+        args = (self._arg(table), sin_table, positions, d, self.rows, self.bf16)
+        self._emit(OP_ROPE, None, *args, label="C rotary rows")
+
     def mark(self) -> int:
         """The ops emitted so far: a point `drop_after` can go back to, and `run` stop at."""
         return len(self._ops)
@@ -326,22 +347,23 @@ class Chain:
     def run(
         self,
         x: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        positions: torch.Tensor,
         slots: torch.Tensor,
         lens: torch.Tensor,
         new_slots: torch.Tensor,
         upto: int | None = None,
         out: torch.Tensor | None = None,
         ids: torch.Tensor | None = None,
-    ) -> None:
+    ) -> bool:
         """One step over input rows x [B, hidden] (contiguous, the chain's dtype), or, None,
         the rows of token ids `ids` [B] (contiguous int64: see `ids_ok`) looked up by the
-        chain's `embedding`; the rotary tables [B, 1, D] and the attention's slots [B, kmax] /
-        lengths [B] / new rows' slots [B] (contiguous int64; see
+        chain's `embedding`; the rows' positions [B] (see `positions_ok`) and the
+        attention's slots [B, kmax] / lengths [B] / new rows' slots [B] (contiguous int64; see
         TorchAttentionBackend.decode_chain_inputs). `upto`: only the ops before that mark
         (default: all); `out`: the step's output buffer (see `matmul`), needed by ops past the
-        layers that write it."""
+        layers that write it. False: the step was refused before any layer ran (a position
+        past the rotary tables)."""
+        assert self.cos is not None and self.sin is not None, "no rotary rows (rope)"
         step = self.step
         first = 0
         if x is None:
@@ -355,18 +377,20 @@ class Chain:
         step[STEP_LENS] = lens.data_ptr()
         step[STEP_KMAX] = slots.shape[1]
         step[STEP_NEW_SLOTS] = new_slots.data_ptr()
-        step[STEP_COS] = cos.data_ptr()
-        step[STEP_SIN] = sin.data_ptr()
+        step[STEP_POS] = positions.data_ptr()
+        step[STEP_COS] = self.cos.data_ptr()
+        step[STEP_SIN] = self.sin.data_ptr()
         step[STEP_OUT] = out.data_ptr() if out is not None else 0
         n = self.ops.shape[0] if upto is None else upto
         ops = self.ops.data_ptr() + first * OP_WORDS * 8
         if timing is None or self.lib.decode_chain_timed is None:
-            self.lib.decode_chain(ops, n - first, step)
-            return
+            return self.lib.decode_chain(ops, n - first, step) == 0
         ns = (ctypes.c_int64 * max(1, n - first))()
-        self.lib.decode_chain_timed(ops, n - first, step, ns, int(timing_cpu_clock))
+        if self.lib.decode_chain_timed(ops, n - first, step, ns, int(timing_cpu_clock)) != 0:
+            return False
         for label, t in zip(self._labels[first:n], ns):
             timing[label] = timing.get(label, 0.0) + t * 1e-9
+        return True
 
 
 _KIND_LABELS = {
@@ -377,6 +401,7 @@ _KIND_LABELS = {
     OP_MM7: "C matmul",
     OP_QMM: "C matmul",
     OP_ROWS: "C embedding rows",
+    OP_ROPE: "C rotary rows",
 }
 
 
@@ -403,15 +428,14 @@ def ids_ok(ids: torch.Tensor, rows: int) -> bool:
     return ids.dtype == torch.int64 and ids.shape == (rows,) and ids.is_contiguous()
 
 
-def steps_ok(
-    x: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype
-) -> bool:
-    """Whether a step's inputs (x: None where the chain looks its rows up) are what the chain
-    reads as they are."""
+def positions_ok(positions: torch.Tensor, rows: int) -> bool:
+    """Whether `rope`'s op reads these positions as they are."""
     return (
-        (x is None or (x.dtype == dtype and x.is_contiguous()))
-        and cos.dtype == dtype
-        and sin.dtype == dtype
-        and cos.is_contiguous()
-        and sin.is_contiguous()
+        positions.dtype == torch.int64 and positions.shape == (rows,) and positions.is_contiguous()
     )
+
+
+def x_ok(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a step's input rows (the embedding's, looked up apart) are what the chain reads
+    as they are."""
+    return x.dtype == dtype and x.is_contiguous()

@@ -169,12 +169,12 @@ class _Lib:
         self.decode_chain: Any = getattr(lib, "decode_chain", None)
         if self.decode_chain is not None:
             self.decode_chain.argtypes = [ptr, i64, ptr]
-            self.decode_chain.restype = None
+            self.decode_chain.restype = i64
         # The same with each op's time (benchmarks' breakdown): + ns per op, clock (0 wall).
         self.decode_chain_timed: Any = getattr(lib, "decode_chain_timed", None)
         if self.decode_chain_timed is not None:
             self.decode_chain_timed.argtypes = [ptr, i64, ptr, ptr, ctypes.c_int]
-            self.decode_chain_timed.restype = None
+            self.decode_chain_timed.restype = i64
         lib.stream_read.argtypes = [ptr, i64]
         lib.stream_read.restype = ctypes.c_float
         self.stream_read = lib.stream_read

@@ -113,6 +113,14 @@ class RotaryEmbedding:
         self._table = table
         return table
 
+    def table(self, device: torch.device) -> torch.Tensor:
+        """[2, positions, head_dim] float32 on `device`: cos, and sin with the rotate-half sign
+        (the CPU decode chain reads its rows itself)."""
+        table = self._table
+        if table is None or table.device != device:
+            table = self._build(device, 1)
+        return table
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos and signed sin [T, 1, head_dim] in `dtype` for the tokens at `positions`
         (computed once per step and shared by every layer)."""

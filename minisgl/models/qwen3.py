@@ -301,16 +301,16 @@ class Qwen3ForCausalLM(nn.Module):
         head: bool,
     ) -> torch.Tensor:
         """hidden_states, or with `head` the LM head's logits of them."""
-        cos, sin = self.rotary.cos_sin(positions, self.model.embed_tokens.dtype)
         residual: torch.Tensor | None = None
         chained = (
-            None if capture else self._run_chain(input_ids, cos, sin, attn, meta, indices, head)
+            None if capture else self._run_chain(input_ids, positions, attn, meta, indices, head)
         )
         if isinstance(chained, torch.Tensor):
             return chained
         if chained is not None:
             x, residual = chained
         else:
+            cos, sin = self.rotary.cos_sin(positions, self.model.embed_tokens.dtype)
             x = self.model.embed_tokens(input_ids)
             for i, layer in enumerate(self.model.layers):
                 x, residual = layer.forward(x, residual, cos, sin, attn, meta)
@@ -324,8 +324,7 @@ class Qwen3ForCausalLM(nn.Module):
     def _run_chain(
         self,
         input_ids: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        positions: torch.Tensor,
         attn: AttentionBackend,
         meta: AttentionMetadata,
         indices: torch.Tensor,
@@ -336,13 +335,14 @@ class Qwen3ForCausalLM(nn.Module):
         one it runs (then the layers run one by one). With `head`, where the rows asked for
         are every row in order and the chain has the final norm and the LM head: the logits
         (float32), from the same call. The embedding's rows too where the chain looks them up
-        (a quantized table: `_lay_embedding`), else by the embedding module."""
+        (a quantized table: `_lay_embedding`), else by the embedding module. The rotary rows
+        of the step's positions are the chain's own op (`Chain.rope`)."""
         if not input_ids.is_cpu or not isinstance(attn, TorchAttentionBackend):
             return None
         embed = self.model.embed_tokens
         dtype, rows = embed.dtype, input_ids.shape[0]
         inputs = attn.decode_chain_inputs(meta)
-        if inputs is None or not cpu_chain.steps_ok(None, cos, sin, dtype):
+        if inputs is None or not cpu_chain.positions_ok(positions, rows):
             return None
         # By backend too: a chain writes its KV pool. Each chain keeps its backend alive, so
         # the id is not another's while the entry is here.
@@ -359,13 +359,13 @@ class Qwen3ForCausalLM(nn.Module):
         x = None
         if chain.embedded is None or not cpu_chain.ids_ok(input_ids, rows):
             ids, x = None, embed(input_ids)
-            if not cpu_chain.steps_ok(x, cos, sin, dtype):
+            if not cpu_chain.x_ok(x, dtype):
                 return None
         if head and vocab and _every_row(indices, rows):
             logits = torch.empty(rows, vocab, dtype=torch.float32)
-            chain.run(x, cos, sin, *inputs, out=logits, ids=ids)
-            return logits
-        chain.run(x, cos, sin, *inputs, upto=chain.layers_end, ids=ids)
+            return logits if chain.run(x, positions, *inputs, out=logits, ids=ids) else None
+        if not chain.run(x, positions, *inputs, upto=chain.layers_end, ids=ids):
+            return None  # a position past the rotary tables: the layers' way reports it
         return out, residual
 
     def _build_chain(
@@ -401,6 +401,7 @@ class Qwen3ForCausalLM(nn.Module):
         qkv, qk = chain.buffer("qkv", (hq + 2 * hkv) * d), chain.buffer("qk", hq + hkv, d)
         o = chain.buffer("o", hq * d)
         self._lay_embedding(chain)
+        chain.rope(self.rotary.table(torch.device("cpu")))
         x: torch.Tensor | int = cpu_chain.FROM_STEP_X
         residual: torch.Tensor | int = cpu_chain.FROM_STEP_X
         for i, layer in enumerate(layers):

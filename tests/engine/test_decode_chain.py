@@ -202,3 +202,27 @@ def test_a_timed_chain_gives_the_same_logits_and_times_each_op(
     for shape in shapes:
         assert any(k.startswith(f"C matmul {shape} ") for k in seen), (shape, sorted(seen))
     assert sum(seen.values()) > 0 and chains
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not build here")
+@pytest.mark.parametrize("chain", ["1", "0"])
+def test_a_position_past_the_rotary_tables_runs_no_layer(
+    tmp_path: Path, chain: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chain reads each row's rotary rows from the model's tables by position: a decode
+    at a position past them is refused before any layer runs (the KV pool is left as it was,
+    nothing is read out of bounds), and fails as the layer-by-layer step does."""
+    monkeypatch.setenv("MINISGL_CPU_DECODE_CHAIN", chain)
+    write_hf_model(tmp_path, **SHAPE, max_position_embeddings=16)
+    model = load(tmp_path, torch.bfloat16, quantization=None, cpu_kernel_tuning="off")
+    runner = Runner(model, ModelConfig.from_dir(tmp_path), torch.bfloat16)
+    table: list[int] = []
+    runner.step([(table, 0, list(range(10, 25)))])  # positions 0..14
+    runner.step([(table, 15, [3])])  # position 15: the table's last row
+    chains = model.__dict__.get("_cpu_chains", {})
+    assert any(c is not None for c in chains.values()) == (chain == "1")
+    pools = [t.clone() for t in runner.pool.k_buffers + runner.pool.v_buffers]
+    with pytest.raises(IndexError):
+        runner.step([(table, 16, [4])])  # position 16: past it
+    for before, after in zip(pools, runner.pool.k_buffers + runner.pool.v_buffers, strict=True):
+        assert torch.equal(before, after)

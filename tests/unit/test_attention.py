@@ -324,17 +324,21 @@ def test_short_extends_run_row_by_row_on_the_decode_kernel() -> None:
     assert groups([300], [8]) == [False]  # 8 rows would each read 300+ keys
 
 
+@pytest.mark.parametrize(
+    "prefix,spare", [([5, 0, 37, 16], 0), ([5, 0, 37, 16], 2), ([40], 0), ([15], 3)]
+)
 def test_a_decode_step_s_metadata_equals_the_general_path_s(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, prefix: list[int], spare: int
 ) -> None:
     """prepare's shortcut for one new token per request (CPU decode kernel) builds what the
-    general grouping builds for such a step: the same slots, lengths and call shape."""
+    general grouping builds for such a step: the same slots, lengths and call shape; for
+    one request or several, with page tables that end at the step's token or hold `spare`
+    pages more (a request's pages reserved ahead)."""
     pool = KVPool(1, NUM_PAGES, PAGE, 2, D, torch.float32, "cpu")
     attn = create_attention_backend("torch", pool, 4, 2, D, D**-0.5)
     assert isinstance(attn, TorchAttentionBackend) and attn.cpu_decode
-    prefix = [5, 0, 37, 16]
     free = iter(random.Random(0).sample(range(NUM_PAGES), NUM_PAGES))
-    tables = [[next(free) for _ in range(-(-(p + 1) // PAGE))] for p in prefix]
+    tables = [[next(free) for _ in range(-(-(p + 1) // PAGE) + spare)] for p in prefix]
     layout = BatchLayout(PAGE, prefix, [1] * len(prefix), tables)
     fast = attn.prepare(layout)
     monkeypatch.setattr(attn, "_decode_only", lambda extend: False)

@@ -37,6 +37,13 @@ def test_argmax_ties_take_the_first_index_and_nan_poisons_the_row() -> None:
     assert torch.isnan(top[2]) and top[3] == float("-inf")
     x[2, 38] = float("nan")  # in the scalar tail too
     assert torch.isnan(cpu_kernels.rows_argmax(x[:, :39].contiguous())[0][2])
+    # The kernel keeps several running maxima (32 values a pass): ties between them, and
+    # with the tail, still go to the first index.
+    wide = torch.zeros(3, 100)
+    wide[0, [72, 8, 33]] = 1.0
+    wide[1, [97, 40, 64]] = 1.0
+    wide[2, [99, 98]] = 1.0
+    assert cpu_kernels.rows_argmax(wide)[1].tolist() == [8, 40, 98]
 
 
 @pytest.mark.parametrize("kernels", [True, False])

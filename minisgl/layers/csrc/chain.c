@@ -7,7 +7,7 @@
 
    An op is OP_WORDS int64 words: its kind, the kernel's address, then the kernel's arguments in
    its own order (a float as the bits of a double). What changes from step to step (the
-   embedding rows or the token ids to look them up by, the step's KV slots and rotary tables,
+   embedding rows or the token ids to look them up by, the step's KV slots and positions,
    the logits' buffer) is read from `step` (STEP_*). */
 #include <stdint.h>
 #include <string.h>
@@ -15,10 +15,11 @@
 
 #define OP_WORDS 24
 
-enum { OP_NORM = 0, OP_ATTN = 1, OP_SILU = 2, OP_MM8 = 3, OP_MM7 = 4, OP_QMM = 5, OP_ROWS = 6 };
+enum { OP_NORM = 0, OP_ATTN = 1, OP_SILU = 2, OP_MM8 = 3, OP_MM7 = 4, OP_QMM = 5, OP_ROWS = 6,
+       OP_ROPE = 7 };
 /* Indices into the per-step values. */
 enum { STEP_X = 0, STEP_SLOTS = 1, STEP_LENS = 2, STEP_KMAX = 3, STEP_NEW_SLOTS = 4,
-       STEP_COS = 5, STEP_SIN = 6, STEP_OUT = 7, STEP_IDS = 8 };
+       STEP_COS = 5, STEP_SIN = 6, STEP_OUT = 7, STEP_IDS = 8, STEP_POS = 9 };
 /* Argument words that stand for the step's input rows (the first layer's input, and its
    residual) and for the step's own output buffer (the LM head's logits: a new tensor each
    step, as the layer-by-layer path returns, not a buffer the next step rewrites). */
@@ -118,22 +119,62 @@ static inline void run_op(const int64_t* op, const int64_t* step) {
     }
 }
 
-void decode_chain(const int64_t* ops, int64_t n_ops, const int64_t* step) {
-    for (int64_t i = 0; i < n_ops; i++) run_op(ops + i * OP_WORDS, step);
+/* The step's rotary rows: cos and signed sin of each row's position (step[STEP_POS], int64),
+   from the fp32 tables [positions, D] into the buffers the q/k norms' rotation reads
+   (step[STEP_COS], step[STEP_SIN]), in the model's dtype: RotaryEmbedding.cos_sin's gather
+   and .to(dtype), bit for bit, without its four torch calls a step. a: cos table, sin table,
+   table rows, D, rows, out_bf16. 0, or -1 (nothing written) where a position is past the
+   tables. */
+static int64_t run_rope(const int64_t* a, const int64_t* step) {
+    const int64_t* pos = ptr(step[STEP_POS]);
+    const int64_t d = a[3];
+    for (int64_t r = 0; r < a[4]; r++)
+        if (pos[r] < 0 || pos[r] >= a[2]) return -1;
+    for (int t = 0; t < 2; t++) {
+        const float* table = ptr(a[t]);
+        void* out = ptr(step[t ? STEP_SIN : STEP_COS]);
+        for (int64_t r = 0; r < a[4]; r++) {
+            if (a[5])
+                to_bf16(table + pos[r] * d, (uint16_t*)out + r * d, d);
+            else
+                memcpy((float*)out + r * d, table + pos[r] * d, sizeof(float) * d);
+        }
+    }
+    return 0;
+}
+
+/* 0, or -1 where an op refused the step before any layer ran (the rotary rows' positions
+   past the tables: the caller runs the step its other way, which reports it). */
+int64_t decode_chain(const int64_t* ops, int64_t n_ops, const int64_t* step) {
+    for (int64_t i = 0; i < n_ops; i++) {
+        const int64_t* op = ops + i * OP_WORDS;
+        if (op[0] == OP_ROPE) {
+            if (run_rope(op + 2, step)) return -1;
+        } else {
+            run_op(op, step);
+        }
+    }
+    return 0;
 }
 
 /* decode_chain with each op's time added to ns[i], in nanoseconds of `clock_id` (0: wall,
    CLOCK_MONOTONIC; 1: the process's CPU time): where a step's time goes (the benchmarks'
    breakdown), at the cost of a clock read per op. */
-void decode_chain_timed(const int64_t* ops, int64_t n_ops, const int64_t* step, int64_t* ns,
-                        int clock_id) {
+int64_t decode_chain_timed(const int64_t* ops, int64_t n_ops, const int64_t* step, int64_t* ns,
+                           int clock_id) {
     clockid_t clk = clock_id ? CLOCK_PROCESS_CPUTIME_ID : CLOCK_MONOTONIC;
     struct timespec t0, t1;
     clock_gettime(clk, &t0);
     for (int64_t i = 0; i < n_ops; i++) {
-        run_op(ops + i * OP_WORDS, step);
+        const int64_t* op = ops + i * OP_WORDS;
+        if (op[0] == OP_ROPE) {
+            if (run_rope(op + 2, step)) return -1;
+        } else {
+            run_op(op, step);
+        }
         clock_gettime(clk, &t1);
         ns[i] += (t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec);
         t0 = t1;
     }
+    return 0;
 }

