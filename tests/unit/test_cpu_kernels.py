@@ -140,7 +140,8 @@ def test_panels_without_native_bf16_keep_their_own_layout(tmp_path: Path) -> Non
 def test_panel_prefetch_switches_change_no_result() -> None:
     """panel512.c's prefetch distances and caches (switches the benchmarks flip; one pair for
     fewer than 7 rows, one for more) only move lines between caches: the same bits, whatever
-    they are, for bf16 and fp32 x, with the prefetch into L1, into L2 and none (past the end)."""
+    they are, for bf16 and fp32 x, with the prefetch into L1, into L2 and none (past the end);
+    16 and 40 rows: the K-chunked passes, whose prefetch of the next chunk goes into L2."""
     lib = cpu_kernels.load()
     if lib is None or lib.panel512_pf_ahead is None:  # panel.c's panels: no such switches
         return
@@ -154,7 +155,7 @@ def test_panel_prefetch_switches_change_no_result() -> None:
         lib.panel512_pf_many_l2,
     )
     saved = [s.value for s in switches]
-    for rows in (1, 2, 6, 7, 8, 9, 12):
+    for rows in (1, 2, 6, 7, 8, 9, 12, 16, 40):
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(rows, 512).to(dtype)
             y = cpu_kernels.panel(x, packed, torch.float32)
