@@ -45,6 +45,7 @@ from minisgl.config import EngineArgs
 from minisgl.engine.model_runner import ForwardInput, ModelRunner
 from minisgl.layers import cpu_kernels
 from minisgl.models.config import ModelConfig
+from minisgl.process import freeze_startup_objects
 from minisgl.sampling_params import SamplingParams
 
 PAGE = 16
@@ -216,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         activations(q)
         for inp, *_ in cases.values():
             runner.forward(inp)  # warm-up: kernels built, tables cached
+    # As the server's scheduler does once its engine is built: the models' objects live until
+    # the end, so no full collection walks them during a step (one over a 0.6B runner's ~250k
+    # objects took ~200 ms on the Zen 4 of docs/performance.md: a step's time 7x over).
+    freeze_startup_objects()
     # --timings: the pure read loop over as many bytes as the first format's weights, timed
     # between the steps the same way: the spread the machine's memory alone shows.
     reader = ReadLoop(next(iter(builds.values()))[3], machine) if args.timings else None
@@ -251,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             if args.timings:
                 print(spread(mine[name], events[(q, name)]))
+            if reader is not None:
+                print(reader.against(mine[name]))
         print(batch_ratios(cases, mine, machine, args.dtype))
     return 0
 
@@ -514,6 +521,16 @@ class ReadLoop:
             self.buf.sum()
         self.times.append(clock() - t0)
         self.events.append(StepEvents.now() - before)
+
+    def against(self, steps: list[float]) -> str:
+        """Each step over the read pass of its repeat: where the memory's rate moves, step and
+        pass move together and this ratio spreads less than either."""
+        ratios = sorted(t / r for t, r in zip(steps, self.times, strict=True))
+        n = len(ratios)
+        return (
+            f"    step / the read pass of its repeat: p10 {ratios[int(0.1 * n)]:.2f}  "
+            f"p50 {statistics.median(ratios):.2f}  p90 {ratios[min(n - 1, int(0.9 * n))]:.2f}"
+        )
 
     def report(self) -> str:
         nbytes = self.buf.numel() * 4

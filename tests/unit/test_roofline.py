@@ -69,3 +69,6 @@ def test_decode_step_times_the_read_loop_between_the_steps(
     report = reader.report()
     assert report.startswith(f"read loop ({read.loop}) over 0.01 GB, between the steps: best ")
     assert "median/best" in report and "page faults" in report
+    # Each step against the pass of its own repeat: steps twice their passes read 2.00 throughout.
+    ratio = reader.against([2 * t for t in reader.times])
+    assert ratio.strip() == "step / the read pass of its repeat: p10 2.00  p50 2.00  p90 2.00"
