@@ -495,8 +495,11 @@ def spread(times: list[float], events: list[StepEvents]) -> str:
 
 
 class ReadLoop:
-    """roofline's best read loop over `nbytes` on huge pages (as the weights lie), one pass
-    per repeat, with what the process went through during it (StepEvents)."""
+    """roofline's best read loop over the weights' `nbytes` (at most READ_MAX of them: an 8B
+    model's 16 GB are not allocated twice) on huge pages, as the weights lie, one pass per
+    repeat, with what the process went through during it (StepEvents)."""
+
+    READ_MAX = 1 << 30
 
     def __init__(self, nbytes: int, machine: Machine) -> None:
         from roofline import READ_LOOPS, _stream_lib
@@ -506,7 +509,9 @@ class ReadLoop:
         self.raw = _stream_lib()
         self.loop = machine.read.loop if machine.read and self.raw is not None else "plain"
         self.ahead, self.l2, self.narrow = READ_LOOPS[self.loop]
-        self.buf = hugepages.empty(max(64, nbytes // 4), dtype=torch.float32).fill_(1.0)
+        numel = max(64, min(nbytes, self.READ_MAX) // 4)
+        self.buf = hugepages.empty(numel, dtype=torch.float32).fill_(1.0)
+        self.scale = max(nbytes, 1) / (numel * 4)  # the weights' bytes over the pass's
         self.times: list[float] = []
         self.events: list[StepEvents] = []
 
@@ -523,12 +528,14 @@ class ReadLoop:
         self.events.append(StepEvents.now() - before)
 
     def against(self, steps: list[float]) -> str:
-        """Each step over the read pass of its repeat: where the memory's rate moves, step and
-        pass move together and this ratio spreads less than either."""
-        ratios = sorted(t / r for t, r in zip(steps, self.times, strict=True))
+        """Each step over the read pass of its repeat (as if the pass read the weights' bytes):
+        where the memory's rate moves, step and pass move together and this ratio spreads less
+        than either."""
+        ratios = sorted(t / (r * self.scale) for t, r in zip(steps, self.times, strict=True))
         n = len(ratios)
         return (
-            f"    step / the read pass of its repeat: p10 {ratios[int(0.1 * n)]:.2f}  "
+            "    step / the read pass of its repeat (per weight byte): "
+            f"p10 {ratios[int(0.1 * n)]:.2f}  "
             f"p50 {statistics.median(ratios):.2f}  p90 {ratios[min(n - 1, int(0.9 * n))]:.2f}"
         )
 

@@ -55,7 +55,7 @@ def test_every_read_loop_reads_every_value(
 
 
 def test_decode_step_times_the_read_loop_between_the_steps(
-    import_benchmark: Callable[[str], ModuleType],
+    import_benchmark: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--timings: the pure read loop over the weights' bytes, timed as the steps are, with its
     spread (a machine whose memory itself is noisy shows it there as much as in the steps)."""
@@ -71,4 +71,12 @@ def test_decode_step_times_the_read_loop_between_the_steps(
     assert "median/best" in report and "page faults" in report
     # Each step against the pass of its own repeat: steps twice their passes read 2.00 throughout.
     ratio = reader.against([2 * t for t in reader.times])
-    assert ratio.strip() == "step / the read pass of its repeat: p10 2.00  p50 2.00  p90 2.00"
+    assert ratio.strip() == (
+        "step / the read pass of its repeat (per weight byte): p10 2.00  p50 2.00  p90 2.00"
+    )
+    # Weights larger than READ_MAX: the pass reads READ_MAX bytes, the ratio is per byte.
+    monkeypatch.setattr(decode_step.ReadLoop, "READ_MAX", 4 << 20)
+    big = decode_step.ReadLoop(16 << 20, machine)
+    assert big.buf.numel() * 4 == 4 << 20
+    big.run(roofline.time.perf_counter)
+    assert "p50 1.00" in big.against([4 * big.times[0]])
