@@ -84,6 +84,10 @@ class _Lib:
             fn.argtypes = attn_args
             fn.restype = None
         self.attn_bf16, self.attn_f32 = lib.decode_attn_bf16, lib.decode_attn_f32
+        # Its bf16 passes on 16 lanes (csrc/attention.c; 1 = on): q.k on VDPBF16PS, the
+        # values' sums (the same bits as 8 lanes). Switches for tests and benchmarks.
+        self.attn_dpbf16: Any = _global(lib, "attn_dpbf16", ctypes.c_int)
+        self.attn_v512: Any = _global(lib, "attn_v512", ctypes.c_int)
         lib.gemm.argtypes = [ptr, ptr, ctypes.c_int, ptr, i64, i64, i64, ctypes.c_int]
         lib.gemm.restype = None
         self.gemm = lib.gemm

@@ -297,6 +297,40 @@ def test_decode_attention_matches_sdpa(dtype: torch.dtype, hq: int, hkv: int, d:
         torch.testing.assert_close(out[b].double(), ref.reshape(-1), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("d", [128, 64, 40])
+def test_decode_attention_s_16_lane_passes_match_the_8_lane_ones(d: int) -> None:
+    """bf16 pools on the AVX-512 build: the values' pass on 16 lanes gives the same bits as on
+    8 (fp32 out), and q.k on VDPBF16PS (bf16 q) what the widened FMAs give up to the order of
+    the sums; a head width that is no multiple of 32 keeps the 8-lane passes."""
+    lib = cpu_kernels.load()
+    assert lib is not None
+    switches = [s for s in (lib.attn_v512, lib.attn_dpbf16) if s is not None]
+    saved = [s.value for s in switches]
+    torch.manual_seed(d)
+    hq, hkv, slots = 16, 8, 400
+    k_pool = torch.randn(slots, hkv, d).to(torch.bfloat16)
+    v_pool = torch.randn(slots, hkv, d).to(torch.bfloat16)
+    lens = torch.tensor([1, 9, 65, 321], dtype=torch.int64)
+    table = torch.stack([torch.randperm(slots)[:321] for _ in range(4)])
+    q = torch.randn(4, hq, d)
+
+    def run(q: torch.Tensor, v512: int, dpbf16: int) -> torch.Tensor:
+        if lib.attn_v512 is not None:
+            lib.attn_v512.value = v512
+        if lib.attn_dpbf16 is not None:
+            lib.attn_dpbf16.value = dpbf16
+        return cpu_kernels.decode_attention(q, k_pool, v_pool, table, lens, d**-0.5)
+
+    try:
+        assert torch.equal(run(q, 1, 1), run(q, 0, 1))  # fp32 q: no VDPBF16PS
+        qb = q.to(torch.bfloat16)
+        wide, narrow = run(qb, 1, 1), run(qb, 0, 0)
+        torch.testing.assert_close(wide.float(), narrow.float(), rtol=1e-2, atol=1e-2)
+    finally:
+        for s, v in zip(switches, saved, strict=True):
+            s.value = v
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decode_attention_stores_the_new_rows_first(dtype: torch.dtype) -> None:
     """The step's new keys and values handed to the kernel (views of the model's q/k and qkv

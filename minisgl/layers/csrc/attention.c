@@ -123,17 +123,146 @@ static inline void add_values8(float* acc, const __m256 w[4], const __m256 v[4])
         for (int j = 0; j < 4; j++)                                                         \
             if (AHEAD[j]) prefetch_row(AHEAD[j] + (hk) * D, D * (int64_t)sizeof(*AHEAD[j]))
 
+int attn_dpbf16 = 1;
+#if defined(__AVX512BF16__)
+/* The keys' pass of a chunk (scores sc[h * n4 + i], scaled) for bf16 keys and a bf16 query qh
+   [Hq, D] in the model's order, D % 32 == 0: q.k by VDPBF16PS, 32 products a
+   row per instruction (the exact products of two bf16 values, summed in fp32, as the 8-lane
+   path's FMAs on the widened values; only the order of the sums differs, and denormal inputs
+   count as 0). The 8-lane path spends ~7 instructions per 16 values of a key and a head on
+   widening and multiplying; here 1 per 32. Loads, prefetches and order as that path's. */
+static void keys_dpbf16(const uint16_t* qh, const uint16_t* kp, const uint16_t* vp,
+                        const int64_t* sl, int64_t n, int64_t Hq, int64_t Hkv, int64_t D,
+                        float scale, float* sc) {
+    int64_t group = Hq / Hkv, row = Hkv * D, n4 = (n + 3) & ~(int64_t)3;
+    __m128 s4 = _mm_set1_ps(scale);
+    for (int64_t i = 0; i < n; i += 4) {
+        const uint16_t *kr[4], *ahead[4];
+        FOUR_KEY_ROWS(kr, ahead, block);
+        for (int64_t hk = 0; hk < Hkv; hk++) {
+            PREFETCH_HEAD(ahead, block, hk);
+            for (int64_t g0 = 0; g0 < group; g0 += 2) {
+                int64_t ha = hk * group + g0, hb = g0 + 1 < group ? ha + 1 : ha;
+                const uint16_t* qa = qh + ha * D;
+                const uint16_t* qw = qh + hb * D;
+                __m512 a[4], b[4];
+                for (int j = 0; j < 4; j++) a[j] = b[j] = _mm512_setzero_ps();
+                for (int64_t d = 0; d < D; d += 32) {
+                    __m512bh xa = (__m512bh)_mm512_loadu_si512(qa + d);
+                    __m512bh xb = (__m512bh)_mm512_loadu_si512(qw + d);
+                    for (int j = 0; j < 4; j++) {
+                        __m512bh k = (__m512bh)_mm512_loadu_si512(kr[j] + hk * D + d);
+                        a[j] = _mm512_dpbf16_ps(a[j], xa, k);
+                        b[j] = _mm512_dpbf16_ps(b[j], xb, k);
+                    }
+                }
+                __m256 ra[4], rb[4];
+                for (int j = 0; j < 4; j++) {
+                    ra[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]),
+                                          _mm512_extractf32x8_ps(a[j], 1));
+                    rb[j] = _mm256_add_ps(_mm512_castps512_ps256(b[j]),
+                                          _mm512_extractf32x8_ps(b[j], 1));
+                }
+                _mm_storeu_ps(sc + hb * n4 + i, _mm_mul_ps(hsum4(rb[0], rb[1], rb[2], rb[3]), s4));
+                _mm_storeu_ps(sc + ha * n4 + i, _mm_mul_ps(hsum4(ra[0], ra[1], ra[2], ra[3]), s4));
+            }
+        }
+    }
+}
+#define HAVE_KEYS_DPBF16 1
+#else
+#define HAVE_KEYS_DPBF16 0
+static void keys_dpbf16(const uint16_t* qh, const uint16_t* kp, const uint16_t* vp,
+                        const int64_t* sl, int64_t n, int64_t Hq, int64_t Hkv, int64_t D,
+                        float scale, float* sc) {
+    (void)qh, (void)kp, (void)vp, (void)sl, (void)n, (void)Hq, (void)Hkv, (void)D, (void)scale;
+    (void)sc;
+}
+#endif
+
+int attn_v512 = 1;
+#if defined(__AVX512F__)
+/* The values' pass of a chunk for bf16 values, D % 32 == 0, on 16 lanes: po [Hq, D] (zeroed)
+   += p * v in the stored order of the 8-lane path (per 16 values the 8 even, then the 8 odd),
+   each accumulator lane getting the same FMAs in the same order as there, so the same bits.
+   32 values a load: the shift gives the even ones of two 16-value blocks, the mask the odd
+   ones, and one 128-bit-lane shuffle each puts them in the stored order ([b0 even | b0 odd],
+   [b1 even | b1 odd]): ~40% fewer instructions than two 8-lane halves. Loads, prefetches and
+   order as that path's. */
+static void values_512(const uint16_t* kp, const uint16_t* vp, const int64_t* sl, int64_t n,
+                       int64_t Hq, int64_t Hkv, int64_t D, const float* sc, float* po) {
+    int64_t group = Hq / Hkv, row = Hkv * D, n4 = (n + 3) & ~(int64_t)3;
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    (void)kp;
+    for (int64_t i = 0; i < n; i += 4) {
+        const uint16_t *vr[4], *ahead[4];
+        FOUR_ROWS(vp, vr, ahead, block);
+        for (int64_t hk = 0; hk < Hkv; hk++) {
+            PREFETCH_HEAD(ahead, block, hk);
+            for (int64_t g0 = 0; g0 < group; g0 += 2) {
+                int64_t ha = hk * group + g0;
+                int two = g0 + 1 < group;
+                const float* pa = sc + ha * n4 + i;
+                const float* pb = two ? pa + n4 : pa; /* padded keys weigh 0 */
+                __m512 wa[4], wb[4];
+                for (int j = 0; j < 4; j++) {
+                    wa[j] = _mm512_set1_ps(pa[j]);
+                    wb[j] = _mm512_set1_ps(pb[j]);
+                }
+                float* oa = po + ha * D;
+                float* ob = two ? oa + D : 0;
+                for (int64_t d = 0; d < D; d += 32) {
+                    __m512 v0[4], v1[4];
+                    for (int j = 0; j < 4; j++) {
+                        __m512i raw = _mm512_loadu_si512(vr[j] + hk * D + d);
+                        __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+                        __m512 o = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+                        v0[j] = _mm512_shuffle_f32x4(e, o, 0x44); /* [b0 even | b0 odd] */
+                        v1[j] = _mm512_shuffle_f32x4(e, o, 0xEE); /* [b1 even | b1 odd] */
+                    }
+                    __m512 x0 = _mm512_loadu_ps(oa + d), x1 = _mm512_loadu_ps(oa + d + 16);
+                    for (int j = 0; j < 4; j++) {
+                        x0 = _mm512_fmadd_ps(wa[j], v0[j], x0);
+                        x1 = _mm512_fmadd_ps(wa[j], v1[j], x1);
+                    }
+                    _mm512_storeu_ps(oa + d, x0);
+                    _mm512_storeu_ps(oa + d + 16, x1);
+                    if (!ob) continue;
+                    x0 = _mm512_loadu_ps(ob + d), x1 = _mm512_loadu_ps(ob + d + 16);
+                    for (int j = 0; j < 4; j++) {
+                        x0 = _mm512_fmadd_ps(wb[j], v0[j], x0);
+                        x1 = _mm512_fmadd_ps(wb[j], v1[j], x1);
+                    }
+                    _mm512_storeu_ps(ob + d, x0);
+                    _mm512_storeu_ps(ob + d + 16, x1);
+                }
+            }
+        }
+    }
+}
+#define HAVE_VALUES512 1
+#else
+#define HAVE_VALUES512 0
+static void values_512(const uint16_t* kp, const uint16_t* vp, const int64_t* sl, int64_t n,
+                       int64_t Hq, int64_t Hkv, int64_t D, const float* sc, float* po) {
+    (void)kp, (void)vp, (void)sl, (void)n, (void)Hq, (void)Hkv, (void)D, (void)sc, (void)po;
+}
+#endif
+
 /* LOAD16: 16 keys' values as two fp32 vectors in the stored order; LOAD8: 8 in order (the
    tail of a head); PERM: whether LOAD16 reorders. */
 #define ATTN(NAME, KT, LOAD16, LOAD8, PERM)                                                   \
 static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int64_t* sl,     \
                          int64_t n, int64_t Hq, int64_t Hkv, int64_t D, float scale,        \
-                         float* sc, float* po) {                                            \
+                         float* sc, float* po, const uint16_t* qh, int v512) {              \
     int64_t group = Hq / Hkv, row = Hkv * D, n4 = (n + 3) & ~(int64_t)3, D16 = D & ~15;     \
     float* pm = po + Hq * D;                                                                \
     float* pl = pm + Hq;                                                                    \
     __m128 s4 = _mm_set1_ps(scale);                                                         \
-    for (int64_t i = 0; i < n; i += 4) {                                                    \
+    if (qh)                                                                                 \
+        keys_dpbf16(qh, (const uint16_t*)kp, (const uint16_t*)vp, sl, n, Hq, Hkv, D, scale, \
+                    sc);                                                                    \
+    for (int64_t i = 0; i < (qh ? 0 : n); i += 4) {                                         \
         const KT *kr[4], *ahead[4];                                                         \
         FOUR_KEY_ROWS(kr, ahead, block);                                                    \
         for (int64_t hk = 0; hk < Hkv; hk++) {                                              \
@@ -171,7 +300,9 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
     }                                                                                       \
     for (int64_t h = 0; h < Hq; h++) pl[h] = softmax_partial(sc + h * n4, n, n4, pm + h);   \
     for (int64_t e = 0; e < Hq * D; e += 8) _mm256_storeu_ps(po + e, _mm256_setzero_ps());  \
-    for (int64_t i = 0; i < n; i += 4) {                                                    \
+    if (v512)                                                                               \
+        values_512((const uint16_t*)kp, (const uint16_t*)vp, sl, n, Hq, Hkv, D, sc, po);    \
+    for (int64_t i = 0; i < (v512 ? 0 : n); i += 4) {                                       \
         const KT *vr[4], *ahead[4];                                                         \
         FOUR_ROWS(vp, vr, ahead, block);                                                    \
         for (int64_t hk = 0; hk < Hkv; hk++) {                                              \
@@ -214,6 +345,13 @@ void NAME(const void* q, int64_t q_stride, int q_bf16, KT* kp, KT* vp,          
     float* part = plan_chunks(lens, B, Hq, D, &chunk, &T, &first, &owner, &done);           \
     if (!part) return;                                                                      \
     int64_t stride = Hq * (D + 2);                                                          \
+    /* bf16 keys and query: the keys' pass on VDPBF16PS where the build has it. */          \
+    const uint16_t* qh = HAVE_KEYS_DPBF16 && attn_dpbf16 && sizeof(KT) == 2 && q_bf16 &&    \
+                                 D % 32 == 0                                                \
+                             ? (const uint16_t*)q                                           \
+                             : 0;                                                           \
+    /* bf16 values: their pass on 16 lanes where the build has them (the same bits). */     \
+    int v512 = HAVE_VALUES512 && attn_v512 && sizeof(KT) == 2 && D % 32 == 0;              \
     _Pragma("omp parallel")                                                                 \
     {                                                                                       \
         float* sc = (float*)worker_scratch(sizeof(float) * Hq * (chunk + D));               \
@@ -226,7 +364,7 @@ void NAME(const void* q, int64_t q_stride, int q_bf16, KT* kp, KT* vp,          
             if (b != held) gather_query(q, b * q_stride, q_bf16, Hq, D, PERM, qf);          \
             held = b;                                                                       \
             NAME##_chunk(qf, kp, vp, slots + b * kmax + c0, n, Hq, Hkv, D, scale, sc,       \
-                         part + t * stride);                                                \
+                         part + t * stride, qh ? qh + b * q_stride : 0, v512);              \
             /* The thread that finishes a request's last chunk merges its chunks. */        \
             if (__atomic_add_fetch(&done[b], 1, __ATOMIC_ACQ_REL) == first[b + 1] - first[b]) \
                 merge_request(part, first, b, Hq, D, PERM, out, out_bf16);                  \
