@@ -221,9 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     # the end, so no full collection walks them during a step (one over a 0.6B runner's ~250k
     # objects took ~200 ms on the Zen 4 of docs/performance.md: a step's time 7x over).
     freeze_startup_objects()
-    # --timings: the pure read loop over as many bytes as the first format's weights, timed
-    # between the steps the same way: the spread the machine's memory alone shows.
-    reader = ReadLoop(next(iter(builds.values()))[3], machine) if args.timings else None
+    # The pure read loop over as many bytes as the first format's weights, one pass between
+    # the repeats: a VM's memory rate moves by tens of percent within minutes (docs/
+    # performance.md), so the roofline is the best read of the whole run, as the steps' best
+    # is, not only the one taken before the steps; --timings also prints its spread.
+    reader = ReadLoop(next(iter(builds.values()))[3], machine)
     for _ in range(args.repeats):
         for name in next(iter(builds.values()))[1]:
             for q, (runner, cases, *_) in builds.items():
@@ -233,11 +235,10 @@ def main(argv: list[str] | None = None) -> int:
                 runner.forward(cases[name][0])
                 times[(q, name)].append(clock() - t0)
                 events[(q, name)].append(StepEvents.now() - before)
-        if reader is not None:
-            reader.run(clock)
+        reader.run(clock)
+    machine.read_bytes_per_s = max(machine.read_bytes_per_s, reader.best_rate())
     print(machine.describe())
-    if reader is not None:
-        print(reader.report())
+    print(reader.report() if args.timings else reader.summary())
     first = next(iter(builds))
     for q, (_, cases, params, weight_bytes) in builds.items():
         print(
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             if args.timings:
                 print(spread(mine[name], events[(q, name)]))
-            if reader is not None:
+            if args.timings:
                 print(reader.against(mine[name]))
         print(batch_ratios(cases, mine, machine, args.dtype))
     return 0
@@ -539,13 +540,21 @@ class ReadLoop:
             f"p50 {statistics.median(ratios):.2f}  p90 {ratios[min(n - 1, int(0.9 * n))]:.2f}"
         )
 
-    def report(self) -> str:
+    def best_rate(self) -> float:
+        """Bytes per second of the fastest pass between the steps."""
+        return self.buf.numel() * 4 / min(self.times)
+
+    def summary(self) -> str:
         nbytes = self.buf.numel() * 4
         return (
             f"read loop ({self.loop}) over {nbytes / 1e9:.2f} GB, between the steps: best "
-            f"{min(self.times) * 1e3:.1f} ms ({nbytes / min(self.times) / 1e9:.1f} GB/s)\n"
-            + spread(self.times, self.events)
+            f"{min(self.times) * 1e3:.1f} ms ({self.best_rate() / 1e9:.1f} GB/s), median "
+            f"{nbytes / statistics.median(self.times) / 1e9:.1f} GB/s; the roofline reads at "
+            f"the best rate of the run"
         )
+
+    def report(self) -> str:
+        return self.summary() + "\n" + spread(self.times, self.events)
 
 
 def batch_ratios(
