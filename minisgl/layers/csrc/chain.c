@@ -143,17 +143,18 @@ static int64_t run_rope(const int64_t* a, const int64_t* step) {
     return 0;
 }
 
+/* One op of the chain: 0, or -1 where it refused the step (run_rope). */
+static int64_t run_any(const int64_t* op, const int64_t* step) {
+    if (op[0] == OP_ROPE) return run_rope(op + 2, step);
+    run_op(op, step);
+    return 0;
+}
+
 /* 0, or -1 where an op refused the step before any layer ran (the rotary rows' positions
    past the tables: the caller runs the step its other way, which reports it). */
 int64_t decode_chain(const int64_t* ops, int64_t n_ops, const int64_t* step) {
-    for (int64_t i = 0; i < n_ops; i++) {
-        const int64_t* op = ops + i * OP_WORDS;
-        if (op[0] == OP_ROPE) {
-            if (run_rope(op + 2, step)) return -1;
-        } else {
-            run_op(op, step);
-        }
-    }
+    for (int64_t i = 0; i < n_ops; i++)
+        if (run_any(ops + i * OP_WORDS, step)) return -1;
     return 0;
 }
 
@@ -166,12 +167,7 @@ int64_t decode_chain_timed(const int64_t* ops, int64_t n_ops, const int64_t* ste
     struct timespec t0, t1;
     clock_gettime(clk, &t0);
     for (int64_t i = 0; i < n_ops; i++) {
-        const int64_t* op = ops + i * OP_WORDS;
-        if (op[0] == OP_ROPE) {
-            if (run_rope(op + 2, step)) return -1;
-        } else {
-            run_op(op, step);
-        }
+        if (run_any(ops + i * OP_WORDS, step)) return -1;
         clock_gettime(clk, &t1);
         ns[i] += (t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec);
         t0 = t1;
