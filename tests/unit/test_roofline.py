@@ -3,6 +3,7 @@ the plain loop, with the spread of its passes; every loop reads every value."""
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable
 from types import ModuleType
 
@@ -80,3 +81,23 @@ def test_decode_step_times_the_read_loop_between_the_steps(
     assert big.buf.numel() * 4 == 4 << 20
     big.run(roofline.time.perf_counter)
     assert "p50 1.00" in big.against([4 * big.times[0]])
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no huge-page advice here")
+def test_qgemv_bench_puts_the_quantized_weights_on_huge_pages(
+    import_benchmark: Callable[[str], ModuleType],
+) -> None:
+    """qgemv_bench compares the quantized kernels with the bf16 ones on huge pages, as a loaded
+    model holds both (the bf16 weights there always were; the quantized ones sat on 4 KB
+    pages, a TLB miss per 4 KB that the bf16 stream did not pay): each tensor of the weight
+    moved onto its own mapping, the same values."""
+    bench = import_benchmark("qgemv_bench")
+    w = bench.random_weight("int4", 4096, 2048, torch.Generator().manual_seed(0))
+    before = {name: getattr(w, name).clone() for name in ("codes", "scales", "zeros")}
+    ptrs = {name: getattr(w, name).data_ptr() for name in before}
+    assert bench.onto_huge_pages(w) is w
+    for name, old in before.items():
+        t = getattr(w, name)
+        if old.numel() * old.element_size() >= 2 << 20:  # hugepages moves from 2 MB up
+            assert t.data_ptr() != ptrs[name], name
+        assert torch.equal(t, old), name
