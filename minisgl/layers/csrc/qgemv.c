@@ -1823,6 +1823,19 @@ static inline void store4(void* y, int64_t i, __m128 v, int out_bf16) {
     _mm_storel_epi64((__m128i*)((uint16_t*)y + i), _mm_packus_epi32(b, b));
 }
 
+/* How many blocks ahead one row of x prefetches on the byte path (block_bytes,
+   block_bytes_u8_runs): PF_BLOCKS, or more where that is under ONE_ROW_AHEAD bytes. 4-bit
+   codes at K = 1024 (Qwen3-0.6B's q/k/v and gate/up: 2 KB blocks) were prefetched 4 KB ahead,
+   too close for the memory's latency: 8 KB ahead took 0.91-0.92x the time (3072x1024, 1
+   thread, cold weights on huge pages, AMD EPYC Zen 4, interleaved; 2 threads 0.96x, within
+   the noise of a shared VM); 16 KB no better, and 8-bit codes' 4 KB blocks and longer rows
+   (6-12 KB blocks) no faster with more. */
+#define ONE_ROW_AHEAD 8192
+static inline int64_t one_row_blocks(int64_t block_bytes) {
+    int64_t b = (ONE_ROW_AHEAD + block_bytes - 1) / block_bytes;
+    return b > PF_BLOCKS ? b : PF_BLOCKS;
+}
+
 /* 1: one row of x runs as bytes (block_bytes) where the build has AVX512-VNNI; 0: as int16
    (block_int). A switch for the tests and benchmarks, which compare the two. */
 int qgemv_byte_path = 1;
@@ -1973,6 +1986,11 @@ static void qgemv_kind(
             int64_t block_bytes = 4 * cstride;
             Prefetch pf = {ahead(codes + n0 * cstride, block_bytes, n0 + 4 * PF_BLOCKS < N),
                            block_bytes / 64, steps, 0, 0};
+            /* one row on the byte path: bytes from a row to the same row of the block it
+               prefetches (0: none, past the last block) */
+            const int64_t one_blocks = one_row_blocks(block_bytes);
+            const int64_t one_ahead = n0 + 4 * one_blocks < N ? one_blocks * block_bytes : 0;
+            (void)one_ahead;
             if (many) run_block(kind, 1, xq, xf, wr, sr, 0, M, K, gs, &pf, scratch, accs);
 #ifdef QBYTES
             if (bytes && M > 1)
@@ -1998,11 +2016,9 @@ static void qgemv_kind(
 #ifdef QBYTES
                 if (x8v || (bytes && M > 1)) {
                 } else if (bytes && bkind == Q_U8 && qgemv_rows_seq)
-                    block_bytes_u8_runs(xb, xcorr, wr, sr, K, chunks,
-                                        pf.base ? PF_BLOCKS * block_bytes : 0, lanes, acc);
+                    block_bytes_u8_runs(xb, xcorr, wr, sr, K, chunks, one_ahead, lanes, acc);
                 else if (bytes)
-                    run_bytes(bkind, gfni, xb, xcorr, wr, sr, K, chunks,
-                              pf.base ? PF_BLOCKS * block_bytes : 0, lanes, acc);
+                    run_bytes(bkind, gfni, xb, xcorr, wr, sr, K, chunks, one_ahead, lanes, acc);
                 else
 #endif
                 if (x8 && mr == 2) block_u4x8_2((const int8_t*)xq, xsb, wr, sr, m, K, gs, &pf, acc);
