@@ -1826,10 +1826,10 @@ static inline void store4(void* y, int64_t i, __m128 v, int out_bf16) {
 /* How many blocks ahead one row of x prefetches on the byte path (block_bytes,
    block_bytes_u8_runs): PF_BLOCKS, or more where that is under ONE_ROW_AHEAD bytes. 4-bit
    codes at K = 1024 (Qwen3-0.6B's q/k/v and gate/up: 2 KB blocks) were prefetched 4 KB ahead,
-   too close for the memory's latency: 8 KB ahead took 0.91-0.92x the time (3072x1024, 1
-   thread, cold weights on huge pages, AMD EPYC Zen 4, interleaved; 2 threads 0.96x, within
-   the noise of a shared VM); 16 KB no better, and 8-bit codes' 4 KB blocks and longer rows
-   (6-12 KB blocks) no faster with more. */
+   too close for the memory's latency: 8 KB ahead took 0.87-0.93x the time (3072x1024,
+   4096x1024, 6144x1024; 1 thread, cold weights on huge pages, AMD EPYC Zen 4, interleaved;
+   2 threads 0.91-0.96x, best calls on a shared VM); 16 KB no better, and 8-bit codes' 4 KB
+   blocks and longer rows (6-12 KB blocks) no faster with more. */
 #define ONE_ROW_AHEAD 8192
 static inline int64_t one_row_blocks(int64_t block_bytes) {
     int64_t b = (ONE_ROW_AHEAD + block_bytes - 1) / block_bytes;
