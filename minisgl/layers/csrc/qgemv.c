@@ -1457,8 +1457,9 @@ static void run_bytes(int kind, int gfni, const uint8_t* xb, const int32_t* xcor
    row's sums and fold the same whatever rows are beside it: a row's result does not depend
    on the batch. Measured (AMD EPYC Zen 4, 1 thread, CPU time, cold weights, shared machine,
    interleaved): 8-bit per channel at 8 rows 0.69-0.72x the exact byte path's time, 4-bit
-   group 128 at 8-16 rows 0.81-0.85x; one row 8-bit 1.03-1.13x (not found why), 4-bit
-   0.93-1.01x; a Qwen3-0.6B-shaped decode step of 8 rows, int8: 0.73x. */
+   group 128 at 8-16 rows 0.81-0.85x; one row 8-bit 1.03-1.13x in x8v_one's loop (one row of
+   8-bit codes now takes the exact path's loop: x8v_one_u8), 4-bit 0.93-1.01x; a
+   Qwen3-0.6B-shaped decode step of 8 rows, int8: 0.73x. */
 #define X8V_ROWS 64
 
 static inline int x8v_takes(int kind, int64_t K, int64_t gs) {
@@ -1466,11 +1467,38 @@ static inline int x8v_takes(int kind, int64_t K, int64_t gs) {
     return kind != Q_FP8 && K % S == 0 && (gs % S == 0 || S % gs == 0);
 }
 
-/* x row m -> int8 codes in x8v's layout (xq row m: K bytes), x's scales per chunk and lane
-   (xsl row m: [K / len][16]), the groups' sums of x in scaled units (xsum), xscale[m] = 1. */
-static void quantize_x8v(int kind, const void* x, int x_bf16, int64_t m, int64_t K, int64_t gs,
-                         Chunks ch, __m512i lanes, int8_t* xq, float* xsl, float* xscale,
-                         float* xsum) {
+/* One row of x against 8-bit codes runs block_bytes_u8_runs' loop (x8v_one_u8), so its 8-bit
+   codes are also written as that loop's bytes (see the byte path at QBYTES): after xq's K
+   codes, per step of 64 features the high bytes (0 or -1: the sign), then the low bytes; then
+   128 * the sum of the low bytes per chunk and lane (xcorr, [K / len][16]). The bytes xq takes
+   for M rows of x. */
+static inline int x8v_as_bytes(int kind, int64_t M) { return kind == Q_U8 && M == 1; }
+static inline int64_t x8v_xq_bytes(int kind, int64_t M, int64_t K) {
+    return ((x8v_as_bytes(kind, M) ? 4 * K : M * K) + 63) / 64 * 64;
+}
+
+static void x8v_bytes_row(const int8_t* q, int64_t K, Chunks ch, uint8_t* xb) {
+    int32_t* xcorr = (int32_t*)(xb + 2 * K);
+    for (int64_t k = 0; k < K; k += 64) {
+        __m512i v = _mm512_loadu_si512(q + k);
+        __mmask64 neg = _mm512_movepi8_mask(v);
+        _mm512_storeu_si512(xb + 2 * k, _mm512_movm_epi8(neg)); /* 0xFF where negative */
+        _mm512_storeu_si512(xb + 2 * k + 64, v);
+    }
+    for (int64_t c0 = 0, c = 0; c0 < K; c0 += ch.len, c++) {
+        __m512i t = _mm512_setzero_si512();
+        for (int64_t k = c0; k < c0 + ch.len; k += 64)
+            t = _mm512_dpbusd_epi32(t, _mm512_loadu_si512(xb + 2 * k + 64), _mm512_set1_epi8(1));
+        _mm512_storeu_si512(xcorr + 16 * c, _mm512_slli_epi32(t, 7));
+    }
+}
+
+/* x row m of M -> int8 codes in x8v's layout (xq row m: K bytes; where x8v_as_bytes, also as
+   bytes after them), x's scales per chunk and lane (xsl row m: [K / len][16]), the groups' sums
+   of x in scaled units (xsum), xscale[m] = 1. */
+static void quantize_x8v(int kind, const void* x, int x_bf16, int64_t m, int64_t M, int64_t K,
+                         int64_t gs, Chunks ch, __m512i lanes, int8_t* xq, float* xsl,
+                         float* xscale, float* xsum) {
     const int S = bytes_step(kind), F = S / 16, V = S / 16; /* features a lane and step */
     const int64_t C = K / ch.len, G = K / gs;
     const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
@@ -1521,6 +1549,7 @@ static void quantize_x8v(int kind, const void* x, int x_bf16, int64_t m, int64_t
             xsum[m * G + g] += s[l] * (float)csl[l];
         }
     }
+    if (x8v_as_bytes(kind, M)) x8v_bytes_row(q, K, ch, (uint8_t*)xq + K);
 }
 
 /* One chunk of R rows of x (x0[r]: row r's codes at the chunk) against a block's 4 weight
@@ -1611,6 +1640,63 @@ static inline __attribute__((always_inline)) void x8v_runs_u8(
         f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, b)),
                                _mm512_mul_ps(sc[j], xv), f[j]);
     }
+}
+
+/* One row of x in 8 bits against a block of 8-bit codes: block_bytes_u8_runs' loop on x's
+   bytes (x8v_bytes_row: 256 * sum(w * hi) + sum(w * lo) = sum(w * x), the integer sums x8v_one
+   takes) and x8v_one's fold, so the same bits as x8v's other paths. x8v_one's loop, one
+   VPDPBUSD per 64 codes, streamed at 0.83-0.87x the rate of this one (two, and an XOR) in the
+   fast phases of this machine's memory (Qwen3-0.6B's LM head, 1 thread, cold, CPU time, AMD
+   EPYC Zen 4), at 1.0x in its slow phases; the same op count in x8v_one's order did not close
+   it, nor did the prefetch's distance or hint: why is not known. */
+static void x8v_one_u8(const uint8_t* xb, const float* xsl, const uint8_t* const* wr,
+                       const float* const* sr, int64_t K, Chunks ch, int64_t ahead,
+                       __m512i lanes, Acc* acc) {
+    const int32_t* xcorr = (const int32_t*)(xb + 2 * K);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __mmask16 smask = (__mmask16)((1 << ch.gstep) - 1);
+    __m512 f[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
+    for (int64_t c0 = 0, c = 0, g = 0, left = ch.per; c0 < K; c0 += ch.len, c++) {
+        const uint8_t* xs0 = xb + 2 * c0;
+        const __m512 xv = _mm512_loadu_ps(xsl + 16 * c);
+        for (int j = 0; j < 4; j++) {
+            const uint8_t* w = wr[j] + c0;
+            const char* pf = ahead ? (const char*)w + ahead : NULL;
+            __m512i l = _mm512_loadu_si512(xcorr + 16 * c);
+            __m512i h = _mm512_setzero_si512(), h2 = h, l2 = h;
+            const uint8_t* xs = xs0;
+            int64_t k = 0;
+            for (; k + 128 <= ch.len; k += 128, xs += 256) {
+                if (pf) {
+                    _mm_prefetch(pf + k, _MM_HINT_T1);
+                    _mm_prefetch(pf + k + 64, _MM_HINT_T1);
+                }
+                __m512i wa = _mm512_loadu_si512(w + k), wb = _mm512_loadu_si512(w + k + 64);
+                h = _mm512_dpbusd_epi32(h, wa, _mm512_loadu_si512(xs));
+                l = _mm512_dpbusd_epi32(l, _mm512_loadu_si512(xs + 64), _mm512_xor_si512(wa, flip));
+                h2 = _mm512_dpbusd_epi32(h2, wb, _mm512_loadu_si512(xs + 128));
+                l2 = _mm512_dpbusd_epi32(l2, _mm512_loadu_si512(xs + 192),
+                                         _mm512_xor_si512(wb, flip));
+            }
+            if (k < ch.len) { /* a last step (chunks are whole steps of 64) */
+                if (pf) _mm_prefetch(pf + k, _MM_HINT_T1);
+                __m512i wa = _mm512_loadu_si512(w + k);
+                h = _mm512_dpbusd_epi32(h, wa, _mm512_loadu_si512(xs));
+                l = _mm512_dpbusd_epi32(l, _mm512_loadu_si512(xs + 64), _mm512_xor_si512(wa, flip));
+            }
+            __m512i t = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h, h2), 8),
+                                         _mm512_add_epi32(l, l2));
+            const float* sp = sr[j];
+            __m512 sc = ch.gstep
+                            ? _mm512_permutexvar_ps(lanes, _mm512_maskz_loadu_ps(smask, sp + g))
+                            : _mm512_set1_ps(sp[g]);
+            f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sc, xv), f[j]);
+        }
+        if (ch.gstep) g += ch.gstep;
+        else if (--left == 0) g++, left = ch.per;
+    }
+    for (int j = 0; j < 4; j++) acc->v[j][0] = fold512ps(f[j]);
 }
 
 /* One row of x against a 4-row block over all chunks, the fold's sums in registers (x8v_rows
@@ -1718,6 +1804,10 @@ static inline __attribute__((always_inline)) void block_x8v(
     int kind, int gfni, const int8_t* xq, const float* xsl, const uint8_t* const* wr,
     const float* const* sr, int64_t M, int64_t K, Chunks ch, int64_t ahead, __m512i lanes,
     __m512* f, Acc* acc) {
+    if (x8v_as_bytes(kind, M) && qgemv_rows_seq) {
+        x8v_one_u8((const uint8_t*)xq + K, xsl, wr, sr, K, ch, ahead, lanes, acc);
+        return;
+    }
     if (M == 1 && qgemv_rows_seq) {
         x8v_one(kind, gfni, xq, xsl, wr, sr, K, ch, ahead, lanes, acc);
         return;
@@ -1950,7 +2040,9 @@ static void qgemv_kind(
             xb = (uint8_t*)malloc(2 * M * K);
             xcorr = (int32_t*)malloc(sizeof(int32_t) * M * (K / 64) * 16);
         } else if (x8v) { /* K bytes a row, 64-byte aligned (its loads are whole lines) */
-            xq = (int16_t*)aligned_alloc(64, (M * K + 63) / 64 * 64);
+#ifdef QBYTES /* (x8v is 0 without it) */
+            xq = (int16_t*)aligned_alloc(64, x8v_xq_bytes(bkind, M, K));
+#endif
         } else {
             xq = (int16_t*)malloc(sizeof(int16_t) * M * K);
         }
@@ -1980,7 +2072,7 @@ static void qgemv_kind(
 #ifdef QBYTES
             else if (bytes) quantize_x_bytes(bkind, x, x_bf16, m, K, gs, xb, xscale, xsum, xcorr);
             else if (x8v)
-                quantize_x8v(bkind, x, x_bf16, m, K, gs, chunks, lanes, (int8_t*)xq, xsb,
+                quantize_x8v(bkind, x, x_bf16, m, M, K, gs, chunks, lanes, (int8_t*)xq, xsb,
                              xscale, xsum);
 #endif
             else if (x8) quantize_x8(x, x_bf16, m, K, gs, (int8_t*)xq, xsb, xscale, xsum);
