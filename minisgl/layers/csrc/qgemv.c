@@ -1206,59 +1206,82 @@ static inline __attribute__((always_inline)) void block_bytes(
     acc->v[2][0] = fold512ps(f2), acc->v[3][0] = fold512ps(f3);
 }
 
-/* block_bytes for 8-bit codes a chunk of one weight row at a time: each row's chunk (up to
-   FLUSH codes, 16 lines) is read as one run, the 4 rows' runs one after another, where
-   block_bytes reads a line of each row in turn (4 streams the hardware prefetcher follows
-   less well: one row of x, 1 thread, cold weights, Qwen3-0.6B shapes, AMD EPYC Zen 4, 1.1-1.2x
-   the rate). The chunk of x (2 KB) stays in L1 across the 4 rows. The same per-lane integer
-   sums and the same fold per chunk, so the same bits; two sets of sums (even and odd steps,
-   exact integer adds) halve the VPDPBUSD chains. */
-static void block_bytes_u8_runs(const uint8_t* xb, const int32_t* xcorr,
-                                const uint8_t* const* wr, const float* const* sr, int64_t K,
-                                Chunks ch, int64_t ahead, __m512i lanes, Acc* acc) {
+/* One weight row's chunk of 8-bit codes against x's high and low bytes (block_bytes'
+   layout, len a multiple of 64) as one run: the integer sum 256 * sum(w * hi) + sum(w * lo)
+   per lane, starting from l (x's correction). Two sets of sums (even and odd steps, exact
+   integer adds) halve the VPDPBUSD chains. */
+static inline __attribute__((always_inline)) __m512i u8_run_sums(const uint8_t* w,
+                                                                 const uint8_t* xs, __m512i l,
+                                                                 int64_t len, int64_t ahead) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const char* pf = ahead ? (const char*)w + ahead : NULL;
+    __m512i h = _mm512_setzero_si512(), h2 = h, l2 = h;
+    int64_t k = 0;
+    for (; k + 128 <= len; k += 128, xs += 256) {
+        if (pf) {
+            _mm_prefetch(pf + k, _MM_HINT_T1);
+            _mm_prefetch(pf + k + 64, _MM_HINT_T1);
+        }
+        __m512i wa = _mm512_loadu_si512(w + k), wb = _mm512_loadu_si512(w + k + 64);
+        h = _mm512_dpbusd_epi32(h, wa, _mm512_loadu_si512(xs));
+        l = _mm512_dpbusd_epi32(l, _mm512_loadu_si512(xs + 64), _mm512_xor_si512(wa, flip));
+        h2 = _mm512_dpbusd_epi32(h2, wb, _mm512_loadu_si512(xs + 128));
+        l2 = _mm512_dpbusd_epi32(l2, _mm512_loadu_si512(xs + 192), _mm512_xor_si512(wb, flip));
+    }
+    if (k < len) { /* a last step (chunks are whole steps of 64) */
+        if (pf) _mm_prefetch(pf + k, _MM_HINT_T1);
+        __m512i wa = _mm512_loadu_si512(w + k);
+        h = _mm512_dpbusd_epi32(h, wa, _mm512_loadu_si512(xs));
+        l = _mm512_dpbusd_epi32(l, _mm512_loadu_si512(xs + 64), _mm512_xor_si512(wa, flip));
+    }
+    return _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h, h2), 8),
+                            _mm512_add_epi32(l, l2));
+}
+
+/* A weight row's scales for chunk g: per group spread over the lanes, or its one scale. */
+static inline __attribute__((always_inline)) __m512 chunk_scales(const float* sp, int64_t g,
+                                                                 Chunks ch, __mmask16 smask,
+                                                                 __m512i lanes) {
+    return ch.gstep ? _mm512_permutexvar_ps(lanes, _mm512_maskz_loadu_ps(smask, sp + g))
+                    : _mm512_set1_ps(sp[g]);
+}
+
+/* block_bytes_u8_runs and x8v_one_u8: the 4 rows' runs per chunk, folded to fp32 with each
+   row's scales per chunk, times x's per-chunk scales where xsl is given (x in 8 bits). */
+static inline __attribute__((always_inline)) void u8_runs(const uint8_t* xb,
+                                                          const int32_t* xcorr, const float* xsl,
+                                                          const uint8_t* const* wr,
+                                                          const float* const* sr, int64_t K,
+                                                          Chunks ch, int64_t ahead,
+                                                          __m512i lanes, Acc* acc) {
     const __mmask16 smask = (__mmask16)((1 << ch.gstep) - 1);
     __m512 f[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
     for (int64_t c0 = 0, c = 0, g = 0, left = ch.per; c0 < K; c0 += ch.len, c++) {
         const uint8_t* xs0 = xb + 2 * c0;
+        const __m512i corr = _mm512_loadu_si512(xcorr + 16 * c);
         for (int j = 0; j < 4; j++) {
-            const uint8_t* w = wr[j] + c0;
-            const char* pf = ahead ? (const char*)w + ahead : NULL;
-            __m512i l = _mm512_loadu_si512(xcorr + 16 * c);
-            __m512i h = _mm512_setzero_si512(), h2 = h, l2 = h;
-            const uint8_t* xs = xs0;
-            int64_t k = 0;
-            for (; k + 128 <= ch.len; k += 128, xs += 256) {
-                if (pf) {
-                    _mm_prefetch(pf + k, _MM_HINT_T1);
-                    _mm_prefetch(pf + k + 64, _MM_HINT_T1);
-                }
-                __m512i wa = _mm512_loadu_si512(w + k), wb = _mm512_loadu_si512(w + k + 64);
-                h = _mm512_dpbusd_epi32(h, wa, _mm512_loadu_si512(xs));
-                l = _mm512_dpbusd_epi32(l, _mm512_loadu_si512(xs + 64), _mm512_xor_si512(wa, flip));
-                h2 = _mm512_dpbusd_epi32(h2, wb, _mm512_loadu_si512(xs + 128));
-                l2 = _mm512_dpbusd_epi32(l2, _mm512_loadu_si512(xs + 192),
-                                         _mm512_xor_si512(wb, flip));
-            }
-            if (k < ch.len) { /* a last step (chunks are whole steps of 64) */
-                if (pf) _mm_prefetch(pf + k, _MM_HINT_T1);
-                __m512i wa = _mm512_loadu_si512(w + k);
-                h = _mm512_dpbusd_epi32(h, wa, _mm512_loadu_si512(xs));
-                l = _mm512_dpbusd_epi32(l, _mm512_loadu_si512(xs + 64), _mm512_xor_si512(wa, flip));
-            }
-            __m512i t = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h, h2), 8),
-                                         _mm512_add_epi32(l, l2));
-            const float* sp = sr[j];
-            __m512 sc = ch.gstep
-                            ? _mm512_permutexvar_ps(lanes, _mm512_maskz_loadu_ps(smask, sp + g))
-                            : _mm512_set1_ps(sp[g]);
+            __m512i t = u8_run_sums(wr[j] + c0, xs0, corr, ch.len, ahead);
+            __m512 sc = chunk_scales(sr[j], g, ch, smask, lanes);
+            if (xsl) sc = _mm512_mul_ps(sc, _mm512_loadu_ps(xsl + 16 * c));
             f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc, f[j]);
         }
         if (ch.gstep) g += ch.gstep;
         else if (--left == 0) g++, left = ch.per;
     }
     for (int j = 0; j < 4; j++) acc->v[j][0] = fold512ps(f[j]);
+}
+
+/* block_bytes for 8-bit codes a chunk of one weight row at a time: each row's chunk (up to
+   FLUSH codes, 16 lines) is read as one run, the 4 rows' runs one after another, where
+   block_bytes reads a line of each row in turn (4 streams the hardware prefetcher follows
+   less well: one row of x, 1 thread, cold weights, Qwen3-0.6B shapes, AMD EPYC Zen 4, 1.1-1.2x
+   the rate). The chunk of x (2 KB) stays in L1 across the 4 rows. The same per-lane integer
+   sums and the same fold per chunk, so the same bits (u8_runs). */
+static void block_bytes_u8_runs(const uint8_t* xb, const int32_t* xcorr,
+                                const uint8_t* const* wr, const float* const* sr, int64_t K,
+                                Chunks ch, int64_t ahead, __m512i lanes, Acc* acc) {
+    u8_runs(xb, xcorr, NULL, wr, sr, K, ch, ahead, lanes, acc);
 }
 /* 1: one row of x against 8-bit codes reads a block's rows a chunk at a time
    (block_bytes_u8_runs); 0: a line of each in turn (block_bytes). The same bits; a switch
@@ -1652,51 +1675,7 @@ static inline __attribute__((always_inline)) void x8v_runs_u8(
 static void x8v_one_u8(const uint8_t* xb, const float* xsl, const uint8_t* const* wr,
                        const float* const* sr, int64_t K, Chunks ch, int64_t ahead,
                        __m512i lanes, Acc* acc) {
-    const int32_t* xcorr = (const int32_t*)(xb + 2 * K);
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const __mmask16 smask = (__mmask16)((1 << ch.gstep) - 1);
-    __m512 f[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                   _mm512_setzero_ps()};
-    for (int64_t c0 = 0, c = 0, g = 0, left = ch.per; c0 < K; c0 += ch.len, c++) {
-        const uint8_t* xs0 = xb + 2 * c0;
-        const __m512 xv = _mm512_loadu_ps(xsl + 16 * c);
-        for (int j = 0; j < 4; j++) {
-            const uint8_t* w = wr[j] + c0;
-            const char* pf = ahead ? (const char*)w + ahead : NULL;
-            __m512i l = _mm512_loadu_si512(xcorr + 16 * c);
-            __m512i h = _mm512_setzero_si512(), h2 = h, l2 = h;
-            const uint8_t* xs = xs0;
-            int64_t k = 0;
-            for (; k + 128 <= ch.len; k += 128, xs += 256) {
-                if (pf) {
-                    _mm_prefetch(pf + k, _MM_HINT_T1);
-                    _mm_prefetch(pf + k + 64, _MM_HINT_T1);
-                }
-                __m512i wa = _mm512_loadu_si512(w + k), wb = _mm512_loadu_si512(w + k + 64);
-                h = _mm512_dpbusd_epi32(h, wa, _mm512_loadu_si512(xs));
-                l = _mm512_dpbusd_epi32(l, _mm512_loadu_si512(xs + 64), _mm512_xor_si512(wa, flip));
-                h2 = _mm512_dpbusd_epi32(h2, wb, _mm512_loadu_si512(xs + 128));
-                l2 = _mm512_dpbusd_epi32(l2, _mm512_loadu_si512(xs + 192),
-                                         _mm512_xor_si512(wb, flip));
-            }
-            if (k < ch.len) { /* a last step (chunks are whole steps of 64) */
-                if (pf) _mm_prefetch(pf + k, _MM_HINT_T1);
-                __m512i wa = _mm512_loadu_si512(w + k);
-                h = _mm512_dpbusd_epi32(h, wa, _mm512_loadu_si512(xs));
-                l = _mm512_dpbusd_epi32(l, _mm512_loadu_si512(xs + 64), _mm512_xor_si512(wa, flip));
-            }
-            __m512i t = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h, h2), 8),
-                                         _mm512_add_epi32(l, l2));
-            const float* sp = sr[j];
-            __m512 sc = ch.gstep
-                            ? _mm512_permutexvar_ps(lanes, _mm512_maskz_loadu_ps(smask, sp + g))
-                            : _mm512_set1_ps(sp[g]);
-            f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sc, xv), f[j]);
-        }
-        if (ch.gstep) g += ch.gstep;
-        else if (--left == 0) g++, left = ch.per;
-    }
-    for (int j = 0; j < 4; j++) acc->v[j][0] = fold512ps(f[j]);
+    u8_runs(xb, (const int32_t*)(xb + 2 * K), xsl, wr, sr, K, ch, ahead, lanes, acc);
 }
 
 /* One row of x against a 4-row block over all chunks, the fold's sums in registers (x8v_rows
