@@ -19,7 +19,33 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 _TINY = 1e-12  # an all-zero row or group still gets a usable (non-zero) scale
 
 
-def quantize(w: torch.Tensor, scheme: QuantScheme) -> QTensor:
+# Rows quantized at a time: each step's float32 temporaries stay ~16 MiB a 1024-wide row block
+# where a whole LM head's (151936 x 4096) took ~2.5 GB each, several at once (a multiple of
+# every fp8 block size, so blocks never straddle two steps).
+CHUNK_ROWS = 4096
+
+
+def quantize(w: torch.Tensor, scheme: QuantScheme, chunk_rows: int = CHUNK_ROWS) -> QTensor:
+    """Rows are independent in every scheme (fp8's blocks within chunk_rows), so a big weight
+    is quantized chunk_rows at a time: the same codes, a fraction of the transient memory."""
+    if scheme.method == "fp8" and scheme.group_size:
+        chunk_rows = max(scheme.group_size, chunk_rows // scheme.group_size * scheme.group_size)
+    if w.shape[0] <= chunk_rows:
+        return _quantize(w, scheme)
+    parts = [_quantize(w[r : r + chunk_rows], scheme) for r in range(0, w.shape[0], chunk_rows)]
+    first = parts[0]
+    return QTensor(
+        torch.cat([p.codes for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        None if first.zeros is None else torch.cat([p.zeros for p in parts if p.zeros is not None]),
+        None,
+        first.bits,
+        first.group_size,
+        first.in_features,
+    )
+
+
+def _quantize(w: torch.Tensor, scheme: QuantScheme) -> QTensor:
     w = w.float()
     if scheme.method == "int8":
         return _int8(w)
