@@ -28,6 +28,7 @@ from roofline import read_bandwidth
 from minisgl import hugepages
 from minisgl.layers import cpu_build, cpu_kernels
 from minisgl.quant import cpu_gemv, cpu_panel
+from minisgl.quant.loading import move_to_huge_pages
 from minisgl.quant.qtensor import FP8, QTensor
 
 
@@ -66,13 +67,10 @@ def random_weight(fmt: str, n: int, k: int, g: torch.Generator) -> QTensor:
 
 
 def onto_huge_pages(w: QTensor) -> QTensor:
-    """w's codes, scales and zero points moved onto huge pages in place, as a loaded model's
-    are (quant/loading.py) and as the bf16 weights here are, so the formats are compared on
-    equal terms (left on 4 KB pages, the quantized stream paid a TLB miss per 4 KB that the
-    bf16 one did not)."""
-    for t in (w.codes, w.scales, w.zeros):
-        if t is not None:
-            hugepages.move_onto(t)
+    """w moved onto huge pages in place, as a loaded model's weights are and as the bf16
+    weights here are, so the formats are compared on equal terms (left on 4 KB pages, the
+    quantized stream paid a TLB miss per 4 KB that the bf16 one did not)."""
+    move_to_huge_pages(w)
     return w
 
 

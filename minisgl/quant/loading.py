@@ -88,7 +88,7 @@ def prepare_cpu(model: torch.nn.Module, x_dtype: torch.dtype, tuning: str) -> st
     return line
 
 
-def move_to_huge_pages(w: QuantWeight) -> None:
+def move_to_huge_pages(w: QuantWeight | QTensor) -> None:
     """A CPU weight's codes, scales and zero points onto huge pages, in place (hugepages.py):
     a decode step streams them all, as it does the float weights the chooser moves there (one
     thread on an Intel Xeon with AVX512-BF16, bf16: B=1 step 139 -> 101 ms). Timed after the

@@ -1052,6 +1052,19 @@ static inline __m512 load16_f32(const void* x, int x_bf16, int64_t at) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* 128 * the sum of x's low bytes per chunk of len features and lane (xcorr: [K / len][16]),
+   x as 8-bit codes' byte path lays it out (q: per step of 64 features the high bytes, then the
+   low): per lane, as block_bytes sums, its 4 bytes of each step (lanes of a step may belong
+   to different groups). */
+static void bytes_xcorr(const uint8_t* q, int64_t K, int64_t len, int32_t* xcorr) {
+    for (int64_t c0 = 0; c0 < K; c0 += len) {
+        __m512i t = _mm512_setzero_si512();
+        for (int64_t k = c0; k < c0 + len; k += 64)
+            t = _mm512_dpbusd_epi32(t, _mm512_loadu_si512(q + 2 * k + 64), _mm512_set1_epi8(1));
+        _mm512_storeu_si512(xcorr + c0 / len * 16, _mm512_slli_epi32(t, 7));
+    }
+}
+
 /* x row m -> its bytes in `kind`'s layout (xb row m: 2K bytes), its scale, per-group integer
    sums (as quantize_x) and, for 8-bit codes, 128 * sum(lo) per chunk and lane (xcorr row m:
    [K / 64][16]). */
@@ -1087,16 +1100,7 @@ static void quantize_x_bytes(int kind, const void* x, int x_bf16, int64_t m, int
         }
         xsum[m * G + g] = (float)_mm512_reduce_add_epi32(sum);
     }
-    if (kind != Q_U8) return;
-    /* per lane, as block_bytes sums: its 4 bytes of each step (lanes of a step may belong
-       to different groups) */
-    int64_t len = bytes_chunks(kind, gs).len;
-    for (int64_t c0 = 0; c0 < K; c0 += len) {
-        __m512i t = _mm512_setzero_si512();
-        for (int64_t k = c0; k < c0 + len; k += 64)
-            t = _mm512_dpbusd_epi32(t, _mm512_loadu_si512(q + 2 * k + 64), _mm512_set1_epi8(1));
-        _mm512_storeu_si512(xcorr + (m * (K / 64) + c0 / len) * 16, _mm512_slli_epi32(t, 7));
-    }
+    if (kind == Q_U8) bytes_xcorr(q, K, bytes_chunks(kind, gs).len, xcorr + m * (K / 64) * 16);
 }
 
 /* The high nibble of each byte moved down, 4-bit codes' odd features: with GFNI one
@@ -1501,19 +1505,13 @@ static inline int64_t x8v_xq_bytes(int kind, int64_t M, int64_t K) {
 }
 
 static void x8v_bytes_row(const int8_t* q, int64_t K, Chunks ch, uint8_t* xb) {
-    int32_t* xcorr = (int32_t*)(xb + 2 * K);
     for (int64_t k = 0; k < K; k += 64) {
         __m512i v = _mm512_loadu_si512(q + k);
         __mmask64 neg = _mm512_movepi8_mask(v);
         _mm512_storeu_si512(xb + 2 * k, _mm512_movm_epi8(neg)); /* 0xFF where negative */
         _mm512_storeu_si512(xb + 2 * k + 64, v);
     }
-    for (int64_t c0 = 0, c = 0; c0 < K; c0 += ch.len, c++) {
-        __m512i t = _mm512_setzero_si512();
-        for (int64_t k = c0; k < c0 + ch.len; k += 64)
-            t = _mm512_dpbusd_epi32(t, _mm512_loadu_si512(xb + 2 * k + 64), _mm512_set1_epi8(1));
-        _mm512_storeu_si512(xcorr + 16 * c, _mm512_slli_epi32(t, 7));
-    }
+    bytes_xcorr(xb, K, ch.len, (int32_t*)(xb + 2 * K));
 }
 
 /* x row m of M -> int8 codes in x8v's layout (xq row m: K bytes; where x8v_as_bytes, also as
