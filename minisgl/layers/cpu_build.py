@@ -7,7 +7,8 @@ that file. Two builds exist:
 - "avx512": the same kernels compiled for AVX-512 plus an AVX-512 GEMV (gemv_avx512.c), with
   native bf16 dot products where the CPU has AVX512-BF16 (there the panel matmul is
   panel512.c's, on VDPBF16PS's layout, instead of panel.c's), the quantized GEMV's integer dot
-  products in one instruction where it has AVX512-VNNI, and AMX tile kernels (csrc/amx.h)
+  products in one instruction where it has AVX512-VNNI (and there qvnni.c: many rows of 8-bit
+  x against integer codes), and AMX tile kernels (csrc/amx.h)
   where it has AMX-TILE, AMX-BF16 and AMX-INT8.
 The build is chosen from the CPU's flags at load time; MINISGL_CPU_ISA=avx2 forces the AVX2
 build on an AVX-512 machine (to compare them). Torch-free.
@@ -94,7 +95,8 @@ def compile_flags(isa: str, flags: frozenset[str]) -> list[str]:
 
 
 def sources(isa: str) -> list[Path]:
-    names = list(COMMON_SOURCES) + (["gemv_avx512.c", "panel512.c"] if isa == "avx512" else [])
+    wide = ["gemv_avx512.c", "panel512.c", "qvnni.c"] if isa == "avx512" else []
+    names = list(COMMON_SOURCES) + wide
     return [CSRC / n for n in names]
 
 

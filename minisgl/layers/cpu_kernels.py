@@ -205,6 +205,20 @@ class _Lib:
         lib.qgemv_x8_takes.argtypes = [ctypes.c_int, i64, i64]
         lib.qgemv_x8_takes.restype = ctypes.c_int
         self.qgemv_x8_takes = lib.qgemv_x8_takes
+        # Many rows of x in 8 bits against integer codes (qvnni.c, AVX512-VNNI builds only;
+        # cpu_panel.x8_panel): qgemv's arguments, and which codes it takes (bits, K, group).
+        self.qvnni: dict[str, Any] = {}
+        for kind in ("u4", "u8"):
+            vfn: Any = getattr(lib, f"qvnni_{kind}", None)
+            if vfn is not None:
+                vfn.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+                vfn.argtypes += [i64] * 4
+                vfn.restype = None
+                self.qvnni[kind] = vfn
+        self.qvnni_takes: Any = getattr(lib, "qvnni_takes", None)
+        if self.qvnni_takes is not None:
+            self.qvnni_takes.argtypes = [ctypes.c_int, i64, i64]
+            self.qvnni_takes.restype = ctypes.c_int
         # The AVX-512 GEMV exists in that build only.
         self.gemv512_bf16: Any = getattr(lib, "gemv512_bf16", None)
         self.gemv512_f32: Any = getattr(lib, "gemv512_f32", None)
@@ -341,9 +355,10 @@ def build_id() -> str | None:
 
 def set_quantized_activations(mode: str) -> None:
     """--cpu-quantized-activations: "int8" multiplies integer codes by x rounded to 8 bits per
-    block of at most 128 features in decode batches (qgemv.c's qgemv_x8, up to
-    int8_activation_rows() rows, the codes cpu_gemv.takes_int8_activations says: 8- and 4-bit
-    with AVX512-VNNI, 4-bit without), "int16" by x in 15 bits (exact)."""
+    block of at most 128 features (qgemv.c's qgemv_x8 in decode batches of up to
+    x8_gemv_rows() rows, and with AVX512-VNNI qvnni.c for more rows: prefill too; the codes
+    cpu_gemv.takes_int8_activations says: 8- and 4-bit with AVX512-VNNI, 4-bit without),
+    "int16" by x in 15 bits (exact)."""
     if mode not in ("int16", "int8"):
         raise ValueError(f"cpu_quantized_activations must be int16 or int8, not {mode!r}")
     lib = load()
@@ -351,8 +366,22 @@ def set_quantized_activations(mode: str) -> None:
         lib.qgemv_x8.value = int(mode == "int8")
 
 
+# int8_activation_rows() where qvnni.c takes the rows past the GEMV's: every row count.
+ALL_ROWS = 1 << 62
+
+
 def int8_activation_rows() -> int:
-    """The most input rows --cpu-quantized-activations int8 applies to here (0: none)."""
+    """The most input rows --cpu-quantized-activations int8 applies to here (0: none;
+    ALL_ROWS: every row count, prefill too, where the build has qvnni.c's many-row kernel,
+    AVX512-VNNI). x8_gemv_rows() of them in the decode GEMV (qgemv.c), the rest in qvnni.c."""
+    lib = load()
+    if lib is None or not lib.qgemv_x8_rows:
+        return 0
+    return ALL_ROWS if lib.qvnni else lib.qgemv_x8_rows
+
+
+def x8_gemv_rows() -> int:
+    """The most input rows the decode GEMV (qgemv.c's qgemv_x8) rounds x for (0: none)."""
     lib = load()
     return lib.qgemv_x8_rows if lib is not None else 0
 

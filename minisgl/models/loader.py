@@ -170,8 +170,13 @@ def _log_int8_activations(model: torch.nn.Module) -> None:
             "the only ones it applies to on this CPU; every matmul stays exact"
         )
         return
+    where = (
+        "in decode batches and prefill"
+        if rows >= cpu_kernels.ALL_ROWS
+        else f"in decode batches of up to {rows} rows"
+    )
     logger.info(
-        f"integer weights in decode batches of up to {rows} rows: x rounded to 8 bits per "
+        f"integer weights {where}: x rounded to 8 bits per "
         f"block of at most 128 features (--cpu-quantized-activations int8, {which}) in "
         f"{taken} of {len(weights)} quantized weights, not exact"
     )

@@ -14,12 +14,16 @@ The candidates (cpu_gemv.py), all reading the quantized weight as loaded (no sec
 - "amx_int": few rows on AMX tiles straight from the codes, a weight byte costing the same
   work for 1 to 16 rows (cpu_panel.py): integer codes as AMX-INT8 tiles against x quantized
   per row to int16 (qgemv's numerics), fp8 codes converted exactly to bf16 against bf16 x
-  (fp32 x, and CPUs or builds without the tiles, run qgemv).
+  (fp32 x, and CPUs or builds without the tiles, run qgemv);
+- "x8_panel": many rows of x rounded to 8 bits against integer codes with AVX512-VNNI
+  (cpu_panel.py): offered only under --cpu-quantized-activations int8 (it changes the
+  numerics), for weights its kernel takes.
 Which wins at which row count depends on the CPU (FMA width, integer multiply rate, MKL), so
 nothing is a fixed row limit: each shape and code kind is timed per bucket at start-up, or read
 from the cache. Tuning "off": qgemv for one row, amx_int for 2 to cpu_kernels.MAX_ROWS where
 its tiles run (AMX-INT8; fp8 codes: AMX-BF16 with bf16 x; qgemv elsewhere), then amx_panel
-where AMX or AVX512-BF16 runs it, else dequant_panel.
+where AMX or AVX512-BF16 runs it, else dequant_panel; under --cpu-quantized-activations int8
+qgemv (rounding x) up to its rows, then x8_panel where the build has it.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ CANDIDATES = (
     "int16_panel",
     "amx_panel",
     "amx_int",
+    "x8_panel",
 )
 
 
@@ -63,6 +68,7 @@ _RUN: dict[str, Run] = {
     "int16_panel": cpu_panel.int16_panel,
     "amx_panel": cpu_panel.amx_panel,
     "amx_int": cpu_panel.amx_int,
+    "x8_panel": cpu_panel.x8_panel,
 }
 # Timing passes: as cpu_linear's (cold weights, bounded FLOPs, best of a few interleaved).
 _COLD_BYTES = 48 << 20
@@ -101,10 +107,13 @@ def default_picks(
     under --cpu-quantized-activations int8): qgemv, which then rounds x, for every row count it
     rounds x in (0.65-0.86x the fp32 panel's time at 17-64 rows on an AVX2 EPYC VM). Where the
     bf16 panel runs on AVX512-BF16 without AMX, fp8 and 4-bit codes take it for fewer rows
-    (see below)."""
-    small = max(cpu_kernels.MAX_ROWS, cpu_kernels.int8_activation_rows() if x8 else 0)
+    (see below). `x8` where the build has qvnni.c (AVX512-VNNI): x8_panel past qgemv's rows
+    (8-bit x with VPDPBUSD, prefill included)."""
+    small = max(cpu_kernels.MAX_ROWS, cpu_kernels.x8_gemv_rows() if x8 else 0)
     lib = cpu_kernels.load()
     many = "amx_panel" if lib is not None and lib.qamx else "dequant_panel"
+    if x8 and lib is not None and lib.qvnni and (kind is None or kind in lib.qvnni):
+        many = "x8_panel"
     if kind is None:
         tiles = lib is not None and bool(lib.qamxi.keys() - {"fp8"})
     else:
@@ -124,6 +133,13 @@ def default_picks(
         else many
         for first, last in BUCKETS
     )
+
+
+def offered(weights: Sequence[QTensor]) -> tuple[str, ...]:
+    """The candidates timed for these weights: x8_panel only under --cpu-quantized-activations
+    int8 and where its kernel takes them (outside that mode it would change the numerics)."""
+    x8 = cpu_kernels.quantized_activations() == "int8" and cpu_panel.x8_takes(weights[0])
+    return tuple(c for c in CANDIDATES if c != "x8_panel" or x8)
 
 
 def shape_key(w: QTensor, x_dtype: torch.dtype) -> ShapeKey:
@@ -164,11 +180,13 @@ def choose(
     cache = kernel_choice.TuningCache(cpu_build.cache_dir() / "tuning", machine)
     got = cache.get(shape, CANDIDATES) if tuning == "cached" else None
     if got is not None:
+        got = {name: t for name, t in got.items() if name in offered(weights)}
+    if got is not None:
         result = kernel_choice.pick(got, defaults), "cached"
     else:
         spreads: list[float] = []
         others = kernel_choice.OtherWork()
-        timings = measure(weights, x_dtype, spreads, defaults=defaults)
+        timings = measure(weights, x_dtype, spreads, defaults=defaults, names=offered(weights))
         if kernel_choice.disturbed(spreads):
             result = defaults, "defaults: timings disturbed, not cached"
         elif (
@@ -200,16 +218,18 @@ def measure(
     spreads: list[float] | None = None,
     clock: Callable[[], float] = time.perf_counter,
     defaults: Sequence[str] | None = None,
+    names: Sequence[str] = CANDIDATES,
 ) -> dict[str, list[float | None]]:
     """Seconds per pass for each candidate and bucket (interleaved passes, the best counts;
     one more than 3x behind the leader after its first pass is dropped: None). Where the
     leader is not the bucket's default (`defaults`, the untuned picks), the two get
-    _CONFIRM_REPEATS more passes in turn before the bests are final."""
+    _CONFIRM_REPEATS more passes in turn before the bests are final. Only `names` run (the
+    others: None)."""
     timings: dict[str, list[float | None]] = {name: [] for name in CANDIDATES}
     for b, rows in enumerate(TIMED_ROWS):
         group = _timing_set(weights, rows)
         x = torch.randn(rows, group[0].in_features).to(x_dtype)
-        live = list(CANDIDATES)
+        live = [name for name in CANDIDATES if name in names]
         for name in live:
             _RUN[name](x, group[0])  # warm-up
         best = {name: float("inf") for name in live}

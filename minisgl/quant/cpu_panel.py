@@ -9,7 +9,8 @@ tiles, or VDPBF16PS where the CPU has AVX512-BF16 and no AMX, the panel dequanti
 bf16 (qamx.c). `amx_int`: few rows (decode) straight
 from the codes on AMX tiles: integer codes on AMX-INT8 (qamxi.c), x quantized per row to int16
 as the decode GEMV does; fp8 codes converted exactly to bf16 on AMX-BF16 (qamxf.c), bf16 x.
-Candidates of the quantized chooser (cpu_choice.py)."""
+`x8_panel`: many rows of x rounded to 8 bits per row and block of features against integer
+codes with AVX512-VNNI (qvnni.c; --cpu-quantized-activations int8 only). Candidates of the quantized chooser (cpu_choice.py)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,29 @@ def amx_int(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -
     if fn is None or (kind == "fp8" and x.dtype != torch.bfloat16):
         return cpu_gemv.qgemv(x, w, out_dtype)
     return _run(fn, x, w, out_dtype)
+
+
+def x8_takes(w: QTensor) -> bool:
+    """Whether x8_panel's kernel (qvnni.c, AVX512-VNNI builds) takes w: 8- or 4-bit integer
+    codes in contiguous groups of a multiple of 32 features, K a multiple of 64."""
+    lib = cpu_kernels.load()
+    if lib is None or lib.qvnni_takes is None or w.g_idx is not None:
+        return False
+    kind = cpu_gemv.kind(w)
+    k = w.in_features
+    return kind in lib.qvnni and bool(lib.qvnni_takes(w.bits, k, w.group_size or k))
+
+
+def x8_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Many rows of x rounded to 8 bits against integer codes with VPDPBUSD (qvnni.c): x
+    quantized per row and block of (at most) 128 features with its own scale, a panel of 48
+    weight rows repacked once per call, exact integer sums folded per block. Not exact: the
+    --cpu-quantized-activations int8 kernel for prefill and big batches (the chooser offers it
+    only in that mode). Weights it does not take (x8_takes) run amx_panel, exactly."""
+    lib = cpu_kernels.load()
+    if lib is None or not x8_takes(w):
+        return amx_panel(x, w, out_dtype)
+    return _run(lib.qvnni[cpu_gemv.kind(w)], x, w, out_dtype)
 
 
 def _run(fn, x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None) -> torch.Tensor:  # noqa: ANN001
