@@ -148,9 +148,12 @@ def test_untuned_picks_run_8_bit_activations_in_every_row_count_they_take() -> N
     --cpu-quantized-activations int8 run qgemv, the kernel that rounds x, for every row count the
     flag takes (up to 64): the fp32 panel from 17 rows left the flag unused in decode batches
     of 17-64 (and slower: qgemv with 8-bit x took 0.65-0.86x the panel's time there on the
-    AVX2 EPYC VM, 1 thread)."""
+    AVX2 EPYC VM, 1 thread). More rows: x8_panel (qvnni.c) where the build has it, else the
+    exact path's picks."""
     w = quantize(torch.randn(256, 256) * 0.02, load_scheme("int4"))
-    rows = cpu_kernels.int8_activation_rows()
+    rows = cpu_kernels.x8_gemv_rows()
+    lib = cpu_kernels.load()
+    many = "x8_panel" if lib is not None and lib.qvnni else None
     try:
         cpu_kernels.set_quantized_activations("int8")
         picks = cpu_choice.choose([w], torch.float32, "off")
@@ -161,8 +164,8 @@ def test_untuned_picks_run_8_bit_activations_in_every_row_count_they_take() -> N
     for (first, last), pick, exact_pick in zip(BUCKETS, picks[0], exact[0], strict=True):
         if last is not None and last <= rows:
             assert pick == "qgemv", (first, last, picks)
-        else:  # beyond the flag's rows: the exact path's picks
-            assert pick == exact_pick
+        else:  # beyond the GEMV's rows: the many-row x8 kernel, or the exact path's picks
+            assert pick == (many or exact_pick)
     # int8 codes: with AVX512-VNNI the same (qgemv for every row count the flag takes),
     # without it their picks stay the exact path's
     w8 = quantize(torch.randn(256, 256) * 0.02, load_scheme("int8"))
@@ -177,4 +180,48 @@ def test_untuned_picks_run_8_bit_activations_in_every_row_count_they_take() -> N
         assert picks8 == exact8
         return
     for (_first, last), pick, exact_pick in zip(BUCKETS, picks8[0], exact8[0], strict=True):
-        assert pick == ("qgemv" if last is not None and last <= rows else exact_pick)
+        assert pick == ("qgemv" if last is not None and last <= rows else many or exact_pick)
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_a_prefill_past_64_rows_runs_8_bit_activations_and_keeps_the_tokens(
+    method: str, quant_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 100-token prompt under --cpu-quantized-activations int8 (untuned picks): its prefill
+    runs x8_panel (qvnni.c) where the build has it, so the first token's logprob moves off the
+    exact mode's; the greedy tokens stay the exact mode's but where its top two nearly tie."""
+    ran: list[int] = []
+    real = cpu_choice._RUN["x8_panel"]
+    monkeypatch.setitem(
+        cpu_choice._RUN, "x8_panel", lambda x, w, o=None: ran.append(x.shape[0]) or real(x, w, o)
+    )
+    ids = torch.randint(5, 4000, (100,), generator=torch.Generator().manual_seed(7)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+    runs: dict[str, tuple[list[int], list[list[float]]]] = {}
+    flags = {"dtype": "float32", "num_pages": 16, "cpu_kernel_tuning": "off"}
+    try:
+        for mode in ("int16", "int8"):
+            with LLM(
+                str(quant_dir), quantization=method, cpu_quantized_activations=mode, **flags
+            ) as llm:
+                engine = llm.engine
+                engine.add_request(f"long-{mode}-{next(_REQUEST_IDS)}", ids, params)
+                tokens: list[int] = []
+                tops: list[list[float]] = []
+                while engine.has_unfinished():
+                    for step in engine.step():
+                        assert step.error is None, step.error
+                        tokens += step.new_token_ids
+                        tops += [list(top) for top in step.logprobs.top_logprobs]
+                runs[mode] = (tokens, tops)
+    finally:
+        cpu_kernels.set_quantized_activations("int16")
+    (exact, exact_tops), (ours, our_tops) = runs["int16"], runs["int8"]
+    j = next((j for j, (a, b) in enumerate(zip(exact, ours)) if a != b), None)
+    assert len(ours) == 4
+    assert j is None or exact_tops[j][0] - exact_tops[j][1] <= 1.0, (j, exact, ours, exact_tops)
+    lib = cpu_kernels.load()
+    x8 = lib is not None and bool(lib.qvnni) and (method == "int4" or cpu_gemv.takes_8_bit_codes())
+    assert (max(ran, default=0) >= 100) == x8  # the prefill's rows went through it
+    if x8:
+        assert our_tops[0][0] != exact_tops[0][0]
