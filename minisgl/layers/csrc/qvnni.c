@@ -126,61 +126,61 @@ static void qv_pack(int kind, const uint8_t* codes, int64_t cstride, const float
     }
 }
 
-/* `mr` rows (<= QV_MR, a constant where inlined) of a tile of x (xt, sx, xs as
-   qv_quantize_row lays them) against a packed panel -> f ([QV_MR][48] fp32 sums). */
-static inline __attribute__((always_inline)) void qv_tile(
-    int mr, const int32_t* xt, const float* sx, const float* xs, const uint8_t* wp,
-    const float* sw, const float* zf, int64_t K, int64_t B, int64_t gs, float* f) {
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < 3; j++) _mm512_store_ps(f + i * QV_NP + 16 * j, _mm512_setzero_ps());
+/* One block's exact sums of 16 outputs into their fp32 sums fo: s_w * s_x * (acc - z * xsum). */
+static inline __attribute__((always_inline)) void qv_fold(__m512i acc, const float* sw,
+                                                          const float* zf, __m512 xsum,
+                                                          __m512 xscale, float* fo) {
+    __m512 t = _mm512_fnmadd_ps(_mm512_load_ps(zf), xsum, _mm512_cvtepi32_ps(acc));
+    __m512 u = _mm512_mul_ps(_mm512_load_ps(sw), xscale);
+    _mm512_store_ps(fo, _mm512_fmadd_ps(t, u, _mm512_load_ps(fo)));
+}
+
+/* A tile's row i (0..QV_MR-1): its 3 accumulators, a step of 4 features, a block's fold. */
+#define QV_ACC(i) __m512i c##i##0 = zero, c##i##1 = zero, c##i##2 = zero;
+#define QV_STEP(i)                                                       \
+    {                                                                    \
+        __m512i xv = _mm512_set1_epi32(xb[p * QV_MR + i]);               \
+        c##i##0 = _mm512_dpbusd_epi32(c##i##0, w0, xv);                  \
+        c##i##1 = _mm512_dpbusd_epi32(c##i##1, w1, xv);                  \
+        c##i##2 = _mm512_dpbusd_epi32(c##i##2, w2, xv);                  \
+    }
+#define QV_KEEP(i)                                  \
+    _mm512_store_si512(acc + (3 * i + 0) * 16, c##i##0); \
+    _mm512_store_si512(acc + (3 * i + 1) * 16, c##i##1); \
+    _mm512_store_si512(acc + (3 * i + 2) * 16, c##i##2);
+#define QV_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+
+/* A tile of QV_MR rows of x (xt, sx, xs as qv_quantize_row lays them; rows past M zeros)
+   against a packed panel -> f ([QV_MR][48] fp32 sums); always all QV_MR rows (named
+   accumulators, no row count to specialize on). */
+static void qv_tile(const int32_t* xt, const float* sx, const float* xs, const uint8_t* wp,
+                    const float* sw, const float* zf, int64_t K, int64_t B, int64_t gs,
+                    float* f) {
+    for (int i = 0; i < QV_MR * QV_NP; i += 16) _mm512_store_ps(f + i, _mm512_setzero_ps());
+    /* the block's exact sums, stored once a block: folding straight from the registers, GCC
+       12 stored every accumulator to the stack at every step of the loop */
+    int32_t acc[QV_MR * QV_NP] __attribute__((aligned(64)));
+    const __m512i zero = _mm512_setzero_si512();
     for (int64_t b = 0; b < K / B; b++) {
-        __m512i a[QV_MR][3];
-#pragma GCC unroll 8
-        for (int i = 0; i < mr; i++) a[i][0] = a[i][1] = a[i][2] = _mm512_setzero_si512();
+        QV_ROWS(QV_ACC)
         const int32_t* xb = xt + b * (B / 4) * QV_MR;
         const uint8_t* wb = wp + b * (B / 4) * QV_NP * 4;
         for (int64_t p = 0; p < B / 4; p++) {
             __m512i w0 = _mm512_load_si512(wb + p * QV_NP * 4);
             __m512i w1 = _mm512_load_si512(wb + p * QV_NP * 4 + 64);
             __m512i w2 = _mm512_load_si512(wb + p * QV_NP * 4 + 128);
-#pragma GCC unroll 8
-            for (int i = 0; i < mr; i++) {
-                __m512i xv = _mm512_set1_epi32(xb[p * QV_MR + i]);
-                a[i][0] = _mm512_dpbusd_epi32(a[i][0], w0, xv);
-                a[i][1] = _mm512_dpbusd_epi32(a[i][1], w1, xv);
-                a[i][2] = _mm512_dpbusd_epi32(a[i][2], w2, xv);
-            }
+            QV_ROWS(QV_STEP)
         }
-        const int64_t g = b * B / gs;
-        __m512 s[3], z[3];
-        for (int j = 0; j < 3; j++) {
-            s[j] = _mm512_load_ps(sw + g * QV_NP + 16 * j);
-            z[j] = _mm512_load_ps(zf + g * QV_NP + 16 * j);
-        }
-#pragma GCC unroll 8
-        for (int i = 0; i < mr; i++) {
+        QV_ROWS(QV_KEEP)
+        const float* sg = sw + b * B / gs * QV_NP;
+        const float* zg = zf + b * B / gs * QV_NP;
+        for (int i = 0; i < QV_MR; i++) {
             __m512 xsum = _mm512_set1_ps(xs[b * QV_MR + i]);
             __m512 xscale = _mm512_set1_ps(sx[b * QV_MR + i]);
-            for (int j = 0; j < 3; j++) {
-                __m512 t = _mm512_fnmadd_ps(z[j], xsum, _mm512_cvtepi32_ps(a[i][j]));
-                float* fo = f + i * QV_NP + 16 * j;
-                _mm512_store_ps(fo, _mm512_fmadd_ps(t, _mm512_mul_ps(s[j], xscale),
-                                                    _mm512_load_ps(fo)));
-            }
+            for (int j = 0; j < 3; j++)
+                qv_fold(_mm512_load_si512(acc + (3 * i + j) * 16), sg + 16 * j, zg + 16 * j,
+                        xsum, xscale, f + i * QV_NP + 16 * j);
         }
-    }
-}
-
-#define QV_TILE(R)                                                \
-    case R:                                                       \
-        qv_tile(R, xt, sx, xs, wp, sw, zf, K, B, gs, f);          \
-        break;
-static void qv_tile_rows(int mr, const int32_t* xt, const float* sx, const float* xs,
-                         const uint8_t* wp, const float* sw, const float* zf, int64_t K,
-                         int64_t B, int64_t gs, float* f) {
-    switch (mr) {
-        QV_TILE(1) QV_TILE(2) QV_TILE(3) QV_TILE(4) QV_TILE(5) QV_TILE(6) QV_TILE(7) QV_TILE(8)
-        default: break;
     }
 }
 
@@ -217,6 +217,14 @@ static void qvnni_kind(int kind, const void* x, int x_bf16, const uint8_t* codes
     Share shares[SHARE_MAX] __attribute__((aligned(64)));
     const int parts = share_parts();
     shares_init(shares, parts, panels * split);
+    /* the last tile's rows past M: zero codes and scales (their sums are not stored) */
+    for (int64_t m = M; m < tiles * QV_MR; m++)
+        for (int64_t p = 0; p < K / 4; p++) xt[(m / QV_MR) * QV_MR * (K / 4) + p * QV_MR + m % QV_MR] = 0;
+    for (int64_t m = M; m < tiles * QV_MR; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            sx[(m / QV_MR) * QV_MR * nb + b * QV_MR + m % QV_MR] = 0.0f;
+            xs[(m / QV_MR) * QV_MR * nb + b * QV_MR + m % QV_MR] = 0.0f;
+        }
     #pragma omp parallel
     {
         int8_t* row = (int8_t*)malloc((size_t)K);
@@ -243,8 +251,8 @@ static void qvnni_kind(int kind, const void* x, int x_bf16, const uint8_t* codes
             for (int64_t t = tiles * part / split; t < tiles * (part + 1) / split; t++) {
                 const int64_t m0 = t * QV_MR;
                 const int mr = M - m0 < QV_MR ? (int)(M - m0) : QV_MR;
-                qv_tile_rows(mr, xt + t * QV_MR * (K / 4), sx + t * QV_MR * nb,
-                             xs + t * QV_MR * nb, wp, sw, zf, K, B, gs, f);
+                qv_tile(xt + t * QV_MR * (K / 4), sx + t * QV_MR * nb, xs + t * QV_MR * nb, wp,
+                        sw, zf, K, B, gs, f);
                 qv_store(f, mr, y, out_bf16, m0, q * QV_NP, N);
             }
         }
