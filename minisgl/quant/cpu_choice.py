@@ -108,11 +108,12 @@ def default_picks(
     rounds x in (0.65-0.86x the fp32 panel's time at 17-64 rows on an AVX2 EPYC VM). Where the
     bf16 panel runs on AVX512-BF16 without AMX, fp8 and 4-bit codes take it for fewer rows
     (see below). `x8` where the build has qvnni.c (AVX512-VNNI): x8_panel past qgemv's rows
-    (8-bit x with VPDPBUSD, prefill included)."""
+    (8-bit x with VPDPBUSD, prefill included), without AMX tiles from fewer rows (below)."""
     small = max(cpu_kernels.MAX_ROWS, cpu_kernels.x8_gemv_rows() if x8 else 0)
     lib = cpu_kernels.load()
     many = "amx_panel" if lib is not None and lib.qamx else "dequant_panel"
-    if x8 and lib is not None and lib.qvnni and (kind is None or kind in lib.qvnni):
+    x8_panel = x8 and lib is not None and bool(lib.qvnni) and (kind is None or kind in lib.qvnni)
+    if x8_panel:
         many = "x8_panel"
     if kind is None:
         tiles = lib is not None and bool(lib.qamxi.keys() - {"fp8"})
@@ -127,6 +128,12 @@ def default_picks(
     panel_from = None
     if lib is not None and lib.qamx and not lib.qamxi and x_dtype == torch.bfloat16 and not x8:
         panel_from = {"fp8": 5, "u4": 9}.get(kind or "")
+    # x8_panel without AMX tiles (AMD Zen 4): ahead of the GEMV's 8-bit x from 5 rows for
+    # 4-bit codes (8 rows 0.43-0.61x bf16's time against qgemv's 0.45-0.87x) and from 33 for
+    # 8-bit codes (16 rows: qgemv 0.38-0.59x, x8_panel 0.49-0.54x; 32 rows about even; 64 rows
+    # 0.50-0.59x against 0.57-0.68x); 1 thread, CPU time, hot weights, Qwen3-0.6B shapes.
+    if x8_panel and lib is not None and not lib.qamxi:
+        panel_from = {"u4": 5, "u8": 33}.get(kind or "")
     return tuple(
         ("qgemv" if last == 1 else few)
         if (last or small + 1) <= small and (panel_from is None or first < panel_from)
