@@ -419,6 +419,8 @@ def _quantized_kernel(lib: Any, name: str, kind: str, x_bf16: int) -> Any:
     if name == "amx_int":
         fn = lib.qamxi.get(kind)
         return lib.qgemv[kind] if fn is None or (kind == "fp8" and not x_bf16) else fn
+    if name == "x8_panel" and kind in lib.qvnni:  # picked only for weights it takes
+        return lib.qvnni[kind]
     # dequant_gemm / dequant_torch: chunks dequantized from Python, then a GEMM call each.
     raise Unsupported(f"quantized pick {name}, which is no single C kernel call")
 
