@@ -38,7 +38,8 @@
    8-bit 0.50-0.59x, 4-bit 0.48-0.58x; 16 rows 8-bit 0.38-0.54x (x8v 0.38-0.59x), 4-bit
    0.37-0.58x (x8v 0.70-1.00x). 2 threads, wall, 512 rows: 0.57-0.62x. Hence the untuned
    picks (quant/cpu_choice.py): from 5 rows for 4-bit codes, from 33 for 8-bit. Tiles of
-   6 x 64 outputs (the same 24 accumulators) were not tried. */
+   6 rows x 64 outputs (the same 24 accumulators, 4 weight loads and 6 broadcasts a step)
+   measured the same within noise (512 rows 0.55-0.60x, 64 rows 0.50-0.58x, another run). */
 #include "common.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
