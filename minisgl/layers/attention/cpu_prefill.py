@@ -1,17 +1,22 @@
-"""Prefill attention on AMX tiles (csrc/attention.c, prefill_attn_amx).
+"""Prefill attention on bf16 dot-product hardware (csrc/attention.c, prefill_attn).
 
 The kernel reads the step's q, k and v where the qkv projection left them (row views, heads
 packed in a row): a prompt's new tokens attend over their own K/V rows as they lie in the
 step, and only a cached prefix is read from the pool (by slot); it writes each prompt's rows
 of the step's output in place. torch's CPU flash kernel ran this at about a third of the
 speed the same tiles reach in a matmul (Qwen3-0.6B heads, 128-token prompts: 11% of a prefill
-step for ~2% of its arithmetic). Only where the CPU and the build have AMX-BF16, for bf16 and
-head dims 64 or 128; elsewhere the backend keeps SDPA.
+step for ~2% of its arithmetic). It runs on AMX tiles where the CPU and the build have AMX-BF16,
+else on AVX512-BF16's VDPBF16PS over the same packed blocks (AMD EPYC Zen 4, avx512f/bw/vl,
+avx512_bf16, avx512_vnni, no AMX; Qwen3-0.6B heads, 1 thread, CPU time: 0.24x SDPA's time for
+a 512-token prompt, 0.29x for four of 128), for bf16 and head dims 64 or 128; elsewhere (the
+AVX2 build, a CPU without AVX512-BF16) and with MINISGL_CPU_PREFILL_ATTN=0 (benchmarks) the
+backend keeps SDPA.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -25,14 +30,35 @@ MAX_LEN = 8192
 
 
 @cache
-def _kernel() -> Any:
-    """The C entry point, or None where the kernels or AMX are not available."""
+def _lib() -> Any:
+    """The loaded kernel build (dlopen: the same handle), or None."""
     if cpu_kernels.load() is None or cpu_kernels._LIB_PATH is None:
         return None
-    lib = ctypes.CDLL(str(cpu_kernels._LIB_PATH))  # the loaded build (dlopen: the same handle)
-    if not lib.amx_available():
+    return ctypes.CDLL(str(cpu_kernels._LIB_PATH))
+
+
+def form() -> int:
+    """The form a call takes here: 2 AMX tiles, 1 VDPBF16PS, 0 none."""
+    lib = _lib()
+    return int(lib.prefill_attn_form()) if lib is not None else 0
+
+
+def pick() -> ctypes.c_int | None:
+    """The kernel's switch for tests and benchmarks: the most capable form a call may take
+    (2 AMX, 1 VDPBF16PS, 0 none: attend returns False)."""
+    lib = _lib()
+    return None if lib is None else ctypes.c_int.in_dll(lib, "prefill_attn_pick")
+
+
+@cache
+def _kernel() -> Any:
+    """The C entry point, or None where the kernels or either form are not available."""
+    if os.environ.get("MINISGL_CPU_PREFILL_ATTN", "1") in ("0", "false", "no"):
         return None
-    fn = lib.prefill_attn_amx
+    lib = _lib()
+    if lib is None or not lib.prefill_attn_form():
+        return None
+    fn = lib.prefill_attn
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     args: list[Any] = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
     fn.argtypes = args + [ctypes.c_float, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr]

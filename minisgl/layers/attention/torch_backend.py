@@ -9,8 +9,8 @@ A step's requests are split into two groups:
   padding and masked-out cells as a rectangle, so per-request calls win there; many short
   extends stay one batched call.
 Keeping decodes apart means a long prefill never inflates the decodes' query padding.
-On a CPU with AMX-BF16 (bf16, head dims 64/128) the extend group is one call of our tile
-kernel (cpu_prefill.py), which reads the new tokens' q/k/v as the step holds them and only a
+On a CPU with AMX-BF16 or AVX512-BF16 (bf16, head dims 64/128) the extend group is one call
+of our prefill kernel (cpu_prefill.py), which reads the new tokens' q/k/v as the step holds them and only a
 cached prefix from the pool, and writes the rows of the step's output in place; the calls
 below are then built only if it refuses the tensors. Elsewhere a fresh prompt (no cached
 prefix) attends over the step's own K/V rows, views of the qkv projection, not over its rows
@@ -82,7 +82,7 @@ class _Group:
     # The decode kernel may store the step's rows itself (one row per request: no row reads
     # another's); False for a short extend's rows, which read each other's keys.
     stores_new: bool = True
-    # The CPU AMX kernel's plan for these prompts (cpu_prefill.py; it writes their rows of the
+    # The CPU prefill kernel's plan for these prompts (cpu_prefill.py; it writes their rows of the
     # step's output in place); `calls` are then built only if it cannot run (`fallback`).
     amx: cpu_prefill.Plan | None = None
     fallback: Callable[[], _Group] | None = None
@@ -144,7 +144,8 @@ class TorchAttentionBackend(AttentionBackend):
         # and GQA); on CUDA only those without a mask, in half precision (its flash kernel).
         self.sdpa_masked = cpu
         self.sdpa_plain = cpu or kv_pool.dtype in (torch.float16, torch.bfloat16)
-        # Prefills (fresh or after a cached prefix) on AMX tiles where the CPU has them (bf16).
+        # Prefills (fresh or after a cached prefix) on the C kernel where the CPU has AMX-BF16 or
+        # AVX512-BF16 (bf16).
         self.cpu_prefill = cpu and cpu_prefill.available(
             kv_pool.dtype, head_dim, num_heads, num_kv_heads
         )

@@ -528,37 +528,64 @@ static void merge_request(const float* part, const int64_t* first, int64_t b, in
 ATTN(decode_attn_bf16, uint16_t, load16_bf16, load_bf16, 1)
 ATTN(decode_attn_f32, float, load16_f32, load_f32, 0)
 
-/* Causal attention of a prefill step's prompts on AMX tiles, straight from the step's q/k/v
-   rows (views of the qkv projection: rows `q_stride`, `k_stride`, `v_stride` elements apart, a
-   row's heads packed, bf16). Sequence i's new tokens are the step's rows q_rows[i] .. +
-   lens[i]; where pre_lens is given, a cached prefix of pre_lens[i] tokens comes first, its
-   keys and values read from the pool (k_pool/v_pool rows `pool_stride` apart) at slots
-   slots[slot_ofs[i] ..]; the new tokens' own keys come from the step's rows. Its output goes
-   to out rows o_rows[i] .. (out [*, Hq * D], rows `out_stride` apart, bf16). torch's CPU
-   flash kernel ran this at ~1/3 of what the same tiles do in a matmul (Qwen3-0.6B heads,
-   128-token prompts: 11% of a prefill step for ~2% of its arithmetic).
+/* Causal attention of a prefill step's prompts, straight from the step's q/k/v rows (views of
+   the qkv projection: rows `q_stride`, `k_stride`, `v_stride` elements apart, a row's heads
+   packed, bf16). Sequence i's new tokens are the step's rows q_rows[i] .. + lens[i]; where
+   pre_lens is given, a cached prefix of pre_lens[i] tokens comes first, its keys and values
+   read from the pool (k_pool/v_pool rows `pool_stride` apart) at slots slots[slot_ofs[i] ..];
+   the new tokens' own keys come from the step's rows. Its output goes to out rows o_rows[i] ..
+   (out [*, Hq * D], rows `out_stride` apart, bf16). torch's CPU flash kernel ran this at ~1/3
+   of what the same tiles do in a matmul (Qwen3-0.6B heads, 128-token prompts: 11% of a
+   prefill step for ~2% of its arithmetic).
 
    A task is a run of 16-row query blocks of one (sequence, KV head): first the keys and
-   values its last row sees are packed into AMX B operands in the thread's buffers (keys: 16
-   keys x 32 dims per tile, dims in pairs; values: 32 keys x 16 dims, keys in pairs; zeros
-   past the last key), then for each of the KV head's query heads and each block: the 16 x D
-   queries as D / 32 A tiles, the scores over the keys up to the block's last row (16 at a
-   time, fp32) into a row buffer, the causal softmax per row (fp32, the probabilities rounded
-   to bf16 for the value product, as torch's flash kernel does), and P . V in 16-dim tiles;
-   the rows are divided by their softmax sums at the end. D is 64 or 128 (the A tiles and
-   the four C tiles per pass fit the 8 tiles), prefix + new tokens <= PREFILL_MAX_LEN.
-   Returns 0 where it cannot run (no AMX, a shape it does not take: nothing written), 1 when
-   done. */
+   values its last row sees are packed in the thread's buffers (keys: 16 keys x 32 dims per
+   tile, dims in pairs; values: 32 keys x 16 dims, keys in pairs; zeros past the last key),
+   then for each of the KV head's query heads and each block: the scores of the 16 x D
+   queries over the keys up to the block's last row (fp32) into a row buffer, the causal
+   softmax per row (fp32, the probabilities rounded to bf16 for the value product, as torch's
+   flash kernel does), and P . V; the rows are divided by their softmax sums at the end. D is
+   64 or 128, prefix + new tokens <= PREFILL_MAX_LEN.
+
+   Two forms of the products, all else shared. Where the CPU grants AMX-BF16: the packed
+   blocks are B tiles, the queries and probabilities A tiles (TDPBF16PS). With AVX512-BF16 and
+   no AMX (AMD Zen 4) the same packed rows are VDPBF16PS's operands as they lie: a key tile row
+   is 16 keys x one dim pair, a value tile row one key pair x 16 dims, so a register tile of 4
+   query rows x 4 such vectors takes one broadcast 32-bit pair per row and one load per vector
+   (16 accumulators). There (AMD EPYC Zen 4, avx512f/bw/vl, avx512_bf16, avx512_vnni, no AMX;
+   Qwen3-0.6B heads, 16 q / 8 KV heads, D 128, one thread, CPU time) it took 0.24x torch SDPA's
+   time for one 512-token prompt and 0.29x for four of 128 (~160 GFLOP/s of the causal
+   products, about the rate of a bf16 matmul there). The results agree up to the order of the fp32 sums. Returns 0 where it cannot run (neither
+   form, a shape it does not take, prefill_attn_pick 0: nothing written), 1 when done. */
 #define PREFILL_MAX_LEN 8192
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "amx.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PF_AMX 1
+#else
+#define PF_AMX 0
+#endif
+#if defined(__AVX512BF16__)
+#define PF_DP 1
+#else
+#define PF_DP 0
+#endif
 
+/* The most capable form a call may take (tests, benchmarks): 2 AMX where granted, 1 the
+   VDPBF16PS form, 0 none (the caller's SDPA). */
+int prefill_attn_pick = 2;
 
+#if PF_AMX || PF_DP
+#define TILE_U32 256 /* one packed tile: 16 rows x 64 bytes */
 
-#define TILE_U32 256 /* one B tile: 16 rows x 64 bytes */
+static int prefill_form(void) {
+    if (PF_AMX && prefill_attn_pick >= 2 && amx_ready()) return 2;
+    if (PF_DP && prefill_attn_pick >= 1) return 1;
+    return 0;
+}
 
-/* Keys kb*16 .. +16 (row pointers `k`, zeros past n) as D / 32 B tiles: tile c row j, lane
-   n = dims (32c + 2j, 32c + 2j + 1) of key n. */
+/* Keys kb*16 .. +16 (row pointers `k`, zeros past n) as D / 32 tiles: tile c row j, lane
+   n = dims (32c + 2j, 32c + 2j + 1) of key n. A block's tiles are adjacent, so its row
+   p = 16c + j is dim pair p. */
 static void pack_keys(const uint16_t* const* k, int64_t n, int64_t kb, int64_t D,
                       uint32_t* dst) {
     for (int64_t c = 0; c < D / 32; c++) {
@@ -572,7 +599,7 @@ static void pack_keys(const uint16_t* const* k, int64_t n, int64_t kb, int64_t D
     }
 }
 
-/* Keys kb*32 .. +32 (row pointers `v`, zeros past n) as D / 16 B tiles: tile c row j, lane
+/* Keys kb*32 .. +32 (row pointers `v`, zeros past n) as D / 16 tiles: tile c row j, lane
    n = dim 16c + n of keys (32kb + 2j, 32kb + 2j + 1). */
 static void pack_values(const uint16_t* const* v, int64_t n, int64_t kb, int64_t D,
                         uint32_t* dst) {
@@ -629,26 +656,19 @@ static float softmax_row(const float* s, int64_t n, int64_t n32, float scale, ui
     return _mm512_reduce_add_ps(tot);
 }
 
-/* One item: query rows r0 .. r0 + nr of a sequence's head (q: its row 0, head h; row r at
-   position pre + r, seeing keys 0 .. pre + r), keys and values packed (kp, vp), output rows
-   to `o` (its row 0, head h). */
-static void prefill_item(const uint16_t* q, int64_t q_stride, const uint32_t* kp,
-                         const uint32_t* vp, int64_t pre, int64_t r0, int nr, int64_t D,
-                         float scale, uint16_t* o, int64_t out_stride, float* s, uint16_t* p,
-                         int64_t sp_len, uint16_t* qbuf, float* obuf) {
-    int64_t nk = pre + r0 + nr, nkb = (nk + 15) / 16, nk32 = (nk + 31) / 32 * 32, nc = D / 32;
-    for (int i = 0; i < 16; i++) /* the 16 x D queries, zero rows past nr */
-        for (int64_t d = 0; d < D; d += 32)
-            _mm512_store_si512(qbuf + i * D + d, i < nr ? _mm512_loadu_si512(q + (r0 + i) * q_stride + d)
-                                                      : _mm512_setzero_si512());
-    _tile_loadd(4, qbuf, D * 2); /* tile numbers are immediates */
+#if PF_AMX
+/* Scores of the 16 x D queries (qbuf) over key blocks 0 .. nkb into s (rows sp_len apart):
+   the queries in A tiles 4 .. 4 + nc - 1 (nc = D / 32, 2 or 4: tile numbers are immediates),
+   two key blocks at a time (C tiles 0, 1; B tiles 2, 3). */
+static void scores_amx(const uint16_t* qbuf, const uint32_t* kp, int64_t nkb, int64_t D,
+                       float* s, int64_t sp_len) {
+    int64_t nc = D / 32;
+    _tile_loadd(4, qbuf, D * 2);
     _tile_loadd(5, qbuf + 32, D * 2);
     if (nc == 4) {
         _tile_loadd(6, qbuf + 64, D * 2);
         _tile_loadd(7, qbuf + 96, D * 2);
     }
-    /* Scores: two key blocks at a time (C tiles 0, 1; B tiles 2, 3). Tile numbers must be
-       constants: the A tiles are 4 .. 4 + nc - 1 with nc 2 or 4. */
     for (int64_t kb = 0; kb < nkb; kb += 2) {
         const uint32_t* b0 = kp + kb * nc * TILE_U32;
         int two = kb + 1 < nkb;
@@ -671,17 +691,12 @@ static void prefill_item(const uint16_t* q, int64_t q_stride, const uint32_t* kp
         _tile_stored(0, s + kb * 16, sp_len * 4);
         if (two) _tile_stored(1, s + kb * 16 + 16, sp_len * 4);
     }
-    float inv[16];
-    for (int i = 0; i < 16; i++) {
-        if (i < nr) {
-            inv[i] = 1.f / softmax_row(s + i * sp_len, pre + r0 + i + 1, nk32, scale,
-                                       p + i * sp_len);
-        } else {
-            memset(p + i * sp_len, 0, nk32 * 2);
-            inv[i] = 0.f;
-        }
-    }
-    /* P . V: 64 dims a pass (C tiles 0-3), P in A tile 4, values in B tiles 5, 6. */
+}
+
+/* obuf [16, D] = P (bf16 rows sp_len apart, nk32 keys) . V: 64 dims a pass (C tiles 0-3),
+   P in A tile 4, values in B tiles 5, 6. */
+static void values_amx(const uint16_t* p, int64_t sp_len, const uint32_t* vp, int64_t nk32,
+                       int64_t D, float* obuf) {
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
         const int64_t c0 = d0 / 16;
         _tile_zero(0);
@@ -705,6 +720,145 @@ static void prefill_item(const uint16_t* q, int64_t q_stride, const uint32_t* kp
         _tile_stored(2, obuf + d0 + 32, D * 4);
         _tile_stored(3, obuf + d0 + 48, D * 4);
     }
+}
+
+static void amx_begin(void) {
+    AmxConfig cfg;
+    amx_config_init(&cfg);
+    for (int tile = 0; tile < 8; tile++) amx_config_tile(&cfg, tile, 16, 64);
+    amx_config(&cfg);
+}
+#else
+static void scores_amx(const uint16_t* qbuf, const uint32_t* kp, int64_t nkb, int64_t D,
+                       float* s, int64_t sp_len) {
+    (void)qbuf, (void)kp, (void)nkb, (void)D, (void)s, (void)sp_len;
+}
+static void values_amx(const uint16_t* p, int64_t sp_len, const uint32_t* vp, int64_t nk32,
+                       int64_t D, float* obuf) {
+    (void)p, (void)sp_len, (void)vp, (void)nk32, (void)D, (void)obuf;
+}
+static void amx_begin(void) {}
+static void amx_release(void) {}
+#endif
+
+#if PF_DP
+/* The 32-bit pair at p (two bf16), in every lane: VDPBF16PS's broadcast operand. */
+static inline __m512bh pair16(const uint16_t* p) {
+    return (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(p));
+}
+
+/* One register tile: `rows` query rows (q, D apart; rows <= 4) x NB key blocks (k: block 0's
+   row 0, blocks 16 * np dwords apart) over np dim pairs; raw scores to s (rows sp_len apart).
+   NB is a constant at each call (a switch below) so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void qk_tile(const uint16_t* q, int64_t D,
+                                                          const uint32_t* k, int64_t np,
+                                                          int NB, float* s, int64_t sp_len) {
+    __m512 acc[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int b = 0; b < NB; b++) acc[i][b] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < np; p++) {
+        __m512bh kv[4];
+        for (int b = 0; b < NB; b++) kv[b] = (__m512bh)_mm512_load_si512(k + (b * np + p) * 16);
+        for (int i = 0; i < 4; i++) {
+            __m512bh qi = pair16(q + i * D + 2 * p);
+            for (int b = 0; b < NB; b++) acc[i][b] = _mm512_dpbf16_ps(acc[i][b], qi, kv[b]);
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int b = 0; b < NB; b++) _mm512_storeu_ps(s + i * sp_len + b * 16, acc[i][b]);
+}
+
+/* scores_amx's product on VDPBF16PS: rows in fours up to nr (qbuf's rows past nr are zero),
+   key blocks in fours. */
+static void scores_dp(const uint16_t* qbuf, int nr, const uint32_t* kp, int64_t nkb, int64_t D,
+                      float* s, int64_t sp_len) {
+    int64_t np = D / 2;
+    for (int64_t kb = 0; kb < nkb; kb += 4) {
+        const uint32_t* k = kp + kb * np * 16;
+        for (int r = 0; r < nr; r += 4) {
+            const uint16_t* q = qbuf + r * D;
+            float* o = s + r * sp_len + kb * 16;
+            switch (nkb - kb < 4 ? nkb - kb : 4) {
+            case 1: qk_tile(q, D, k, np, 1, o, sp_len); break;
+            case 2: qk_tile(q, D, k, np, 2, o, sp_len); break;
+            case 3: qk_tile(q, D, k, np, 3, o, sp_len); break;
+            default: qk_tile(q, D, k, np, 4, o, sp_len); break;
+            }
+        }
+    }
+}
+
+/* One register tile of P . V: 4 rows of P (bf16, sp_len apart) x 4 16-dim vectors from dim
+   chunk c0 (of D / 16), over the key pairs 0 .. nk32 / 2; out rows D apart. */
+static void pv_tile(const uint16_t* p, int64_t sp_len, const uint32_t* vp, int64_t nk32,
+                    int64_t D, int64_t c0, float* out) {
+    __m512 acc[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < nk32 / 32; kb++) {
+        const uint32_t* b = vp + (kb * (D / 16) + c0) * TILE_U32;
+        for (int j = 0; j < 16; j++) {
+            __m512bh v[4];
+            for (int c = 0; c < 4; c++)
+                v[c] = (__m512bh)_mm512_load_si512(b + c * TILE_U32 + j * 16);
+            for (int i = 0; i < 4; i++) {
+                __m512bh pi = pair16(p + i * sp_len + kb * 32 + 2 * j);
+                for (int c = 0; c < 4; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pi, v[c]);
+            }
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + i * D + (c0 + c) * 16, acc[i][c]);
+}
+
+/* values_amx's product on VDPBF16PS, rows in fours up to nr. */
+static void values_dp(const uint16_t* p, int nr, int64_t sp_len, const uint32_t* vp,
+                      int64_t nk32, int64_t D, float* obuf) {
+    for (int r = 0; r < nr; r += 4)
+        for (int64_t c0 = 0; c0 < D / 16; c0 += 4)
+            pv_tile(p + r * sp_len, sp_len, vp, nk32, D, c0, obuf + r * D);
+}
+#else
+static void scores_dp(const uint16_t* qbuf, int nr, const uint32_t* kp, int64_t nkb, int64_t D,
+                      float* s, int64_t sp_len) {
+    (void)qbuf, (void)nr, (void)kp, (void)nkb, (void)D, (void)s, (void)sp_len;
+}
+static void values_dp(const uint16_t* p, int nr, int64_t sp_len, const uint32_t* vp,
+                      int64_t nk32, int64_t D, float* obuf) {
+    (void)p, (void)nr, (void)sp_len, (void)vp, (void)nk32, (void)D, (void)obuf;
+}
+#endif
+
+/* One item: query rows r0 .. r0 + nr of a sequence's head (q: its row 0, head h; row r at
+   position pre + r, seeing keys 0 .. pre + r), keys and values packed (kp, vp), output rows
+   to `o` (its row 0, head h); `amx` picks the form of the products. */
+static void prefill_item(const uint16_t* q, int64_t q_stride, const uint32_t* kp,
+                         const uint32_t* vp, int64_t pre, int64_t r0, int nr, int64_t D,
+                         float scale, uint16_t* o, int64_t out_stride, float* s, uint16_t* p,
+                         int64_t sp_len, uint16_t* qbuf, float* obuf, int amx) {
+    int64_t nk = pre + r0 + nr, nkb = (nk + 15) / 16, nk32 = (nk + 31) / 32 * 32;
+    for (int i = 0; i < 16; i++) /* the 16 x D queries, zero rows past nr */
+        for (int64_t d = 0; d < D; d += 32)
+            _mm512_store_si512(qbuf + i * D + d, i < nr ? _mm512_loadu_si512(q + (r0 + i) * q_stride + d)
+                                                      : _mm512_setzero_si512());
+    if (amx)
+        scores_amx(qbuf, kp, nkb, D, s, sp_len);
+    else
+        scores_dp(qbuf, nr, kp, nkb, D, s, sp_len);
+    float inv[16];
+    for (int i = 0; i < 16; i++) {
+        if (i < nr) {
+            inv[i] = 1.f / softmax_row(s + i * sp_len, pre + r0 + i + 1, nk32, scale,
+                                       p + i * sp_len);
+        } else {
+            memset(p + i * sp_len, 0, nk32 * 2);
+            inv[i] = 0.f;
+        }
+    }
+    if (amx)
+        values_amx(p, sp_len, vp, nk32, D, obuf);
+    else
+        values_dp(p, nr, sp_len, vp, nk32, D, obuf);
     for (int i = 0; i < nr; i++) {
         __m512 w = _mm512_set1_ps(inv[i]);
         for (int64_t d = 0; d < D; d += 16) {
@@ -715,13 +869,15 @@ static void prefill_item(const uint16_t* q, int64_t q_stride, const uint32_t* kp
     }
 }
 
-int prefill_attn_amx(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
-                     const uint16_t* v, int64_t v_stride, const int64_t* q_rows,
-                     const int64_t* o_rows, const int64_t* lens, int64_t nseq, int64_t Hq,
-                     int64_t Hkv, int64_t D, float scale, uint16_t* out, int64_t out_stride,
-                     const uint16_t* k_pool, const uint16_t* v_pool, int64_t pool_stride,
-                     const int64_t* pre_lens, const int64_t* slot_ofs, const int64_t* slots) {
-    if (!amx_ready() || (D != 64 && D != 128) || Hq % Hkv != 0) return 0;
+int prefill_attn(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
+                 const uint16_t* v, int64_t v_stride, const int64_t* q_rows,
+                 const int64_t* o_rows, const int64_t* lens, int64_t nseq, int64_t Hq,
+                 int64_t Hkv, int64_t D, float scale, uint16_t* out, int64_t out_stride,
+                 const uint16_t* k_pool, const uint16_t* v_pool, int64_t pool_stride,
+                 const int64_t* pre_lens, const int64_t* slot_ofs, const int64_t* slots) {
+    int form = prefill_form();
+    if (!form || (D != 64 && D != 128) || Hq % Hkv != 0) return 0;
+    int amx = form == 2;
     int64_t group = Hq / Hkv, max_len = 0, blocks = 0;
     for (int64_t i = 0; i < nseq; i++) {
         int64_t total = lens[i] + (pre_lens ? pre_lens[i] : 0);
@@ -760,10 +916,7 @@ int prefill_attn_amx(const uint16_t* q, int64_t q_stride, const uint16_t* k, int
         uint16_t* p = (uint16_t*)(s + 16 * sp_len);
         uint16_t* qbuf = p + 16 * sp_len;
         float* obuf = (float*)(qbuf + 16 * D);
-        AmxConfig cfg;
-        amx_config_init(&cfg);
-        for (int tile = 0; tile < 8; tile++) amx_config_tile(&cfg, tile, 16, 64);
-        amx_config(&cfg);
+        if (amx) amx_begin();
 #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < tofs[nseq]; task++) {
             int64_t i = 0;
@@ -793,25 +946,29 @@ int prefill_attn_amx(const uint16_t* q, int64_t q_stride, const uint16_t* k, int
                     int nr = n - qb * 16 < 16 ? (int)(n - qb * 16) : 16;
                     prefill_item(q + q_rows[i] * q_stride + h * D, q_stride, kp, vp, pre,
                                  qb * 16, nr, D, scale, out + o_rows[i] * out_stride + h * D,
-                                 out_stride, s, p, sp_len, qbuf, obuf);
+                                 out_stride, s, p, sp_len, qbuf, obuf, amx);
                 }
         }
-        amx_release();
+        if (amx) amx_release();
     }
     free(tofs);
     return 1;
 }
+
+int prefill_attn_form(void) { return prefill_form(); }
 #else
-int prefill_attn_amx(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
-                     const uint16_t* v, int64_t v_stride, const int64_t* q_rows,
-                     const int64_t* o_rows, const int64_t* lens, int64_t nseq, int64_t Hq,
-                     int64_t Hkv, int64_t D, float scale, uint16_t* out, int64_t out_stride,
-                     const uint16_t* k_pool, const uint16_t* v_pool, int64_t pool_stride,
-                     const int64_t* pre_lens, const int64_t* slot_ofs, const int64_t* slots) {
+int prefill_attn(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
+                 const uint16_t* v, int64_t v_stride, const int64_t* q_rows,
+                 const int64_t* o_rows, const int64_t* lens, int64_t nseq, int64_t Hq,
+                 int64_t Hkv, int64_t D, float scale, uint16_t* out, int64_t out_stride,
+                 const uint16_t* k_pool, const uint16_t* v_pool, int64_t pool_stride,
+                 const int64_t* pre_lens, const int64_t* slot_ofs, const int64_t* slots) {
     (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)q_rows;
     (void)o_rows, (void)lens, (void)nseq, (void)Hq, (void)Hkv, (void)D, (void)scale, (void)out;
     (void)out_stride, (void)k_pool, (void)v_pool, (void)pool_stride, (void)pre_lens;
     (void)slot_ofs, (void)slots;
     return 0;
 }
+
+int prefill_attn_form(void) { return 0; }
 #endif

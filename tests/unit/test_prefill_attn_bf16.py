@@ -1,0 +1,125 @@
+"""The prefill attention kernel (csrc/attention.c prefill_attn, cpu_prefill.py) in each form
+the CPU here has: AMX tiles, or VDPBF16PS register tiles on AVX512-BF16 without AMX (AMD Zen 4),
+against torch's SDPA in fp32."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl.layers import cpu_build, cpu_kernels
+from minisgl.layers.attention import cpu_prefill
+from minisgl.testing.threads import at_thread_counts
+
+HQ, HKV = 16, 8  # Qwen3-0.6B's GQA
+
+
+def _forms_here() -> list[int]:
+    """The forms a call can take here, best first (2 AMX, 1 VDPBF16PS); none: []."""
+    return list(range(cpu_prefill.form(), 0, -1))
+
+
+@contextmanager
+def _picked(form: int) -> Iterator[None]:
+    switch = cpu_prefill.pick()
+    assert switch is not None
+    saved = switch.value
+    switch.value = form
+    try:
+        yield
+    finally:
+        switch.value = saved
+
+
+def test_the_kernel_runs_wherever_the_cpu_has_avx512_bf16() -> None:
+    """Not only on AMX: the AVX-512 build on a CPU with AVX512-BF16 takes bf16 prefills of
+    head dims 64 and 128 (Qwen3-0.6B: 16 query heads over 8 KV heads); without it, SDPA."""
+    _, flags = cpu_build.cpu_info()
+    built = cpu_kernels.load() is not None and cpu_kernels._isa() == "avx512"
+    want = built and "avx512_bf16" in flags
+    for d in (64, 128):
+        assert cpu_prefill.available(torch.bfloat16, d, HQ, HKV) == want
+    assert not cpu_prefill.available(torch.bfloat16, 96, HQ, HKV)
+    assert not cpu_prefill.available(torch.float32, 128, HQ, HKV)
+    assert (cpu_prefill.form() >= 1) == want
+
+
+def _problem(
+    d: int, lens: list[int], pres: list[int], seed: int
+) -> tuple[tuple[torch.Tensor, ...], cpu_prefill.Plan, torch.Tensor]:
+    """Random bf16 q/k/v rows of prompts `lens` after cached prefixes `pres` (pool slots in a
+    random order), the kernel's plan, and SDPA's answer in fp32."""
+    g = torch.Generator().manual_seed(seed)
+    t, slots = sum(lens), 300
+    q = torch.randn(t, HQ, d, generator=g).bfloat16()
+    k, v = (torch.randn(t, HKV, d, generator=g).bfloat16() for _ in range(2))
+    k_pool, v_pool = (torch.randn(slots, HKV, d, generator=g).bfloat16() for _ in range(2))
+    starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
+    rows = torch.stack([starts, starts, torch.tensor(lens)]).long()
+    order = torch.randperm(slots, generator=g)[: sum(pres)].long()
+    ofs = torch.tensor([0, *pres[:-1]]).cumsum(0)
+    plan = cpu_prefill.Plan(rows, None, None)
+    if any(pres):
+        plan = cpu_prefill.Plan(rows, torch.stack([torch.tensor(pres), ofs]).long(), order)
+    want = []
+    for s, e, p, o in zip(starts.tolist(), lens, pres, ofs.tolist(), strict=True):
+        kk = torch.cat([k_pool[order[o : o + p]], k[s : s + e]]).float().transpose(0, 1)
+        vv = torch.cat([v_pool[order[o : o + p]], v[s : s + e]]).float().transpose(0, 1)
+        seen = torch.arange(p + e)[None, :] <= torch.arange(e)[:, None] + p
+        o_ = F.scaled_dot_product_attention(
+            q[s : s + e].float().transpose(0, 1), kk, vv, seen, scale=d**-0.5, enable_gqa=True
+        )
+        want.append(o_.transpose(0, 1).reshape(e, HQ * d))
+    return (q, k, v, k_pool, v_pool), plan, torch.cat(want)
+
+
+CASES = {
+    "one 512-token prompt": ([512], [0]),
+    "four 128-token prompts": ([128] * 4, [0] * 4),
+    "lengths off the tiles": ([37, 1, 100, 16, 33, 65], [0] * 6),
+    "after cached prefixes": ([37, 1, 100, 16, 33], [0, 5, 40, 0, 17]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("d", [64, 128])
+def test_each_form_matches_sdpa_at_one_and_two_threads(case: str, d: int) -> None:
+    """Every form here within bf16 rounding of SDPA's fp32 answer, the same bits at 1 and 2
+    threads (a row's sums do not depend on how the rows are split); without a form the call
+    is refused and writes nothing (the backend's SDPA then runs)."""
+    lens, pres = CASES[case]
+    tensors, plan, want = _problem(d, lens, pres, seed=d + len(lens))
+    out = torch.full((sum(lens), HQ * d), 7.0, dtype=torch.bfloat16)
+    if not _forms_here():
+        assert not cpu_prefill.attend(*tensors, plan, out, d**-0.5)
+        assert bool((out == 7.0).all())
+        return
+    for form in _forms_here():
+
+        def run() -> torch.Tensor:
+            res = torch.zeros_like(out)
+            assert cpu_prefill.attend(*tensors, plan, res, d**-0.5)
+            return res
+
+        with _picked(form):
+            one, two = at_thread_counts(run)
+        torch.testing.assert_close(one.float(), want, atol=2e-2, rtol=2e-2)
+        assert torch.equal(one, two)
+
+
+def test_the_switch_turns_the_kernel_off() -> None:
+    """prefill_attn_pick 0 (benchmarks' "before"): refused, nothing written."""
+    if not _forms_here():
+        assert cpu_prefill.pick() is None or cpu_prefill.form() == 0
+        return
+    tensors, plan, _ = _problem(64, [20], [0], seed=1)
+    out = torch.full((20, HQ * 64), 7.0, dtype=torch.bfloat16)
+    with _picked(0):
+        assert cpu_prefill.form() == 0
+        assert not cpu_prefill.attend(*tensors, plan, out, 0.125)
+    assert bool((out == 7.0).all())
+    assert cpu_prefill.attend(*tensors, plan, out, 0.125)
