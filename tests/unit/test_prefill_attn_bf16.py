@@ -6,13 +6,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from minisgl.kvcache.kv_pool import KVPool
 from minisgl.layers import cpu_build, cpu_kernels
-from minisgl.layers.attention import cpu_prefill
+from minisgl.layers.attention import cpu_prefill, create_attention_backend
+from minisgl.layers.attention.base import BatchLayout
+from minisgl.models.config import ModelConfig
+from minisgl.models.loader import load_model
 from minisgl.testing.threads import at_thread_counts
 
 HQ, HKV = 16, 8  # Qwen3-0.6B's GQA
@@ -123,3 +128,66 @@ def test_the_switch_turns_the_kernel_off() -> None:
         assert not cpu_prefill.attend(*tensors, plan, out, 0.125)
     assert bool((out == 7.0).all())
     assert cpu_prefill.attend(*tensors, plan, out, 0.125)
+
+
+def test_a_bf16_model_s_prefill_on_the_kernel_tracks_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 Qwen3 with head dim 64 (the kernel's shape: prompts off the 16-row tiles, one
+    after a cached prefix): every prompt position's logits within bf16 rounding of
+    transformers' on the same weights, the argmax the same where the margin is clear; and the
+    prompts' attention went through the kernel wherever this CPU has a form of it."""
+    import transformers
+
+    hf_config = transformers.Qwen3Config(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    hf_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(hf_config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path)
+    config = ModelConfig.from_dir(tmp_path)
+    model = load_model(tmp_path, config, torch.bfloat16, torch.device("cpu"))
+    pool = KVPool(2, 64, 4, 2, 64, torch.bfloat16, "cpu")
+    attn = create_attention_backend("torch", pool, 4, 2, 64, 64**-0.5)
+    calls: list[bool] = []
+    attend = cpu_prefill.attend
+    monkeypatch.setattr(cpu_prefill, "attend", lambda *a: calls.append(attend(*a)) or calls[-1])
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 95, (n,), generator=g).tolist() for n in (45, 70, 60)]
+    # Step 1: prompts 0 and 1, and the first 20 tokens of prompt 2; step 2: its other 40.
+    steps = [[(0, 0, 45), (1, 0, 70), (2, 0, 20)], [(2, 20, 40)]]
+    tables = [list(range(0, 12)), list(range(12, 30)), list(range(30, 45))]
+    got: list[list[torch.Tensor]] = [[], [], []]
+    for step in steps:
+        ids = [t for i, pre, n in step for t in seqs[i][pre : pre + n]]
+        pos = [p for _, pre, n in step for p in range(pre, pre + n)]
+        layout = BatchLayout(
+            4, [s[1] for s in step], [s[2] for s in step], [tables[s[0]] for s in step]
+        )
+        meta = attn.prepare(layout)
+        with torch.inference_mode():
+            logits = model(torch.tensor(ids), torch.tensor(pos), attn, meta, torch.arange(len(ids)))
+        for (i, _, _), rows in zip(step, logits.split([s[2] for s in step]), strict=True):
+            got[i].append(rows.float())
+    assert calls == ([True] * 4 if _forms_here() else [])  # 2 steps x 2 layers
+    hf = hf.bfloat16()
+    for seq, rows in zip(seqs, got, strict=True):
+        with torch.no_grad():
+            want = hf(torch.tensor([seq])).logits[0].float()
+        logits, scale = torch.cat(rows), want.abs().max()
+        assert (logits - want).abs().max() < 0.05 * scale
+        top2 = want.topk(2).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.05 * scale
+        assert torch.equal(logits.argmax(-1)[clear], want.argmax(-1)[clear])
