@@ -5,12 +5,12 @@ packed in a row): a prompt's new tokens attend over their own K/V rows as they l
 step, and only a cached prefix is read from the pool (by slot); it writes each prompt's rows
 of the step's output in place. torch's CPU flash kernel ran this at about a third of the
 speed the same tiles reach in a matmul (Qwen3-0.6B heads, 128-token prompts: 11% of a prefill
-step for ~2% of its arithmetic). It runs on AMX tiles where the CPU and the build have AMX-BF16,
-else on AVX512-BF16's VDPBF16PS over the same packed blocks (AMD EPYC Zen 4, avx512f/bw/vl,
-avx512_bf16, avx512_vnni, no AMX; Qwen3-0.6B heads, 1 thread, CPU time: 0.24x SDPA's time for
-a 512-token prompt, 0.29x for four of 128), for bf16 and head dims 64 or 128; elsewhere (the
-AVX2 build, a CPU without AVX512-BF16) and with MINISGL_CPU_PREFILL_ATTN=0 (benchmarks) the
-backend keeps SDPA.
+step for ~2% of its arithmetic). It runs on AMX tiles where the CPU and the build have
+AMX-BF16, else on AVX512-BF16's VDPBF16PS over the same packed blocks (AMD EPYC Zen 4,
+avx512f/bw/vl, avx512_bf16, avx512_vnni, no AMX; Qwen3-0.6B heads, 1 thread, CPU time: 0.23x
+SDPA's time for a 512-token prompt, 0.29x for four of 128; a whole 512-token prefill step
+0.79x), for bf16 and head dims 64 or 128; elsewhere (the AVX2 build, a CPU without
+AVX512-BF16) and with MINISGL_CPU_PREFILL_ATTN=0 (benchmarks) the backend keeps SDPA.
 """
 
 from __future__ import annotations
