@@ -18,6 +18,7 @@ from minisgl.layers.attention import cpu_prefill, create_attention_backend
 from minisgl.layers.attention.base import BatchLayout
 from minisgl.models.config import ModelConfig
 from minisgl.models.loader import load_model
+from minisgl.testing import builds
 from minisgl.testing.threads import at_thread_counts
 
 HQ, HKV = 16, 8  # Qwen3-0.6B's GQA
@@ -191,3 +192,17 @@ def test_a_bf16_model_s_prefill_on_the_kernel_tracks_transformers(
         top2 = want.topk(2).values
         clear = (top2[:, 0] - top2[:, 1]) > 0.05 * scale
         assert torch.equal(logits.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_builds_without_amx_take_the_form_their_flags_allow(tmp_path: Path, isa: str) -> None:
+    """attention.c built for this CPU less AMX: the AVX2 build has no form (its backend keeps
+    SDPA), the AVX-512 one the VDPBF16PS form exactly where the CPU has AVX512-BF16."""
+    lib = builds.without_amx("attention.c", isa, tmp_path)
+    if lib is None:
+        pytest.skip("no C compiler here")
+    _, flags = cpu_build.cpu_info()
+    if isa == "avx512" and not flags >= cpu_build.AVX512_NEEDS:
+        return  # it compiled; this CPU cannot run it
+    want = 1 if isa == "avx512" and "avx512_bf16" in flags else 0
+    assert lib.prefill_attn_form() == want
