@@ -724,12 +724,14 @@ static void values_amx(const uint16_t* p, int64_t sp_len, const uint32_t* vp, in
     }
 }
 
-static void amx_begin(void) {
+/* The tiles for a thread's share of a call, and back at its end. */
+static void pf_amx_begin(void) {
     AmxConfig cfg;
     amx_config_init(&cfg);
     for (int tile = 0; tile < 8; tile++) amx_config_tile(&cfg, tile, 16, 64);
     amx_config(&cfg);
 }
+static void pf_amx_end(void) { amx_release(); }
 #else
 static void scores_amx(const uint16_t* qbuf, const uint32_t* kp, int64_t nkb, int64_t D,
                        float* s, int64_t sp_len) {
@@ -739,8 +741,8 @@ static void values_amx(const uint16_t* p, int64_t sp_len, const uint32_t* vp, in
                        int64_t D, float* obuf) {
     (void)p, (void)sp_len, (void)vp, (void)nk32, (void)D, (void)obuf;
 }
-static void amx_begin(void) {}
-static void amx_release(void) {}
+static void pf_amx_begin(void) {}
+static void pf_amx_end(void) {}
 #endif
 
 #if PF_DP
@@ -918,7 +920,7 @@ int prefill_attn(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t
         uint16_t* p = (uint16_t*)(s + 16 * sp_len);
         uint16_t* qbuf = p + 16 * sp_len;
         float* obuf = (float*)(qbuf + 16 * D);
-        if (amx) amx_begin();
+        if (amx) pf_amx_begin();
 #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < tofs[nseq]; task++) {
             int64_t i = 0;
@@ -951,7 +953,7 @@ int prefill_attn(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t
                                  out_stride, s, p, sp_len, qbuf, obuf, amx);
                 }
         }
-        if (amx) amx_release();
+        if (amx) pf_amx_end();
     }
     free(tofs);
     return 1;
