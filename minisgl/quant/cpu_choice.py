@@ -185,15 +185,16 @@ def choose(
     if memo in _MEMO:
         return _MEMO[memo]
     cache = kernel_choice.TuningCache(cpu_build.cache_dir() / "tuning", machine)
+    names = offered(weights)
     got = cache.get(shape, CANDIDATES) if tuning == "cached" else None
     if got is not None:
-        got = {name: t for name, t in got.items() if name in offered(weights)}
+        got = {name: t for name, t in got.items() if name in names}
     if got is not None:
         result = kernel_choice.pick(got, defaults), "cached"
     else:
         spreads: list[float] = []
         others = kernel_choice.OtherWork()
-        timings = measure(weights, x_dtype, spreads, defaults=defaults, names=offered(weights))
+        timings = measure(weights, x_dtype, spreads, defaults=defaults, names=names)
         if kernel_choice.disturbed(spreads):
             result = defaults, "defaults: timings disturbed, not cached"
         elif (

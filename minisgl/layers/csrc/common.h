@@ -31,6 +31,13 @@ static inline __m256 round8_bf16(__m256 v) { /* to the nearest bf16, ties to eve
     return _mm256_castsi256_ps(_mm256_and_si256(bias8_bf16(v), top));
 }
 #if defined(__AVX512F__)
+/* 16 values of x (bf16 where x_bf16, else fp32) from element `at`, as fp32: bf16 widened
+   exactly (the quantized kernels' x, qgemv.c and qvnni.c). */
+static inline __m512 load16_x(const void* x, int x_bf16, int64_t at) {
+    if (!x_bf16) return _mm512_loadu_ps((const float*)x + at);
+    __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)x + at));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 /* bias8_bf16 on 16 lanes; a mask instead of a shift and an and: one op fewer. */
 static inline __m512i bias16_bf16(__m512 v) {
     __m512i b = _mm512_castps_si512(v);

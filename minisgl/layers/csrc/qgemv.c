@@ -1046,12 +1046,6 @@ static inline Chunks bytes_chunks(int kind, int64_t gs) {
         }
 }
 
-static inline __m512 load16_f32(const void* x, int x_bf16, int64_t at) {
-    if (!x_bf16) return _mm512_loadu_ps((const float*)x + at);
-    __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)x + at));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 /* 128 * the sum of x's low bytes per chunk of len features and lane (xcorr: [K / len][16]),
    x as 8-bit codes' byte path lays it out (q: per step of 64 features the high bytes, then the
    low): per lane, as block_bytes sums, its 4 bytes of each step (lanes of a step may belong
@@ -1081,7 +1075,7 @@ static void quantize_x_bytes(int kind, const void* x, int x_bf16, int64_t m, int
         __m512i sum = _mm512_setzero_si512();
         for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) {
             /* round to nearest even and clamp, as codes16 */
-            __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16_f32(x, x_bf16, m * K + k), inv));
+            __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16_x(x, x_bf16, m * K + k), inv));
             v = _mm512_max_epi32(_mm512_min_epi32(v, top), bottom);
             sum = _mm512_add_epi32(sum, v);
             if (kind == Q_U8) {
@@ -1535,7 +1529,7 @@ static void quantize_x8v(int kind, const void* x, int x_bf16, int64_t m, int64_t
         for (int64_t k = c0; k < c0 + ch.len; k += S)
             for (int i = 0; i < V; i++)
                 mx[i] = _mm512_max_ps(
-                    mx[i], _mm512_and_ps(load16_f32(x, x_bf16, m * K + k + 16 * i), abs_mask));
+                    mx[i], _mm512_and_ps(load16_x(x, x_bf16, m * K + k + 16 * i), abs_mask));
         float mf[128], inv[128];
         float* s = xsl + (m * C + c) * 16;
         for (int i = 0; i < V; i++) _mm512_storeu_ps(mf + 16 * i, mx[i]);
@@ -1549,7 +1543,7 @@ static void quantize_x8v(int kind, const void* x, int x_bf16, int64_t m, int64_t
         __m512i cs = _mm512_setzero_si512(); /* per lane: the sum of its codes */
         for (int64_t k = c0; k < c0 + ch.len; k += S) {
             for (int i = 0; i < V; i++) {
-                __m512 v = _mm512_mul_ps(load16_f32(x, x_bf16, m * K + k + 16 * i),
+                __m512 v = _mm512_mul_ps(load16_x(x, x_bf16, m * K + k + 16 * i),
                                          _mm512_loadu_ps(inv + 16 * i));
                 __m512i c8 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(v), top), bottom);
                 if (kind == Q_U8) {

@@ -59,12 +59,6 @@ int qvnni_takes(int bits, int64_t K, int64_t gs) {
     return (bits == 4 || bits == 8) && gs > 0 && gs % 32 == 0 && K % gs == 0 && K % 64 == 0;
 }
 
-static inline __m512 qv_load16(const void* x, int x_bf16, int64_t at) {
-    if (!x_bf16) return _mm512_loadu_ps((const float*)x + at);
-    __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)x + at));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 /* Block of B features from x[at] -> B int8 codes into q, its scale (returned) and the sum of
    its codes (*sum). */
 static float qv_quantize_block(const void* x, int x_bf16, int64_t at, int64_t B, int8_t* q,
@@ -72,14 +66,14 @@ static float qv_quantize_block(const void* x, int x_bf16, int64_t at, int64_t B,
     const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     __m512 mx = _mm512_setzero_ps();
     for (int64_t k = 0; k < B; k += 16)
-        mx = _mm512_max_ps(mx, _mm512_and_ps(qv_load16(x, x_bf16, at + k), abs_mask));
+        mx = _mm512_max_ps(mx, _mm512_and_ps(load16_x(x, x_bf16, at + k), abs_mask));
     float amax = _mm512_reduce_max_ps(mx);
     float s = amax > 0 && isfinite(amax) ? amax / 127.0f : 1.0f;
     __m512 inv = _mm512_set1_ps(1.0f / s);
     const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
     __m512i cs = _mm512_setzero_si512();
     for (int64_t k = 0; k < B; k += 16) {
-        __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(qv_load16(x, x_bf16, at + k), inv));
+        __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(load16_x(x, x_bf16, at + k), inv));
         c = _mm512_max_epi32(_mm512_min_epi32(c, top), bottom);
         cs = _mm512_add_epi32(cs, c);
         _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtepi32_epi8(c));
