@@ -364,7 +364,8 @@ def test_integer_rows_sum_alike_at_every_batch_size(bits: int, k: int, group: in
     AVX512-VNNI; before, 2 and more rows took the int16 paths, whose fp32 roundings differ
     from one row's), and the exact sum but for fp32 roundings at every row count; one row
     of 8-bit codes reads a block's rows one chunk at a time or a line of each in turn
-    (qgemv_rows_seq) to the same bits."""
+    (qgemv_rows_seq), and one row of 4-bit codes in groups of 128 takes its own loop or the
+    general one (qgemv_one_row_u4), to the same bits."""
     g = torch.Generator().manual_seed(bits + k + group)
     n, top = 45, (1 << bits) - 1
     q = torch.randint(0, top + 1, (n, k), generator=g)
@@ -383,16 +384,16 @@ def test_integer_rows_sum_alike_at_every_batch_size(bits: int, k: int, group: in
         ref, terms = _exact(xd, q, w)
         one = torch.cat([cpu_gemv.qgemv(xd[i : i + 1], w, torch.float32) for i in range(17)])
         assert bool(((one.double() - ref).abs() <= 1e-5 * terms).all()), dtype
-        if byte_rows:
-            seq = _switch("qgemv_rows_seq")
-            seq.value = 0
+        for name in ("qgemv_rows_seq", "qgemv_one_row_u4") if byte_rows else ():
+            switch = _switch(name)
+            switch.value = 0
             try:
-                lines = torch.cat(
+                other = torch.cat(
                     [cpu_gemv.qgemv(xd[i : i + 1], w, torch.float32) for i in range(17)]
                 )
             finally:
-                seq.value = 1
-            assert torch.equal(lines, one), dtype
+                switch.value = 1
+            assert torch.equal(other, one), (dtype, name)
         for rows in (2, 3, 4, 7, 8, 16, 17):
             y = cpu_gemv.qgemv(xd[:rows], w, torch.float32)
             assert bool(((y.double() - ref[:rows]).abs() <= 1e-5 * terms[:rows]).all()), rows

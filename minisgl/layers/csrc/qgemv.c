@@ -1204,6 +1204,66 @@ static inline __attribute__((always_inline)) void block_bytes(
     acc->v[2][0] = fold512ps(f2), acc->v[3][0] = fold512ps(f3);
 }
 
+/* block_bytes for 4-bit codes in groups of 128 (a chunk a step), software-pipelined: a step's
+   dot products are issued before the previous step's fold, whose sums are ready by then, so
+   the fold's chain (shift, add, convert, FMA: ~12 cycles after the last VPDPBUSD) does not
+   hold the scheduler's entries while the next step waits behind it. The same sums and fold,
+   so the same bits. Two rows at a time instead of four: 0.8-0.9x the speed (fewer x loads
+   shared); four rows spill one of their 30 zmm, which costs less. */
+static inline __attribute__((always_inline)) void block_bytes_u4_g128(
+    int gfni, const uint8_t* xb, const uint8_t* const* wr, const float* const* sr, int64_t K,
+    int64_t ahead, Acc* acc) {
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const uint8_t *w0 = wr[0], *w1 = wr[1], *w2 = wr[2], *w3 = wr[3];
+    const float *s0 = sr[0], *s1 = sr[1], *s2 = sr[2], *s3 = sr[3];
+    __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
+    __m512i h0, h1, h2, h3, l0, l1, l2, l3;
+#define STEP_U4(h, l, p, b)                                                                \
+    {                                                                                      \
+        __m512i w = _mm512_loadu_si512(p + b);                                             \
+        __m512i e = _mm512_and_si512(w, m4), o = high_nibbles(w, gfni);                    \
+        h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), e, he);                            \
+        l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), le, e);                            \
+        h = _mm512_dpbusd_epi32(h, o, ho);                                                 \
+        l = _mm512_dpbusd_epi32(l, lo, o);                                                 \
+    }
+#define STEPS_U4(b, xs)                                                                    \
+    {                                                                                      \
+        _mm_prefetch((const char*)w0 + ahead + b, _MM_HINT_T1);                            \
+        _mm_prefetch((const char*)w1 + ahead + b, _MM_HINT_T1);                            \
+        _mm_prefetch((const char*)w2 + ahead + b, _MM_HINT_T1);                            \
+        _mm_prefetch((const char*)w3 + ahead + b, _MM_HINT_T1);                            \
+        __m512i he = _mm512_loadu_si512(xs), ho = _mm512_loadu_si512(xs + 64);             \
+        __m512i le = _mm512_loadu_si512(xs + 128), lo = _mm512_loadu_si512(xs + 192);      \
+        STEP_U4(h0, l0, w0, b)                                                             \
+        STEP_U4(h1, l1, w1, b)                                                             \
+        STEP_U4(h2, l2, w2, b)                                                             \
+        STEP_U4(h3, l3, w3, b)                                                             \
+    }
+#define FOLD_U4(f, h, l, sp, g)                                                            \
+    f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 8), l)),   \
+                        _mm512_set1_ps(sp[g]), f);
+    STEPS_U4(0, xb)
+    int64_t g = 0;
+    for (int64_t b = 64; b < K / 2; b += 64, g++) {
+        __m512i p0 = h0, p1 = h1, p2 = h2, p3 = h3, q0 = l0, q1 = l1, q2 = l2, q3 = l3;
+        STEPS_U4(b, xb + 4 * b)
+        FOLD_U4(f0, p0, q0, s0, g)
+        FOLD_U4(f1, p1, q1, s1, g)
+        FOLD_U4(f2, p2, q2, s2, g)
+        FOLD_U4(f3, p3, q3, s3, g)
+    }
+    FOLD_U4(f0, h0, l0, s0, g)
+    FOLD_U4(f1, h1, l1, s1, g)
+    FOLD_U4(f2, h2, l2, s2, g)
+    FOLD_U4(f3, h3, l3, s3, g)
+#undef FOLD_U4
+#undef STEPS_U4
+#undef STEP_U4
+    acc->v[0][0] = fold512ps(f0), acc->v[1][0] = fold512ps(f1);
+    acc->v[2][0] = fold512ps(f2), acc->v[3][0] = fold512ps(f3);
+}
+
 /* One weight row's chunk of 8-bit codes against x's high and low bytes (block_bytes'
    layout, len a multiple of 64) as one run: the integer sum 256 * sum(w * hi) + sum(w * lo)
    per lane, starting from l (x's correction). Two sets of sums (even and odd steps, exact
@@ -1925,6 +1985,61 @@ static inline int64_t one_row_blocks(int64_t block_bytes) {
     return b > PF_BLOCKS ? b : PF_BLOCKS;
 }
 
+#ifdef QBYTES
+/* One row of x against 4-bit codes in groups of 128, the thread's share of the blocks from
+   codes to stored result: in qgemv_kind's loop, where every path's state is live, GCC kept
+   the pointers on the stack and ~a quarter of a hot call went outside the dot products. The
+   same sums, zero points, horizontal sums and roundings as that loop: the same bits. */
+static inline __attribute__((always_inline)) void one_row_u4_blocks(
+    int gfni, const uint8_t* xb, const uint8_t* codes, int64_t cstride, const float* scales,
+    const uint8_t* zeros, int64_t gstride, const float* xsum, float xscale, void* y,
+    int out_bf16, int64_t N, int64_t K, Share* shares, int parts) {
+    const int64_t block_bytes = 4 * cstride, fwd = one_row_blocks(block_bytes);
+    for (int64_t b; (b = share_next(shares, parts, omp_get_thread_num())) >= 0;) {
+        const int64_t n0 = b * 4;
+        const int rows = N - n0 < 4 ? (int)(N - n0) : 4;
+        const uint8_t* wr[4];
+        const float* sr[4];
+        const uint8_t* zr[4];
+        for (int j = 0; j < 4; j++) {
+            int64_t r = n0 + (j < rows ? j : 0);
+            wr[j] = codes + r * cstride;
+            sr[j] = scales + r * gstride;
+            zr[j] = zeros ? zeros + r * gstride : NULL;
+        }
+        Acc acc;
+        block_bytes_u4_g128(gfni, xb, wr, sr, K, n0 + 4 * fwd < N ? fwd * block_bytes : 0, &acc);
+        if (zeros) zero_points(sr, zr, xsum, 0, 1, K / 128, &acc);
+        __m128 t = hsum4(acc.v[0][0], acc.v[1][0], acc.v[2][0], acc.v[3][0]);
+        if (rows == 4) {
+            store4(y, n0, _mm_mul_ps(t, _mm_set1_ps(xscale)), out_bf16);
+            continue;
+        }
+        float out[4];
+        _mm_storeu_ps(out, t);
+        for (int j = 0; j < rows; j++) store(y, n0 + j, (float)(out[j] * (double)xscale), out_bf16);
+    }
+}
+
+static __attribute__((noinline)) void one_row_u4(int gfni, const uint8_t* xb,
+                                                 const uint8_t* codes, int64_t cstride,
+                                                 const float* scales, const uint8_t* zeros,
+                                                 int64_t gstride, const float* xsum,
+                                                 float xscale, void* y, int out_bf16, int64_t N,
+                                                 int64_t K, Share* shares, int parts) {
+    if (gfni)
+        one_row_u4_blocks(1, xb, codes, cstride, scales, zeros, gstride, xsum, xscale, y,
+                          out_bf16, N, K, shares, parts);
+    else
+        one_row_u4_blocks(0, xb, codes, cstride, scales, zeros, gstride, xsum, xscale, y,
+                          out_bf16, N, K, shares, parts);
+}
+#endif
+
+/* 1: one row of x against 4-bit codes in groups of 128 takes one_row_u4, 0: qgemv_kind's
+   loop (block_bytes). The same bits; a switch for the tests and benchmarks. */
+int qgemv_one_row_u4 = 1;
+
 /* 1: one row of x runs as bytes (block_bytes) where the build has AVX512-VNNI; 0: as int16
    (block_int). A switch for the tests and benchmarks, which compare the two. */
 int qgemv_byte_path = 1;
@@ -2049,6 +2164,13 @@ static void qgemv_kind(
             else if (x8) quantize_x8(x, x_bf16, m, K, gs, (int8_t*)xq, xsb, xscale, xsum);
             else quantize_x(kind, x, x_bf16, m, K, gs, xq, xscale, xsum);
         }
+#ifdef QBYTES
+        if (bytes && M == 1 && bkind == Q_U4 && gs == 128 && qgemv_one_row_u4) {
+            one_row_u4(gfni, xb, codes, cstride, scales, zeros, gstride, xsum, xscale[0], y,
+                       out_bf16, N, K, shares, parts);
+            goto done;
+        }
+#endif
         /* fp8: [4][KC] fp32; integer codes: [4][SEG] int16 */
         void* scratch = many ? aligned_alloc(64, kind == Q_FP8 ? sizeof(float) * 4 * KC
                                                                : sizeof(int16_t) * 4 * SEG)
@@ -2139,6 +2261,9 @@ static void qgemv_kind(
         free(accs);
 #ifdef QBYTES
         free(x8f);
+#endif
+#ifdef QBYTES
+    done:
 #endif
         _mm_setcsr(csr);
     }
