@@ -1973,9 +1973,10 @@ static inline void store4(void* y, int64_t i, __m128 v, int out_bf16) {
 }
 
 /* How many blocks ahead one row of x prefetches on the byte path (block_bytes,
-   block_bytes_u8_runs): PF_BLOCKS, or more where that is under ONE_ROW_AHEAD bytes. 4-bit
-   codes at K = 1024 (Qwen3-0.6B's q/k/v and gate/up: 2 KB blocks) were prefetched 4 KB ahead,
-   too close for the memory's latency: 8 KB ahead took 0.87-0.93x the time (3072x1024,
+   block_bytes_u8_runs; one_row_u4 has its own, U4_AHEAD): PF_BLOCKS, or more where that is
+   under ONE_ROW_AHEAD bytes. 4-bit codes at K = 1024 (Qwen3-0.6B's q/k/v and gate/up: 2 KB
+   blocks) in block_bytes were prefetched 4 KB ahead, too close for the memory's latency
+   there: 8 KB ahead took 0.87-0.93x the time (3072x1024,
    4096x1024, 6144x1024; 1 thread, cold weights on huge pages, AMD EPYC Zen 4, interleaved;
    2 threads 0.91-0.96x, best calls on a shared VM); 16 KB no better, and 8-bit codes' 4 KB
    blocks and longer rows (6-12 KB blocks) no faster with more. */
@@ -1986,6 +1987,12 @@ static inline int64_t one_row_blocks(int64_t block_bytes) {
 }
 
 #ifdef QBYTES
+/* How far ahead one_row_u4 prefetches: the first whole block at least U4_AHEAD bytes on.
+   Against one_row_blocks' 8 KB and more (AMD EPYC Zen 4, cold weights, interleaved, 1 and 2
+   threads): 2 KB blocks (K = 1024) 4 KB ahead 1.2-1.3x the rate, 8 KB blocks 8 KB ahead
+   1.1-1.25x, 6 KB blocks 6 KB ahead 0.95x, 24 KB blocks even; 2 KB ahead 0.75x. */
+#define U4_AHEAD 4096
+
 /* One row of x against 4-bit codes in groups of 128, the thread's share of the blocks from
    codes to stored result: in qgemv_kind's loop, where every path's state is live, GCC kept
    the pointers on the stack and ~a quarter of a hot call went outside the dot products. The
@@ -1994,7 +2001,7 @@ static inline __attribute__((always_inline)) void one_row_u4_blocks(
     int gfni, const uint8_t* xb, const uint8_t* codes, int64_t cstride, const float* scales,
     const uint8_t* zeros, int64_t gstride, const float* xsum, float xscale, void* y,
     int out_bf16, int64_t N, int64_t K, Share* shares, int parts) {
-    const int64_t block_bytes = 4 * cstride, fwd = one_row_blocks(block_bytes);
+    const int64_t block_bytes = 4 * cstride, fwd = (U4_AHEAD + block_bytes - 1) / block_bytes;
     for (int64_t b; (b = share_next(shares, parts, omp_get_thread_num())) >= 0;) {
         const int64_t n0 = b * 4;
         const int rows = N - n0 < 4 ? (int)(N - n0) : 4;
