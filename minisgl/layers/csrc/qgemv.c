@@ -1986,6 +1986,19 @@ static inline int64_t one_row_blocks(int64_t block_bytes) {
     return b > PF_BLOCKS ? b : PF_BLOCKS;
 }
 
+/* A block's 4 weight rows from row n0: their codes, scales and zero points (NULL: none); past
+   the last of `rows` rows the first again, whose results are not stored. */
+static inline void block_rows(const uint8_t* codes, int64_t cstride, const float* scales,
+                              const uint8_t* zeros, int64_t gstride, int64_t n0, int rows,
+                              const uint8_t** wr, const float** sr, const uint8_t** zr) {
+    for (int j = 0; j < 4; j++) {
+        int64_t r = n0 + (j < rows ? j : 0);
+        wr[j] = codes + r * cstride;
+        sr[j] = scales + r * gstride;
+        zr[j] = zeros ? zeros + r * gstride : NULL;
+    }
+}
+
 #ifdef QBYTES
 /* How far ahead one_row_u4 prefetches: the first whole block at least U4_AHEAD bytes on.
    Against one_row_blocks' 8 KB and more (AMD EPYC Zen 4, cold weights, interleaved, 1 and 2
@@ -2008,12 +2021,7 @@ static inline __attribute__((always_inline)) void one_row_u4_blocks(
         const uint8_t* wr[4];
         const float* sr[4];
         const uint8_t* zr[4];
-        for (int j = 0; j < 4; j++) {
-            int64_t r = n0 + (j < rows ? j : 0);
-            wr[j] = codes + r * cstride;
-            sr[j] = scales + r * gstride;
-            zr[j] = zeros ? zeros + r * gstride : NULL;
-        }
+        block_rows(codes, cstride, scales, zeros, gstride, n0, rows, wr, sr, zr);
         Acc acc;
         block_bytes_u4_g128(gfni, xb, wr, sr, K, n0 + 4 * fwd < N ? fwd * block_bytes : 0, &acc);
         if (zeros) zero_points(sr, zr, xsum, 0, 1, K / 128, &acc);
@@ -2197,12 +2205,7 @@ static void qgemv_kind(
             const uint8_t* wr[4];
             const float* sr[4];
             const uint8_t* zr[4];
-            for (int j = 0; j < 4; j++) {
-                int64_t r = n0 + (j < rows ? j : 0);
-                wr[j] = codes + r * cstride;
-                sr[j] = scales + r * gstride;
-                zr[j] = zeros ? zeros + r * gstride : NULL;
-            }
+            block_rows(codes, cstride, scales, zeros, gstride, n0, rows, wr, sr, zr);
             int64_t block_bytes = 4 * cstride;
             Prefetch pf = {ahead(codes + n0 * cstride, block_bytes, n0 + 4 * PF_BLOCKS < N),
                            block_bytes / 64, steps, 0, 0};
