@@ -522,6 +522,11 @@ def test_int4_against_x_in_8_bits(k: int, group: int) -> None:
             exact = F.linear(xd[:1].float(), deq).double()
             assert bool(((one - exact).abs() <= rounding * 1.001 + 1e-4).all()), dtype
             assert not torch.equal(one, exact)  # x was rounded: the switch took effect
+            if vnni:  # a row's bits whatever rows share its call (one row: its own loop)
+                rows3 = cpu_gemv.qgemv(xd, w, torch.float32)
+                for i in range(3):
+                    alone = cpu_gemv.qgemv(xd[i : i + 1], w, torch.float32)
+                    assert torch.equal(rows3[i], alone[0]), (dtype, i)
             for rows in (1, 2, 3, 16, 64, 65):  # in pairs; past 64 rows exact
                 xr = xd.repeat(-(-rows // 3), 1)[:rows]
                 got = cpu_gemv.qgemv(xr, w, torch.float32).double()

@@ -1831,12 +1831,70 @@ static inline int64_t x8v_near(int kind, int64_t c0, int64_t len, int64_t K, int
 
 /* One 4-row block against all M rows of x in 8 bits (see x8v_takes): into acc, a slot per
    pair of rows as block_int_many's; f: [M][4] scratch. */
+/* x8v_one for 4-bit codes in groups of 128 (a chunk a step), software-pipelined as
+   block_bytes_u4_g128: a step's products issued before the previous step's fold. The same
+   sums and fold as x8v_one, so the same bits. */
+static inline __attribute__((always_inline)) void x8v_one_u4_g128(
+    int gfni, const int8_t* x, const float* xsl, const uint8_t* const* wr,
+    const float* const* sr, int64_t K, int64_t ahead, Acc* acc) {
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const uint8_t *w0 = wr[0], *w1 = wr[1], *w2 = wr[2], *w3 = wr[3];
+    const float *s0 = sr[0], *s1 = sr[1], *s2 = sr[2], *s3 = sr[3];
+    __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
+    __m512i a0, a1, a2, a3;
+#define STEP_X8(a, p, b)                                                                   \
+    {                                                                                      \
+        __m512i v = _mm512_loadu_si512(p + b);                                             \
+        __m512i e = _mm512_and_si512(v, m4), o = high_nibbles(v, gfni);                    \
+        a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), e, xe);                            \
+        a = _mm512_dpbusd_epi32(a, o, xo);                                                 \
+    }
+#define STEPS_X8(b)                                                                        \
+    {                                                                                      \
+        _mm_prefetch((const char*)w0 + ahead + b, _MM_HINT_T1);                            \
+        _mm_prefetch((const char*)w1 + ahead + b, _MM_HINT_T1);                            \
+        _mm_prefetch((const char*)w2 + ahead + b, _MM_HINT_T1);                            \
+        _mm_prefetch((const char*)w3 + ahead + b, _MM_HINT_T1);                            \
+        __m512i xe = _mm512_loadu_si512(x + 2 * b), xo = _mm512_loadu_si512(x + 2 * b + 64); \
+        STEP_X8(a0, w0, b)                                                                 \
+        STEP_X8(a1, w1, b)                                                                 \
+        STEP_X8(a2, w2, b)                                                                 \
+        STEP_X8(a3, w3, b)                                                                 \
+    }
+#define FOLD_X8(f, a, sp, c)                                                               \
+    f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a),                                             \
+                        _mm512_mul_ps(_mm512_set1_ps(sp[c]), _mm512_loadu_ps(xsl + 16 * c)), f);
+    STEPS_X8(0)
+    int64_t c = 0;
+    for (int64_t b = 64; b < K / 2; b += 64, c++) {
+        __m512i p0 = a0, p1 = a1, p2 = a2, p3 = a3;
+        STEPS_X8(b)
+        FOLD_X8(f0, p0, s0, c)
+        FOLD_X8(f1, p1, s1, c)
+        FOLD_X8(f2, p2, s2, c)
+        FOLD_X8(f3, p3, s3, c)
+    }
+    FOLD_X8(f0, a0, s0, c)
+    FOLD_X8(f1, a1, s1, c)
+    FOLD_X8(f2, a2, s2, c)
+    FOLD_X8(f3, a3, s3, c)
+#undef FOLD_X8
+#undef STEPS_X8
+#undef STEP_X8
+    acc->v[0][0] = fold512ps(f0), acc->v[1][0] = fold512ps(f1);
+    acc->v[2][0] = fold512ps(f2), acc->v[3][0] = fold512ps(f3);
+}
+
 static inline __attribute__((always_inline)) void block_x8v(
     int kind, int gfni, const int8_t* xq, const float* xsl, const uint8_t* const* wr,
     const float* const* sr, int64_t M, int64_t K, Chunks ch, int64_t ahead, __m512i lanes,
     __m512* f, Acc* acc) {
     if (x8v_as_bytes(kind, M) && qgemv_rows_seq) {
         x8v_one_u8((const uint8_t*)xq + K, xsl, wr, sr, K, ch, ahead, lanes, acc);
+        return;
+    }
+    if (M == 1 && qgemv_rows_seq && kind == Q_U4 && ch.len == 128 && !ch.gstep) {
+        x8v_one_u4_g128(gfni, xq, xsl, wr, sr, K, ahead, acc);
         return;
     }
     if (M == 1 && qgemv_rows_seq) {
