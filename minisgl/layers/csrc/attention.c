@@ -878,12 +878,15 @@ static void prefill_item(const uint16_t* q, int64_t q_stride, const uint32_t* kp
     }
 }
 
+#endif
+
 int prefill_attn(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
                  const uint16_t* v, int64_t v_stride, const int64_t* q_rows,
                  const int64_t* o_rows, const int64_t* lens, int64_t nseq, int64_t Hq,
                  int64_t Hkv, int64_t D, float scale, uint16_t* out, int64_t out_stride,
                  const uint16_t* k_pool, const uint16_t* v_pool, int64_t pool_stride,
                  const int64_t* pre_lens, const int64_t* slot_ofs, const int64_t* slots) {
+#if PF_AMX || PF_DP
     int form = prefill_form();
     if (!form || (D != 64 && D != 128) || Hq % Hkv != 0) return 0;
     int amx = form == 2;
@@ -962,22 +965,19 @@ int prefill_attn(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t
     }
     free(tofs);
     return 1;
-}
-
-int prefill_attn_form(void) { return prefill_form(); }
-#else
-int prefill_attn(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
-                 const uint16_t* v, int64_t v_stride, const int64_t* q_rows,
-                 const int64_t* o_rows, const int64_t* lens, int64_t nseq, int64_t Hq,
-                 int64_t Hkv, int64_t D, float scale, uint16_t* out, int64_t out_stride,
-                 const uint16_t* k_pool, const uint16_t* v_pool, int64_t pool_stride,
-                 const int64_t* pre_lens, const int64_t* slot_ofs, const int64_t* slots) {
+#else /* neither form: the caller's SDPA */
     (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)q_rows;
     (void)o_rows, (void)lens, (void)nseq, (void)Hq, (void)Hkv, (void)D, (void)scale, (void)out;
     (void)out_stride, (void)k_pool, (void)v_pool, (void)pool_stride, (void)pre_lens;
     (void)slot_ofs, (void)slots;
     return 0;
+#endif
 }
 
-int prefill_attn_form(void) { return 0; }
+int prefill_attn_form(void) {
+#if PF_AMX || PF_DP
+    return prefill_form();
+#else
+    return 0;
 #endif
+}
