@@ -199,9 +199,9 @@ def test_prefills_at_model_head_sizes_match_the_reference(
     q, k = qk.view(t, hq + hkv, head_dim).split([hq, hkv], dim=1)
     v = qkv.view(t, hq + 2 * hkv, head_dim)[:, hq + hkv :]
     meta = attn.prepare(BatchLayout(ps, prefix, extend, tables))
-    amx = cpu_prefill.available(torch.bfloat16, head_dim, hq, hkv)
-    plans = [grp.amx for grp in meta.groups]  # type: ignore[attr-defined]
-    assert [p is not None for p in plans] == [False, amx]  # the decode's group, the prompts'
+    kernel = cpu_prefill.available(torch.bfloat16, head_dim, hq, hkv)
+    plans = [grp.prefill_plan for grp in meta.groups]  # type: ignore[attr-defined]
+    assert [p is not None for p in plans] == [False, kernel]  # the decode's group, the prompts'
     if plans[1] is not None:  # the kernel takes these views (no silent fall back to SDPA)
         kv = pool.k_buffers[0], pool.v_buffers[0]
         assert cpu_prefill.attend(q, k, v, *kv, plans[1], q.new_empty(t, hq * head_dim), 0.1)
@@ -209,7 +209,7 @@ def test_prefills_at_model_head_sizes_match_the_reference(
         monkeypatch.setattr(cpu_prefill, "attend", lambda *a: False)
     out = attn.forward(q, k, v, 0, meta).float()
     if refuse:  # the kernel refuses these tensors: the group's SDPA calls, for every layer
-        assert meta.groups[1].amx is None and meta.groups[1].calls  # type: ignore[attr-defined]
+        assert meta.groups[1].prefill_plan is None and meta.groups[1].calls  # type: ignore[attr-defined]
     start = 0
     for (pk, pv), p, e in zip(past, prefix, extend, strict=True):
         rows = slice(start, start + e)

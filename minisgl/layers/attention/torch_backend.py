@@ -10,9 +10,9 @@ A step's requests are split into two groups:
   extends stay one batched call.
 Keeping decodes apart means a long prefill never inflates the decodes' query padding.
 On a CPU with AMX-BF16 or AVX512-BF16 (bf16, head dims 64/128) the extend group is one call
-of our prefill kernel (cpu_prefill.py), which reads the new tokens' q/k/v as the step holds them and only a
-cached prefix from the pool, and writes the rows of the step's output in place; the calls
-below are then built only if it refuses the tensors. Elsewhere a fresh prompt (no cached
+of our prefill kernel (cpu_prefill.py), which reads the new tokens' q/k/v as the step holds
+them and only a cached prefix from the pool, and writes the rows of the step's output in
+place; the calls below are then built only if it refuses the tensors. Elsewhere a fresh prompt (no cached
 prefix) attends over the step's own K/V rows, views of the qkv projection, not over its rows
 gathered back from the pool (in a prefill chunk of 128-token prompts the gather was ~10% of
 the attention time), and fresh prompts of one length lying next to each other in the step (a
@@ -84,7 +84,7 @@ class _Group:
     stores_new: bool = True
     # The CPU prefill kernel's plan for these prompts (cpu_prefill.py; it writes their rows of the
     # step's output in place); `calls` are then built only if it cannot run (`fallback`).
-    amx: cpu_prefill.Plan | None = None
+    prefill_plan: cpu_prefill.Plan | None = None
     fallback: Callable[[], _Group] | None = None
 
 
@@ -243,12 +243,12 @@ class TorchAttentionBackend(AttentionBackend):
                 valid=None,
                 lens=self._dev(tot),
                 decode_kernel=False,
-                amx=self._amx_plan(members, pre, ext, st, pages, ps),
+                prefill_plan=self._prefill_plan(members, pre, ext, st, pages, ps),
                 fallback=lambda: self._group_calls(members, pre, ext, st, pages, ps, num_requests),
             )
         return self._group_calls(members, pre, ext, st, pages, ps, num_requests)
 
-    def _amx_plan(
+    def _prefill_plan(
         self,
         members: np.ndarray,
         pre: np.ndarray,
@@ -493,10 +493,10 @@ class TorchAttentionBackend(AttentionBackend):
         width = self.num_heads * self.head_dim
         out: torch.Tensor | None = None
         for i, grp in enumerate(meta.groups):
-            if grp.amx is not None:  # the prompts' rows of `out`, in place
+            if grp.prefill_plan is not None:  # the prompts' rows of `out`, in place
                 if out is None:
                     out = q.new_empty(meta.num_tokens, width)
-                if cpu_prefill.attend(q, k, v, k_buf, v_buf, grp.amx, out, self.scale):
+                if cpu_prefill.attend(q, k, v, k_buf, v_buf, grp.prefill_plan, out, self.scale):
                     continue
                 assert grp.fallback is not None
                 meta.groups[i] = grp = grp.fallback()  # for the other layers too
@@ -520,7 +520,7 @@ class TorchAttentionBackend(AttentionBackend):
         if not self.cpu_decode or not isinstance(meta, TorchMetadata) or len(meta.groups) != 1:
             return None
         grp = meta.groups[0]
-        if not (grp.decode_kernel and grp.stores_new and grp.amx is None):
+        if not (grp.decode_kernel and grp.stores_new and grp.prefill_plan is None):
             return None
         if grp.out_rows is not None or grp.valid is not None or len(grp.calls) != 1:
             return None
