@@ -11,12 +11,17 @@ printed PASS, FAIL or SKIP with its reason (the exit status is 1 if any failed):
   backends   the flashinfer and torch attention backends agree
   graphs     decode replayed as CUDA graphs equals eager decode, and graphs did replay
   long       a 16k-token prompt (chunked prefill) on each backend agrees with transformers
+  quant      checkpoints in Qwen's published formats (FP8 blocks, AWQ, GPTQ 8-bit; a Qwen3-MoE
+             in FP8 and GPTQ-Int4) against transformers on their dequantized twin, batched, in
+             chunks and again from the prefix cache; on a GPU the load line must name the torch
+             kernel each format takes (quant/cuda_matmul.py), on the CPU the C kernels run
 "Equal" is token for token up to the first step whose top-1/top-2 margin in the reference run
 is under --margin (bf16 keeps ~3 digits: two correct implementations may break a near-tie
 differently, after which their continuations differ); the tokens compared are printed.
 Then figures:
   decode     step time at B=1/8/64 (context --context) for both shapes, graphs on and off,
-             against the HBM roofline (read bandwidth measured in this run)
+             against the HBM roofline (read bandwidth measured in this run); the 0.6B shape
+             also with --quantization int4 and fp8 (its own bytes' roofline)
   8 x 16     the seed's milestone workload: 8 concurrent requests of 16 output tokens (128
              prompt tokens), here through the offline engine (no HTTP)
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import logging
 import random
 import statistics
 import sys
@@ -40,6 +46,7 @@ from typing import Any
 import torch
 
 from minisgl import LLM, SamplingParams
+from minisgl.testing.quant_writer import QuantFormat
 
 PAGE = 16
 
@@ -256,6 +263,102 @@ def correctness(report: Report, model: Path, setup: Setup) -> None:
         )
 
 
+# -- quantized checkpoints ----------------------------------------------------------------
+
+# name: (MoE?, format, the GPU kernel its load line must name; None: dequantized at load)
+QUANT_CASES: dict[str, tuple[bool, QuantFormat, str | None]] = {
+    "fp8 block": (False, QuantFormat("fp8"), "fp8 scaled_mm"),
+    "awq": (False, QuantFormat("awq"), "int4 weight-only matmul"),
+    "gptq 8-bit": (False, QuantFormat("gptq", bits=8), None),
+    "moe fp8 block": (True, QuantFormat("fp8"), "fp8 scaled_mm"),
+    "moe gptq int4": (True, QuantFormat("gptq"), "int4 weight-only matmul"),
+}
+QUICK_QUANT_CASES = ("fp8 block", "moe gptq int4")
+GPU_LOAD_LINE = "quantized weights on the GPU: "
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def load_line(llm_factory: Callable[[], LLM]) -> tuple[LLM, str | None]:
+    """The LLM `llm_factory` makes, and the GPU conversion's log line at its load (or None)."""
+    log = logging.getLogger("minisgl.quant.loading")
+    handler, level = _Lines(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        llm = llm_factory()
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    return llm, next((x for x in handler.lines if x.startswith(GPU_LOAD_LINE)), None)
+
+
+def quantized(report: Report, root: Path, setup: Setup, quick: bool) -> None:
+    from minisgl.testing.fixture import write_fixture_model
+    from minisgl.testing.quant_writer import write_quantized_pair
+
+    # Matmul dims multiples of 128: the 0.6B shape cut to 4 layers on a GPU (the tiny "quant"
+    # preset on the CPU), and the small Qwen3-MoE preset made for these formats.
+    dense = ("0.6b", 4) if setup.device == "cuda" else ("quant", None)
+    sources = {
+        False: write_fixture_model(root / "quant-dense", dense[0], num_hidden_layers=dense[1]),
+        True: write_fixture_model(root / "quant-moe", "quant-moe"),
+    }
+    ps = prompts([1, 7, 33, 100, 300], seed=5)
+    pages = sum(len(p) for p in ps) // PAGE + 16 * len(ps) + 16
+    for name in QUICK_QUANT_CASES if quick else QUANT_CASES:
+        moe, fmt, kernel = QUANT_CASES[name]
+        slug = name.replace(" ", "-")
+        quant, twin = root / f"q-{slug}", root / f"t-{slug}"
+        write_quantized_pair(sources[moe], quant, twin, fmt)
+        (hf,) = hf_runs(twin, [(ps, setup.max_tokens)], getattr(torch, setup.dtype), setup.device)
+
+        def check(
+            quant: Path = quant, kernel: str | None = kernel, name: str = name, hf: Run = hf
+        ) -> str:
+            llm, line = load_line(
+                lambda: LLM(
+                    str(quant),
+                    dtype=setup.dtype,
+                    device=setup.device,
+                    num_pages=pages,
+                    page_size=PAGE,
+                    max_seq_len=512,
+                    cpu_kernel_tuning="off",
+                    max_prefill_tokens=64,  # the longer prompts in chunks
+                )
+            )
+            try:
+                first = engine_run(llm, ps, setup.max_tokens)
+                again = engine_run(llm, ps, setup.max_tokens)  # every prompt a prefix-cache hit
+            finally:
+                llm.shutdown()
+                free_memory()
+            said = ""
+            if setup.device == "cuda":
+                assert line is not None, "no quantized-weights line at load"
+                if kernel is None:
+                    assert "dequantized to" in line, line
+                else:
+                    assert kernel in line and "dequantized" not in line, line
+                said = f" ({line.removeprefix(GPU_LOAD_LINE)})"
+            return (
+                compare(hf, first.tokens, setup.margin, f"{name} vs transformers")
+                + "; from the prefix cache: "
+                + compare(first, again.tokens, setup.margin, f"{name} rerun")
+                + said
+            )
+
+        report.run(f"quant[{name}]", check)
+
+
 # -- figures --------------------------------------------------------------------------
 
 
@@ -276,7 +379,13 @@ def hbm_read_bandwidth() -> float:
 
 
 def decode_figures(
-    report: Report, shape: str, layers: int | None, root: Path, args: Any, bandwidth: float
+    report: Report,
+    shape: str,
+    layers: int | None,
+    root: Path,
+    args: Any,
+    bandwidth: float,
+    quantization: str | None = None,
 ) -> None:
     from bench_models import decode_bytes_per_token
     from bench_models import fixture as shape_fixture
@@ -291,6 +400,7 @@ def decode_figures(
     model = shape_fixture(shape, "bfloat16", root, layers)
     print(f"{shape} fixture ready in {time.perf_counter() - t0:.1f} s")
     config = ModelConfig.from_dir(model)
+    label = f"{shape} {quantization}" if quantization else shape
     batches = [1, 8, 64]
     pages = max(batches) * -(-(args.context + 1) // PAGE) + 8
     rows = []
@@ -303,11 +413,12 @@ def decode_figures(
             page_size=PAGE,
             attention_backend=args.figures_backend,
             disable_cuda_graph=not graphs,
+            quantization=quantization,
         )
         runner = ModelRunner(eargs, model, config, max_seq_len=args.context + 64)
         if graphs and runner.decode_graphs is None:
             report.add(
-                f"decode[{shape}]",
+                f"decode[{label}]",
                 "SKIP",
                 "no decode graphs (torch backend, or the "
                 "capture failed: see the log); eager figures follow",
@@ -335,14 +446,14 @@ def decode_figures(
             floor = nbytes / bandwidth
             med = statistics.median(times)
             rows.append(
-                f"{shape:<10} B={b:<3} graphs {'on ' if graphs else 'off'} median "
+                f"{label:<15} B={b:<3} graphs {'on ' if graphs else 'off'} median "
                 f"{med * 1e3:7.3f} ms best {min(times) * 1e3:7.3f} ms  {b / med:8.0f} tok/s  "
                 f"roofline {floor * 1e3:6.3f} ms ({nbytes / 1e9:.2f} GB): {floor / med:4.0%}"
             )
             print(rows[-1], flush=True)
         del runner
         free_memory()
-    report.add(f"decode[{shape}]", "PASS", f"{len(rows)} figures (above)")
+    report.add(f"decode[{label}]", "PASS", f"{len(rows)} figures (above)")
 
 
 def milestone(report: Report, model: Path, args: Any) -> None:
@@ -440,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         if not setup.flashinfer:
             print("flashinfer compiles its kernels on first use unless its JIT cache is installed")
         report.section("correctness", lambda: correctness(report, model, setup))
+        report.section("quant", lambda: quantized(report, root, setup, quick=not cuda))
         if not cuda:
             for check in ("decode", "8 x 16"):
                 report.add(check, "SKIP", "figures of a GPU (CPU decode: decode_step.py)")
@@ -450,6 +562,11 @@ def main(argv: list[str] | None = None) -> int:
             "decode[qwen3-0.6b]",
             lambda: decode_figures(report, "qwen3-0.6b", None, root, args, bandwidth),
         )
+        for q in ("int4", "fp8"):
+            report.section(
+                f"decode[qwen3-0.6b {q}]",
+                lambda q=q: decode_figures(report, "qwen3-0.6b", None, root, args, bandwidth, q),
+            )
         report.section("8 x 16", lambda: milestone(report, model, args))
         # Last: writing 16 GB of random weights is the slowest part.
         if args.no_8b:

@@ -231,10 +231,12 @@ def _fp8_works(w: QuantWeight, dtype: torch.dtype) -> str | None:
     ).to(w.codes.device)  # fmt: skip
     probe.codes.zero_()
     probe.scales.fill_(1.0)
-    to_fp8(probe)
     try:
+        to_fp8(probe)
         probe.kernel(torch.zeros(4, w.in_features, dtype=dtype, device=w.codes.device),
                      probe.view())  # type: ignore[misc]  # fmt: skip
+    except AttributeError:  # a torch before F.scaled_mm and its ScalingType recipes (2.10)
+        return f"this torch ({torch.__version__}) has no torch.nn.functional.scaled_mm"
     except (RuntimeError, NotImplementedError, ValueError) as e:
         return f"scaled_mm refused this fp8 layout here ({str(e).splitlines()[0][:120]})"
     return None

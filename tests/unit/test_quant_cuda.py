@@ -165,3 +165,18 @@ def test_a_tied_head_is_still_looked_up_by_row_after_the_gpu_conversion(fmt: str
     cm.prepare(nn.ModuleDict({"head": h}), torch.bfloat16, (9, 0), ops=cm.CPU_INT4, probe=False)
     ids = torch.tensor([[3, 0], [319, 3]])
     assert torch.equal(h.rows(ids, torch.bfloat16), ref.to(torch.bfloat16)[ids])
+
+
+def test_a_torch_without_scaled_mm_dequantizes_fp8_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch < 2.10 (the package allows 2.5+) has no F.scaled_mm nor its ScalingType recipes:
+    # the load carries on with the weight dequantized, instead of stopping at an AttributeError.
+    monkeypatch.delattr(F, "ScalingType", raising=False)
+    monkeypatch.delattr(F, "scaled_mm", raising=False)
+    h = _holder(quantize(_weight(), load_scheme("fp8")))
+    dense = dequantize(h.view(), torch.bfloat16)
+    line = cm.prepare(nn.ModuleDict({"w": h}), torch.bfloat16, (9, 0), ops=cm.CPU_INT4)
+    assert line is not None and "has no torch.nn.functional.scaled_mm" in line, line
+    x = torch.randn(3, 384, dtype=torch.bfloat16)
+    assert torch.equal(h.kernel(x, h.view()), F.linear(x, dense))  # type: ignore[misc]
