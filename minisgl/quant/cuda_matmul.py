@@ -131,14 +131,17 @@ def int4_kernel(ops: Int4Ops) -> Kernel:
 
 
 def fp8_block_scales(rows: torch.Tensor, block: int, pad_to: int = 4) -> torch.Tensor:
-    """Our per-row block scales [N, K/b] (each block's scale repeated over its b rows) -> the
-    [ceil(N/b), K/b] block scales scaled_mm takes, stored with their rows padded to a
-    multiple of `pad_to` (newer torch asks for that stride; a view of the first K/b columns)."""
-    per_block = rows[::block]
-    nb, kb = per_block.shape
-    padded = torch.zeros(nb, -(-kb // pad_to) * pad_to, dtype=torch.float32, device=rows.device)
-    padded[:, :kb] = per_block
-    return padded[:, :kb]
+    """Our per-row block scales [..., N, K/b] (each block's scale repeated over its b rows;
+    experts first) -> the [..., ceil(N/b), K/b] block scales scaled_mm takes, stored with their
+    rows padded to a multiple of `pad_to` (newer torch asks for that stride; a view of the
+    first K/b columns, so an expert's [e] keeps it)."""
+    per_block = rows[..., ::block, :]
+    *lead, nb, kb = per_block.shape
+    padded = torch.zeros(
+        *lead, nb, -(-kb // pad_to) * pad_to, dtype=torch.float32, device=rows.device
+    )
+    padded[..., :kb] = per_block
+    return padded[..., :kb]
 
 
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,9 +193,7 @@ def _replace(w: QuantWeight, codes: torch.Tensor, scales: torch.Tensor, kernel: 
     w.kernel = kernel
 
 
-def _fp8_scales(v: QTensor, block: int) -> tuple[torch.Tensor]:
-    if block:
-        return (fp8_block_scales(v.scales, block),)
+def _fp8_row_scales(v: QTensor) -> tuple[torch.Tensor]:
     return (v.scales.reshape(1, -1).float().contiguous(),)
 
 
@@ -203,7 +204,8 @@ def to_int4(w: QuantWeight, ops: Int4Ops) -> None:
 
 def to_fp8(w: QuantWeight) -> None:
     block = w.group_size
-    (scales,) = _per_expert(w, lambda v: _fp8_scales(v, block))
+    # Block scales of all the experts at once: stacking each one's would drop their padding.
+    scales = fp8_block_scales(w.scales, block) if block else _per_expert(w, _fp8_row_scales)[0]
     _replace(w, w.codes, scales, fp8_kernel(block))
 
 

@@ -105,6 +105,19 @@ def test_fp8_block_operands_encode_the_weight_and_the_activations() -> None:
     _close((x_back @ w_back.t())[:6], x @ dequantize(w, torch.float32).t(), 0.06)
 
 
+def test_each_experts_fp8_block_scales_keep_the_padded_rows_scaled_mm_takes() -> None:
+    # A Qwen3-MoE FP8 checkpoint on a GPU: each expert's [e] view of the converted scales is
+    # what scaled_mm reads, so it must be laid out as a dense layer's (rows padded to 4).
+    w = quantize(_weight(n=320, k=640), load_scheme("fp8"))
+    h = _holder(w, experts=3)
+    per_row = [h.view(e).scales.clone() for e in range(3)]
+    cm.to_fp8(h)
+    for e in range(3):
+        s = h.view(e).scales
+        assert s.shape == (3, 5) and s.stride() == (8, 1)
+        assert torch.equal(s.repeat_interleave(128, 0)[:320], per_row[e])
+
+
 def test_fp8_per_channel_runs_through_scaled_mm_rowwise() -> None:
     codes = (_weight() / 0.05 * 40).to(FP8)
     scales = torch.rand(256, 1) * 0.01 + 0.001
