@@ -211,7 +211,9 @@ def to_fp8(w: QuantWeight) -> None:
 
 def to_dense(w: QuantWeight, dtype: torch.dtype) -> None:
     (weight,) = _per_expert(w, lambda v: (dequantize(v, dtype),))
-    _replace(w, weight, weight.new_empty(0), lambda x, v: F.linear(x, v.codes.to(x.dtype)))
+    # No scales, but one empty row of them per expert: an expert's view indexes them.
+    scales = weight.new_empty(*weight.shape[:-2], 0)
+    _replace(w, weight, scales, lambda x, v: F.linear(x, v.codes.to(x.dtype)))
 
 
 def _lookup(w: QuantWeight, path: str, loaded: QTensor) -> None:

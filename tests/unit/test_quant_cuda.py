@@ -152,6 +152,19 @@ def test_prepare_converts_every_weight_and_says_what_was_dequantized() -> None:
     assert cm.prepare(nn.Linear(2, 2), torch.bfloat16, (9, 0)) is None
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_dequantized_experts_are_still_read_one_expert_at_a_time(fmt: str) -> None:
+    # A Qwen3-MoE whose experts take no GPU kernel (8-bit codes; fp8 where scaled_mm is
+    # refused): the fused MoE reads each expert's view of the dequantized weights.
+    h = _holder(quantize(_weight(), load_scheme(fmt)), experts=3)
+    dense = [dequantize(h.view(e), torch.bfloat16) for e in range(3)]
+    line = cm.prepare(nn.ModuleDict({"experts": h}), torch.bfloat16, (8, 6), probe=False)
+    assert line is not None and line.startswith("quantized weights on the GPU: 1 dequantized")
+    x = torch.randn(4, 384, dtype=torch.bfloat16)
+    for e in range(3):
+        assert torch.equal(h.kernel(x, h[e]), F.linear(x, dense[e]))  # type: ignore[misc]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 def test_on_the_gpu_the_kernels_equal_the_dequantized_weight(fmt: str) -> None:
