@@ -132,16 +132,16 @@ def int4_kernel(ops: Int4Ops) -> Kernel:
 
 def fp8_block_scales(rows: torch.Tensor, block: int, pad_to: int = 4) -> torch.Tensor:
     """Our per-row block scales [..., N, K/b] (each block's scale repeated over its b rows;
-    experts first) -> the [..., ceil(N/b), K/b] block scales scaled_mm takes, stored with their
-    rows padded to a multiple of `pad_to` (newer torch asks for that stride; a view of the
-    first K/b columns, so an expert's [e] keeps it)."""
+    experts first) -> the [..., ceil(N/b), K/b padded to a multiple of `pad_to`] block scales
+    scaled_mm takes (zeros in the padding): on an H200 it refused K/b = 1 or 2 unpadded
+    ("scale_b must have shape 4 x 1"), as a Qwen3-30B-A3B expert's 768 inputs (6 blocks) are."""
     per_block = rows[..., ::block, :]
     *lead, nb, kb = per_block.shape
     padded = torch.zeros(
         *lead, nb, -(-kb // pad_to) * pad_to, dtype=torch.float32, device=rows.device
     )
     padded[..., :kb] = per_block
-    return padded[..., :kb]
+    return padded
 
 
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
