@@ -277,9 +277,7 @@ def correctness(report: Report, model: Path, setup: Setup) -> None:
 
 # -- quantized checkpoints ----------------------------------------------------------------
 
-# name: (MoE?, format, the GPU kernel its load line must name; None: dequantized at load).
-# fp8 quantizes the activations too (per token and 128 inputs, as Qwen's FP8 releases run):
-# its near-ties are FP8_TIES times as wide.
+# name: (MoE?, format, the GPU kernel its load line must name; None: dequantized at load)
 QUANT_CASES: dict[str, tuple[bool, QuantFormat, str | None]] = {
     "fp8 block": (False, QuantFormat("fp8"), "fp8 scaled_mm"),
     "awq": (False, QuantFormat("awq"), "int4 weight-only matmul"),
@@ -288,8 +286,32 @@ QUANT_CASES: dict[str, tuple[bool, QuantFormat, str | None]] = {
     "moe gptq int4": (True, QuantFormat("gptq"), "int4 weight-only matmul"),
 }
 QUICK_QUANT_CASES = ("fp8 block", "moe gptq int4")
-FP8_TIES = 3.0
 GPU_LOAD_LINE = "quantized weights on the GPU: "
+# Where fp8 weights multiply fp8-quantized activations (scaled_mm; the CPU kernels keep x).
+FP8_ACTIVATION_DEVICES = ("cuda",)
+
+
+def fp8_reference_kernel(block: int) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+    """What cuda_matmul.fp8_kernel asks of scaled_mm, in plain float32 torch: the activations
+    quantized to fp8 the same way, times the fp8 weight and its (padded block or row) scales."""
+    from minisgl.quant import cuda_matmul
+
+    def run(x: torch.Tensor, w: Any) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        group = block or k
+        codes, a_scale = cuda_matmul.quantize_activations(x2, group)
+        xq = (codes.float().view(codes.shape[0], -1, group) * a_scale.unsqueeze(-1)).view(-1, k)
+        n = w.codes.shape[0]
+        if block:
+            s = w.scales[:, : k // block]  # [N/b, K/b padded] -> [N/b, K/b]
+            scales = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)
+        else:
+            scales = w.scales.reshape(n, 1)
+        y = xq @ (w.codes.float() * scales).t()
+        return y[: x2.shape[0]].to(x.dtype).reshape(*lead, n)
+
+    return run
 
 
 class _Lines(logging.Handler):
@@ -334,51 +356,82 @@ def quantized(report: Report, root: Path, setup: Setup, quick: bool) -> None:
         quant, twin = root / f"q-{slug}", root / f"t-{slug}"
         write_quantized_pair(sources[moe], quant, twin, fmt)
         (hf,) = hf_runs(twin, [(ps, setup.max_tokens)], getattr(torch, setup.dtype), setup.device)
+        fp8_x = fmt.method == "fp8" and setup.device in FP8_ACTIVATION_DEVICES
+        report.run(
+            f"quant[{name}]",
+            lambda n=name, q=quant, k=kernel, h=hf, f=fp8_x: quant_check(
+                n, q, k, h, f, ps, setup, pages
+            ),
+        )
 
-        margin = setup.margin * (FP8_TIES if fmt.method == "fp8" else 1.0)
 
-        def check(
-            quant: Path = quant,
-            kernel: str | None = kernel,
-            name: str = name,
-            hf: Run = hf,
-            margin: float = margin,
-        ) -> str:
-            llm, line = load_line(
-                lambda: LLM(
-                    str(quant),
-                    dtype=setup.dtype,
-                    device=setup.device,
-                    num_pages=pages,
-                    page_size=PAGE,
-                    max_seq_len=512,
-                    cpu_kernel_tuning="off",
-                    max_prefill_tokens=64,  # the longer prompts in chunks
-                )
+def quant_check(
+    name: str,
+    quant: Path,
+    kernel: str | None,
+    hf: Run,
+    fp8_x: bool,
+    ps: list[list[int]],
+    setup: Setup,
+    pages: int,
+) -> str:
+    """The quantized checkpoint's greedy tokens, batched, in chunks and again from the prefix
+    cache, against transformers on its dequantized twin; where the activations are quantized
+    too (`fp8_x`) against the same arithmetic in plain torch instead (fp8 activations move a
+    random model's flat logits past many of the twin's ties: the twin's agreement is printed)."""
+    from unittest import mock
+
+    from minisgl.quant import cuda_matmul
+
+    def load() -> LLM:
+        return LLM(
+            str(quant),
+            dtype=setup.dtype,
+            device=setup.device,
+            num_pages=pages,
+            page_size=PAGE,
+            max_seq_len=512,
+            cpu_kernel_tuning="off",
+            max_prefill_tokens=64,  # the longer prompts in chunks
+        )
+
+    llm, line = load_line(load)
+    print(f"{name}: {line or 'no quantized-weights line at load'}", flush=True)
+    try:
+        first = engine_run(llm, ps, setup.max_tokens)
+        again = engine_run(llm, ps, setup.max_tokens)  # every prompt a prefix-cache hit
+    finally:
+        llm.shutdown()
+        free_memory()
+    said = ""
+    if setup.device == "cuda":
+        assert line is not None, "no quantized-weights line at load"
+        if kernel is None:
+            assert "dequantized to" in line, line
+        else:
+            assert kernel in line and "dequantized" not in line, line
+        said = f" ({line.removeprefix(GPU_LOAD_LINE)})"
+    ref, what = hf, "transformers"
+    if fp8_x:
+        with mock.patch.object(cuda_matmul, "fp8_kernel", fp8_reference_kernel):
+            plain = load()
+        try:
+            ref, what = engine_run(plain, ps, setup.max_tokens, hf.spread), "plain torch"
+        finally:
+            plain.shutdown()
+            free_memory()
+        try:
+            said += "; against transformers on the twin: " + compare(
+                hf, first.tokens, setup.margin, "twin"
             )
-            print(f"{name}: {line or 'no quantized-weights line at load'}", flush=True)
-            try:
-                first = engine_run(llm, ps, setup.max_tokens)
-                again = engine_run(llm, ps, setup.max_tokens)  # every prompt a prefix-cache hit
-            finally:
-                llm.shutdown()
-                free_memory()
-            said = ""
-            if setup.device == "cuda":
-                assert line is not None, "no quantized-weights line at load"
-                if kernel is None:
-                    assert "dequantized to" in line, line
-                else:
-                    assert kernel in line and "dequantized" not in line, line
-                said = f" ({line.removeprefix(GPU_LOAD_LINE)})"
-            return (
-                compare(hf, first.tokens, margin, f"{name} vs transformers")
-                + "; from the prefix cache: "
-                + compare(hf, again.tokens, margin, f"{name} rerun")
-                + said
-            )
-
-        report.run(f"quant[{name}]", check)
+        except AssertionError as e:
+            said += f"; against transformers on the twin (bf16 activations): {e}"
+    return (
+        compare(ref, first.tokens, setup.margin, f"{name} vs {what}")
+        + "; from the prefix cache: "
+        + compare(ref, again.tokens, setup.margin, f"{name} rerun vs {what}")
+        + said
+    )
 
 
 # -- figures --------------------------------------------------------------------------
