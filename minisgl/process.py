@@ -25,12 +25,34 @@ def setup_logging(level: str, name: str) -> logging.Logger:
     return logging.getLogger(f"minisgl.{name}")
 
 
+# How the launcher stops its workers (stop_worker). Not SIGTERM: a service manager stopping the
+# server (systemd's default KillMode=control-group, `kill -- -PGID`) sends SIGTERM to every
+# process of the group at once, and workers that left on it failed the requests the server was
+# draining, and the server exited 1 ("worker died").
+STOP_SIGNAL = signal.SIGUSR1
+
+
+def stop_worker(proc: mp.process.BaseProcess) -> None:
+    """Ask a worker (WorkerLife, or a process that keeps STOP_SIGNAL's default) to stop."""
+    if proc.pid is not None and proc.is_alive():
+        os.kill(proc.pid, STOP_SIGNAL)
+
+
+def ignore_group_signals() -> None:
+    """A terminal's Ctrl-C (SIGINT) and a service manager's stop (SIGTERM) reach the whole
+    process group: the server orchestrates the drain, then stops its workers itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class WorkerLife:
     """Stop flag for a worker loop.
 
-    SIGTERM (the launcher's shutdown) sets the flag; SIGINT is ignored because a terminal's
-    Ctrl-C reaches the whole process group and the API server orchestrates the drain. The
-    worker also stops when its parent is gone, so a kill -9 of the server leaves no orphans.
+    STOP_SIGNAL (the launcher's shutdown) sets the flag; SIGINT and SIGTERM, which reach the
+    whole process group from a terminal or a service manager, are left to the server, which
+    drains its requests and then stops the workers (before loading is over they still end the
+    worker: nothing is in flight). The worker also stops when its parent is gone, so a kill -9
+    of the server leaves no orphans.
     """
 
     ORPHAN_CHECK_S = 0.5
@@ -41,6 +63,7 @@ class WorkerLife:
         self.loaded = False
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(STOP_SIGNAL, self._on_stop)
         threading.Thread(
             target=self._leave_if_orphaned_while_loading, name="minisgl-load-watch", daemon=True
         ).start()
@@ -65,10 +88,16 @@ class WorkerLife:
     def _on_term(self, signum: int, frame: Any) -> None:
         if not self.loaded:
             raise SystemExit(0)  # still loading: nothing to finish, leave now
+        # Serving: the server got it too, and stops this worker once its requests are done.
+
+    def _on_stop(self, signum: int, frame: Any) -> None:
+        if not self.loaded:
+            raise SystemExit(0)
         self.stopping = True
 
     def serving(self) -> None:
-        """Loading is over: from now on SIGTERM lets the loop finish its iteration."""
+        """Loading is over: from now on STOP_SIGNAL lets the loop finish its iteration, and
+        SIGTERM is the server's to act on."""
         self.loaded = True
 
     def alive(self) -> bool:

@@ -21,6 +21,7 @@ from minisgl.config import ServerArgs
 from minisgl.engine.multinode import BEAT_INTERVAL_S, SILENCE_LIMIT_S, exit_group, local_ranks
 from minisgl.engine.node_auth import NodeAuthError, connect_handshake
 from minisgl.engine.tp_engine import Rendezvous, follower_main
+from minisgl.process import stop_worker
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ def run_node(args: ServerArgs) -> int:
     # Asked to stop (the pod is terminating): the group is going anyway.
     logger.info("node %d: stopping", args.node_rank)
     for p in procs:
-        p.terminate()
+        stop_worker(p)  # the ranks leave SIGTERM to this agent (ignore_group_signals)
     for p in procs:
         p.join(timeout=5)
         if p.is_alive():

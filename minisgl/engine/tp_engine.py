@@ -26,7 +26,6 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
-import signal
 import socket
 import time
 from typing import Any
@@ -47,7 +46,7 @@ from minisgl.engine.multinode import (
 )
 from minisgl.engine.node_auth import group_secret
 from minisgl.engine.startup import spawn_main_problem
-from minisgl.process import freeze_startup_objects, leave_with_parent
+from minisgl.process import freeze_startup_objects, ignore_group_signals, leave_with_parent
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.scheduler import SchedulerStats
 from minisgl.structured.compile_worker import CompileOutcome
@@ -445,8 +444,9 @@ def _destroy_distributed() -> None:
 
 def follower_main(args_dict: dict, rank: int, rdv_dict: dict, parent_pid: int) -> None:
     """Ranks 1..N-1: load the shard, subscribe, then mirror rank 0 step by step."""
-    # A terminal's Ctrl-C reaches the whole process group; rank 0 decides when followers stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A terminal's Ctrl-C and a service manager's SIGTERM reach the whole process group; rank 0
+    # decides when followers stop (on a node of its own, its agent: STOP_SIGNAL).
+    ignore_group_signals()
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(message)s"
     )

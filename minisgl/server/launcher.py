@@ -35,7 +35,7 @@ from minisgl.engine.startup import spawn_main_problem
 from minisgl.engine.worker import run_scheduler_worker
 from minisgl.message.endpoints import Endpoints
 from minisgl.metrics import ServerMetrics
-from minisgl.process import setup_logging
+from minisgl.process import setup_logging, stop_worker
 from minisgl.server.api_server import Hooks, build_app
 from minisgl.server.context import ServerContext
 from minisgl.server.manager import RequestManager
@@ -190,7 +190,7 @@ class Launcher(Hooks):
         self.stopping = True
         for proc in self.procs.values():
             if proc.is_alive():
-                proc.terminate()  # SIGTERM: the worker loop exits at its next poll
+                stop_worker(proc)  # the worker loop exits at its next poll
         deadline = time.monotonic() + WORKER_STOP_TIMEOUT
         for name, proc in self.procs.items():
             proc.join(max(0.0, deadline - time.monotonic()))

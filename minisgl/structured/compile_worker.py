@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from minisgl.process import KillableChild, leave_with_parent
+from minisgl.process import KillableChild, ignore_group_signals, leave_with_parent
 from minisgl.structured.grammar import (
     CACHE_LIMIT_BYTES,
     GrammarBackend,
@@ -274,6 +274,7 @@ def _serve(
     """The child: set up xgrammar's compiler, say ready (with the vocabulary analysis), then
     compile until the pipe closes."""
     leave_with_parent(parent_pid)
+    ignore_group_signals()  # the scheduler stops this helper (it kills it)
     os.nice(COMPILE_NICE)  # background work: the model's steps come first
     try:
         import xgrammar as xgr

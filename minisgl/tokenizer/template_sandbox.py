@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from minisgl.process import KillableChild, leave_with_parent
+from minisgl.process import KillableChild, ignore_group_signals, leave_with_parent
 from minisgl.tokenizer.chat_render import load_tokenizer, render_chat
 from minisgl.tokenizer.without_torch import keep_torch_out
 
@@ -167,6 +167,7 @@ def _serve(model: str, conn: Connection, parent_pid: int) -> None:
     """The child: load the tokenizer, then render jobs until the pipe closes."""
     keep_torch_out()
     leave_with_parent(parent_pid)  # a template that never ends must not outlive the worker
+    ignore_group_signals()  # the tokenizer worker stops this helper (it kills it)
     tokenizer = load_tokenizer(model)
     conn.send(("ready", None))
     while True:

@@ -145,6 +145,34 @@ def test_sigterm_drains_in_flight_stream_then_exits_zero(guarded: ServerProcess)
     assert "draining" in guarded.logs()
 
 
+def test_sigterm_to_the_whole_group_still_drains_then_exits_zero(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """systemd's default stop (KillMode=control-group) and `kill -- -PGID` send SIGTERM to the
+    server and its workers at once: the workers used to leave on it, failing the stream the
+    server was draining ("worker died"), and the server exited 1."""
+    log = tmp_path_factory.mktemp("group") / "server.log"
+    srv = ServerProcess(tiny_model_dir, log, *COMMON_FLAGS).wait_ready()
+    try:
+        workers = srv.stats()["workers"]
+        body = {"prompt": "drain me", "max_tokens": 150, "ignore_eos": True, "temperature": 0,
+                "stream": True}  # fmt: skip
+        lines: list[str] = []
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                if len(lines) == 3:
+                    for pid in [srv.proc.pid, *workers.values()]:
+                        os.kill(pid, signal.SIGTERM)
+        events = [ln for ln in lines if ln]
+        assert events[-1] == "data: [DONE]", events[-3:]  # the in-flight stream finished
+        assert srv.proc.wait(30) == 0
+        assert not any(pid_alive(p) for p in workers.values())
+        assert "died" not in srv.logs()
+    finally:
+        srv.stop()
+
+
 def test_scheduler_killed_makes_the_server_exit_non_zero(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
