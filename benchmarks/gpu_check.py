@@ -11,6 +11,8 @@ printed PASS, FAIL or SKIP with its reason (the exit status is 1 if any failed):
   backends   the flashinfer and torch attention backends agree
   graphs     decode replayed as CUDA graphs equals eager decode, and graphs did replay
   long       a 16k-token prompt (chunked prefill) on each backend agrees with transformers
+  served     `python -m minisgl` on the device: ready, a chat completion, a streamed one, n=2
+             with logprobs, /metrics, and a clean exit on SIGTERM
   quant      checkpoints in Qwen's published formats (FP8 blocks, AWQ, GPTQ 8-bit; a Qwen3-MoE
              in FP8 and GPTQ-Int4) against transformers on their dequantized twin, batched, in
              chunks and again from the prefix cache; on a GPU the load line must name the torch
@@ -273,6 +275,50 @@ def correctness(report: Report, model: Path, setup: Setup) -> None:
             "backends",
             lambda: compare(runs["torch"], runs["flashinfer"].tokens, setup.margin, "fi vs torch"),
         )
+
+
+# -- the server -----------------------------------------------------------------------------
+
+
+def served(model: Path, setup: Setup) -> str:
+    """The server as users start it, on this device: each request answered, then a clean exit."""
+    import subprocess
+
+    import httpx
+
+    from minisgl.testing.live_server import free_port, stop_process, wait_http_ok
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.mkdtemp(prefix="gpu-check-server-")) / "server.log"
+    cmd = [sys.executable, "-m", "minisgl", "--model", str(model), "--port", str(port)]
+    cmd += ["--device", setup.device, "--dtype", setup.dtype, "--num-pages", "2048"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        t0 = time.perf_counter()
+        ready = wait_http_ok(proc, base + "/health", 600)
+        assert ready, f"not ready (exit {proc.poll()}); its log: {log}"
+        start_s = time.perf_counter() - t0
+        chat = {"model": str(model), "messages": [{"role": "user", "content": "Hi"}]}
+        r = httpx.post(base + "/v1/chat/completions", json=chat | {"max_tokens": 8}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length", r.text
+        with httpx.stream(
+            "POST", base + "/v1/chat/completions", timeout=60,
+            json=chat | {"max_tokens": 8, "stream": True},
+        ) as r:  # fmt: skip
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200 and events[-1] == "data: [DONE]", events[-3:]
+        body = {"model": str(model), "prompt": "1 2 3", "max_tokens": 8, "n": 2, "logprobs": 2}
+        r = httpx.post(base + "/v1/completions", json=body | {"temperature": 0.8}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+        assert "minisgl_model_info{" in metrics, metrics[:500]
+    finally:
+        code = stop_process(proc)  # SIGTERM to the server alone, as Kubernetes sends it
+    assert code == 0, f"exit code {code} after SIGTERM; its log: {log}"
+    return f"ready in {start_s:.1f} s; chat, a stream of {len(events)} events, n=2 with logprobs"
 
 
 # -- quantized checkpoints ----------------------------------------------------------------
@@ -627,6 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         if not setup.flashinfer:
             print("flashinfer compiles its kernels on first use unless its JIT cache is installed")
         report.section("correctness", lambda: correctness(report, model, setup))
+        report.run("served", lambda: served(model, setup))
         report.section("quant", lambda: quantized(report, root, setup, quick=not cuda))
         if not cuda:
             for check in ("decode", "8 x 16"):

