@@ -161,10 +161,13 @@ def hf_runs(
                     pad_token_id=0,
                 )
                 tokens.append(out.sequences[0, len(p) :].tolist())
-                steps = [s[0].float() for s in out.scores]
-                spreads += [float(s.std()) for s in steps]
-                top = [(s.topk(2).values, float(s.std())) for s in steps]
-                margins.append([float(t[0] - t[1]) / sd for t, sd in top])
+                gaps = []
+                for scores in out.scores:
+                    logits = scores[0].float()
+                    top, spread = logits.topk(2).values, float(logits.std())
+                    gaps.append(float(top[0] - top[1]) / spread)
+                    spreads.append(spread)
+                margins.append(gaps)
             runs.append(Run(tokens, margins, statistics.fmean(spreads)))
     del model
     free_memory()
@@ -196,19 +199,29 @@ class Setup:
     max_tokens: int
 
 
-def make_llm(model: Path, setup: Setup, backend: str, graphs: bool, pages: int) -> LLM:
+def make_llm(
+    model: Path, setup: Setup, pages: int, max_seq_len: int, prefill_chunk: int, **flags: Any
+) -> LLM:
+    """The offline engine on the setup's device and dtype, prompts over `prefill_chunk` tokens
+    prefilled in chunks."""
     return LLM(
         str(model),
         dtype=setup.dtype,
         device=setup.device,
         num_pages=pages,
         page_size=PAGE,
-        max_seq_len=setup.long_len + 64,
-        attention_backend=backend,
-        disable_cuda_graph=not graphs,
+        max_seq_len=max_seq_len,
         cpu_kernel_tuning="off",  # CPU runs here check tokens, not speed
-        max_prefill_tokens=min(4096, setup.long_len // 4),  # the long prompt in chunks
+        max_prefill_tokens=prefill_chunk,
+        **flags,
     )
+
+
+def backend_llm(model: Path, setup: Setup, backend: str, graphs: bool, pages: int) -> LLM:
+    return make_llm(
+        model, setup, pages, setup.long_len + 64, min(4096, setup.long_len // 4),
+        attention_backend=backend, disable_cuda_graph=not graphs,
+    )  # fmt: skip
 
 
 def correctness(report: Report, model: Path, setup: Setup) -> None:
@@ -225,7 +238,7 @@ def correctness(report: Report, model: Path, setup: Setup) -> None:
     long_runs: dict[str, Run] = {}
 
     def one_backend(backend: str) -> None:
-        llm = make_llm(model, setup, backend, graphs=backend == "flashinfer", pages=pages)
+        llm = backend_llm(model, setup, backend, graphs=backend == "flashinfer", pages=pages)
         try:
             if backend == "flashinfer":
                 graphs = llm.engine.runner.decode_graphs
@@ -237,7 +250,7 @@ def correctness(report: Report, model: Path, setup: Setup) -> None:
             if backend == "flashinfer":
                 replays = llm.engine.runner.decode_graphs.replays  # type: ignore[union-attr]
                 assert replays > 0, "no decode step replayed a graph"
-                eager = make_llm(model, setup, backend, graphs=False, pages=pages)
+                eager = backend_llm(model, setup, backend, graphs=False, pages=pages)
                 ref = engine_run(eager, ps, setup.max_tokens, hf.spread)
                 eager.shutdown()
                 report.run(
@@ -430,16 +443,7 @@ def quant_check(
     from minisgl.quant import cuda_matmul
 
     def load() -> LLM:
-        return LLM(
-            str(quant),
-            dtype=setup.dtype,
-            device=setup.device,
-            num_pages=pages,
-            page_size=PAGE,
-            max_seq_len=512,
-            cpu_kernel_tuning="off",
-            max_prefill_tokens=64,  # the longer prompts in chunks
-        )
+        return make_llm(quant, setup, pages, max_seq_len=512, prefill_chunk=64)
 
     llm, line = load_line(load)
     print(f"{name}: {line or 'no quantized-weights line at load'}", flush=True)
