@@ -62,8 +62,8 @@ class WorkerLife:
         self.stopping = False
         self.loaded = False
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, self._on_term)
-        signal.signal(STOP_SIGNAL, self._on_stop)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(STOP_SIGNAL, self._on_signal)
         threading.Thread(
             target=self._leave_if_orphaned_while_loading, name="minisgl-load-watch", daemon=True
         ).start()
@@ -85,15 +85,11 @@ class WorkerLife:
                 os._exit(1)
             time.sleep(self.ORPHAN_CHECK_S)
 
-    def _on_term(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: Any) -> None:
         if not self.loaded:
             raise SystemExit(0)  # still loading: nothing to finish, leave now
-        # Serving: the server got it too, and stops this worker once its requests are done.
-
-    def _on_stop(self, signum: int, frame: Any) -> None:
-        if not self.loaded:
-            raise SystemExit(0)
-        self.stopping = True
+        # Serving: SIGTERM reached the server too, which sends STOP_SIGNAL once it has drained.
+        self.stopping = self.stopping or signum == STOP_SIGNAL
 
     def serving(self) -> None:
         """Loading is over: from now on STOP_SIGNAL lets the loop finish its iteration, and

@@ -67,19 +67,16 @@ fi
 echo "gpu_check.sh: python $($py -c 'import sys; print(sys.executable, sys.version.split()[0])')"
 
 if compgen -G ".whl/*.whl" >/dev/null; then
-  if $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/minisgl-site .whl/*.whl; then
-    export PYTHONPATH=/tmp/minisgl-site${PYTHONPATH:+:$PYTHONPATH}
-  else
-    echo "gpu_check.sh: installing the wheels in .whl/ FAILED (carrying on without them)"
-  fi
+  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/minisgl-site .whl/*.whl \
+    || echo "gpu_check.sh: installing the wheels in .whl/ FAILED (carrying on without them)"
 fi
 for packed in .whl/*.tar.xz; do  # wheels repacked by --fetch-wheels (unpacked as pip would)
   [ -e "$packed" ] || continue
   mkdir -p /tmp/minisgl-site && tar -C /tmp/minisgl-site -xJf "$packed" \
-    && export PYTHONPATH=/tmp/minisgl-site${PYTHONPATH:+:$PYTHONPATH} \
     || echo "gpu_check.sh: unpacking $packed FAILED (carrying on without it)"
 done
+[ -d /tmp/minisgl-site ] && export PYTHONPATH=/tmp/minisgl-site${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 $py - <<'EOF'
