@@ -95,7 +95,7 @@ def compile_flags(isa: str, flags: frozenset[str]) -> list[str]:
 
 
 def sources(isa: str) -> list[Path]:
-    wide = ["gemv_avx512.c", "panel512.c", "qvnni.c"] if isa == "avx512" else []
+    wide = ["gemv_avx512.c", "panel512.c", "qvnni.c", "qvpanel.c"] if isa == "avx512" else []
     names = list(COMMON_SOURCES) + wide
     return [CSRC / n for n in names]
 

@@ -312,7 +312,8 @@ class Chain:
         scratch = torch.empty(ops.k, dtype=torch.float32)
         weight_args = (codes, cstride, scales, zeros, gstride)
         sizes = (self.rows, ops.k, ops.group, self.bf16)
-        fn = self.lib.qdequant[ops.kind]
+        # a tied table packed for its LM head's matmul (QuantWeight.pack_vnni) has its own
+        fn = (self.lib.qvpanel_rows if table.packed else self.lib.qdequant)[ops.kind]
         self._emit(OP_ROWS, fn, *weight_args, self._arg(out), *sizes, self._arg(scratch))
 
     def rope(self, table: torch.Tensor) -> None:
@@ -421,6 +422,8 @@ def _quantized_kernel(lib: Any, name: str, kind: str, x_bf16: int) -> Any:
         return lib.qgemv[kind] if fn is None or (kind == "fp8" and not x_bf16) else fn
     if name == "x8_panel" and kind in lib.qvnni:  # picked only for weights it takes
         return lib.qvnni[kind]
+    if name == "vnni_panel" and kind in lib.qvpanel:  # picked only for packed weights
+        return lib.qvpanel[kind]
     # dequant_gemm / dequant_torch: chunks dequantized from Python, then a GEMM call each.
     raise Unsupported(f"quantized pick {name}, which is no single C kernel call")
 

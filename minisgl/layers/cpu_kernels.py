@@ -215,6 +215,25 @@ class _Lib:
                 vfn.argtypes += [i64] * 4
                 vfn.restype = None
                 self.qvnni[kind] = vfn
+        # Integer codes repacked into 32-row panels, exact int16 x, any row count (qvpanel.c,
+        # AVX512-VNNI builds only; quant/cpu_vpanel.py): qgemv's arguments, and which weights
+        # it takes (bits, N, K, group).
+        # Its rows dequantized (qdequant's arguments): a packed tied table's lookups.
+        self.qvpanel: dict[str, Any] = {}
+        self.qvpanel_rows: dict[str, Any] = {}
+        for kind in ("u4", "u8"):
+            vpfn: Any = getattr(lib, f"qvpanel_{kind}", None)
+            vrfn: Any = getattr(lib, f"qvpanel_rows_{kind}", None)
+            if vpfn is not None and vrfn is not None:
+                vpfn.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+                vpfn.argtypes += [i64] * 4
+                vrfn.argtypes = [ptr, i64, ptr, ptr, i64, ptr] + [i64] * 4
+                vpfn.restype = vrfn.restype = None
+                self.qvpanel[kind], self.qvpanel_rows[kind] = vpfn, vrfn
+        self.qvpanel_takes: Any = getattr(lib, "qvpanel_takes", None)
+        if self.qvpanel_takes is not None:
+            self.qvpanel_takes.argtypes = [ctypes.c_int, i64, i64, i64]
+            self.qvpanel_takes.restype = ctypes.c_int
         self.qvnni_takes: Any = getattr(lib, "qvnni_takes", None)
         if self.qvnni_takes is not None:
             self.qvnni_takes.argtypes = [ctypes.c_int, i64, i64]

@@ -17,7 +17,14 @@ The candidates (cpu_gemv.py), all reading the quantized weight as loaded (no sec
   (fp32 x, and CPUs or builds without the tiles, run qgemv);
 - "x8_panel": many rows of x rounded to 8 bits against integer codes with AVX512-VNNI
   (cpu_panel.py): offered only under --cpu-quantized-activations int8 (it changes the
-  numerics), for weights its kernel takes.
+  numerics), for weights its kernel takes;
+- "vnni_panel": integer codes repacked once into 32-row panels, exact, any row count, with
+  AVX512-VNNI (cpu_vpanel.py). Its layout replaces the row-major codes, so it is all or
+  nothing for a weight: it serves every row count where it is less slow on average over the
+  buckets than the row-major candidates' picks (as the float weights' one layout,
+  kernel_choice.single_layout); offered for dense weights no lookup reads (not a tied
+  embedding, not a mixture's experts). Timed on packed copies of the timing set.
+MINISGL_CPU_QUANT_LINEAR=<candidate> forces one everywhere it can run (tests, benchmarks).
 Which wins at which row count depends on the CPU (FMA width, integer multiply rate, MKL), so
 nothing is a fixed row limit: each shape and code kind is timed per bucket at start-up, or read
 from the cache. Tuning "off": qgemv for one row, amx_int for 2 to cpu_kernels.MAX_ROWS where
@@ -29,6 +36,7 @@ qgemv (rounding x) up to its rows, then x8_panel where the build has it.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -37,7 +45,7 @@ import torch
 
 from minisgl.layers import cpu_build, cpu_kernels, kernel_choice
 from minisgl.layers.kernel_choice import BUCKETS, TIMED_ROWS, MachineKey, ShapeKey
-from minisgl.quant import cpu_gemv, cpu_panel
+from minisgl.quant import cpu_gemv, cpu_panel, cpu_vpanel
 from minisgl.quant.qtensor import QTensor
 
 logger = logging.getLogger(__name__)
@@ -51,7 +59,10 @@ CANDIDATES = (
     "amx_panel",
     "amx_int",
     "x8_panel",
+    "vnni_panel",
 )
+# The candidate whose weights are repacked: all buckets or none (see the top).
+PACKED = "vnni_panel"
 
 
 class Run(Protocol):
@@ -69,7 +80,9 @@ _RUN: dict[str, Run] = {
     "amx_panel": cpu_panel.amx_panel,
     "amx_int": cpu_panel.amx_int,
     "x8_panel": cpu_panel.x8_panel,
+    "vnni_panel": cpu_vpanel.timed,  # timed on packed copies; weights packed run vnni_panel
 }
+
 # Timing passes: as cpu_linear's (cold weights, bounded FLOPs, best of a few interleaved).
 _COLD_BYTES = 48 << 20
 _PASS_FLOPS = 4e8
@@ -78,7 +91,7 @@ _MIN_REPEATS, _MAX_REPEATS = 3, 8
 # over the default's first passes made a leader of a kernel 1.2x slower (an AVX2 EPYC VM's int4
 # prefill: qgemv over dequant_panel at 65-512 rows, 0.89x bf16's prefill rate).
 _CONFIRM_REPEATS = 3
-_MEMO: dict[tuple[str, ShapeKey, MachineKey], tuple[tuple[str, ...], str]] = {}
+_MEMO: dict[tuple[str, ShapeKey, MachineKey, bool], tuple[tuple[str, ...], str]] = {}
 
 
 class QuantKernel:
@@ -86,7 +99,10 @@ class QuantKernel:
 
     def __init__(self, picks: Sequence[str]) -> None:
         self.picks = tuple(picks)
-        self._table = [_RUN[name] for name in kernel_choice.row_table(self.picks)]
+        self._table = [
+            cpu_vpanel.vnni_panel if name == PACKED else _RUN[name]
+            for name in kernel_choice.row_table(self.picks)
+        ]
 
     def __call__(
         self, x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None
@@ -142,11 +158,33 @@ def default_picks(
     )
 
 
-def offered(weights: Sequence[QTensor]) -> tuple[str, ...]:
+def offered(weights: Sequence[QTensor], packable: bool = False) -> tuple[str, ...]:
     """The candidates timed for these weights: x8_panel only under --cpu-quantized-activations
-    int8 and where its kernel takes them (outside that mode it would change the numerics)."""
-    x8 = cpu_kernels.quantized_activations() == "int8" and cpu_panel.x8_takes(weights[0])
-    return tuple(c for c in CANDIDATES if c != "x8_panel" or x8)
+    int8 and where its kernel takes them (outside that mode it would change the numerics);
+    vnni_panel only where the weights may be repacked (`packable`), its kernel takes them and
+    x stays exact (not under int8 activations)."""
+    int8 = cpu_kernels.quantized_activations() == "int8"
+    x8 = int8 and cpu_panel.x8_takes(weights[0])
+    # exact: not where the user asked for 8-bit activations' speed
+    packed = packable and not int8 and cpu_vpanel.takes(weights[0])
+    return tuple(c for c in CANDIDATES if (c != "x8_panel" or x8) and (c != PACKED or packed))
+
+
+def one_layout(timings: kernel_choice.Timings, defaults: Sequence[str]) -> tuple[str, ...]:
+    """The picks over the row-major codes (per bucket, as kernel_choice.pick), or vnni_panel
+    in every bucket where it ran in all and is more than LAYOUT_MARGIN less slow on average
+    (kernel_choice.slowdown): its layout replaces the codes, so it cannot serve only some row
+    counts."""
+    row = {n: ts for n, ts in timings.items() if n != PACKED}
+    picks = kernel_choice.pick(row, defaults)
+    packed = timings.get(PACKED)
+    if packed is None or any(t is None for t in packed):
+        return picks
+    every = tuple(PACKED for _ in picks)
+    cost = kernel_choice.slowdown(every, timings)
+    if cost < kernel_choice.slowdown(picks, timings) * (1 - kernel_choice.LAYOUT_MARGIN):
+        return every
+    return picks
 
 
 def shape_key(w: QTensor, x_dtype: torch.dtype) -> ShapeKey:
@@ -164,10 +202,12 @@ def machine_key() -> MachineKey:
 
 
 def choose(
-    weights: Sequence[QTensor], x_dtype: torch.dtype, tuning: str
+    weights: Sequence[QTensor], x_dtype: torch.dtype, tuning: str, packable: bool = False
 ) -> tuple[tuple[str, ...], str] | None:
     """(picks per bucket, where they came from) for these same-shaped weights; None where the
-    C kernels cannot take them (the torch dequantizing path then runs)."""
+    C kernels cannot take them (the torch dequantizing path then runs). `packable`: whether
+    the weights may be repacked for vnni_panel (picks of vnni_panel in every bucket mean the
+    caller must: QuantWeight.pack_vnni)."""
     probe = torch.empty(1, weights[0].in_features, dtype=x_dtype)
     if not cpu_gemv.usable(probe, weights[0]):
         return None
@@ -176,21 +216,26 @@ def choose(
     x8 = cpu_kernels.quantized_activations() == "int8"
     x8 = x8 and cpu_gemv.takes_int8_activations(weights[0])
     defaults = default_picks(cpu_gemv.kind(weights[0]), x_dtype, x8)
+    names = offered(weights, packable)
+    forced = os.environ.get("MINISGL_CPU_QUANT_LINEAR")
+    if forced:
+        return kernel_choice.forced(forced, names, defaults), "forced"
     if tuning == "off":
         return defaults, "defaults"
     shape, machine = shape_key(weights[0], x_dtype), machine_key()
     # what keys the cache keys the process's memo too: a change of activation mode or of
     # thread count within a process times again
-    memo = (tuning, shape, machine)
+    memo = (tuning, shape, machine, PACKED in names)
     if memo in _MEMO:
         return _MEMO[memo]
     cache = kernel_choice.TuningCache(cpu_build.cache_dir() / "tuning", machine)
-    names = offered(weights)
     got = cache.get(shape, CANDIDATES) if tuning == "cached" else None
+    if got is not None and PACKED in names and None in got.get(PACKED, [None]):
+        got = None  # timed before as a weight that could not be packed: time again
     if got is not None:
         got = {name: t for name, t in got.items() if name in names}
     if got is not None:
-        result = kernel_choice.pick(got, defaults), "cached"
+        result = one_layout(got, defaults), "cached"
     else:
         spreads: list[float] = []
         others = kernel_choice.OtherWork()
@@ -200,10 +245,10 @@ def choose(
         elif (
             others.share() > kernel_choice.OTHER_WORK_LIMIT
         ):  # a steady load: the best picks for now, not for later
-            result = kernel_choice.pick(timings, defaults), "measured beside other work"
+            result = one_layout(timings, defaults), "measured beside other work"
         else:
             cache.put({shape: timings})
-            result = kernel_choice.pick(timings, defaults), "measured"
+            result = one_layout(timings, defaults), "measured"
     _MEMO[memo] = result
     return result
 
@@ -216,7 +261,8 @@ def _timing_set(weights: Sequence[QTensor], rows: int) -> list[QTensor]:
     )
     if flops <= _PASS_FLOPS:
         return list(weights[:count])
-    keep = max(64, int(_PASS_FLOPS // (2.0 * rows * k)) // 16 * 16)
+    # a multiple of 32 rows: whole panels for vnni_panel (cpu_vpanel.ROWS)
+    keep = max(64, int(_PASS_FLOPS // (2.0 * rows * k)) // 32 * 32)
     return [weights[0].narrow(0, 0, min(n, keep))]
 
 
@@ -240,6 +286,9 @@ def measure(
         live = [name for name in CANDIDATES if name in names]
         for name in live:
             _RUN[name](x, group[0])  # warm-up
+        if PACKED in live:  # its copies made before its passes, not in the first one
+            for w in group:
+                cpu_vpanel.packed_copy(w)
         best = {name: float("inf") for name in live}
         worst = {name: 0.0 for name in live}
         for rep in range(_MAX_REPEATS):
@@ -272,15 +321,19 @@ def measure(
 
 
 def kernels_for(
-    groups: Sequence[Sequence[QTensor]], x_dtype: torch.dtype, tuning: str
+    groups: Sequence[Sequence[QTensor]],
+    x_dtype: torch.dtype,
+    tuning: str,
+    packable: Sequence[bool] | None = None,
 ) -> tuple[list[QuantKernel | None], str]:
-    """A kernel per group of same-shaped weights, and one log line of the picks."""
+    """A kernel per group of same-shaped weights, and one log line of the picks. `packable`:
+    per group, whether its weights may be repacked (see choose)."""
     t0 = time.perf_counter()
     out: list[QuantKernel | None] = []
     chosen: dict[ShapeKey, tuple[str, ...]] = {}
     sources: set[str] = set()
-    for weights in groups:
-        got = choose(weights, x_dtype, tuning)
+    for i, weights in enumerate(groups):
+        got = choose(weights, x_dtype, tuning, bool(packable and packable[i]))
         if got is None:
             out.append(None)
             continue

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from minisgl.quant import cpu_gemv
+from minisgl.quant import cpu_gemv, cpu_vpanel
 from minisgl.quant.matmul import qlinear, through
 from minisgl.quant.qtensor import FP8, QTensor, dequantize, take_rows
 
@@ -70,6 +70,9 @@ class QuantWeight(nn.Module):
         self._whole: QTensor | None = None
         self._cpu_ok: dict[torch.dtype, bool] = {}
         self._c_rows: bool | None = None  # whether `rows` may dequantize in C (`_c_takes`)
+        # The buffers hold cpu_vpanel's panels (pack_vnni), not row-major codes: only its
+        # kernel reads them.
+        self.packed = False
 
     def reset(self) -> None:
         """After materialising: g_idx unset (-1), so the first projection loaded sets it."""
@@ -121,6 +124,13 @@ class QuantWeight(nn.Module):
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` dequantized, [*ids.shape, K] of `dtype`: an embedding lookup that reads
         only the looked-up rows' codes (a float copy of the table is never made)."""
+        if self.packed:  # a tied LM head's panels: the rows gathered out of them
+            w = self.whole()
+            if ids.numel() <= FEW_ROWS and ids.device.type == "cpu":
+                got = cpu_vpanel.dequant_rows(w, ids.reshape(-1).tolist()).to(dtype)
+            else:
+                got = dequantize(cpu_vpanel.take_rows(w, ids), dtype)
+            return got.view(*ids.shape, self.in_features)
         if self.lookup is not None:
             return self.lookup(ids, dtype)
         w = self.whole()
@@ -162,10 +172,27 @@ class QuantWeight(nn.Module):
             self._cpu_ok, self._c_rows = {}, None
         return w
 
+    def pack_vnni(self) -> None:
+        """The buffers rewritten in place into cpu_vpanel's panels (the same shapes and bytes,
+        so the same memory and huge pages), after which only `kernel` (vnni_panel, the
+        chooser's pick for every row count) multiplies by them."""
+        if self.packed:
+            return
+        packed = cpu_vpanel.pack(self.view())
+        self.codes.copy_(packed.codes)
+        self.scales.copy_(packed.scales)
+        if self.zeros is not None and packed.zeros is not None:
+            self.zeros.copy_(packed.zeros)
+        self.packed = True
+
     def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ W.T in `out_dtype` (default x's; see qlinear)."""
         w = self.whole()
         kernel = self.kernel
+        if self.packed:  # the panels' own kernel, whatever the rows (flattened to 2-D)
+            assert kernel is not None
+            y = through(kernel, x.reshape(-1, self.in_features), w, out_dtype)
+            return y.view(*x.shape[:-1], y.shape[-1])
         if kernel is not None and x.device.type == "cpu" and x.dim() == 2:
             ok = self._cpu_ok.get(x.dtype)
             if ok is None:  # the weight's side of qlinear's test, once per dtype

@@ -206,3 +206,47 @@ def test_activations_in_8_bits_keep_the_tokens_but_near_ties(
     else:  # 8-bit codes without VNNI (or no C kernels): exact paths, the flag changes nothing
         assert ours == reference
     assert any("--cpu-quantized-activations int8" in r.getMessage() for r in caplog.records)
+
+
+needs_vnni_panel = pytest.mark.skipif(
+    not (cpu_kernels.load() is not None and cpu_kernels.load().qvpanel),
+    reason="no AVX512-VNNI build here: vnni_panel is never offered",
+)
+
+
+@needs_vnni_panel
+@pytest.mark.parametrize(
+    ("method", "dtype"), [("int8", "float32"), ("int4", "float32"), ("int4", "bfloat16")]
+)
+def test_vnni_panels_generate_the_twins_tokens(
+    method: str, dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every quantized weight repacked into VNNI panels (the tied head too, its lookups
+    gathered out of the panels): the twin's greedy tokens, batched, with prefix hits and
+    chunked prefill as quant_parity runs them."""
+    monkeypatch.setenv("MINISGL_CPU_QUANT_LINEAR", "vnni_panel")
+    _assert_twin_tokens(tmp_path, method, dtype=dtype, quantization=method)
+
+
+@needs_vnni_panel
+def test_vnni_panels_replace_the_codes_in_place(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Packed, a weight holds the same bytes in the same buffers (no second copy), every one
+    is packed, the start-up line names the pick, and the tied table's lookups are the
+    row-major table's rows."""
+    with _load(quantization="int4") as llm:
+        model = llm.engine.runner.model
+        before = sorted(m.nbytes() for m in model.modules() if isinstance(m, QuantWeight))
+        ids = torch.tensor([0, 7, VOCAB_SIZE - 1])
+        want = model.model.embed_tokens(ids)
+    caplog.set_level(logging.INFO, logger="minisgl.models.loader")
+    monkeypatch.setenv("MINISGL_CPU_QUANT_LINEAR", "vnni_panel")
+    with _load(quantization="int4") as llm:
+        model = llm.engine.runner.model
+        held = [m for m in model.modules() if isinstance(m, QuantWeight)]
+        assert held and all(m.packed for m in held)
+        assert sorted(m.nbytes() for m in held) == before
+        assert torch.equal(model.model.embed_tokens(ids), want)
+    line = next(r.getMessage() for r in caplog.records if "quantized matmul" in r.getMessage())
+    assert "[1+:vnni_panel]" in line

@@ -1,0 +1,110 @@
+"""Integer codes repacked once into 32-row panels for AVX512-VNNI (layers/csrc/qvpanel.c):
+`vnni_panel`, one kernel for every row count, exact (x quantized per row to int16, as the
+decode GEMV does), reading one contiguous run of memory per panel.
+
+The panels hold the same bytes as the row-major codes, reordered: codes [N/16, K/4, 16]
+dwords for 8-bit codes (four features of one row each), [N/16, K/8, 16] for 4-bit (eight);
+scales and zero points [N/16, G, 16]. A packed weight keeps its tensors' shapes (codes
+[N, K] or [N, K/2], scales [N, G]), so its memory, its huge pages and its QTensor views stay
+as they were; only this kernel reads it (QuantWeight.packed says so)."""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl import hugepages
+from minisgl.layers import cpu_kernels
+from minisgl.quant import cpu_gemv
+from minisgl.quant.qtensor import QTensor
+
+ROWS = 32  # weight rows per panel
+
+
+def takes(w: QTensor) -> bool:
+    """Whether this build and CPU run vnni_panel for w: 8- or 4-bit integer codes in
+    contiguous groups of a multiple of 32 features, N a multiple of 16."""
+    lib = cpu_kernels.load()
+    if lib is None or lib.qvpanel_takes is None or w.g_idx is not None:
+        return False
+    kind = cpu_gemv.kind(w)
+    n, k = w.shape
+    return kind in lib.qvpanel and bool(lib.qvpanel_takes(w.bits, n, k, w.group_size or k))
+
+
+def _panels(t: torch.Tensor, unit: int) -> torch.Tensor:
+    """[N, X] -> the same elements as [N/16, X/unit, 16, unit], flattened back to [N, X]."""
+    n, x = t.shape
+    out = t.reshape(n // ROWS, ROWS, x // unit, unit).transpose(1, 2).contiguous()
+    return out.reshape(n, x)
+
+
+def pack(w: QTensor) -> QTensor:
+    """w's tensors in the panel layout (new tensors; `w` is not changed)."""
+    codes = _panels(w.codes, 4)  # a dword: 4 8-bit codes or 8 4-bit ones of one row
+    scales = _panels(w.scales, 1)
+    zeros = _panels(w.zeros, 1) if w.zeros is not None else None
+    return QTensor(codes, scales, zeros, None, w.bits, w.group_size, w.in_features)
+
+
+def _rows_of(t: torch.Tensor, unit: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a tensor _panels packed, in row-major order: [len(ids), X]."""
+    n, x = t.shape
+    panels = t.view(n // ROWS, x // unit, ROWS, unit)
+    return panels[ids // ROWS, :, ids % ROWS].reshape(len(ids), x)
+
+
+def take_rows(w: QTensor, ids: torch.Tensor) -> QTensor:
+    """qtensor.take_rows for a packed weight: rows `ids` (any shape, flattened) gathered out of
+    the panels as row-major codes, scales and zero points (an embedding lookup of a tied table
+    that was packed for its LM head's matmul)."""
+    flat = ids.reshape(-1)
+    zeros = _rows_of(w.zeros, 1, flat) if w.zeros is not None else None
+    codes, scales = _rows_of(w.codes, 4, flat), _rows_of(w.scales, 1, flat)
+    return QTensor(codes, scales, zeros, None, w.bits, w.group_size, w.in_features)
+
+
+def dequant_rows(w: QTensor, ids: list[int]) -> torch.Tensor:
+    """Rows `ids` of a packed weight as fp32 [len(ids), K], by C (a decode step's few
+    lookups; the values qtensor.dequantize gives)."""
+    lib = cpu_kernels.load()
+    assert lib is not None
+    ops = cpu_gemv.operands(w)
+    out = torch.empty(len(ids), ops.k, dtype=torch.float32)
+    fn = lib.qvpanel_rows[ops.kind]
+    for r, i in enumerate(ids):
+        fn(*ops.args, out[r].data_ptr(), i, i + 1, *ops.sizes[1:])
+    return out
+
+
+def packed_copy(w: QTensor) -> QTensor:
+    """A packed copy of w kept with it, on huge pages as a packed weight is (the chooser
+    drops it with the views it timed), for timing vnni_panel beside the row-major kernels."""
+    got: QTensor | None = w.__dict__.get("_vnni_packed")
+    if got is None:
+        got = w.__dict__["_vnni_packed"] = pack(w)
+        for t in (got.codes, got.scales, got.zeros):
+            if t is not None:
+                hugepages.move_onto(t)
+    return got
+
+
+def vnni_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] @ weight.T -> [M, N] in `out_dtype` (default x's), w already packed."""
+    lib = cpu_kernels.load()
+    assert lib is not None
+    ops = cpu_gemv.operands(w)
+    out_dtype = out_dtype or x.dtype
+    x_bf16 = x.dtype == torch.bfloat16
+    xc = x.contiguous() if x_bf16 or x.dtype == torch.float32 else x.float().contiguous()
+    m, k = xc.shape
+    if k != ops.k:  # the kernel would read past x's rows
+        raise ValueError(f"x {tuple(x.shape)} @ a quantized weight of K = {ops.k}")
+    y_bf16 = out_dtype == torch.bfloat16
+    y = torch.empty(m, ops.n, dtype=torch.bfloat16 if y_bf16 else torch.float32)
+    lib.qvpanel[ops.kind](xc.data_ptr(), x_bf16, *ops.args, y.data_ptr(), y_bf16, m, *ops.sizes)
+    return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def timed(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """vnni_panel on w's packed copy: the chooser's candidate over row-major weights."""
+    return vnni_panel(x, packed_copy(w), out_dtype)

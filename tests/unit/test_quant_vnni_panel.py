@@ -1,0 +1,151 @@
+"""vnni_panel (qvpanel.c): 8- and 4-bit integer codes repacked once into 32-row panels and
+multiplied exactly (x quantized per row to int16, as the decode GEMV does) with AVX512-VNNI,
+for any row count. Checked against a float64 emulation of the same arithmetic, for the
+independence of a row's result from the rows beside it and the thread count, for the packed
+table's row lookups, and for the chooser's all-or-nothing use of the layout. Where the build
+has no AVX512-VNNI the kernel is absent and the chooser never offers it: checked too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl.layers import cpu_kernels, kernel_choice
+from minisgl.quant import cpu_choice, cpu_vpanel
+from minisgl.quant.qtensor import QTensor, dequantize, pack_nibbles, take_rows
+from minisgl.testing.threads import at_thread_counts
+
+
+def _weight(n: int, k: int, bits: int, group: int, seed: int = 0) -> QTensor:
+    """Random codes, scales and zero points (group 0: one per row)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = k // (group or k)
+    q = torch.randint(0, 2**bits, (n, k), generator=g, dtype=torch.uint8)
+    codes = pack_nibbles(q) if bits == 4 else q
+    scales = torch.rand(n, groups, generator=g) * 0.02 + 1e-3
+    zeros = torch.randint(0, 2**bits, (n, groups), generator=g, dtype=torch.uint8)
+    return QTensor(codes, scales, zeros, None, bits, group, k)
+
+
+def _emulate(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """x quantized per row to int16 (scale max|x| / 32767 in fp32, x times its inverse,
+    nearest even, clamped), integer sums per group exact (float64), zero points subtracted
+    through the group's sum of x's codes, scaled by the group's and the row's scales."""
+    m, k = x.shape
+    gs = w.group_size or k
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    s = torch.where(amax > 0, amax / 32767.0, torch.ones_like(amax))
+    q = torch.round(xf * (1.0 / s)[:, None]).clamp(-32767, 32767).double()
+    codes = torch.stack([w.codes & 15, w.codes >> 4], -1).flatten(1) if w.bits == 4 else w.codes
+    qg = q.view(m, k // gs, gs)
+    acc = torch.einsum("mgk,ngk->mng", qg, codes.double().view(-1, k // gs, gs))
+    t = acc - w.zeros.double()[None] * qg.sum(-1)[:, None, :]
+    return (t * w.scales.double()[None]).sum(-1) * s.double()[:, None]
+
+
+def _has_kernel() -> bool:
+    lib = cpu_kernels.load()
+    return lib is not None and bool(lib.qvpanel)
+
+
+needs_kernel = pytest.mark.skipif(
+    not _has_kernel(), reason="no AVX512-VNNI build here (the chooser never offers it: below)"
+)
+# (bits, group, K): 8-bit per channel (sums folded every 256 features), 8-bit groups, 4-bit
+# groups of 128 / 64 / 32, and 4-bit per channel over K = 3072 (folded every 1024).
+FORMATS = [(8, 0, 1024), (8, 64, 512), (4, 128, 512), (4, 64, 512), (4, 32, 512), (4, 0, 3072)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,group,k", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_equals_the_int16_emulation_at_one_and_two_threads(
+    bits: int, group: int, k: int, rows: int, dtype: torch.dtype
+) -> None:
+    w = _weight(96, k, bits, group)  # three panels
+    packed = cpu_vpanel.pack(w)
+    x = (torch.randn(rows, k) * torch.rand(rows, 1) * 4).to(dtype)
+    outs = at_thread_counts(lambda: cpu_vpanel.vnni_panel(x, packed, torch.float32))
+    ref = _emulate(x, w)
+    tol = 2e-6 * ref.abs().amax().item()
+    for y in outs:
+        assert (y.double() - ref).abs().max().item() <= tol
+    assert torch.equal(outs[0], outs[1])  # a row's sums do not depend on the thread count
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
+    """Each row of a 19-row call (tiles of 8, 8 and 3) equals that row alone, bit for bit, and
+    bf16 out is the fp32 result rounded once; against the exact matmul on the dequantized
+    weight, int16 x's error (~1e-5)."""
+    w = _weight(64, 1024, 4, 128, seed=1)
+    packed = cpu_vpanel.pack(w)
+    x = torch.randn(19, 1024).to(torch.bfloat16)
+    y = cpu_vpanel.vnni_panel(x, packed, torch.float32)
+    for i in (0, 7, 8, 16, 18):
+        assert torch.equal(cpu_vpanel.vnni_panel(x[i : i + 1], packed, torch.float32)[0], y[i])
+    assert torch.equal(cpu_vpanel.vnni_panel(x, packed), y.to(torch.bfloat16))
+    exact = x.double() @ dequantize(w, torch.float32).double().T
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 1e-4
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [8, 4])
+def test_lookups_in_a_packed_table_equal_the_row_major_ones(bits: int) -> None:
+    """A tied table packed for its LM head: its rows, gathered by torch (prefill) or by C (a
+    decode step's few), are the row-major table's dequantized rows exactly."""
+    w = _weight(96, 256, bits, 128, seed=2)
+    packed = cpu_vpanel.pack(w)
+    ids = [0, 31, 32, 95, 40]
+    want = dequantize(take_rows(w, torch.tensor(ids)), torch.float32)
+    assert torch.equal(cpu_vpanel.dequant_rows(packed, ids), want)
+    assert torch.equal(
+        dequantize(cpu_vpanel.take_rows(packed, torch.tensor(ids)), torch.float32), want
+    )
+
+
+def test_declines_what_it_cannot_take() -> None:
+    """N not a multiple of 32, fp8 codes and scattered groups: not taken (nor offered)."""
+    assert not cpu_vpanel.takes(_weight(48, 256, 4, 128))
+    fp8 = QTensor(
+        torch.zeros(32, 256, dtype=torch.float8_e4m3fn), torch.ones(32, 2), None, None, 8, 128, 256
+    )
+    assert not cpu_vpanel.takes(fp8)
+    w = _weight(32, 256, 4, 128)
+    scattered = QTensor(
+        w.codes, w.scales, w.zeros, torch.arange(256, dtype=torch.int32) // 128, 4, 128, 256
+    )
+    assert not cpu_vpanel.takes(scattered)
+    assert cpu_vpanel.takes(w) == _has_kernel()
+
+
+def test_offered_only_where_packable_exact_and_built() -> None:
+    """The chooser times vnni_panel only for weights it may repack (not a mixture's experts),
+    with exact activations (not under --cpu-quantized-activations int8), on a build that has
+    the kernel."""
+    w = _weight(64, 512, 4, 128)
+    assert cpu_choice.PACKED not in cpu_choice.offered([w])
+    assert (cpu_choice.PACKED in cpu_choice.offered([w], packable=True)) == _has_kernel()
+    cpu_kernels.set_quantized_activations("int8")
+    try:
+        assert cpu_choice.PACKED not in cpu_choice.offered([w], packable=True)
+    finally:
+        cpu_kernels.set_quantized_activations("int16")
+
+
+def test_its_layout_serves_every_row_count_or_none() -> None:
+    """The packed layout replaces the row-major codes, so the picks are vnni_panel in every
+    bucket or in none: in all where it is less slow on average (though slower at one row
+    count), in none where it is slower on average or did not run somewhere."""
+    n = len(kernel_choice.BUCKETS)
+    defaults = ("qgemv",) * n
+    faster = {"qgemv": [1.0] * n, cpu_choice.PACKED: [1.2] + [0.7] * (n - 1)}
+    assert cpu_choice.one_layout(faster, defaults) == (cpu_choice.PACKED,) * n
+    slower = {"qgemv": [1.0] * n, cpu_choice.PACKED: [0.5] + [1.3] * (n - 1)}
+    assert cpu_choice.one_layout(slower, defaults) == defaults
+    dropped = {"qgemv": [1.0] * n, cpu_choice.PACKED: [None] + [0.5] * (n - 1)}
+    assert cpu_choice.one_layout(dropped, defaults) == defaults
+    level = {"qgemv": [1.0] * n, cpu_choice.PACKED: [0.995] * n}  # within the layout margin
+    assert cpu_choice.one_layout(level, defaults) == defaults
