@@ -287,8 +287,7 @@ def measure(
         for name in live:
             _RUN[name](x, group[0])  # warm-up
         if PACKED in live:  # its copies made before its passes, not in the first one
-            for w in group:
-                cpu_vpanel.packed_copy(w)
+            cpu_vpanel.pack_copies(group)
         best = {name: float("inf") for name in live}
         worst = {name: 0.0 for name in live}
         for rep in range(_MAX_REPEATS):

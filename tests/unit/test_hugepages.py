@@ -73,3 +73,24 @@ def test_views_and_small_tensors_stay_where_they_are() -> None:
         ptr = t.data_ptr()
         hugepages.move_onto(t)
         assert t.data_ptr() == ptr
+
+
+def test_small_tensors_share_one_mapping_of_huge_pages() -> None:
+    """Tensors under 2 MB each (a small model's weights, scales beside their codes) moved
+    together: one after another in one mapping, on a cache line each, values kept, the huge
+    pages under them; a view and a repeat are left alone. Before, each stayed on small pages
+    (move_onto skips what is under a huge page)."""
+    ts = [torch.randn(300_000 + 7 * i) for i in range(8)]  # ~1.2 MB each
+    ts.append(torch.randint(0, 255, (1000, 77), dtype=torch.uint8))
+    values = [t.clone() for t in ts]
+    view = torch.randn(1 << 20)[::2]
+    view_ptr = view.data_ptr()
+    hugepages.move_all_onto([*ts, ts[0], view])
+    assert view.data_ptr() == view_ptr
+    ptrs = [t.data_ptr() for t in ts]
+    assert all(p % 64 == 0 for p in ptrs) and ptrs == sorted(ptrs)
+    ends = [p + t.numel() * t.element_size() for p, t in zip(ptrs, ts, strict=True)]
+    assert all(ptrs[i + 1] - ends[i] < 64 for i in range(len(ts) - 1))
+    assert all(torch.equal(t, v) for t, v in zip(ts, values, strict=True))
+    if thp_mode() in ("always", "madvise"):
+        assert huge_kb_under(ptrs[4]) >= 2048
