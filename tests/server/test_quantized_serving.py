@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -209,6 +210,14 @@ def test_a_mixed_burst_gets_one_reply_each_and_frees_its_pages(server: ServerPro
 def test_the_server_stops_with_every_process_it_started(server: ServerProcess) -> None:
     # Runs last: the module's server is stopped here (its teardown then finds it gone).
     children = psutil.Process(server.proc.pid).children(recursive=True)
+    names = {c.pid: " ".join(c.cmdline()[-2:]) for c in children}
     assert len(children) >= 4  # tokenizer, detokenizer, scheduler (rank 0) and rank 1
     assert server.stop() == 0
-    assert [c.pid for c in children if pid_alive(c.pid)] == []
+    # A helper may still be on its way out when the server's own exit is seen (e.g.
+    # multiprocessing's resource tracker leaves once every pipe to it has closed): a leak is a
+    # process still there seconds later. Checked at once, one child was still alive in a CI
+    # run (the whole suite on 2 busy cores).
+    deadline = time.monotonic() + 10
+    while [c for c in children if pid_alive(c.pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert {c.pid: names[c.pid] for c in children if pid_alive(c.pid)} == {}
