@@ -22,8 +22,9 @@ The candidates (cpu_gemv.py), all reading the quantized weight as loaded (no sec
   AVX512-VNNI (cpu_vpanel.py). Its layout replaces the row-major codes, so it is all or
   nothing for a weight: it serves every row count where it is less slow on average over the
   buckets than the row-major candidates' picks (as the float weights' one layout,
-  kernel_choice.single_layout); offered for dense weights no lookup reads (not a tied
-  embedding, not a mixture's experts). Timed on packed copies of the timing set.
+  kernel_choice.single_layout); offered for dense weights (a tied embedding table too: its
+  lookups gather rows out of the panels), not a mixture's experts. Timed on packed copies of
+  the timing set.
 MINISGL_CPU_QUANT_LINEAR=<candidate> forces one everywhere it can run (tests, benchmarks).
 Which wins at which row count depends on the CPU (FMA width, integer multiply rate, MKL), so
 nothing is a fixed row limit: each shape and code kind is timed per bucket at start-up, or read
@@ -82,7 +83,6 @@ _RUN: dict[str, Run] = {
     "x8_panel": cpu_panel.x8_panel,
     "vnni_panel": cpu_vpanel.timed,  # timed on packed copies; weights packed run vnni_panel
 }
-
 # Timing passes: as cpu_linear's (cold weights, bounded FLOPs, best of a few interleaved).
 _COLD_BYTES = 48 << 20
 _PASS_FLOPS = 4e8

@@ -27,7 +27,7 @@ def dequant_panel(
     """x [M, K] @ weight.T -> [M, N] in `out_dtype` (default x's dtype), any M."""
     lib = cpu_kernels.load()
     assert lib is not None
-    return _run(lib.qpanel[cpu_gemv.kind(w)], x, w, out_dtype)
+    return run_c(lib.qpanel[cpu_gemv.kind(w)], x, w, out_dtype)
 
 
 def int16_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -38,7 +38,7 @@ def int16_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = Non
     assert lib is not None
     kind = cpu_gemv.kind(w)
     fn = lib.qpanel16.get(kind) or lib.qpanel[kind]
-    return _run(fn, x, w, out_dtype)
+    return run_c(fn, x, w, out_dtype)
 
 
 def amx_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -55,7 +55,7 @@ def amx_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None)
     fn = lib.qamx.get(kind)
     if fn is None or x.dtype != torch.bfloat16:
         fn = lib.qpanel[kind]
-    return _run(fn, x, w, out_dtype)
+    return run_c(fn, x, w, out_dtype)
 
 
 def amx_int(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -71,7 +71,7 @@ def amx_int(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -
     fn = lib.qamxi.get(kind)
     if fn is None or (kind == "fp8" and x.dtype != torch.bfloat16):
         return cpu_gemv.qgemv(x, w, out_dtype)
-    return _run(fn, x, w, out_dtype)
+    return run_c(fn, x, w, out_dtype)
 
 
 def x8_takes(w: QTensor) -> bool:
@@ -94,10 +94,12 @@ def x8_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) 
     lib = cpu_kernels.load()
     if lib is None or not x8_takes(w):
         return amx_panel(x, w, out_dtype)
-    return _run(lib.qvnni[cpu_gemv.kind(w)], x, w, out_dtype)
+    return run_c(lib.qvnni[cpu_gemv.kind(w)], x, w, out_dtype)
 
 
-def _run(fn, x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None) -> torch.Tensor:  # noqa: ANN001
+def run_c(fn, x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None) -> torch.Tensor:  # noqa: ANN001
+    """fn, a C kernel taking qgemv's arguments, over x and w's operands: y [M, N] in
+    `out_dtype` (default x's), written by the kernel (fp32 or bf16) and converted otherwise."""
     ops = cpu_gemv.operands(w)  # the weight's arguments, built once (as qgemv's)
     out_dtype = out_dtype or x.dtype
     x_bf16 = x.dtype == torch.bfloat16

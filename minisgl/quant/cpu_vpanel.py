@@ -2,11 +2,12 @@
 `vnni_panel`, one kernel for every row count, exact (x quantized per row to int16, as the
 decode GEMV does), reading one contiguous run of memory per panel.
 
-The panels hold the same bytes as the row-major codes, reordered: codes [N/16, K/4, 16]
-dwords for 8-bit codes (four features of one row each), [N/16, K/8, 16] for 4-bit (eight);
-scales and zero points [N/16, G, 16]. A packed weight keeps its tensors' shapes (codes
+The panels hold the same bytes as the row-major codes, reordered: codes [N/32, K/4, 32]
+dwords for 8-bit codes (four features of one row each), [N/32, K/8, 32] for 4-bit (eight);
+scales and zero points [N/32, G, 32]. A packed weight keeps its tensors' shapes (codes
 [N, K] or [N, K/2], scales [N, G]), so its memory, its huge pages and its QTensor views stay
-as they were; only this kernel reads it (QuantWeight.packed says so)."""
+as they were; only this kernel and the row lookups here read it (QuantWeight.packed says
+so)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from minisgl import hugepages
 from minisgl.layers import cpu_kernels
-from minisgl.quant import cpu_gemv
+from minisgl.quant import cpu_gemv, cpu_panel
 from minisgl.quant.qtensor import QTensor
 
 ROWS = 32  # weight rows per panel
@@ -22,7 +23,7 @@ ROWS = 32  # weight rows per panel
 
 def takes(w: QTensor) -> bool:
     """Whether this build and CPU run vnni_panel for w: 8- or 4-bit integer codes in
-    contiguous groups of a multiple of 32 features, N a multiple of 16."""
+    contiguous groups of a multiple of 32 features, N a multiple of 32 (ROWS)."""
     lib = cpu_kernels.load()
     if lib is None or lib.qvpanel_takes is None or w.g_idx is not None:
         return False
@@ -32,7 +33,7 @@ def takes(w: QTensor) -> bool:
 
 
 def _panels(t: torch.Tensor, unit: int) -> torch.Tensor:
-    """[N, X] -> the same elements as [N/16, X/unit, 16, unit], flattened back to [N, X]."""
+    """[N, X] -> the same elements as [N/ROWS, X/unit, ROWS, unit], flattened back to [N, X]."""
     n, x = t.shape
     out = t.reshape(n // ROWS, ROWS, x // unit, unit).transpose(1, 2).contiguous()
     return out.reshape(n, x)
@@ -104,17 +105,7 @@ def vnni_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None
     """x [M, K] @ weight.T -> [M, N] in `out_dtype` (default x's), w already packed."""
     lib = cpu_kernels.load()
     assert lib is not None
-    ops = cpu_gemv.operands(w)
-    out_dtype = out_dtype or x.dtype
-    x_bf16 = x.dtype == torch.bfloat16
-    xc = x.contiguous() if x_bf16 or x.dtype == torch.float32 else x.float().contiguous()
-    m, k = xc.shape
-    if k != ops.k:  # the kernel would read past x's rows
-        raise ValueError(f"x {tuple(x.shape)} @ a quantized weight of K = {ops.k}")
-    y_bf16 = out_dtype == torch.bfloat16
-    y = torch.empty(m, ops.n, dtype=torch.bfloat16 if y_bf16 else torch.float32)
-    lib.qvpanel[ops.kind](xc.data_ptr(), x_bf16, *ops.args, y.data_ptr(), y_bf16, m, *ops.sizes)
-    return y if y.dtype == out_dtype else y.to(out_dtype)
+    return cpu_panel.run_c(lib.qvpanel[cpu_gemv.kind(w)], x, w, out_dtype)
 
 
 def timed(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

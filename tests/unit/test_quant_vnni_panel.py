@@ -12,19 +12,9 @@ import torch
 
 from minisgl.layers import cpu_kernels, kernel_choice
 from minisgl.quant import cpu_choice, cpu_vpanel
-from minisgl.quant.qtensor import QTensor, dequantize, pack_nibbles, take_rows
+from minisgl.quant.qtensor import QTensor, dequantize, take_rows
+from minisgl.testing.qtensors import random_qtensor
 from minisgl.testing.threads import at_thread_counts
-
-
-def _weight(n: int, k: int, bits: int, group: int, seed: int = 0) -> QTensor:
-    """Random codes, scales and zero points (group 0: one per row)."""
-    g = torch.Generator().manual_seed(seed)
-    groups = k // (group or k)
-    q = torch.randint(0, 2**bits, (n, k), generator=g, dtype=torch.uint8)
-    codes = pack_nibbles(q) if bits == 4 else q
-    scales = torch.rand(n, groups, generator=g) * 0.02 + 1e-3
-    zeros = torch.randint(0, 2**bits, (n, groups), generator=g, dtype=torch.uint8)
-    return QTensor(codes, scales, zeros, None, bits, group, k)
 
 
 def _emulate(x: torch.Tensor, w: QTensor) -> torch.Tensor:
@@ -64,7 +54,7 @@ FORMATS = [(8, 0, 1024), (8, 64, 512), (4, 128, 512), (4, 64, 512), (4, 32, 512)
 def test_equals_the_int16_emulation_at_one_and_two_threads(
     bits: int, group: int, k: int, rows: int, dtype: torch.dtype
 ) -> None:
-    w = _weight(96, k, bits, group)  # three panels
+    w = random_qtensor(96, k, bits, group)  # three panels
     packed = cpu_vpanel.pack(w)
     x = (torch.randn(rows, k) * torch.rand(rows, 1) * 4).to(dtype)
     outs = at_thread_counts(lambda: cpu_vpanel.vnni_panel(x, packed, torch.float32))
@@ -80,7 +70,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
     """Each row of a 19-row call (tiles of 8, 8 and 3) equals that row alone, bit for bit, and
     bf16 out is the fp32 result rounded once; against the exact matmul on the dequantized
     weight, int16 x's error (~1e-5)."""
-    w = _weight(64, 1024, 4, 128, seed=1)
+    w = random_qtensor(64, 1024, 4, 128, seed=1)
     packed = cpu_vpanel.pack(w)
     x = torch.randn(19, 1024).to(torch.bfloat16)
     y = cpu_vpanel.vnni_panel(x, packed, torch.float32)
@@ -96,7 +86,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
 def test_lookups_in_a_packed_table_equal_the_row_major_ones(bits: int) -> None:
     """A tied table packed for its LM head: its rows, gathered by torch (prefill) or by C (a
     decode step's few), are the row-major table's dequantized rows exactly."""
-    w = _weight(96, 256, bits, 128, seed=2)
+    w = random_qtensor(96, 256, bits, 128, seed=2)
     packed = cpu_vpanel.pack(w)
     ids = [0, 31, 32, 95, 40]
     want = dequantize(take_rows(w, torch.tensor(ids)), torch.float32)
@@ -108,12 +98,12 @@ def test_lookups_in_a_packed_table_equal_the_row_major_ones(bits: int) -> None:
 
 def test_declines_what_it_cannot_take() -> None:
     """N not a multiple of 32, fp8 codes and scattered groups: not taken (nor offered)."""
-    assert not cpu_vpanel.takes(_weight(48, 256, 4, 128))
+    assert not cpu_vpanel.takes(random_qtensor(48, 256, 4, 128))
     fp8 = QTensor(
         torch.zeros(32, 256, dtype=torch.float8_e4m3fn), torch.ones(32, 2), None, None, 8, 128, 256
     )
     assert not cpu_vpanel.takes(fp8)
-    w = _weight(32, 256, 4, 128)
+    w = random_qtensor(32, 256, 4, 128)
     scattered = QTensor(
         w.codes, w.scales, w.zeros, torch.arange(256, dtype=torch.int32) // 128, 4, 128, 256
     )
@@ -125,7 +115,7 @@ def test_offered_only_where_packable_exact_and_built() -> None:
     """The chooser times vnni_panel only for weights it may repack (not a mixture's experts),
     with exact activations (not under --cpu-quantized-activations int8), on a build that has
     the kernel."""
-    w = _weight(64, 512, 4, 128)
+    w = random_qtensor(64, 512, 4, 128)
     assert cpu_choice.PACKED not in cpu_choice.offered([w])
     assert (cpu_choice.PACKED in cpu_choice.offered([w], packable=True)) == _has_kernel()
     cpu_kernels.set_quantized_activations("int8")

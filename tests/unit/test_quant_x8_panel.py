@@ -12,21 +12,11 @@ import torch
 
 from minisgl.layers import cpu_kernels, kernel_choice
 from minisgl.quant import cpu_choice, cpu_panel
-from minisgl.quant.qtensor import QTensor, dequantize, pack_nibbles, unpack_nibbles
+from minisgl.quant.qtensor import QTensor, dequantize, unpack_nibbles
+from minisgl.testing.qtensors import random_qtensor
 from minisgl.testing.threads import at_thread_counts
 
 K = 512
-
-
-def _weight(n: int, k: int, bits: int, group: int, seed: int = 0) -> QTensor:
-    """Random codes, scales and zero points (group 0: one per row, 8-bit per channel)."""
-    g = torch.Generator().manual_seed(seed)
-    groups = k // (group or k)
-    q = torch.randint(0, 2**bits, (n, k), generator=g, dtype=torch.uint8)
-    codes = pack_nibbles(q) if bits == 4 else q
-    scales = torch.rand(n, groups, generator=g) * 0.02 + 1e-3
-    zeros = torch.randint(0, 2**bits, (n, groups), generator=g, dtype=torch.uint8)
-    return QTensor(codes, scales, zeros, None, bits, group, k)
 
 
 def _block(w: QTensor) -> int:
@@ -60,7 +50,7 @@ FORMATS = [(8, 0), (4, 128), (4, 64), (4, 32)]
 def test_equals_the_emulation_at_one_and_two_threads(
     bits: int, group: int, rows: int, dtype: torch.dtype
 ) -> None:
-    w = _weight(100, K, bits, group)  # N not a multiple of the 48-row panel
+    w = random_qtensor(100, K, bits, group)  # N not a multiple of the 48-row panel
     x = (torch.randn(rows, K) * torch.rand(rows, 1) * 4).to(dtype)
     outs = at_thread_counts(lambda: cpu_panel.x8_panel(x, w, torch.float32))
     if not cpu_panel.x8_takes(w):  # no qvnni.c here: the exact bf16/fp32 panel
@@ -77,7 +67,7 @@ def test_equals_the_emulation_at_one_and_two_threads(
 def test_a_thousand_outputs_in_bf16_and_the_error_against_exact() -> None:
     """N = 1000 (20 panels and a partial one), bf16 out: the emulation rounded once to bf16;
     against the exact matmul on the dequantized weight, x8's usual error (~0.6%)."""
-    w = _weight(1000, 1024, 4, 128, seed=1)
+    w = random_qtensor(1000, 1024, 4, 128, seed=1)
     x = torch.randn(130, 1024).to(torch.bfloat16)
     y = cpu_panel.x8_panel(x, w)
     assert y.dtype == torch.bfloat16 and y.shape == (130, 1000)
@@ -104,11 +94,11 @@ def test_declines_what_it_cannot_take() -> None:
         K,
     )
     assert not cpu_panel.x8_takes(fp8)
-    odd = _weight(16, 96, 4, 32)
+    odd = random_qtensor(16, 96, 4, 32)
     assert not cpu_panel.x8_takes(odd)
     x = torch.randn(70, 96).to(torch.bfloat16)
     assert torch.equal(cpu_panel.x8_panel(x, odd), cpu_panel.amx_panel(x, odd))
-    w = _weight(16, K, 4, 128)
+    w = random_qtensor(16, K, 4, 128)
     scattered = QTensor(
         w.codes, w.scales, w.zeros, torch.arange(K, dtype=torch.int32) // 128, 4, 128, K
     )
@@ -124,7 +114,7 @@ def test_the_chooser_offers_it_only_under_int8_activations() -> None:
     """Under --cpu-quantized-activations int8 the chooser times x8_panel and its defaults take
     it for prefill; in the exact mode it is never timed nor picked (it would change the
     numerics)."""
-    w = _weight(96, K, 4, 128)
+    w = random_qtensor(96, K, 4, 128)
     assert "x8_panel" not in cpu_choice.offered([w])
     assert "x8_panel" not in cpu_choice.default_picks("u4", torch.bfloat16, False)
     cpu_kernels.set_quantized_activations("int8")
@@ -156,7 +146,7 @@ def test_timing_passes_run_it_only_under_int8_activations(monkeypatch: pytest.Mo
     monkeypatch.setattr(cpu_choice, "_MAX_REPEATS", 1)
     monkeypatch.setattr(kernel_choice, "TIMED_ROWS", (1, 4, 8, 16, 32, 64, 80, 96))
     monkeypatch.setattr(cpu_choice, "TIMED_ROWS", (1, 4, 8, 16, 32, 64, 80, 96))
-    w = _weight(48, 256, 4, 128)
+    w = random_qtensor(48, 256, 4, 128)
     timings = cpu_choice.measure([w], torch.bfloat16, names=cpu_choice.offered([w]))
     assert "x8_panel" not in ran and all(t is None for t in timings["x8_panel"])
     cpu_kernels.set_quantized_activations("int8")

@@ -7,14 +7,14 @@
    lanes along the outputs instead, a 64-byte load holds 16 rows' codes for the same 4 (8-bit)
    or 8 (4-bit) features, each row of x meets it with one broadcast dword per VPDPWSSD, and a
    thread reads one contiguous run of memory per panel. On an AMD EPYC Zen 4 (avx512f/bw/vl,
-   avx512_vnni, 2 threads, cold weights on huge pages, 6144x1024, a synthetic loop of this
-   form against qgemv in the same run): one row 1.14x (8-bit) and 1.26x (4-bit) qgemv's rate,
-   eight rows of 4-bit codes 1.58x.
+   avx512_vnni, no AMX; 2 threads, cold weights, best of 7, against the row-major pick in the
+   same run; docs/performance.md): 6144x1024 one row 1.25x (8-bit) and 1.15x (4-bit, group
+   128), 8 rows 1.09x and 1.78x, 64 rows 1.28x and 1.19x, 512 rows 1.08x and 1.03x.
 
-   Layout (cpu_vpanel.pack): codes [N/16][K/4][16] dwords for 8-bit codes, each the 4 codes of
-   features 4q..4q+3 of one row (the row-major bytes as they are), [N/16][K/8][16] for 4-bit
+   Layout (cpu_vpanel.pack): codes [N/32][K/4][32] dwords for 8-bit codes, each the 4 codes of
+   features 4q..4q+3 of one row (the row-major bytes as they are), [N/32][K/8][32] for 4-bit
    codes, each 8 codes (features 8q..8q+7, 2j in a byte's low nibble, as loaded); scales
-   [N/16][G][16] floats, zero points [N/16][G][16] bytes. A 16-bit lane pair of a dword gives
+   [N/32][G][32] floats, zero points [N/32][G][32] bytes: a panel is two zmm of outputs. A 16-bit lane pair of a dword gives
    two codes as int16 with one mask (and a shift): 8-bit (c0, c2) and (c1, c3), 4-bit
    (n_j, n_{j+4}) for j = 0..3, and x is laid out per row in the same pairs.
 
