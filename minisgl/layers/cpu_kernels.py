@@ -375,9 +375,9 @@ def build_id() -> str | None:
 def set_quantized_activations(mode: str) -> None:
     """--cpu-quantized-activations: "int8" multiplies integer codes by x rounded to 8 bits per
     block of at most 128 features (qgemv.c's qgemv_x8 in decode batches of up to
-    x8_gemv_rows() rows, and with AVX512-VNNI qvnni.c for more rows: prefill too; the codes
-    cpu_gemv.takes_int8_activations says: 8- and 4-bit with AVX512-VNNI, 4-bit without),
-    "int16" by x in 15 bits (exact)."""
+    x8_gemv_rows() rows, and with AVX512-VNNI qvnni.c for more rows: prefill too, and
+    qvpanel.c's packed panels for every row count; the codes cpu_gemv.takes_int8_activations
+    says: 8- and 4-bit with AVX512-VNNI, 4-bit without), "int16" by x in 15 bits (exact)."""
     if mode not in ("int16", "int8"):
         raise ValueError(f"cpu_quantized_activations must be int16 or int8, not {mode!r}")
     lib = load()

@@ -18,8 +18,9 @@ The candidates (cpu_gemv.py), all reading the quantized weight as loaded (no sec
 - "x8_panel": many rows of x rounded to 8 bits against integer codes with AVX512-VNNI
   (cpu_panel.py): offered only under --cpu-quantized-activations int8 (it changes the
   numerics), for weights its kernel takes;
-- "vnni_panel": integer codes repacked once into 32-row panels, exact, any row count, with
-  AVX512-VNNI (cpu_vpanel.py). Its layout replaces the row-major codes, so it is all or
+- "vnni_panel": integer codes repacked once into 32-row panels, any row count, with
+  AVX512-VNNI (cpu_vpanel.py): exact (int16 x), or under --cpu-quantized-activations int8
+  x rounded to 8 bits as x8_panel rounds it (the same bits). Its layout replaces the row-major codes, so it is all or
   nothing for a weight: it serves every row count where it is less slow on average over the
   buckets than the row-major candidates' picks (as the float weights' one layout,
   kernel_choice.single_layout); offered for dense weights (a tied embedding table too: its
@@ -161,12 +162,10 @@ def default_picks(
 def offered(weights: Sequence[QTensor], packable: bool = False) -> tuple[str, ...]:
     """The candidates timed for these weights: x8_panel only under --cpu-quantized-activations
     int8 and where its kernel takes them (outside that mode it would change the numerics);
-    vnni_panel only where the weights may be repacked (`packable`), its kernel takes them and
-    x stays exact (not under int8 activations)."""
-    int8 = cpu_kernels.quantized_activations() == "int8"
-    x8 = int8 and cpu_panel.x8_takes(weights[0])
-    # exact: not where the user asked for 8-bit activations' speed
-    packed = packable and not int8 and cpu_vpanel.takes(weights[0])
+    vnni_panel only where the weights may be repacked (`packable`) and its kernel takes them
+    (under int8 activations it rounds x as x8_panel does)."""
+    x8 = cpu_kernels.quantized_activations() == "int8" and cpu_panel.x8_takes(weights[0])
+    packed = packable and cpu_vpanel.takes(weights[0])
     return tuple(c for c in CANDIDATES if (c != "x8_panel" or x8) and (c != PACKED or packed))
 
 

@@ -1,6 +1,6 @@
 """vnni_panel (qvpanel.c): 8- and 4-bit integer codes repacked once into 32-row panels and
 multiplied exactly (x quantized per row to int16, as the decode GEMV does) with AVX512-VNNI,
-for any row count. Checked against a float64 emulation of the same arithmetic, for the
+for any row count, or against x rounded to 8 bits as x8_panel rounds it. Checked against a float64 emulation of the same arithmetic, for the
 independence of a row's result from the rows beside it and the thread count, for the packed
 table's row lookups, and for the chooser's all-or-nothing use of the layout. Where the build
 has no AVX512-VNNI the kernel is absent and the chooser never offers it: checked too."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minisgl.layers import cpu_kernels, kernel_choice
-from minisgl.quant import cpu_choice, cpu_vpanel
+from minisgl.quant import cpu_choice, cpu_panel, cpu_vpanel
 from minisgl.quant.qtensor import QTensor, dequantize, take_rows
 from minisgl.testing.qtensors import random_qtensor
 from minisgl.testing.threads import at_thread_counts
@@ -111,18 +111,40 @@ def test_declines_what_it_cannot_take() -> None:
     assert cpu_vpanel.takes(w) == _has_kernel()
 
 
-def test_offered_only_where_packable_exact_and_built() -> None:
+def test_offered_only_where_packable_and_built() -> None:
     """The chooser times vnni_panel only for weights it may repack (not a mixture's experts),
-    with exact activations (not under --cpu-quantized-activations int8), on a build that has
-    the kernel."""
+    on a build that has the kernel, exact or under --cpu-quantized-activations int8."""
     w = random_qtensor(64, 512, 4, 128)
     assert cpu_choice.PACKED not in cpu_choice.offered([w])
     assert (cpu_choice.PACKED in cpu_choice.offered([w], packable=True)) == _has_kernel()
     cpu_kernels.set_quantized_activations("int8")
     try:
-        assert cpu_choice.PACKED not in cpu_choice.offered([w], packable=True)
+        assert (cpu_choice.PACKED in cpu_choice.offered([w], packable=True)) == _has_kernel()
     finally:
         cpu_kernels.set_quantized_activations("int16")
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,group,k", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 8, 12, 13, 25, 64])
+def test_8_bit_activations_round_x_as_x8_panel_does(
+    bits: int, group: int, k: int, rows: int
+) -> None:
+    """Under --cpu-quantized-activations int8 the panels multiply x rounded to 8 bits per row
+    and block of gcd(group, 128) features, as x8_panel (qvnni.c) does: the same bits, at one
+    and two threads, in tiles of 12 rows (a row alone gives its bits in the batch too)."""
+    w = random_qtensor(96, k, bits, group, seed=3)
+    packed = cpu_vpanel.pack(w)
+    x = (torch.randn(rows, k) * torch.rand(rows, 1) * 4).to(torch.bfloat16)
+    cpu_kernels.set_quantized_activations("int8")
+    try:
+        outs = at_thread_counts(lambda: cpu_vpanel.vnni_panel(x, packed, torch.float32))
+        want = cpu_panel.x8_panel(x, w, torch.float32)
+        alone = cpu_vpanel.vnni_panel(x[-1:], packed, torch.float32)
+    finally:
+        cpu_kernels.set_quantized_activations("int16")
+    assert all(torch.equal(y, want) for y in outs)
+    assert torch.equal(alone[0], want[-1])
 
 
 def test_its_layout_serves_every_row_count_or_none() -> None:

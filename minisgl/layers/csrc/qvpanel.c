@@ -189,9 +189,185 @@ static void vp_store(void* y, int out_bf16, int64_t at, __m512 v) {
         _mm512_storeu_ps((float*)y + at, v);
 }
 
+/* --cpu-quantized-activations int8 (qgemv.c's qgemv_x8, set per step): x rounded to 8 bits
+   per row and block of B8 = gcd(group, 128) features, each block with its own scale (max|x| /
+   127, nearest even), as qvnni.c's x8_panel rounds it; then the codes are VPDPBUSD's unsigned
+   bytes as they are (8-bit) or after one mask (4-bit: low nibbles, then high ones) against
+   x's signed bytes, one instruction per 64 products where exact x takes two VPDPWSSD. */
+extern int qgemv_x8;
+
+/* Rows of x per register tile with x in 8 bits: 12 rows x 32 outputs keep 24 int32 sums in
+   registers, each broadcast feeding two VPDPBUSD (8 rows: 0.6-0.9x x8_panel's speed from 64
+   rows). */
+#define VP_TILE8 12
+
+static int64_t x8_block(int64_t gs) { return gcd64(gs, 128); }
+
+/* Row m of x -> int8 codes as dwords in its tile's interleaved layout (as vp_quantize_row:
+   dword d of the tile's row r at xt[d * R + r]), per block its sum of codes and its scale.
+   Byte order: 8-bit codes' features 4q..4q+3 in order; 4-bit per 8 features, x0 x2 x4 x6 then
+   x1 x3 x5 x7 (the low nibbles' features, then the high ones'). */
+static void vp_quantize_row8(const void* x, int x_bf16, int64_t m, int64_t M, int64_t K,
+                             int bits, int64_t B8, int32_t* xt, int32_t* xsum, float* xscale) {
+    const int64_t m0 = m - m % VP_TILE8, R = M - m0 < VP_TILE8 ? M - m0 : VP_TILE8;
+    int32_t* row = xt + m0 * K / 4 + (m - m0);
+    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+    /* 16 codes in feature order -> per 8, the even features' bytes, then the odd ones' */
+    const __m128i odd_even = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    for (int64_t c0 = 0; c0 < K; c0 += B8) {
+        __m512 mx = _mm512_setzero_ps();
+        for (int64_t k = c0; k < c0 + B8; k += 16)
+            mx = _mm512_max_ps(mx, _mm512_and_ps(load16_x(x, x_bf16, m * K + k), abs_mask));
+        float amax = _mm512_reduce_max_ps(mx);
+        float s = amax > 0 && isfinite(amax) ? amax / 127.0f : 1.0f;
+        const __m512 inv = _mm512_set1_ps(1.0f / s);
+        __m512i sum = _mm512_setzero_si512();
+        for (int64_t k = c0; k < c0 + B8; k += 16) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16_x(x, x_bf16, m * K + k), inv));
+            q = _mm512_max_epi32(_mm512_min_epi32(q, top), bottom);
+            sum = _mm512_add_epi32(sum, q);
+            __m128i b = _mm512_cvtepi32_epi8(q);
+            if (bits == 4) b = _mm_shuffle_epi8(b, odd_even);
+            int32_t d[4];
+            _mm_storeu_si128((__m128i*)d, b);
+            for (int i = 0; i < 4; i++) row[(k / 4 + i) * R] = d[i];
+        }
+        xsum[c0 / B8] = _mm512_reduce_add_epi32(sum);
+        xscale[c0 / B8] = s;
+    }
+}
+
+/* vp_tile with x in 8 bits: one panel against R rows, out[r][32] the rows' results. */
+static inline __attribute__((always_inline)) void vp_tile8(const uint32_t* P, const float* S,
+                                                            const uint8_t* Z, const int32_t* xt,
+                                                            const int32_t* xs, const float* xsc,
+                                                            int64_t K, int64_t gs, int64_t B8,
+                                                            const int bits, const int R,
+                                                            float* out) {
+    const int nv = bits == 8 ? 1 : 2;            /* x dwords (code vectors) per step */
+    const int64_t fpl = bits == 8 ? 4 : 8;       /* features per code dword */
+    const int A = R == 1 ? 4 : (R == 2 ? 2 : 1); /* accumulator pairs per row, for latency */
+    const int64_t nblk = K / B8;
+    const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F);
+    for (int r = 0; r < 2 * R; r++) _mm512_storeu_ps(out + 16 * r, _mm512_setzero_ps());
+    for (int64_t c = 0; c < nblk; c++) {
+        __m512i acc[VP_TILE8][4][2];
+        for (int r = 0; r < R; r++)
+            for (int a = 0; a < A; a++) acc[r][a][0] = acc[r][a][1] = _mm512_setzero_si512();
+        const int64_t q0 = c * B8 / fpl, q1 = q0 + B8 / fpl;
+        const uint32_t* w = P + VP_ROWS * q0;
+        const int steps = A > nv ? A / nv : 1;
+        for (int64_t q = q0; q < q1; q += steps, w += VP_ROWS * steps) {
+            for (int s = 0; s < steps; s++) {
+                __m512i v[2][2];
+                for (int h = 0; h < 2; h++) {
+                    __m512i d = _mm512_loadu_si512(w + VP_ROWS * s + 16 * h);
+                    if (bits == 8) {
+                        v[h][0] = d;
+                    } else {
+                        v[h][0] = _mm512_and_si512(d, m4);
+                        v[h][1] = _mm512_and_si512(_mm512_srli_epi16(d, 4), m4);
+                    }
+                }
+                for (int r = 0; r < R; r++) {
+                    const int32_t* xp = xt + (q + s) * nv * R + r;
+                    for (int j = 0; j < nv; j++) {
+                        int a = (s * nv + j) % A;
+                        __m512i b = _mm512_set1_epi32(xp[j * R]);
+                        acc[r][a][0] = _mm512_dpbusd_epi32(acc[r][a][0], v[0][j], b);
+                        acc[r][a][1] = _mm512_dpbusd_epi32(acc[r][a][1], v[1][j], b);
+                    }
+                }
+            }
+        }
+        const int64_t g = c * B8 / gs;
+        for (int h = 0; h < 2; h++) {
+            const __m512 sc = _mm512_loadu_ps(S + VP_ROWS * g + 16 * h);
+            const __m512i z =
+                Z ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(Z + VP_ROWS * g + 16 * h)))
+                  : _mm512_setzero_si512();
+            for (int r = 0; r < R; r++) {
+                __m512i t = acc[r][0][h];
+                for (int a = 1; a < A; a++) t = _mm512_add_epi32(t, acc[r][a][h]);
+                t = _mm512_sub_epi32(t, _mm512_mullo_epi32(z, _mm512_set1_epi32(xs[r * nblk + c])));
+                __m512 f = _mm512_loadu_ps(out + 32 * r + 16 * h);
+                __m512 both = _mm512_mul_ps(sc, _mm512_set1_ps(xsc[r * nblk + c]));
+                _mm512_storeu_ps(out + 32 * r + 16 * h,
+                                 _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), both, f));
+            }
+        }
+    }
+}
+
+#define VP_TILE8_CASE(n)                                                                   \
+    case n:                                                                                \
+        if (bits == 8) vp_tile8(P, S, Z, xt, xs, xsc, K, gs, B8, 8, n, out);               \
+        else vp_tile8(P, S, Z, xt, xs, xsc, K, gs, B8, 4, n, out);                         \
+        break;
+
+static void vp_tile8_any(const uint32_t* P, const float* S, const uint8_t* Z, const int32_t* xt,
+                         const int32_t* xs, const float* xsc, int64_t K, int64_t gs, int64_t B8,
+                         int bits, int R, float* out) {
+    switch (R) {
+        VP_TILE8_CASE(1)
+        VP_TILE8_CASE(2)
+        VP_TILE8_CASE(3)
+        VP_TILE8_CASE(4)
+        VP_TILE8_CASE(5)
+        VP_TILE8_CASE(6)
+        VP_TILE8_CASE(7)
+        VP_TILE8_CASE(8)
+        VP_TILE8_CASE(9)
+        VP_TILE8_CASE(10)
+        VP_TILE8_CASE(11)
+        VP_TILE8_CASE(12)
+    }
+}
+
+/* vp_matmul with x in 8 bits (qgemv_x8). */
+static void vp_matmul8(int bits, const void* x, int x_bf16, const uint8_t* codes,
+                       const float* scales, const uint8_t* zeros, void* y, int out_bf16,
+                       int64_t M, int64_t N, int64_t K, int64_t gs) {
+    const int64_t B8 = x8_block(gs), nblk = K / B8, G = K / gs;
+    const int64_t panels = N / VP_ROWS, pbytes = VP_ROWS * K * bits / 8;
+    int32_t* xt = aligned_alloc(64, ((M * K + 63) / 64) * 64);
+    int32_t* xs = malloc(sizeof(int32_t) * M * nblk);
+    float* xsc = malloc(sizeof(float) * M * nblk);
+    #pragma omp parallel for schedule(static) if (M >= 4)
+    for (int64_t m = 0; m < M; m++)
+        vp_quantize_row8(x, x_bf16, m, M, K, bits, B8, xt, xs + m * nblk, xsc + m * nblk);
+    Share shares[SHARE_MAX] __attribute__((aligned(64)));
+    int parts = share_parts();
+    shares_init(shares, parts, panels);
+    #pragma omp parallel
+    for (int64_t p; (p = share_next(shares, parts, omp_get_thread_num())) >= 0;) {
+        const uint32_t* P = (const uint32_t*)(codes + p * pbytes);
+        const float* S = scales + p * G * VP_ROWS;
+        const uint8_t* Z = zeros ? zeros + p * G * VP_ROWS : NULL;
+        float out[VP_TILE8 * VP_ROWS] __attribute__((aligned(64)));
+        for (int64_t m0 = 0; m0 < M; m0 += VP_TILE8) {
+            int R = M - m0 < VP_TILE8 ? (int)(M - m0) : VP_TILE8;
+            vp_tile8_any(P, S, Z, xt + m0 * K / 4, xs + m0 * nblk, xsc + m0 * nblk, K, gs, B8,
+                         bits, R, out);
+            for (int r = 0; r < R; r++)
+                for (int h = 0; h < 2; h++)
+                    vp_store(y, out_bf16, (m0 + r) * N + p * VP_ROWS + 16 * h,
+                             _mm512_loadu_ps(out + 32 * r + 16 * h));
+        }
+    }
+    free(xt);
+    free(xs);
+    free(xsc);
+}
+
 static void vp_matmul(int bits, const void* x, int x_bf16, const uint8_t* codes,
                       const float* scales, const uint8_t* zeros, void* y, int out_bf16,
                       int64_t M, int64_t N, int64_t K, int64_t gs) {
+    if (qgemv_x8) {
+        vp_matmul8(bits, x, x_bf16, codes, scales, zeros, y, out_bf16, M, N, K, gs);
+        return;
+    }
     const int64_t L = chunk_len(bits, gs), nch = K / L, G = K / gs;
     const int64_t panels = N / VP_ROWS, pbytes = VP_ROWS * K * bits / 8;
     /* x as tiles of VP_TILE rows (the last one shorter), dwords interleaved
