@@ -1,6 +1,7 @@
 """Integer codes repacked once into 32-row panels for AVX512-VNNI (layers/csrc/qvpanel.c):
 `vnni_panel`, one kernel for every row count, exact (x quantized per row to int16, as the
-decode GEMV does), reading one contiguous run of memory per panel.
+decode GEMV does) or, under --cpu-quantized-activations int8, with x rounded to 8 bits as
+x8_panel rounds it, reading one contiguous run of memory per panel.
 
 The panels hold the same bytes as the row-major codes, reordered: codes [N/32, K/4, 32]
 dwords for 8-bit codes (four features of one row each), [N/32, K/8, 32] for 4-bit (eight);

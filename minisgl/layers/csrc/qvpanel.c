@@ -23,7 +23,8 @@
    term stay within int32: 8-bit L <= 256, 4-bit L <= 2048), the zero point subtracted in
    int32 (exact: the true difference fits, the products wrap alike), then one conversion to
    fp32 and a multiply-add by the group's scale per chunk; the row's scale last. A row's
-   result does not depend on the rows beside it, the tile it falls in or the thread count. */
+   result does not depend on the rows beside it, the tile it falls in or the thread count.
+   Under --cpu-quantized-activations int8 the same panels meet x in 8 bits (vp_matmul8). */
 #include "common.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
