@@ -94,94 +94,6 @@ static float vp_quantize_row(const void* x, int x_bf16, int64_t m, int64_t M, in
     return s;
 }
 
-/* One panel (two zmm of 16 outputs) against R rows of x (a tile): fp32 results in
-   out[r][32]. Each broadcast of x serves both halves, as the bf16 panels' do (one broadcast
-   per VPDPWSSD took 1.2-1.4x the time at 8 rows). */
-static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, const float* S,
-                                                           const uint8_t* Z, const int32_t* xt,
-                                                           const int32_t* xs, int64_t K,
-                                                           int64_t gs, int64_t L, const int bits,
-                                                           const int R, float* out) {
-    const int nv = bits == 8 ? 2 : 4;            /* int16 pair vectors per 64-byte load */
-    const int64_t fpl = bits == 8 ? 4 : 8;       /* features per dword */
-    const int A = R == 1 ? 4 : (R == 2 ? 2 : 1); /* accumulator pairs per row, for latency */
-    const int64_t nch = K / L;
-    const __m512i m8 = _mm512_set1_epi32(0x00FF00FF), m4 = _mm512_set1_epi32(0x000F000F);
-    /* the fp32 sums live in `out` (L1) between chunks: registers go to the integer sums */
-    for (int r = 0; r < 2 * R; r++) _mm512_storeu_ps(out + 16 * r, _mm512_setzero_ps());
-    for (int64_t c = 0; c < nch; c++) {
-        __m512i acc[VP_TILE][4][2];
-        for (int r = 0; r < R; r++)
-            for (int a = 0; a < A; a++) acc[r][a][0] = acc[r][a][1] = _mm512_setzero_si512();
-        const int64_t q0 = c * L / fpl, q1 = q0 + L / fpl;
-        const uint32_t* w = P + VP_ROWS * q0;
-        /* steps per iteration: enough vectors to feed every accumulator once */
-        const int steps = A > nv ? A / nv : 1;
-        for (int64_t q = q0; q < q1; q += steps, w += VP_ROWS * steps) {
-            for (int s = 0; s < steps; s++) {
-                __m512i v[2][4];
-                for (int h = 0; h < 2; h++) {
-                    __m512i d = _mm512_loadu_si512(w + VP_ROWS * s + 16 * h);
-                    if (bits == 8) {
-                        v[h][0] = _mm512_and_si512(d, m8);
-                        v[h][1] = _mm512_srli_epi16(d, 8);
-                    } else {
-                        v[h][0] = _mm512_and_si512(d, m4);
-                        v[h][1] = _mm512_and_si512(_mm512_srli_epi16(d, 4), m4);
-                        v[h][2] = _mm512_and_si512(_mm512_srli_epi16(d, 8), m4);
-                        v[h][3] = _mm512_srli_epi16(d, 12);
-                    }
-                }
-                for (int r = 0; r < R; r++) {
-                    const int32_t* xp = xt + (q + s) * nv * R + r;
-                    for (int j = 0; j < nv; j++) {
-                        int a = (s * nv + j) % A;
-                        __m512i b = _mm512_set1_epi32(xp[j * R]);
-                        acc[r][a][0] = _mm512_dpwssd_epi32(acc[r][a][0], v[0][j], b);
-                        acc[r][a][1] = _mm512_dpwssd_epi32(acc[r][a][1], v[1][j], b);
-                    }
-                }
-            }
-        }
-        const int64_t g = c * L / gs;
-        for (int h = 0; h < 2; h++) {
-            const __m512 sc = _mm512_loadu_ps(S + VP_ROWS * g + 16 * h);
-            const __m512i z =
-                Z ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(Z + VP_ROWS * g + 16 * h)))
-                  : _mm512_setzero_si512();
-            for (int r = 0; r < R; r++) {
-                __m512i t = acc[r][0][h];
-                for (int a = 1; a < A; a++) t = _mm512_add_epi32(t, acc[r][a][h]);
-                t = _mm512_sub_epi32(t, _mm512_mullo_epi32(z, _mm512_set1_epi32(xs[r * nch + c])));
-                __m512 f = _mm512_loadu_ps(out + 32 * r + 16 * h);
-                _mm512_storeu_ps(out + 32 * r + 16 * h,
-                                 _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc, f));
-            }
-        }
-    }
-}
-
-#define VP_TILE_CASE(n)                                                                    \
-    case n:                                                                                \
-        if (bits == 8) vp_tile(P, S, Z, xt, xs, K, gs, L, 8, n, out);                      \
-        else vp_tile(P, S, Z, xt, xs, K, gs, L, 4, n, out);                                \
-        break;
-
-static void vp_tile_any(const uint32_t* P, const float* S, const uint8_t* Z, const int32_t* xt,
-                        const int32_t* xs, int64_t K, int64_t gs, int64_t L, int bits, int R,
-                        float* out) {
-    switch (R) {
-        VP_TILE_CASE(1)
-        VP_TILE_CASE(2)
-        VP_TILE_CASE(3)
-        VP_TILE_CASE(4)
-        VP_TILE_CASE(5)
-        VP_TILE_CASE(6)
-        VP_TILE_CASE(7)
-        VP_TILE_CASE(8)
-    }
-}
-
 static void vp_store(void* y, int out_bf16, int64_t at, __m512 v) {
     if (out_bf16)
         _mm256_storeu_si256((__m256i*)((uint16_t*)y + at),
@@ -239,36 +151,53 @@ static void vp_quantize_row8(const void* x, int x_bf16, int64_t m, int64_t M, in
     }
 }
 
-/* vp_tile with x in 8 bits: one panel against R rows, out[r][32] the rows' results. */
-static inline __attribute__((always_inline)) void vp_tile8(const uint32_t* P, const float* S,
-                                                            const uint8_t* Z, const int32_t* xt,
-                                                            const int32_t* xs, const float* xsc,
-                                                            int64_t K, int64_t gs, int64_t B8,
-                                                            const int bits, const int R,
-                                                            float* out) {
-    const int nv = bits == 8 ? 1 : 2;            /* x dwords (code vectors) per step */
+/* One panel (two zmm of 16 outputs) against R rows of x (a tile): fp32 results in
+   out[r][32]. Exact (x8 = 0): int16 x pairs against codes as int16 pairs, VPDPWSSD; x8: x's
+   bytes against the codes as VPDPBUSD's unsigned bytes, each chunk's sum also times its x
+   scale (xsc). Each broadcast of x serves both halves, as the bf16 panels' do (one broadcast
+   per product instruction, 16-row panels, took 1.2-1.4x the time at 8 rows). */
+static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, const float* S,
+                                                           const uint8_t* Z, const int32_t* xt,
+                                                           const int32_t* xs, const float* xsc,
+                                                           int64_t K, int64_t gs, int64_t L,
+                                                           const int bits, const int x8,
+                                                           const int R, float* out) {
+    /* x dwords (and code vectors) per 64-byte load: exact 8-bit 2 int16 pairs, 4-bit 4;
+       x8 8-bit 1 (the codes as they are), 4-bit 2 (low nibbles, high nibbles) */
+    const int nv = (bits == 8 ? 2 : 4) / (x8 ? 2 : 1);
     const int64_t fpl = bits == 8 ? 4 : 8;       /* features per code dword */
     const int A = R == 1 ? 4 : (R == 2 ? 2 : 1); /* accumulator pairs per row, for latency */
-    const int64_t nblk = K / B8;
-    const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F);
+    const int64_t nch = K / L;
+    const __m512i m8 = _mm512_set1_epi32(0x00FF00FF), m4 = _mm512_set1_epi32(0x000F000F),
+                  n4 = _mm512_set1_epi32(0x0F0F0F0F);
+    /* the fp32 sums live in `out` (L1) between chunks: registers go to the integer sums */
     for (int r = 0; r < 2 * R; r++) _mm512_storeu_ps(out + 16 * r, _mm512_setzero_ps());
-    for (int64_t c = 0; c < nblk; c++) {
+    for (int64_t c = 0; c < nch; c++) {
         __m512i acc[VP_TILE8][4][2];
         for (int r = 0; r < R; r++)
             for (int a = 0; a < A; a++) acc[r][a][0] = acc[r][a][1] = _mm512_setzero_si512();
-        const int64_t q0 = c * B8 / fpl, q1 = q0 + B8 / fpl;
+        const int64_t q0 = c * L / fpl, q1 = q0 + L / fpl;
         const uint32_t* w = P + VP_ROWS * q0;
+        /* steps per iteration: enough vectors to feed every accumulator once */
         const int steps = A > nv ? A / nv : 1;
         for (int64_t q = q0; q < q1; q += steps, w += VP_ROWS * steps) {
             for (int s = 0; s < steps; s++) {
-                __m512i v[2][2];
+                __m512i v[2][4];
                 for (int h = 0; h < 2; h++) {
                     __m512i d = _mm512_loadu_si512(w + VP_ROWS * s + 16 * h);
-                    if (bits == 8) {
+                    if (x8 && bits == 8) {
                         v[h][0] = d;
+                    } else if (x8) {
+                        v[h][0] = _mm512_and_si512(d, n4);
+                        v[h][1] = _mm512_and_si512(_mm512_srli_epi16(d, 4), n4);
+                    } else if (bits == 8) {
+                        v[h][0] = _mm512_and_si512(d, m8);
+                        v[h][1] = _mm512_srli_epi16(d, 8);
                     } else {
                         v[h][0] = _mm512_and_si512(d, m4);
                         v[h][1] = _mm512_and_si512(_mm512_srli_epi16(d, 4), m4);
+                        v[h][2] = _mm512_and_si512(_mm512_srli_epi16(d, 8), m4);
+                        v[h][3] = _mm512_srli_epi16(d, 12);
                     }
                 }
                 for (int r = 0; r < R; r++) {
@@ -276,13 +205,14 @@ static inline __attribute__((always_inline)) void vp_tile8(const uint32_t* P, co
                     for (int j = 0; j < nv; j++) {
                         int a = (s * nv + j) % A;
                         __m512i b = _mm512_set1_epi32(xp[j * R]);
-                        acc[r][a][0] = _mm512_dpbusd_epi32(acc[r][a][0], v[0][j], b);
-                        acc[r][a][1] = _mm512_dpbusd_epi32(acc[r][a][1], v[1][j], b);
+                        for (int h = 0; h < 2; h++)
+                            acc[r][a][h] = x8 ? _mm512_dpbusd_epi32(acc[r][a][h], v[h][j], b)
+                                              : _mm512_dpwssd_epi32(acc[r][a][h], v[h][j], b);
                     }
                 }
             }
         }
-        const int64_t g = c * B8 / gs;
+        const int64_t g = c * L / gs;
         for (int h = 0; h < 2; h++) {
             const __m512 sc = _mm512_loadu_ps(S + VP_ROWS * g + 16 * h);
             const __m512i z =
@@ -291,53 +221,64 @@ static inline __attribute__((always_inline)) void vp_tile8(const uint32_t* P, co
             for (int r = 0; r < R; r++) {
                 __m512i t = acc[r][0][h];
                 for (int a = 1; a < A; a++) t = _mm512_add_epi32(t, acc[r][a][h]);
-                t = _mm512_sub_epi32(t, _mm512_mullo_epi32(z, _mm512_set1_epi32(xs[r * nblk + c])));
+                t = _mm512_sub_epi32(t, _mm512_mullo_epi32(z, _mm512_set1_epi32(xs[r * nch + c])));
                 __m512 f = _mm512_loadu_ps(out + 32 * r + 16 * h);
-                __m512 both = _mm512_mul_ps(sc, _mm512_set1_ps(xsc[r * nblk + c]));
+                __m512 scale = x8 ? _mm512_mul_ps(sc, _mm512_set1_ps(xsc[r * nch + c])) : sc;
                 _mm512_storeu_ps(out + 32 * r + 16 * h,
-                                 _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), both, f));
+                                 _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, f));
             }
         }
     }
 }
 
-#define VP_TILE8_CASE(n)                                                                   \
+#define VP_TILE_CASE(n)                                                                    \
     case n:                                                                                \
-        if (bits == 8) vp_tile8(P, S, Z, xt, xs, xsc, K, gs, B8, 8, n, out);               \
-        else vp_tile8(P, S, Z, xt, xs, xsc, K, gs, B8, 4, n, out);                         \
+        if (x8 && bits == 8) vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 8, 1, n, out);        \
+        else if (x8) vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 4, 1, n, out);                \
+        else if (n <= VP_TILE && bits == 8) vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 8, 0, n, out); \
+        else if (n <= VP_TILE) vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 4, 0, n, out);      \
         break;
 
-static void vp_tile8_any(const uint32_t* P, const float* S, const uint8_t* Z, const int32_t* xt,
-                         const int32_t* xs, const float* xsc, int64_t K, int64_t gs, int64_t B8,
-                         int bits, int R, float* out) {
+/* vp_tile for a tile of R rows (R <= VP_TILE exact, <= VP_TILE8 with x in 8 bits). */
+static void vp_tile_any(const uint32_t* P, const float* S, const uint8_t* Z, const int32_t* xt,
+                        const int32_t* xs, const float* xsc, int64_t K, int64_t gs, int64_t L,
+                        int bits, int x8, int R, float* out) {
     switch (R) {
-        VP_TILE8_CASE(1)
-        VP_TILE8_CASE(2)
-        VP_TILE8_CASE(3)
-        VP_TILE8_CASE(4)
-        VP_TILE8_CASE(5)
-        VP_TILE8_CASE(6)
-        VP_TILE8_CASE(7)
-        VP_TILE8_CASE(8)
-        VP_TILE8_CASE(9)
-        VP_TILE8_CASE(10)
-        VP_TILE8_CASE(11)
-        VP_TILE8_CASE(12)
+        VP_TILE_CASE(1)
+        VP_TILE_CASE(2)
+        VP_TILE_CASE(3)
+        VP_TILE_CASE(4)
+        VP_TILE_CASE(5)
+        VP_TILE_CASE(6)
+        VP_TILE_CASE(7)
+        VP_TILE_CASE(8)
+        VP_TILE_CASE(9)
+        VP_TILE_CASE(10)
+        VP_TILE_CASE(11)
+        VP_TILE_CASE(12)
     }
 }
 
-/* vp_matmul with x in 8 bits (qgemv_x8). */
-static void vp_matmul8(int bits, const void* x, int x_bf16, const uint8_t* codes,
-                       const float* scales, const uint8_t* zeros, void* y, int out_bf16,
-                       int64_t M, int64_t N, int64_t K, int64_t gs) {
-    const int64_t B8 = x8_block(gs), nblk = K / B8, G = K / gs;
+/* y = x @ W.T over the panels, exact or with x in 8 bits (qgemv_x8, set per step). x is
+   quantized once per call into tiles (rows interleaved per tile, see the quantizers), then
+   the panels are shared among the threads (common.h), each panel against every tile. */
+static void vp_matmul(int bits, const void* x, int x_bf16, const uint8_t* codes,
+                      const float* scales, const uint8_t* zeros, void* y, int out_bf16,
+                      int64_t M, int64_t N, int64_t K, int64_t gs) {
+    const int x8 = qgemv_x8, T = x8 ? VP_TILE8 : VP_TILE;
+    const int64_t L = x8 ? x8_block(gs) : chunk_len(bits, gs), nch = K / L, G = K / gs;
     const int64_t panels = N / VP_ROWS, pbytes = VP_ROWS * K * bits / 8;
-    int32_t* xt = aligned_alloc(64, ((M * K + 63) / 64) * 64);
-    int32_t* xs = malloc(sizeof(int32_t) * M * nblk);
-    float* xsc = malloc(sizeof(float) * M * nblk);
+    const int64_t xdw = x8 ? K / 4 : K / 2; /* x's dwords per row */
+    int32_t* xt = aligned_alloc(64, ((M * xdw * 4 + 63) / 64) * 64);
+    int32_t* xs = malloc(sizeof(int32_t) * M * nch);
+    float* xsc = malloc(sizeof(float) * M * (x8 ? nch : 1)); /* per chunk, or per row */
     #pragma omp parallel for schedule(static) if (M >= 4)
-    for (int64_t m = 0; m < M; m++)
-        vp_quantize_row8(x, x_bf16, m, M, K, bits, B8, xt, xs + m * nblk, xsc + m * nblk);
+    for (int64_t m = 0; m < M; m++) {
+        if (x8)
+            vp_quantize_row8(x, x_bf16, m, M, K, bits, L, xt, xs + m * nch, xsc + m * nch);
+        else
+            xsc[m] = vp_quantize_row(x, x_bf16, m, M, K, bits, L, xt, xs + m * nch);
+    }
     Share shares[SHARE_MAX] __attribute__((aligned(64)));
     int parts = share_parts();
     shares_init(shares, parts, panels);
@@ -347,60 +288,16 @@ static void vp_matmul8(int bits, const void* x, int x_bf16, const uint8_t* codes
         const float* S = scales + p * G * VP_ROWS;
         const uint8_t* Z = zeros ? zeros + p * G * VP_ROWS : NULL;
         float out[VP_TILE8 * VP_ROWS] __attribute__((aligned(64)));
-        for (int64_t m0 = 0; m0 < M; m0 += VP_TILE8) {
-            int R = M - m0 < VP_TILE8 ? (int)(M - m0) : VP_TILE8;
-            vp_tile8_any(P, S, Z, xt + m0 * K / 4, xs + m0 * nblk, xsc + m0 * nblk, K, gs, B8,
-                         bits, R, out);
-            for (int r = 0; r < R; r++)
+        for (int64_t m0 = 0; m0 < M; m0 += T) {
+            int R = M - m0 < T ? (int)(M - m0) : T;
+            vp_tile_any(P, S, Z, xt + m0 * xdw, xs + m0 * nch, x8 ? xsc + m0 * nch : NULL, K,
+                        gs, L, bits, x8, R, out);
+            for (int r = 0; r < R; r++) {
+                __m512 rs = _mm512_set1_ps(x8 ? 1.0f : xsc[m0 + r]); /* x8: in each chunk */
                 for (int h = 0; h < 2; h++)
                     vp_store(y, out_bf16, (m0 + r) * N + p * VP_ROWS + 16 * h,
-                             _mm512_loadu_ps(out + 32 * r + 16 * h));
-        }
-    }
-    free(xt);
-    free(xs);
-    free(xsc);
-}
-
-static void vp_matmul(int bits, const void* x, int x_bf16, const uint8_t* codes,
-                      const float* scales, const uint8_t* zeros, void* y, int out_bf16,
-                      int64_t M, int64_t N, int64_t K, int64_t gs) {
-    if (qgemv_x8) {
-        vp_matmul8(bits, x, x_bf16, codes, scales, zeros, y, out_bf16, M, N, K, gs);
-        return;
-    }
-    const int64_t L = chunk_len(bits, gs), nch = K / L, G = K / gs;
-    const int64_t panels = N / VP_ROWS, pbytes = VP_ROWS * K * bits / 8;
-    /* x as tiles of VP_TILE rows (the last one shorter), dwords interleaved
-       (vp_quantize_row) */
-    int32_t* xt = aligned_alloc(64, ((M * K * 2 + 63) / 64) * 64);
-    int32_t* xs = malloc(sizeof(int32_t) * M * nch);
-    float* xsc = malloc(sizeof(float) * M);
-    if (M >= 4) {
-        #pragma omp parallel for schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            xsc[m] = vp_quantize_row(x, x_bf16, m, M, K, bits, L, xt, xs + m * nch);
-    } else {
-        for (int64_t m = 0; m < M; m++)
-            xsc[m] = vp_quantize_row(x, x_bf16, m, M, K, bits, L, xt, xs + m * nch);
-    }
-    Share shares[SHARE_MAX] __attribute__((aligned(64)));
-    int parts = share_parts();
-    shares_init(shares, parts, panels);
-    #pragma omp parallel
-    for (int64_t p; (p = share_next(shares, parts, omp_get_thread_num())) >= 0;) {
-        const uint32_t* P = (const uint32_t*)(codes + p * pbytes);
-        const float* S = scales + p * G * VP_ROWS;
-        const uint8_t* Z = zeros ? zeros + p * G * VP_ROWS : NULL;
-        float out[VP_TILE * VP_ROWS] __attribute__((aligned(64)));
-        for (int64_t m0 = 0; m0 < M; m0 += VP_TILE) {
-            int R = M - m0 < VP_TILE ? (int)(M - m0) : VP_TILE;
-            vp_tile_any(P, S, Z, xt + m0 * K / 2, xs + m0 * nch, K, gs, L, bits, R, out);
-            for (int r = 0; r < R; r++)
-                for (int h = 0; h < 2; h++)
-                    vp_store(y, out_bf16, (m0 + r) * N + p * VP_ROWS + 16 * h,
-                             _mm512_mul_ps(_mm512_loadu_ps(out + 32 * r + 16 * h),
-                                           _mm512_set1_ps(xsc[m0 + r])));
+                             _mm512_mul_ps(_mm512_loadu_ps(out + 32 * r + 16 * h), rs));
+            }
         }
     }
     free(xt);
