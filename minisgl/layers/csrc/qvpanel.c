@@ -14,9 +14,10 @@
    Layout (cpu_vpanel.pack): codes [N/32][K/4][32] dwords for 8-bit codes, each the 4 codes of
    features 4q..4q+3 of one row (the row-major bytes as they are), [N/32][K/8][32] for 4-bit
    codes, each 8 codes (features 8q..8q+7, 2j in a byte's low nibble, as loaded); scales
-   [N/32][G][32] floats, zero points [N/32][G][32] bytes: a panel is two zmm of outputs. A 16-bit lane pair of a dword gives
-   two codes as int16 with one mask (and a shift): 8-bit (c0, c2) and (c1, c3), 4-bit
-   (n_j, n_{j+4}) for j = 0..3, and x is laid out per row in the same pairs.
+   [N/32][G][32] floats, zero points [N/32][G][32] bytes: a panel is two zmm of outputs. A
+   16-bit lane pair of a dword gives two codes as int16 with one mask (and a shift): 8-bit
+   (c0, c2) and (c1, c3), 4-bit (n_j, n_{j+4}) for j = 0..3, and x is laid out per row in the
+   same pairs.
 
    Numerics: x quantized per row (max|x| / 32767, nearest even, as qgemv.c), integer sums
    exact within a chunk of L features (L divides the group; a lane's sum and its zero-point
@@ -24,7 +25,8 @@
    int32 (exact: the true difference fits, the products wrap alike), then one conversion to
    fp32 and a multiply-add by the group's scale per chunk; the row's scale last. A row's
    result does not depend on the rows beside it, the tile it falls in or the thread count.
-   Under --cpu-quantized-activations int8 the same panels meet x in 8 bits (vp_matmul8). */
+   Under --cpu-quantized-activations int8 the same panels meet x in 8 bits (vp_quantize_row8,
+   vp_tile's x8 form). */
 #include "common.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -50,10 +52,10 @@ static int64_t gcd64(int64_t a, int64_t b) {
 static int64_t chunk_len(int bits, int64_t gs) { return gcd64(gs, bits == 8 ? 256 : 2048); }
 
 /* Row m of x -> int16 codes in the panel's pair order, written as dwords into its tile's
-   interleaved layout (dword d of the tile's row r at xt[d * R + r] for a tile of R rows, so a step's
-   broadcasts for a tile's rows sit at constant offsets from one pointer), the chunks' code
-   sums (xsum), and the row's scale (returned). Pair order: 8-bit per 4 features x0 x2 x1 x3;
-   4-bit per 8 features x0 x4 x1 x5 x2 x6 x3 x7. */
+   interleaved layout (dword d of the tile's row r at xt[d * R + r] for a tile of R rows, so
+   a step's broadcasts for a tile's rows sit at constant offsets from one pointer), the
+   chunks' code sums (xsum), and the row's scale (returned). Pair order: 8-bit per 4 features
+   x0 x2 x1 x3; 4-bit per 8 features x0 x4 x1 x5 x2 x6 x3 x7. */
 static float vp_quantize_row(const void* x, int x_bf16, int64_t m, int64_t M, int64_t K,
                              int bits, int64_t L, int32_t* xt, int32_t* xsum) {
     const int64_t m0 = m - m % VP_TILE, R = M - m0 < VP_TILE ? M - m0 : VP_TILE;
@@ -215,9 +217,9 @@ static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, con
         const int64_t g = c * L / gs;
         for (int h = 0; h < 2; h++) {
             const __m512 sc = _mm512_loadu_ps(S + VP_ROWS * g + 16 * h);
-            const __m512i z =
-                Z ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(Z + VP_ROWS * g + 16 * h)))
-                  : _mm512_setzero_si512();
+            const int64_t zat = VP_ROWS * g + 16 * h;
+            const __m512i z = Z ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(Z + zat)))
+                                : _mm512_setzero_si512();
             for (int r = 0; r < R; r++) {
                 __m512i t = acc[r][0][h];
                 for (int a = 1; a < A; a++) t = _mm512_add_epi32(t, acc[r][a][h]);
