@@ -128,30 +128,14 @@ class _Lib:
         self.rows_nucleus_cutoff = lib.rows_nucleus_cutoff
         # Matmul and dequantizer over quantized weights (qgemv.c; minisgl/quant/cpu_gemv.py),
         # by code kind.
-        self.qgemv: dict[str, Any] = {}
-        self.qdequant: dict[str, Any] = {}
-        for kind in ("u4", "u8", "fp8"):
-            qfn: Any = getattr(lib, f"qgemv_{kind}", None)
-            dfn: Any = getattr(lib, f"qdequant_{kind}", None)
-            if qfn is not None and dfn is not None:
-                qfn.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
-                qfn.argtypes += [i64] * 4
-                dfn.argtypes = [ptr, i64, ptr, ptr, i64, ptr] + [i64] * 4
-                qfn.restype = dfn.restype = None
-                self.qgemv[kind], self.qdequant[kind] = qfn, dfn
+        codes = ("u4", "u8", "fp8")
+        self.qgemv = _quant_kernels(lib, "qgemv", codes, _QMM_ARGS)
+        self.qdequant = _quant_kernels(lib, "qdequant", codes, _QROWS_ARGS)
         # Many rows over quantized weights, a panel dequantized once for all of them
         # (qdequant.c; minisgl/quant/cpu_panel.py): qgemv's arguments.
         # qpanel16_*: integer codes against x quantized per row to int16.
-        self.qpanel: dict[str, Any] = {}
-        self.qpanel16: dict[str, Any] = {}
-        for name, table in (("qpanel", self.qpanel), ("qpanel16", self.qpanel16)):
-            for kind in ("u4", "u8", "fp8"):
-                pfn: Any = getattr(lib, f"{name}_{kind}", None)
-                if pfn is not None:
-                    pfn.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
-                    pfn.argtypes += [i64] * 4
-                    pfn.restype = None
-                    table[kind] = pfn
+        self.qpanel = _quant_kernels(lib, "qpanel", codes, _QMM_ARGS)
+        self.qpanel16 = _quant_kernels(lib, "qpanel16", codes, _QMM_ARGS)
         # The same over AMX tiles, bf16 activations only (qamx.c): in a build that targets
         # AMX, once the kernel granted this process the tile state.
         self.qamx = _tile_kernels(lib, "qamx", ("u4", "u8", "fp8"))
@@ -207,29 +191,13 @@ class _Lib:
         self.qgemv_x8_takes = lib.qgemv_x8_takes
         # Many rows of x in 8 bits against integer codes (qvnni.c, AVX512-VNNI builds only;
         # cpu_panel.x8_panel): qgemv's arguments, and which codes it takes (bits, K, group).
-        self.qvnni: dict[str, Any] = {}
-        for kind in ("u4", "u8"):
-            vfn: Any = getattr(lib, f"qvnni_{kind}", None)
-            if vfn is not None:
-                vfn.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
-                vfn.argtypes += [i64] * 4
-                vfn.restype = None
-                self.qvnni[kind] = vfn
+        self.qvnni = _quant_kernels(lib, "qvnni", ("u4", "u8"), _QMM_ARGS)
         # Integer codes repacked into 32-row panels, exact int16 x, any row count (qvpanel.c,
         # AVX512-VNNI builds only; quant/cpu_vpanel.py): qgemv's arguments, and which weights
         # it takes (bits, N, K, group).
         # Its rows dequantized (qdequant's arguments): a packed tied table's lookups.
-        self.qvpanel: dict[str, Any] = {}
-        self.qvpanel_rows: dict[str, Any] = {}
-        for kind in ("u4", "u8"):
-            vpfn: Any = getattr(lib, f"qvpanel_{kind}", None)
-            vrfn: Any = getattr(lib, f"qvpanel_rows_{kind}", None)
-            if vpfn is not None and vrfn is not None:
-                vpfn.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
-                vpfn.argtypes += [i64] * 4
-                vrfn.argtypes = [ptr, i64, ptr, ptr, i64, ptr] + [i64] * 4
-                vpfn.restype = vrfn.restype = None
-                self.qvpanel[kind], self.qvpanel_rows[kind] = vpfn, vrfn
+        self.qvpanel = _quant_kernels(lib, "qvpanel", ("u4", "u8"), _QMM_ARGS)
+        self.qvpanel_rows = _quant_kernels(lib, "qvpanel_rows", ("u4", "u8"), _QROWS_ARGS)
         self.qvpanel_takes: Any = getattr(lib, "qvpanel_takes", None)
         if self.qvpanel_takes is not None:
             self.qvpanel_takes.argtypes = [ctypes.c_int, i64, i64, i64]
@@ -1001,6 +969,29 @@ def kv_store(
         raise IndexError(f"KV slot {int(slots[bad])} outside the pool of {k_pool.shape[0]}")
 
 
+# qgemv's arguments (x, x_bf16, codes, code row stride, scales, zeros, group row stride, y,
+# out_bf16, M, N, K, group size): every quantized matmul entry point takes them.
+_QMM_ARGS: list[Any] = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+_QMM_ARGS += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+_QMM_ARGS += [ctypes.c_int64] * 4
+# qdequant's (codes, code row stride, scales, zeros, group row stride, out, first row, end
+# row, K, group size): the row dequantizers.
+_QROWS_ARGS: list[Any] = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+_QROWS_ARGS += [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 4
+
+
+def _quant_kernels(lib: Any, prefix: str, kinds: tuple[str, ...], argtypes: list[Any]) -> dict:
+    """The entry points `prefix`_<kind> the build has, by code kind, bound to `argtypes`."""
+    out: dict[str, Any] = {}
+    for kind in kinds:
+        fn: Any = getattr(lib, f"{prefix}_{kind}", None)
+        if fn is not None:
+            fn.argtypes = argtypes
+            fn.restype = None
+            out[kind] = fn
+    return out
+
+
 def _tile_kernels(lib: Any, prefix: str, kinds: tuple[str, ...]) -> dict[str, Any]:
     """The AMX entry points `prefix`_<kind> by code kind, where the build has them and
     `prefix`_ready() was granted the tiles (all take qgemv's arguments)."""
@@ -1008,13 +999,4 @@ def _tile_kernels(lib: Any, prefix: str, kinds: tuple[str, ...]) -> dict[str, An
     if ready is None:
         return {}
     ready.restype = ctypes.c_int
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    out: dict[str, Any] = {}
-    for kind in kinds:
-        fn: Any = getattr(lib, f"{prefix}_{kind}", None)
-        if fn is not None and ready():
-            fn.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
-            fn.argtypes += [i64] * 4
-            fn.restype = None
-            out[kind] = fn
-    return out
+    return _quant_kernels(lib, prefix, kinds, _QMM_ARGS) if ready() else {}
