@@ -71,7 +71,7 @@ class QuantWeight(nn.Module):
         self._cpu_ok: dict[torch.dtype, bool] = {}
         self._c_rows: bool | None = None  # whether `rows` may dequantize in C (`_c_takes`)
         # The buffers hold cpu_vpanel's panels (pack_vnni), not row-major codes: only its
-        # kernel reads them.
+        # kernel and `rows` (through cpu_vpanel) read them.
         self.packed = False
 
     def reset(self) -> None:
@@ -124,23 +124,22 @@ class QuantWeight(nn.Module):
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` dequantized, [*ids.shape, K] of `dtype`: an embedding lookup that reads
         only the looked-up rows' codes (a float copy of the table is never made)."""
-        if self.packed:  # a tied LM head's panels: the rows gathered out of them
-            w = self.whole()
-            if ids.numel() <= FEW_ROWS and ids.device.type == "cpu":
-                got = cpu_vpanel.dequant_rows(w, ids.reshape(-1).tolist()).to(dtype)
-            else:
-                got = dequantize(cpu_vpanel.take_rows(w, ids), dtype)
-            return got.view(*ids.shape, self.in_features)
         if self.lookup is not None:
             return self.lookup(ids, dtype)
         w = self.whole()
         if ids.numel() <= FEW_ROWS and ids.device.type == "cpu" and self._c_takes(w):
             # A decode step's few tokens: each row by the C dequantizer (the same values as
             # qtensor.dequantize's), one call instead of ~12 torch ops on cold caches.
-            parts = [cpu_gemv.dequant_rows(w, i, i + 1) for i in ids.reshape(-1).tolist()]
-            out = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(dtype)
+            flat = ids.reshape(-1).tolist()
+            if self.packed:  # a tied LM head's panels: the rows gathered out of them
+                out = cpu_vpanel.dequant_rows(w, flat)
+            else:
+                parts = [cpu_gemv.dequant_rows(w, i, i + 1) for i in flat]
+                out = parts[0] if len(parts) == 1 else torch.cat(parts)
+            out = out.to(dtype)
         else:
-            out = dequantize(take_rows(w, ids), dtype)
+            gather = cpu_vpanel.take_rows if self.packed else take_rows
+            out = dequantize(gather(w, ids), dtype)
         return out.view(*ids.shape, self.in_features)
 
     def _c_takes(self, w: QTensor) -> bool:
