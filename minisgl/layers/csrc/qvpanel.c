@@ -1,6 +1,7 @@
 /* Integer codes (8-bit, 4-bit in groups) repacked once at load into panels of 32 weight rows,
    multiplied exactly by x quantized per row to int16, for any number of rows, with
-   AVX512-VNNI's VPDPWSSD (minisgl/quant/cpu_vpanel.py's vnni_panel).
+   AVX512-VNNI's VPDPWSSD (one row of 4-bit codes: VPDPBUSD, see vp_split) (minisgl/quant/
+   cpu_vpanel.py's vnni_panel).
 
    Why a layout of its own: the row-major codes' kernels (qgemv.c) sum along K in each lane and
    reduce a row across lanes at the end, loading x's vectors again for every weight row; with
@@ -51,6 +52,28 @@ static int64_t gcd64(int64_t a, int64_t b) {
 /* Features per exact chunk: the largest divisor of the group within the int32 bound. */
 static int64_t chunk_len(int bits, int64_t gs) { return gcd64(gs, bits == 8 ? 256 : 2048); }
 
+/* Whether a tile of R rows of x meets 4-bit codes as VPDPBUSD's bytes, x's int16 split into a
+   signed high byte and an unsigned low one (two products per code, as the int16 pairs take,
+   but the codes need one mask and shift where the pairs take three more to widen them): one
+   row only, where the widening bounds the loop (4096x1024 in groups of 128, 2 threads, codes
+   in cache: 1.22x; 2 rows: 1.00x, the products bound them). The same integer sums, so the
+   same bits. */
+static inline int vp_split(int bits, int64_t R) { return bits == 4 && R == 1; }
+
+/* 32 int16 of x in feature order -> 16 dwords, per 8 features: the high bytes of the even
+   features (x0 x2 x4 x6, arithmetic shift: signed), their low bytes (unsigned), then the same
+   two for the odd ones; x = 256 * high + low exactly. */
+static inline void vp_split_bytes(__m512i v, int32_t* d) {
+    const __m256i odd_even = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13,
+                                              15, 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11,
+                                              13, 15);
+    __m256i lo = _mm256_shuffle_epi8(_mm512_cvtepi16_epi8(v), odd_even);
+    __m256i hi = _mm256_shuffle_epi8(_mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)), odd_even);
+    __m256i u = _mm256_unpacklo_epi32(hi, lo), w = _mm256_unpackhi_epi32(hi, lo);
+    _mm256_store_si256((__m256i*)d, _mm256_permute2x128_si256(u, w, 0x20));
+    _mm256_store_si256((__m256i*)(d + 8), _mm256_permute2x128_si256(u, w, 0x31));
+}
+
 /* Row m of x -> int16 codes in the panel's pair order, written as dwords into its tile's
    interleaved layout (dword d of the tile's row r at xt[d * R + r] for a tile of R rows, so
    a step's broadcasts for a tile's rows sit at constant offsets from one pointer), the
@@ -59,6 +82,7 @@ static int64_t chunk_len(int bits, int64_t gs) { return gcd64(gs, bits == 8 ? 25
 static float vp_quantize_row(const void* x, int x_bf16, int64_t m, int64_t M, int64_t K,
                              int bits, int64_t L, int32_t* xt, int32_t* xsum) {
     const int64_t m0 = m - m % VP_TILE, R = M - m0 < VP_TILE ? M - m0 : VP_TILE;
+    const int split = vp_split(bits, R);
     const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     __m512 mx = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16)
@@ -88,7 +112,10 @@ static float vp_quantize_row(const void* x, int x_bf16, int64_t m, int64_t M, in
             __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(a)),
                                               _mm512_cvtepi32_epi16(b), 1);
             int32_t d[16] __attribute__((aligned(64)));
-            _mm512_store_si512(d, _mm512_permutexvar_epi16(order, both));
+            if (split)
+                vp_split_bytes(both, d);
+            else
+                _mm512_store_si512(d, _mm512_permutexvar_epi16(order, both));
             for (int i = 0; i < 16; i++) row[(k / 2 + i) * R] = d[i];
         }
         xsum[c0 / L] = _mm512_reduce_add_epi32(sum);
@@ -154,7 +181,8 @@ static void vp_quantize_row8(const void* x, int x_bf16, int64_t m, int64_t M, in
 }
 
 /* One panel (two zmm of 16 outputs) against R rows of x (a tile): fp32 results in
-   out[r][32]. Exact (x8 = 0): int16 x pairs against codes as int16 pairs, VPDPWSSD; x8: x's
+   out[r][32]. Exact (x8 = 0): int16 x pairs against codes as int16 pairs, VPDPWSSD, or (sp)
+   the codes' bytes against x's high and low bytes, two VPDPBUSD into two sums; x8: x's
    bytes against the codes as VPDPBUSD's unsigned bytes, each chunk's sum also times its x
    scale (xsc). Each broadcast of x serves both halves, as the bf16 panels' do (one broadcast
    per product instruction, 16-row panels, took 1.2-1.4x the time at 8 rows). */
@@ -163,21 +191,26 @@ static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, con
                                                            const int32_t* xs, const float* xsc,
                                                            int64_t K, int64_t gs, int64_t L,
                                                            const int bits, const int x8,
-                                                           const int R, float* out) {
-    /* x dwords (and code vectors) per 64-byte load: exact 8-bit 2 int16 pairs, 4-bit 4;
-       x8 8-bit 1 (the codes as they are), 4-bit 2 (low nibbles, high nibbles) */
-    const int nv = (bits == 8 ? 2 : 4) / (x8 ? 2 : 1);
+                                                           const int sp, const int R,
+                                                           float* out) {
+    /* code vectors per 64-byte load: exact 8-bit 2 int16 pairs, 4-bit 4; x8 8-bit 1 (the
+       codes as they are), 4-bit 2 (low nibbles, high nibbles); split 4-bit 2, each met by
+       two x dwords (high bytes, low bytes) */
+    const int nv = sp ? 2 : (bits == 8 ? 2 : 4) / (x8 ? 2 : 1);
+    const int xw = sp ? 4 : nv;                  /* x dwords per code dword */
     const int64_t fpl = bits == 8 ? 4 : 8;       /* features per code dword */
-    const int A = R == 1 ? 4 : (R == 2 ? 2 : 1); /* accumulator pairs per row, for latency */
+    /* accumulator pairs per row, for the products' latency (split: 2 of each, 1.1-1.15x 1 or 4) */
+    const int A = sp ? 2 : R == 1 ? 4 : (R == 2 ? 2 : 1);
     const int64_t nch = K / L;
     const __m512i m8 = _mm512_set1_epi32(0x00FF00FF), m4 = _mm512_set1_epi32(0x000F000F),
                   n4 = _mm512_set1_epi32(0x0F0F0F0F);
     /* the fp32 sums live in `out` (L1) between chunks: registers go to the integer sums */
     for (int r = 0; r < 2 * R; r++) _mm512_storeu_ps(out + 16 * r, _mm512_setzero_ps());
     for (int64_t c = 0; c < nch; c++) {
-        __m512i acc[VP_TILE8][4][2];
+        __m512i acc[VP_TILE8][4][2], lo[VP_TILE8][4][2];
         for (int r = 0; r < R; r++)
-            for (int a = 0; a < A; a++) acc[r][a][0] = acc[r][a][1] = _mm512_setzero_si512();
+            for (int a = 0; a < A; a++)
+                acc[r][a][0] = acc[r][a][1] = lo[r][a][0] = lo[r][a][1] = _mm512_setzero_si512();
         const int64_t q0 = c * L / fpl, q1 = q0 + L / fpl;
         const uint32_t* w = P + VP_ROWS * q0;
         /* steps per iteration: enough vectors to feed every accumulator once */
@@ -189,7 +222,7 @@ static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, con
                     __m512i d = _mm512_loadu_si512(w + VP_ROWS * s + 16 * h);
                     if (x8 && bits == 8) {
                         v[h][0] = d;
-                    } else if (x8) {
+                    } else if (x8 || sp) {
                         v[h][0] = _mm512_and_si512(d, n4);
                         v[h][1] = _mm512_and_si512(_mm512_srli_epi16(d, 4), n4);
                     } else if (bits == 8) {
@@ -202,7 +235,19 @@ static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, con
                         v[h][3] = _mm512_srli_epi16(d, 12);
                     }
                 }
-                for (int r = 0; r < R; r++) {
+                for (int r = 0; r < R && sp; r++) {
+                    const int32_t* xp = xt + (q + s) * xw * R + r;
+                    for (int j = 0; j < nv; j++) {
+                        int a = (s * nv + j) % A;
+                        __m512i bh = _mm512_set1_epi32(xp[2 * j * R]);
+                        __m512i bl = _mm512_set1_epi32(xp[(2 * j + 1) * R]);
+                        for (int h = 0; h < 2; h++) {
+                            acc[r][a][h] = _mm512_dpbusd_epi32(acc[r][a][h], v[h][j], bh);
+                            lo[r][a][h] = _mm512_dpbusd_epi32(lo[r][a][h], bl, v[h][j]);
+                        }
+                    }
+                }
+                for (int r = 0; r < R && !sp; r++) {
                     const int32_t* xp = xt + (q + s) * nv * R + r;
                     for (int j = 0; j < nv; j++) {
                         int a = (s * nv + j) % A;
@@ -223,6 +268,10 @@ static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, con
             for (int r = 0; r < R; r++) {
                 __m512i t = acc[r][0][h];
                 for (int a = 1; a < A; a++) t = _mm512_add_epi32(t, acc[r][a][h]);
+                if (sp) { /* 256 * (codes . x's high bytes) + codes . low bytes */
+                    t = _mm512_slli_epi32(t, 8);
+                    for (int a = 0; a < A; a++) t = _mm512_add_epi32(t, lo[r][a][h]);
+                }
                 t = _mm512_sub_epi32(t, _mm512_mullo_epi32(z, _mm512_set1_epi32(xs[r * nch + c])));
                 __m512 f = _mm512_loadu_ps(out + 32 * r + 16 * h);
                 __m512 scale = x8 ? _mm512_mul_ps(sc, _mm512_set1_ps(xsc[r * nch + c])) : sc;
@@ -235,10 +284,13 @@ static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, con
 
 #define VP_TILE_CASE(n)                                                                    \
     case n:                                                                                \
-        if (x8 && bits == 8) vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 8, 1, n, out);        \
-        else if (x8) vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 4, 1, n, out);                \
-        else if (n <= VP_TILE && bits == 8) vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 8, 0, n, out); \
-        else if (n <= VP_TILE) vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 4, 0, n, out);      \
+        if (x8 && bits == 8) vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 8, 1, 0, n, out);     \
+        else if (x8) vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 4, 1, 0, n, out);             \
+        else if (n <= VP_TILE && bits == 8)                                                \
+            vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 8, 0, 0, n, out);                      \
+        else if (n == 1 && vp_split(bits, n))                                              \
+            vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 4, 0, 1, n, out);                      \
+        else if (n <= VP_TILE) vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 4, 0, 0, n, out);   \
         break;
 
 /* vp_tile for a tile of R rows (R <= VP_TILE exact, <= VP_TILE8 with x in 8 bits). */
