@@ -88,6 +88,8 @@ def compile_flags(isa: str, flags: frozenset[str]) -> list[str]:
             out.append("-mavx512bf16")
         if "avx512_vnni" in flags:  # the quantized GEMV's int16 dot products (qgemv.c)
             out.append("-mavx512vnni")
+        if "avx512vbmi" in flags:  # byte lookups: fp8 codes to bf16 (qvpanel.c)
+            out.append("-mavx512vbmi")
         # AMX tiles (csrc/amx.h): bf16 and int8 tile dot products where the CPU has them all.
         if flags >= AMX_NEEDS:
             out += ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]

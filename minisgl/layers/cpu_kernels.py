@@ -196,8 +196,9 @@ class _Lib:
         # AVX512-VNNI builds only; quant/cpu_vpanel.py): qgemv's arguments, and which weights
         # it takes (bits, N, K, group).
         # Its rows dequantized (qdequant's arguments): a packed tied table's lookups.
-        self.qvpanel = _quant_kernels(lib, "qvpanel", ("u4", "u8"), _QMM_ARGS)
-        self.qvpanel_rows = _quant_kernels(lib, "qvpanel_rows", ("u4", "u8"), _QROWS_ARGS)
+        # fp8 codes too where the build has AVX512-BF16 and AVX512-VBMI (bf16 x only).
+        self.qvpanel = _quant_kernels(lib, "qvpanel", ("u4", "u8", "fp8"), _QMM_ARGS)
+        self.qvpanel_rows = _quant_kernels(lib, "qvpanel_rows", ("u4", "u8", "fp8"), _QROWS_ARGS)
         self.qvpanel_takes: Any = getattr(lib, "qvpanel_takes", None)
         if self.qvpanel_takes is not None:
             self.qvpanel_takes.argtypes = [ctypes.c_int, i64, i64, i64]

@@ -159,13 +159,15 @@ def default_picks(
     )
 
 
-def offered(weights: Sequence[QTensor], packable: bool = False) -> tuple[str, ...]:
+def offered(
+    weights: Sequence[QTensor], packable: bool = False, x_dtype: torch.dtype = torch.bfloat16
+) -> tuple[str, ...]:
     """The candidates timed for these weights: x8_panel only under --cpu-quantized-activations
     int8 and where its kernel takes them (outside that mode it would change the numerics);
     vnni_panel only where the weights may be repacked (`packable`) and its kernel takes them
-    (under int8 activations it rounds x as x8_panel does)."""
+    (under int8 activations it rounds x as x8_panel does; fp8 codes: bf16 x only)."""
     x8 = cpu_kernels.quantized_activations() == "int8" and cpu_panel.x8_takes(weights[0])
-    packed = packable and cpu_vpanel.takes(weights[0])
+    packed = packable and cpu_vpanel.takes(weights[0], x_dtype)
     return tuple(c for c in CANDIDATES if (c != "x8_panel" or x8) and (c != PACKED or packed))
 
 
@@ -175,11 +177,17 @@ def one_layout(timings: kernel_choice.Timings, defaults: Sequence[str]) -> tuple
     (kernel_choice.slowdown): its layout replaces the codes, so it cannot serve only some row
     counts."""
     row = {n: ts for n, ts in timings.items() if n != PACKED}
-    picks = kernel_choice.pick(row, defaults)
     packed = timings.get(PACKED)
-    if packed is None or any(t is None for t in packed):
+    complete = packed is not None and all(t is not None for t in packed)
+    every = tuple(PACKED for _ in defaults)
+    try:
+        picks = kernel_choice.pick(row, defaults)
+    except ValueError:  # no row-major timing in a bucket (measure keeps one since 2026-12)
+        if complete:
+            return every
+        raise
+    if not complete:
         return picks
-    every = tuple(PACKED for _ in picks)
     cost = kernel_choice.slowdown(every, timings)
     if cost < kernel_choice.slowdown(picks, timings) * (1 - kernel_choice.LAYOUT_MARGIN):
         return every
@@ -194,7 +202,8 @@ def shape_key(w: QTensor, x_dtype: torch.dtype) -> ShapeKey:
 def machine_key() -> MachineKey:
     model, flags = cpu_build.cpu_info()
     kernels = cpu_kernels.build_id() or "none"
-    rules = f"quant:{kernel_choice.policy(CANDIDATES)};confirm {_CONFIRM_REPEATS}"
+    # "keeps": measure keeps vnni_panel and the best row-major candidate in every bucket
+    rules = f"quant:{kernel_choice.policy(CANDIDATES)};confirm {_CONFIRM_REPEATS};keeps"
     if cpu_kernels.quantized_activations() == "int8":  # integer decode timings differ
         rules += ":x8"
     return MachineKey.of(model, flags, torch.__version__, torch.get_num_threads(), kernels, rules)
@@ -215,7 +224,7 @@ def choose(
     x8 = cpu_kernels.quantized_activations() == "int8"
     x8 = x8 and cpu_gemv.takes_int8_activations(weights[0])
     defaults = default_picks(cpu_gemv.kind(weights[0]), x_dtype, x8)
-    names = offered(weights, packable)
+    names = offered(weights, packable, x_dtype)
     forced = os.environ.get("MINISGL_CPU_QUANT_LINEAR")
     if forced:
         return kernel_choice.forced(forced, names, defaults), "forced"
@@ -301,8 +310,11 @@ def measure(
             if rep == 0:
                 lead = min(best.values())
                 # vnni_panel stays, as cpu_linear's panels do: a layout's only candidate, and
-                # one disturbed pass in one bucket would take the layout from every bucket
-                live = [n for n in live if best[n] <= 3 * lead or n == PACKED]
+                # one disturbed pass in one bucket would take the layout from every bucket;
+                # so does the best over the row-major codes, which must have a pick in every
+                # bucket should the panels not be taken (fp8 panels at 8 rows: 3x ahead)
+                rows_lead = min((n for n in live if n != PACKED), key=best.__getitem__)
+                live = [n for n in live if best[n] <= 3 * lead or n in (PACKED, rows_lead)]
             elif rep + 1 >= _MIN_REPEATS and not improved:
                 break
         leader = min(live, key=lambda n: best[n])

@@ -1,10 +1,13 @@
-"""Integer codes repacked once into 32-row panels for AVX512-VNNI (layers/csrc/qvpanel.c):
-`vnni_panel`, one kernel for every row count, exact (x quantized per row to int16, as the
-decode GEMV does) or, under --cpu-quantized-activations int8, with x rounded to 8 bits as
-x8_panel rounds it, reading one contiguous run of memory per panel.
+"""Codes repacked once into 32-row panels (layers/csrc/qvpanel.c): `vnni_panel`, one kernel
+for every row count, reading one contiguous run of memory per panel. Integer codes on
+AVX512-VNNI: exact (x quantized per row to int16, as the decode GEMV does) or, under
+--cpu-quantized-activations int8, with x rounded to 8 bits as x8_panel rounds it. fp8 e4m3
+codes on AVX512-BF16 with AVX512-VBMI, against bf16 x only: each code looked up as its bf16
+value (exact) and multiplied with VDPBF16PS.
 
 The panels hold the same bytes as the row-major codes, reordered: codes [N/32, K/4, 32]
-dwords for 8-bit codes (four features of one row each), [N/32, K/8, 32] for 4-bit (eight);
+dwords for 8-bit codes (four features of one row each), [N/32, K/8, 32] for 4-bit (eight),
+[N/32, K/2, 32, 2] for fp8 (two features of one row, the rows of a line in FP8_ROW_ORDER);
 scales and zero points [N/32, G, 32]. A packed weight keeps its tensors' shapes (codes
 [N, K] or [N, K/2], scales [N, G]), so its memory, its huge pages and its QTensor views stay
 as they were; only this kernel and the row lookups here read it (QuantWeight.packed says
@@ -20,15 +23,21 @@ from minisgl.quant import cpu_gemv, cpu_panel
 from minisgl.quant.qtensor import QTensor
 
 ROWS = 32  # weight rows per panel
+# fp8: the row in each slot of a 64-byte line (two codes a slot): per 16-byte lane L rows
+# 4L..4L+3, then 16+4L..16+4L+3, so the kernel's two byte unpacks give rows 0-15 and 16-31.
+FP8_ROW_ORDER = [b + 4 * lane + i for lane in range(4) for b in (0, 16) for i in range(4)]
 
 
-def takes(w: QTensor) -> bool:
-    """Whether this build and CPU run vnni_panel for w: 8- or 4-bit integer codes in
-    contiguous groups of a multiple of 32 features, N a multiple of 32 (ROWS)."""
+def takes(w: QTensor, x_dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this build and CPU run vnni_panel for w against x of `x_dtype`: 8- or 4-bit
+    integer codes, or fp8 codes against bf16 x, in contiguous groups of a multiple of 32
+    features, N a multiple of 32 (ROWS)."""
     lib = cpu_kernels.load()
     if lib is None or lib.qvpanel_takes is None or w.g_idx is not None:
         return False
     kind = cpu_gemv.kind(w)
+    if kind == "fp8" and x_dtype != torch.bfloat16:  # its products are bf16 pairs
+        return False
     n, k = w.shape
     return kind in lib.qvpanel and bool(lib.qvpanel_takes(w.bits, n, k, w.group_size or k))
 
@@ -40,8 +49,20 @@ def _panels(t: torch.Tensor, unit: int) -> torch.Tensor:
     return out.reshape(n, x)
 
 
+def _fp8_panels(codes: torch.Tensor) -> torch.Tensor:
+    """fp8 codes [N, K] -> [N/ROWS, K/2, ROWS (FP8_ROW_ORDER), 2], flattened back to [N, K]."""
+    n, k = codes.shape
+    b = codes.view(torch.uint8).reshape(n // ROWS, ROWS, k // 2, 2)[:, FP8_ROW_ORDER]
+    return b.transpose(1, 2).contiguous().reshape(n, k).view(codes.dtype)
+
+
 def pack(w: QTensor) -> QTensor:
     """w's tensors in the panel layout (new tensors; `w` is not changed)."""
+    if cpu_gemv.kind(w) == "fp8":
+        scales = _panels(w.scales, 1)
+        return QTensor(
+            _fp8_panels(w.codes), scales, None, None, w.bits, w.group_size, w.in_features
+        )
     codes = _panels(w.codes, 4)  # a dword: 4 8-bit codes or 8 4-bit ones of one row
     scales = _panels(w.scales, 1)
     zeros = _panels(w.zeros, 1) if w.zeros is not None else None
@@ -61,7 +82,14 @@ def take_rows(w: QTensor, ids: torch.Tensor) -> QTensor:
     that was packed for its LM head's matmul)."""
     flat = ids.reshape(-1)
     zeros = _rows_of(w.zeros, 1, flat) if w.zeros is not None else None
-    codes, scales = _rows_of(w.codes, 4, flat), _rows_of(w.scales, 1, flat)
+    scales = _rows_of(w.scales, 1, flat)
+    if cpu_gemv.kind(w) == "fp8":
+        n, k = w.codes.shape
+        slot = torch.tensor(FP8_ROW_ORDER).argsort()[flat % ROWS]
+        lines = w.codes.view(torch.uint8).view(n // ROWS, k // 2, ROWS, 2)
+        codes = lines[flat // ROWS, :, slot].reshape(len(flat), k).view(w.codes.dtype)
+    else:
+        codes = _rows_of(w.codes, 4, flat)
     return QTensor(codes, scales, zeros, None, w.bits, w.group_size, w.in_features)
 
 
@@ -106,7 +134,10 @@ def vnni_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None
     """x [M, K] @ weight.T -> [M, N] in `out_dtype` (default x's), w already packed."""
     lib = cpu_kernels.load()
     assert lib is not None
-    return cpu_panel.run_c(lib.qvpanel[cpu_gemv.kind(w)], x, w, out_dtype)
+    kind = cpu_gemv.kind(w)
+    if kind == "fp8" and x.dtype != torch.bfloat16:
+        raise ValueError("fp8 panels multiply bf16 x only (cpu_vpanel.takes)")
+    return cpu_panel.run_c(lib.qvpanel[kind], x, w, out_dtype)
 
 
 def timed(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

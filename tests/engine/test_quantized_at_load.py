@@ -214,16 +214,28 @@ needs_vnni_panel = pytest.mark.skipif(
 )
 
 
+needs_fp8_panel = pytest.mark.skipif(
+    not (cpu_kernels.load() is not None and "fp8" in cpu_kernels.load().qvpanel),
+    reason="no AVX512-BF16 + AVX512-VBMI build here: fp8 panels are never offered",
+)
+
+
 @needs_vnni_panel
 @pytest.mark.parametrize(
-    ("method", "dtype"), [("int8", "float32"), ("int4", "float32"), ("int4", "bfloat16")]
+    ("method", "dtype"),
+    [
+        ("int8", "float32"),
+        ("int4", "float32"),
+        ("int4", "bfloat16"),
+        pytest.param("fp8", "bfloat16", marks=needs_fp8_panel),
+    ],
 )
 def test_vnni_panels_generate_the_twins_tokens(
     method: str, dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every quantized weight repacked into VNNI panels (the tied head too, its lookups
-    gathered out of the panels): the twin's greedy tokens, batched, with prefix hits and
-    chunked prefill as quant_parity runs them."""
+    gathered out of the panels; fp8 codes into their bf16-product panels): the twin's greedy
+    tokens, batched, with prefix hits and chunked prefill as quant_parity runs them."""
     monkeypatch.setenv("MINISGL_CPU_QUANT_LINEAR", "vnni_panel")
     _assert_twin_tokens(tmp_path, method, dtype=dtype, quantization=method)
 

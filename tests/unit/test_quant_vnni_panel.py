@@ -41,6 +41,11 @@ def _has_kernel() -> bool:
     return lib is not None and bool(lib.qvpanel)
 
 
+def _has_fp8_kernel() -> bool:
+    lib = cpu_kernels.load()
+    return lib is not None and "fp8" in lib.qvpanel
+
+
 needs_kernel = pytest.mark.skipif(
     not _has_kernel(), reason="no AVX512-VNNI build here (the chooser never offers it: below)"
 )
@@ -99,12 +104,15 @@ def test_lookups_in_a_packed_table_equal_the_row_major_ones(bits: int) -> None:
 
 
 def test_declines_what_it_cannot_take() -> None:
-    """N not a multiple of 32, fp8 codes and scattered groups: not taken (nor offered)."""
+    """N not a multiple of 32, fp8 codes against fp32 x (or without the fp8 kernel) and
+    scattered groups: not taken (nor offered)."""
     assert not cpu_vpanel.takes(random_qtensor(48, 256, 4, 128))
     fp8 = QTensor(
         torch.zeros(32, 256, dtype=torch.float8_e4m3fn), torch.ones(32, 2), None, None, 8, 128, 256
     )
-    assert not cpu_vpanel.takes(fp8)
+    assert not cpu_vpanel.takes(fp8, torch.float32)
+    assert cpu_vpanel.takes(fp8, torch.bfloat16) == _has_fp8_kernel()
+    assert (cpu_choice.PACKED in cpu_choice.offered([fp8], True, torch.float32)) is False
     w = random_qtensor(32, 256, 4, 128)
     scattered = QTensor(
         w.codes, w.scales, w.zeros, torch.arange(256, dtype=torch.int32) // 128, 4, 128, 256
@@ -192,3 +200,87 @@ def test_one_disturbed_pass_does_not_take_its_layout(monkeypatch: pytest.MonkeyP
     assert None not in timings[cpu_choice.PACKED]
     defaults = ("qgemv",) * len(kernel_choice.BUCKETS)
     assert cpu_choice.one_layout(timings, defaults) == (cpu_choice.PACKED,) * len(defaults)
+
+
+def test_the_row_major_codes_keep_a_pick_where_the_panels_run_far_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the panels are over 3x ahead of every row-major kernel (fp8 panels at 8 rows),
+    the best row-major candidate still stays in the bucket: one_layout needs its picks over
+    the row-major codes in every bucket (it failed: "no candidate ran for rows 2-4")."""
+    now = [0.0]
+
+    def scripted(name: str) -> Callable[..., None]:
+        def run(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> None:
+            now[0] += {cpu_choice.PACKED: 1.0, "qgemv": 10.0}.get(name, 20.0)
+
+        return run
+
+    for name in cpu_choice.CANDIDATES:
+        monkeypatch.setitem(cpu_choice._RUN, name, scripted(name))
+    monkeypatch.setattr(cpu_vpanel, "pack_copies", lambda ws: None)
+    w = random_qtensor(64, 256, 8, 0)
+    names = ("qgemv", "amx_int", cpu_choice.PACKED)
+    timings = cpu_choice.measure([w], torch.float32, clock=lambda: now[0], names=names)
+    assert None not in timings["qgemv"] and all(t is None for t in timings["amx_int"])
+    defaults = ("qgemv",) * len(kernel_choice.BUCKETS)
+    assert cpu_choice.one_layout(timings, defaults) == (cpu_choice.PACKED,) * len(defaults)
+
+
+needs_fp8_kernel = pytest.mark.skipif(
+    not _has_fp8_kernel(), reason="no AVX512-BF16 + AVX512-VBMI build here (never offered)"
+)
+# Every e4m3 magnitude class: zeros, subnormals (down to 2^-9), normals, the largest (448).
+FP8_SPECIAL = [0.0, -0.0, 2**-9, -(2**-9), 3 * 2**-9, 2**-6, 0.015, 1.0, -3.5, 240.0, 448.0]
+
+
+def _fp8_weight(n: int, k: int, group: int) -> QTensor:
+    codes = (torch.randn(n, k) * 40).to(torch.float8_e4m3fn)
+    codes[0, : len(FP8_SPECIAL)] = torch.tensor(FP8_SPECIAL).to(torch.float8_e4m3fn)
+    codes[n - 1, -len(FP8_SPECIAL) :] = torch.tensor(FP8_SPECIAL).to(torch.float8_e4m3fn)
+    g = k // group if group else 1
+    return QTensor(codes, torch.rand(n, g) + 0.25, None, None, 8, group, k)
+
+
+@needs_fp8_kernel
+@pytest.mark.parametrize("group,k", [(128, 512), (0, 384)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17])
+def test_fp8_panels_multiply_the_exact_codes(group: int, k: int, rows: int) -> None:
+    """fp8 codes as bf16 (every e4m3 value is one, subnormals included) against bf16 x: each
+    product exact, sums in fp32: within fp32 rounding of a float64 product of the dequantized
+    weight, at one and two threads alike, and a row's result the same alone as in a batch."""
+    w = _fp8_weight(96, k, group)
+    packed = cpu_vpanel.pack(w)
+    x = (torch.randn(rows, k) * torch.rand(rows, 1) * 4).to(torch.bfloat16)
+    outs = at_thread_counts(lambda: cpu_vpanel.vnni_panel(x, packed, torch.float32))
+    assert torch.equal(outs[0], outs[1])
+    want = x.double() @ dequantize(w, torch.float64).T
+    # fp32 sums of K products: error within K * eps * the sum of |products|
+    bound = k * 2**-23 * (x.double().abs() @ dequantize(w, torch.float64).abs().T)
+    assert ((outs[0].double() - want).abs() <= bound + 1e-30).all()
+    alone = torch.cat(
+        [cpu_vpanel.vnni_panel(x[i : i + 1], packed, torch.float32) for i in range(rows)]
+    )
+    assert torch.equal(alone, outs[0])
+
+
+@needs_fp8_kernel
+def test_fp8_panels_keep_their_rows_for_lookups() -> None:
+    """A packed fp8 table's rows (take_rows in torch, dequant_rows in C) are the row-major
+    table's: its codes byte for byte, its values as qtensor.dequantize gives them."""
+    w = _fp8_weight(64, 256, 128)
+    packed = cpu_vpanel.pack(w)
+    ids = [0, 5, 16, 31, 32, 63]
+    got = cpu_vpanel.take_rows(packed, torch.tensor(ids))
+    assert torch.equal(got.codes.view(torch.uint8), w.codes[ids].view(torch.uint8))
+    assert torch.equal(got.scales, w.scales[ids])
+    want = dequantize(w, torch.float32)[ids]
+    assert torch.equal(cpu_vpanel.dequant_rows(packed, ids), want)
+
+
+@needs_fp8_kernel
+def test_fp8_panels_refuse_fp32_x() -> None:
+    """Their products are bf16 pairs: fp32 x would be rounded, so it is refused, not run."""
+    packed = cpu_vpanel.pack(_fp8_weight(32, 256, 128))
+    with pytest.raises(ValueError, match="bf16"):
+        cpu_vpanel.vnni_panel(torch.randn(1, 256), packed)

@@ -28,6 +28,8 @@
    result does not depend on the rows beside it, the tile it falls in or the thread count.
    Under --cpu-quantized-activations int8 the same panels meet x in 8 bits (vp_quantize_row8,
    vp_tile's x8 form). */
+#include <string.h>
+
 #include "common.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -435,5 +437,161 @@ void qvpanel_u4(const void* x, int x_bf16, const uint8_t* codes, int64_t cstride
     (void)cstride, (void)gstride;
     vp_matmul(4, x, x_bf16, codes, scales, zeros, y, out_bf16, M, N, K, gs);
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+/* fp8 e4m3 codes in 32-row panels, against bf16 x with VDPBF16PS (the bf16 panels' product,
+   panel512.c), for any number of rows: the fp8 codes' one-row path (qgemv.c) spends 13
+   instructions per 32 codes turning them into fp32; here a line of 64 codes becomes two
+   vectors of bf16 pairs in five (two byte lookups, a sign, two unpacks).
+
+   Layout (cpu_vpanel.pack): codes [N/32][K/2][32][2] bytes, a line is the 32 rows' codes of
+   features 2q, 2q+1, the rows of each 16-byte lane of the line in the order the unpacks need
+   (rows 4L..4L+3, then 16+4L..16+4L+3: FP8_ROW_ORDER in cpu_vpanel.py) so that the low
+   unpack holds rows 0-15 and the high one rows 16-31; scales [N/32][G][32] floats.
+
+   Numerics: every e4m3 value (subnormals included) is a bf16 exactly (the lookup tables are
+   its bits), so each product x_k * w_k is exact in fp32; per group of gs features the
+   products are summed in fp32 by VDPBF16PS, two features a step, then multiplied by the
+   group's scale into the row's fp32 sum. One accumulator per output lane whatever the tile
+   (one chain at one row still outruns the memory on a Zen 4: ~36 GB/s a core), so a row's
+   result does not depend on the rows beside it, the tile it falls in or the thread count. */
+
+#define F8_TILE 8
+
+/* The bf16 bits of e4m3 code c (0-127, the sign apart) as two byte tables of 128. */
+static void f8_tables(uint8_t* lo, uint8_t* hi) {
+    for (int c = 0; c < 128; c++) {
+        int e = c >> 3, m = c & 7;
+        float v = e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + m / 8.0f, e - 7);
+        uint32_t u;
+        memcpy(&u, &v, sizeof u);
+        uint16_t b = c == 127 ? 0x7FC0 : (uint16_t)(u >> 16); /* e4m3fn's NaN */
+        lo[c] = (uint8_t)b;
+        hi[c] = (uint8_t)(b >> 8);
+    }
+}
+
+typedef struct {
+    __m512i lo0, lo1, hi0, hi1;
+} F8Tables;
+
+/* A line of 64 codes -> rows 0-15 (w[0]) and 16-31 (w[1]) as bf16 pairs. */
+static inline __attribute__((always_inline)) void f8_line(const F8Tables* t, const uint8_t* p,
+                                                          __m512i* w) {
+    const __m512i d = _mm512_loadu_si512(p);
+    __m512i lo = _mm512_permutex2var_epi8(t->lo0, d, t->lo1);
+    __m512i hi = _mm512_permutex2var_epi8(t->hi0, d, t->hi1);
+    hi = _mm512_ternarylogic_epi32(hi, d, _mm512_set1_epi8((char)0x80), 0xF8); /* hi | d & s */
+    w[0] = _mm512_unpacklo_epi8(lo, hi);
+    w[1] = _mm512_unpackhi_epi8(lo, hi);
+}
+
+/* One panel against R rows of bf16 x (rows x_stride apart): fp32 results in out[r][32]. */
+static inline __attribute__((always_inline)) void f8_tile(const F8Tables* t, const uint8_t* P,
+                                                          const float* S, const uint16_t* x,
+                                                          int64_t x_stride, int64_t K,
+                                                          int64_t gs, const int R, float* out) {
+    for (int r = 0; r < 2 * R; r++) _mm512_storeu_ps(out + 16 * r, _mm512_setzero_ps());
+    for (int64_t g0 = 0; g0 < K; g0 += gs) {
+        __m512 acc[F8_TILE][2];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int64_t k = g0; k < g0 + gs; k += 2) {
+            const uint8_t* line = P + (k / 2) * 2 * VP_ROWS;
+            if (R >= VP_PF_ROWS) _mm_prefetch((const char*)line + VP_PF_BYTES, _MM_HINT_T0);
+            __m512i w[2];
+            f8_line(t, line, w);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                uint32_t pair;
+                memcpy(&pair, x + r * x_stride + k, sizeof pair);
+                const __m512bh b = (__m512bh)_mm512_set1_epi32((int)pair);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)w[0], b);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)w[1], b);
+            }
+        }
+        const int64_t g = g0 / gs;
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m512 sc = _mm512_loadu_ps(S + VP_ROWS * g + 16 * h);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                float* o = out + 32 * r + 16 * h;
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(acc[r][h], sc, _mm512_loadu_ps(o)));
+            }
+        }
+    }
+}
+
+static void f8_tile_any(const F8Tables* t, const uint8_t* P, const float* S, const uint16_t* x,
+                        int64_t x_stride, int64_t K, int64_t gs, int R, float* out) {
+    switch (R) {
+        case 1: f8_tile(t, P, S, x, x_stride, K, gs, 1, out); break;
+        case 2: f8_tile(t, P, S, x, x_stride, K, gs, 2, out); break;
+        case 3: f8_tile(t, P, S, x, x_stride, K, gs, 3, out); break;
+        case 4: f8_tile(t, P, S, x, x_stride, K, gs, 4, out); break;
+        case 5: f8_tile(t, P, S, x, x_stride, K, gs, 5, out); break;
+        case 6: f8_tile(t, P, S, x, x_stride, K, gs, 6, out); break;
+        case 7: f8_tile(t, P, S, x, x_stride, K, gs, 7, out); break;
+        default: f8_tile(t, P, S, x, x_stride, K, gs, 8, out); break;
+    }
+}
+
+/* qgemv's arguments (the strides unused); x must be bf16 (x_bf16 = 1): the panels multiply
+   bf16 pairs, and the chooser offers them for bf16 x only. */
+void qvpanel_fp8(const void* x, int x_bf16, const uint8_t* codes, int64_t cstride,
+                 const float* scales, const uint8_t* zeros, int64_t gstride, void* y, int out_bf16,
+                 int64_t M, int64_t N, int64_t K, int64_t gs) {
+    (void)cstride, (void)gstride, (void)zeros;
+    if (!x_bf16) return; /* never offered: cpu_vpanel.takes */
+    uint8_t tl[128] __attribute__((aligned(64))), th[128] __attribute__((aligned(64)));
+    f8_tables(tl, th);
+    F8Tables t = {_mm512_load_si512(tl), _mm512_load_si512(tl + 64), _mm512_load_si512(th),
+                  _mm512_load_si512(th + 64)};
+    const int64_t panels = N / VP_ROWS, G = K / gs;
+    Share shares[SHARE_MAX] __attribute__((aligned(64)));
+    int parts = share_parts();
+    shares_init(shares, parts, panels);
+    #pragma omp parallel
+    for (int64_t p; (p = share_next(shares, parts, omp_get_thread_num())) >= 0;) {
+        const uint8_t* P = codes + p * VP_ROWS * K;
+        const float* S = scales + p * G * VP_ROWS;
+        float out[F8_TILE * VP_ROWS] __attribute__((aligned(64)));
+        for (int64_t m0 = 0; m0 < M; m0 += F8_TILE) {
+            int R = M - m0 < F8_TILE ? (int)(M - m0) : F8_TILE;
+            f8_tile_any(&t, P, S, (const uint16_t*)x + m0 * K, K, K, gs, R, out);
+            for (int r = 0; r < R; r++)
+                for (int h = 0; h < 2; h++)
+                    vp_store(y, out_bf16, (m0 + r) * N + p * VP_ROWS + 16 * h,
+                             _mm512_loadu_ps(out + 32 * r + 16 * h));
+        }
+    }
+}
+
+/* Rows [start, end) of a packed fp8 weight as fp32 (code * scale, qdequant's values). */
+void qvpanel_rows_fp8(const uint8_t* codes, int64_t cstride, const float* scales,
+                      const uint8_t* zeros, int64_t gstride, float* out, int64_t start,
+                      int64_t end, int64_t K, int64_t gs) {
+    (void)cstride, (void)gstride, (void)zeros;
+    uint8_t tl[128], th[128];
+    f8_tables(tl, th);
+    const int64_t G = K / gs;
+    for (int64_t n = start; n < end; n++) {
+        const int64_t p = n / VP_ROWS, r = n % VP_ROWS;
+        /* the row's slot in a line: lane L holds rows 4L..4L+3 then 16+4L..16+4L+3 */
+        const int64_t slot = r < 16 ? (r / 4) * 8 + r % 4 : ((r - 16) / 4) * 8 + 4 + r % 4;
+        const uint8_t* P = codes + p * VP_ROWS * K;
+        const float* S = scales + p * G * VP_ROWS;
+        for (int64_t k = 0; k < K; k++) {
+            uint8_t c = P[(k / 2) * 2 * VP_ROWS + slot * 2 + k % 2];
+            uint32_t u = ((uint32_t)(c & 0x80) << 24) | ((uint32_t)th[c & 0x7F] << 24) |
+                         ((uint32_t)tl[c & 0x7F] << 16);
+            float v;
+            memcpy(&v, &u, sizeof v);
+            out[(n - start) * K + k] = v * S[(k / gs) * VP_ROWS + r];
+        }
+    }
+}
+#endif
 
 #endif
