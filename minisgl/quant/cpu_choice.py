@@ -182,7 +182,7 @@ def one_layout(timings: kernel_choice.Timings, defaults: Sequence[str]) -> tuple
     every = tuple(PACKED for _ in defaults)
     try:
         picks = kernel_choice.pick(row, defaults)
-    except ValueError:  # no row-major timing in a bucket (measure keeps one since 2026-12)
+    except ValueError:  # no row-major timing in a bucket (a cache from before measure kept one)
         if complete:
             return every
         raise

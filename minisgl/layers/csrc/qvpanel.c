@@ -1,7 +1,8 @@
 /* Integer codes (8-bit, 4-bit in groups) repacked once at load into panels of 32 weight rows,
    multiplied exactly by x quantized per row to int16, for any number of rows, with
-   AVX512-VNNI's VPDPWSSD (one row of 4-bit codes: VPDPBUSD, see vp_split) (minisgl/quant/
-   cpu_vpanel.py's vnni_panel).
+   AVX512-VNNI's VPDPWSSD (one row of 4-bit codes: VPDPBUSD, see vp_split); fp8 e4m3 codes in
+   panels of their own against bf16 x (VDPBF16PS, at the end of the file). minisgl/quant/
+   cpu_vpanel.py's vnni_panel.
 
    Why a layout of its own: the row-major codes' kernels (qgemv.c) sum along K in each lane and
    reduce a row across lanes at the end, loading x's vectors again for every weight row; with
@@ -215,7 +216,8 @@ static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, con
     const int nv = sp ? 2 : (bits == 8 ? 2 : 4) / (x8 ? 2 : 1);
     const int xw = sp ? 4 : nv;                  /* x dwords per code dword */
     const int64_t fpl = bits == 8 ? 4 : 8;       /* features per code dword */
-    /* accumulator pairs per row, for the products' latency (split: 2 of each, 1.1-1.15x 1 or 4) */
+    /* accumulator pairs per row, for the products' latency (split: 2 pairs of each sum, which
+       ran 1.1-1.15x as fast as 1 or 4) */
     const int A = sp ? 2 : R == 1 ? 4 : (R == 2 ? 2 : 1);
     const int64_t nch = K / L;
     const __m512i m8 = _mm512_set1_epi32(0x00FF00FF), m4 = _mm512_set1_epi32(0x000F000F),
@@ -223,8 +225,7 @@ static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, con
     /* the fp32 sums live in `out` (L1) between chunks: registers go to the integer sums */
     for (int r = 0; r < 2 * R; r++) _mm512_storeu_ps(out + 16 * r, _mm512_setzero_ps());
     for (int64_t c = 0; c < nch; c++) {
-        /* as small as the largest tile needs (R * A <= 12): GCC keeps a larger array in
-           memory and stores every sum back each step */
+        /* R * A <= 12 sums per half; the loops over them unrolled (see the top) */
         __m512i acc[VP_TILE8][2], lo[2][2];
 #pragma GCC unroll 12
         for (int i = 0; i < R * A; i++) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
@@ -312,7 +313,7 @@ static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, con
         else if (x8) vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 4, 1, 0, n, out);             \
         else if (n <= VP_TILE && bits == 8)                                                \
             vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 8, 0, 0, n, out);                      \
-        else if (n == 1 && vp_split(bits, n))                                              \
+        else if (vp_split(bits, n))                                                        \
             vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 4, 0, 1, n, out);                      \
         else if (n <= VP_TILE) vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 4, 0, 0, n, out);   \
         break;
