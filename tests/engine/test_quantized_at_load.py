@@ -240,6 +240,24 @@ def test_vnni_panels_generate_the_twins_tokens(
     _assert_twin_tokens(tmp_path, method, dtype=dtype, quantization=method)
 
 
+@needs_fp8_panel
+def test_an_fp8_head_in_panels_serves_its_embedding_lookups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tied table in fp8 (--lm-head-quantization fp8) packed for its LM head: the prompt's
+    and each step's embedding rows come out of the fp8 panels (C in the decode chain, torch
+    for prefill), and the tokens are the twin's."""
+    monkeypatch.setenv("MINISGL_CPU_QUANT_LINEAR", "vnni_panel")
+    _assert_twin_tokens(
+        tmp_path,
+        "fp8",
+        dtype="bfloat16",
+        head="fp8",
+        quantization="fp8",
+        lm_head_quantization="fp8",
+    )
+
+
 @needs_vnni_panel
 def test_vnni_panels_replace_the_codes_in_place(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
