@@ -313,7 +313,7 @@ def measure(
                 # one disturbed pass in one bucket would take the layout from every bucket;
                 # so does the best over the row-major codes, which must have a pick in every
                 # bucket should the panels not be taken (fp8 panels at 8 rows: 3x ahead)
-                rows_lead = min((n for n in live if n != PACKED), key=best.__getitem__)
+                rows_lead = min((n for n in live if n != PACKED), key=best.__getitem__, default="")
                 live = [n for n in live if best[n] <= 3 * lead or n in (PACKED, rows_lead)]
             elif rep + 1 >= _MIN_REPEATS and not improved:
                 break

@@ -26,6 +26,7 @@ ROWS = 32  # weight rows per panel
 # fp8: the row in each slot of a 64-byte line (two codes a slot): per 16-byte lane L rows
 # 4L..4L+3, then 16+4L..16+4L+3, so the kernel's two byte unpacks give rows 0-15 and 16-31.
 FP8_ROW_ORDER = [b + 4 * lane + i for lane in range(4) for b in (0, 16) for i in range(4)]
+_FP8_SLOT = torch.tensor(FP8_ROW_ORDER).argsort()  # row r's slot in a line
 
 
 def takes(w: QTensor, x_dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -58,13 +59,12 @@ def _fp8_panels(codes: torch.Tensor) -> torch.Tensor:
 
 def pack(w: QTensor) -> QTensor:
     """w's tensors in the panel layout (new tensors; `w` is not changed)."""
+    scales = _panels(w.scales, 1)
     if cpu_gemv.kind(w) == "fp8":
-        scales = _panels(w.scales, 1)
         return QTensor(
             _fp8_panels(w.codes), scales, None, None, w.bits, w.group_size, w.in_features
         )
     codes = _panels(w.codes, 4)  # a dword: 4 8-bit codes or 8 4-bit ones of one row
-    scales = _panels(w.scales, 1)
     zeros = _panels(w.zeros, 1) if w.zeros is not None else None
     return QTensor(codes, scales, zeros, None, w.bits, w.group_size, w.in_features)
 
@@ -85,9 +85,10 @@ def take_rows(w: QTensor, ids: torch.Tensor) -> QTensor:
     scales = _rows_of(w.scales, 1, flat)
     if cpu_gemv.kind(w) == "fp8":
         n, k = w.codes.shape
-        slot = torch.tensor(FP8_ROW_ORDER).argsort()[flat % ROWS]
         lines = w.codes.view(torch.uint8).view(n // ROWS, k // 2, ROWS, 2)
-        codes = lines[flat // ROWS, :, slot].reshape(len(flat), k).view(w.codes.dtype)
+        codes = (
+            lines[flat // ROWS, :, _FP8_SLOT[flat % ROWS]].reshape(len(flat), k).view(w.codes.dtype)
+        )
     else:
         codes = _rows_of(w.codes, 4, flat)
     return QTensor(codes, scales, zeros, None, w.bits, w.group_size, w.in_features)
