@@ -454,8 +454,9 @@ void qvpanel_u4(const void* x, int x_bf16, const uint8_t* codes, int64_t cstride
    its bits), so each product x_k * w_k is exact in fp32; per group of gs features the
    products are summed in fp32 by VDPBF16PS, two features a step, then multiplied by the
    group's scale into the row's fp32 sum. One accumulator per output lane whatever the tile
-   (one chain at one row still outruns the memory on a Zen 4: ~36 GB/s a core), so a row's
-   result does not depend on the rows beside it, the tile it falls in or the thread count. */
+   (at one row ~33 GB/s of codes a core from L3 on a Zen 4, about the memory's fast rate per
+   core; two chains ran only 1.08x as fast), so a row's result does not depend on the rows
+   beside it, the tile it falls in, the row count or the thread count. */
 
 #define F8_TILE 8
 
