@@ -1,9 +1,12 @@
 """vnni_panel (qvpanel.c): 8- and 4-bit integer codes repacked once into 32-row panels and
 multiplied exactly (x quantized per row to int16, as the decode GEMV does) with AVX512-VNNI,
-for any row count, or against x rounded to 8 bits as x8_panel rounds it. Checked against a float64 emulation of the same arithmetic, for the
-independence of a row's result from the rows beside it and the thread count, for the packed
-table's row lookups, and for the chooser's all-or-nothing use of the layout. Where the build
-has no AVX512-VNNI the kernel is absent and the chooser never offers it: checked too."""
+for any row count, or against x rounded to 8 bits as x8_panel rounds it; fp8 codes in panels
+of their own against bf16 x. Checked against a float64 emulation of the same arithmetic (fp8:
+a float64 product within fp32 rounding), for the independence of a row's result from the rows
+beside it and the thread count, for the packed table's row lookups, and for the chooser's
+all-or-nothing use of the layout and its timing passes. Where the build has no AVX512-VNNI
+(fp8: AVX512-BF16 and AVX512-VBMI) the kernel is absent and the chooser never offers it:
+checked too."""
 
 from __future__ import annotations
 
