@@ -14,6 +14,9 @@ from minisgl.testing.fixture import write_fixture_model
 from minisgl.testing.quant_writer import QuantFormat, write_quantized_pair
 
 MAX_TOKENS = 8
+# Every source checkpoint of this process lives here (80-160 MB each) and goes when the process
+# ends: mkdtemp alone left them behind, run after run, until the disk was full.
+_SOURCES = tempfile.TemporaryDirectory(prefix="minisgl-quant-sources-")
 # A small prefill budget, so the longer prompts are prefilled in several chunks.
 PREFILL_BUDGET = 32
 
@@ -22,7 +25,7 @@ PREFILL_BUDGET = 32
 def source(preset: str, tied: bool = True) -> Path:
     """The float checkpoint of `preset` the quantized ones are made from (`tied`: its LM head
     is its embedding table)."""
-    out = Path(tempfile.mkdtemp(prefix=f"minisgl-{preset}-"))
+    out = Path(_SOURCES.name) / f"{preset}-{'tied' if tied else 'untied'}"
     return write_fixture_model(out, preset, tie_word_embeddings=tied)
 
 
