@@ -28,14 +28,14 @@ from typing import Any
 
 import torch
 
-from minisgl.layers import cpu_kernels, kernel_choice
+from minisgl.layers import cpu_kernels, kernel_choice, moe
 from minisgl.layers.cpu_linear import CpuLinearKernel
 from minisgl.quant import cpu_choice, cpu_gemv
 from minisgl.quant.weight import QuantWeight
 
 # As csrc/chain.c.
 OP_WORDS = 24
-OP_NORM, OP_ATTN, OP_SILU, OP_MM8, OP_MM7, OP_QMM, OP_ROWS, OP_ROPE = range(8)
+OP_NORM, OP_ATTN, OP_SILU, OP_MM8, OP_MM7, OP_QMM, OP_ROWS, OP_ROPE, OP_ROUTE, OP_MOE = range(10)
 STEP_X, STEP_SLOTS, STEP_LENS, STEP_KMAX, STEP_NEW_SLOTS, STEP_COS, STEP_SIN, STEP_OUT = range(8)
 STEP_IDS, STEP_POS = 8, 9
 STEP_WORDS = 10
@@ -238,6 +238,68 @@ class Chain:
         else:
             raise Unsupported("a matmul without a CPU kernel")
 
+    def gemv(self, weight: torch.Tensor, x: torch.Tensor | int, out: torch.Tensor) -> None:
+        """cpu_kernels.gemv's call, x @ weight.T into out: a float weight that is no module's
+        (a router's, which moe._matmul runs through the GEMV at these rows)."""
+        lib = self.lib
+        if not cpu_kernels.supports(weight) or self.rows > cpu_kernels.MAX_ROWS:
+            raise Unsupported("a weight the GEMV does not take")
+        self._own_dtype(out)
+        n, k = weight.shape
+        args = (self._arg(x), self._arg(weight), self._arg(out), self.rows, n, k, self.bf16)
+        label = f"C matmul {n}x{k} gemv"
+        if weight.dtype == torch.bfloat16:
+            self._emit(OP_MM8, lib.bf16, *args, self.bf16, label=label)
+        elif self.bf16:  # cpu_kernels.gemv's fp32 weights take an fp32 copy of x
+            raise Unsupported("an fp32 weight against bf16 rows")
+        else:
+            self._emit(OP_MM7, lib.f32, *args, label=label)
+
+    def moe(self, block: Any, x: torch.Tensor, out: torch.Tensor) -> None:
+        """A SparseMoeBlock's forward at these rows, as it runs on the CPU: the router's GEMV
+        into logits, moe.route's C call into the rows' expert ids and weights, and the
+        experts' one C call (moe.decode_call; the same call fused_moe makes) into out."""
+        experts = block.experts
+        if experts.tp_size != 1:
+            raise Unsupported("a tensor-parallel shard of the experts")
+        w13, w2 = experts.w13, experts.w2
+        if isinstance(w13, QuantWeight) and isinstance(w2, QuantWeight):
+            call = moe.decode_call(x, w13, w2, w13.expert_matmul, w2.expert_matmul)
+        else:
+            call = moe.decode_call(x, w13, w2, experts.mm13, experts.mm2, experts.one_call_tokens)
+        if call is None:
+            raise Unsupported("experts that run one by one at these rows")
+        self._own_dtype(x, out)
+        num, k = block.gate.shape[0], block.top_k
+        logits = self.buffer("router", num)
+        self.gemv(block.gate, x, logits)
+        weights = self.buffer("route_weights", k)
+        ids = self._arg(torch.empty(self.rows, k, dtype=torch.int64))
+        args = (self._arg(logits), self.bf16, self.rows, num, k, int(block.renormalize))
+        self._emit(OP_ROUTE, self.lib.moe_route, *args, self._arg(weights), self.bf16, ids)
+        kind, a13, a2 = call
+        fn = self.lib.moe_decode_q if kind == "q" else self.lib.moe_decode
+        inter = int(a2[10]) if kind == "q" else a13.shape[1] // 2
+        hidden = x.shape[1]
+        self._emit(
+            OP_MOE,
+            fn,
+            self._arg(x),
+            self.bf16,
+            self._arg(a13),
+            self._arg(a2),
+            num,
+            ids,
+            self._arg(weights),
+            self.bf16,
+            self._arg(out),
+            self.rows,
+            k,
+            hidden,
+            inter,
+            label=f"C experts {kind}",
+        )
+
     def _pick(self, picks: tuple[str, ...]) -> str:
         return kernel_choice.row_table(picks)[kernel_choice.table_index(self.rows)]
 
@@ -403,6 +465,8 @@ _KIND_LABELS = {
     OP_QMM: "C matmul",
     OP_ROWS: "C embedding rows",
     OP_ROPE: "C rotary rows",
+    OP_ROUTE: "C router top-k",
+    OP_MOE: "C experts",
 }
 
 

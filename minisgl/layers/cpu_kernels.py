@@ -153,6 +153,12 @@ class _Lib:
         lib.moe_decode_q.argtypes = lib.moe_decode_bf16.argtypes
         lib.moe_decode_q.restype = i64
         self.moe_decode_q = lib.moe_decode_q
+        # The router's top-k choice (moe.c): logits, logits_bf16, T, E, k, renorm, weights,
+        # weights_bf16, ids.
+        lib.moe_route.argtypes = [ptr, ctypes.c_int, i64, i64, i64, ctypes.c_int, ptr]
+        lib.moe_route.argtypes += [ctypes.c_int, ptr]
+        lib.moe_route.restype = None
+        self.moe_route = lib.moe_route
         # A decode step's layers as one call (chain.c; layers/cpu_chain.py).
         self.decode_chain: Any = getattr(lib, "decode_chain", None)
         if self.decode_chain is not None:
@@ -433,6 +439,34 @@ def gemv(
         xf = x.contiguous().float()
         lib.f32(xf.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, out_bf16)
     return y
+
+
+def moe_route(
+    logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe.route's choice for router logits [T, E] (bf16 or fp32, on the CPU; see
+    `moe_route_supported`): softmax in fp32, the top_k in descending order (ties to the lower
+    id), optionally renormalised -> (weights [T, top_k] in out_dtype, bf16 or fp32, ids int64).
+    One C call, where torch's is ~8 ops a layer; the decode chain's route is this call."""
+    lib = _loaded()
+    assert lib is not None
+    t, e = logits.shape
+    logits = logits.contiguous()
+    weights = torch.empty(t, top_k, dtype=out_dtype)
+    ids = torch.empty(t, top_k, dtype=torch.int64)
+    args = (logits.data_ptr(), int(logits.dtype == torch.bfloat16), t, e, top_k, int(renormalize))
+    lib.moe_route(*args, weights.data_ptr(), int(out_dtype == torch.bfloat16), ids.data_ptr())
+    return weights, ids
+
+
+def moe_route_supported(logits: torch.Tensor, top_k: int) -> bool:
+    return (
+        logits.is_cpu
+        and logits.dim() == 2
+        and logits.dtype in _FLOATS
+        and 0 < top_k <= logits.shape[1]
+        and _loaded() is not None
+    )
 
 
 def supports_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:

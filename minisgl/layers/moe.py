@@ -45,20 +45,29 @@ logger = logging.getLogger(__name__)
 
 
 def route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts (in fp32), the top-k per token, optionally renormalised to sum 1.
 
-    router_logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int64). Ties go to the
-    lower expert id (torch.topk's order on CPU and CUDA alike is not promised, so the choice is
-    made explicit: a stable descending sort).
+    router_logits [T, E] -> (weights [T, k] in out_dtype, expert ids [T, k] int64). Ties go to
+    the lower expert id (torch.topk's order on CPU and CUDA alike is not promised, so the choice
+    is made explicit: a stable descending sort). On the CPU at decode (up to
+    cpu_kernels.MAX_ROWS tokens) one C call (cpu_kernels.moe_route, the decode chain's too),
+    not ~8 torch ops a layer.
     """
+    if router_logits.shape[0] <= cpu_kernels.MAX_ROWS and cpu_kernels.moe_route_supported(
+        router_logits, top_k
+    ):
+        return cpu_kernels.moe_route(router_logits, top_k, renormalize, out_dtype)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = probs.sort(dim=-1, descending=True, stable=True)
     weights, ids = weights[:, :top_k], ids[:, :top_k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    return weights.to(out_dtype), ids
 
 
 # An expert's matmul: run(x [M, K], w [N, K]) -> x @ w.T (w a tensor, or a QTensor view of
@@ -126,19 +135,13 @@ def fused_moe(
     to it) the experts run as one call (cpu_kernels.moe_decode), the same bits; None: as the
     default matmuls do (the GEMV up to cpu_kernels.MAX_ROWS rows), 0 with any others."""
     t, k = ids.shape
-    if one_call_tokens is None:
-        one_call_tokens = _gemv_tokens(w13, w2, mm13, mm2)
-    if t <= one_call_tokens:
-        if isinstance(w13, QuantWeight) and isinstance(w2, QuantWeight):
-            q13, q2 = _q_operands(x, w13), _q_operands(x, w2)
-            if q13 is not None and q2 is not None:
-                return cpu_kernels.moe_decode_q(x, q13, q2, w13.experts, weights, ids)
-        elif (
-            isinstance(w13, torch.Tensor)
-            and isinstance(w2, torch.Tensor)
-            and cpu_kernels.supports_moe_decode(x, w13, w2)
-        ):
-            return cpu_kernels.moe_decode(x, w13, w2, weights, ids)
+    call = decode_call(x, w13, w2, mm13, mm2, one_call_tokens)
+    if call is not None:
+        kind, a13, a2 = call
+        if kind == "q":
+            assert isinstance(w13, QuantWeight)
+            return cpu_kernels.moe_decode_q(x, a13, a2, w13.experts, weights, ids)
+        return cpu_kernels.moe_decode(x, a13, a2, weights, ids)
     flat = ids.reshape(-1)
     if t == 1:  # decode at batch 1: k distinct experts, no sort or gather needed
         outs = [_expert(x, w13, w2, e, mm13, mm2) for e in flat.tolist()]
@@ -152,6 +155,34 @@ def fused_moe(
             outs.append(_expert(xs[start:end], w13, w2, e, mm13, mm2))
             start = end
     return _combine(torch.cat(outs), weights, order, x.dtype)
+
+
+def decode_call(
+    x: torch.Tensor,
+    w13: Experts,
+    w2: Experts,
+    mm13: MatMul,
+    mm2: MatMul,
+    one_call_tokens: int | None = None,
+) -> tuple[str, torch.Tensor, torch.Tensor] | None:
+    """How fused_moe runs x's tokens as one C call (csrc/moe.c): ("bf16", w13, w2), the float
+    experts as moe_decode takes them; ("q", q13, q2), quantized experts' kernel and operand
+    words as moe_decode_q takes them; or None: the per-expert loop. The decode chain makes the
+    same call."""
+    if one_call_tokens is None:
+        one_call_tokens = _gemv_tokens(w13, w2, mm13, mm2)
+    if x.shape[0] > one_call_tokens:
+        return None
+    if isinstance(w13, QuantWeight) and isinstance(w2, QuantWeight):
+        q13, q2 = _q_operands(x, w13), _q_operands(x, w2)
+        return None if q13 is None or q2 is None else ("q", q13, q2)
+    if (
+        isinstance(w13, torch.Tensor)
+        and isinstance(w2, torch.Tensor)
+        and cpu_kernels.supports_moe_decode(x, w13, w2)
+    ):
+        return ("bf16", w13, w2)
+    return None
 
 
 def _gemv_rows(names: list[str], gemv: str = "gemv") -> int:
@@ -385,9 +416,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Through the GEMV on CPU: torch's small-M matmul took ~1 ms for this 0.5 MB router.
-        weights, ids = route(_matmul(x, self.gate), self.top_k, self.renormalize)
         # transformers casts the routing weights to the activations' dtype before mixing.
-        return self.experts(x, weights.to(x.dtype), ids)
+        weights, ids = route(_matmul(x, self.gate), self.top_k, self.renormalize, x.dtype)
+        return self.experts(x, weights, ids)
 
     def weight_names(self) -> set[str]:
         return {"gate.weight"} | {"experts." + n for n in self.experts.weight_names()}

@@ -30,7 +30,7 @@ from minisgl.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from minisgl.layers.moe import FusedMoE
+from minisgl.layers.moe import FusedMoE, SparseMoeBlock
 from minisgl.layers.norm import RMSNorm, head_rms_norm_rotary
 from minisgl.layers.rotary import RotaryEmbedding, apply_rotary
 from minisgl.models.config import ModelConfig
@@ -405,9 +405,11 @@ class Qwen3ForCausalLM(nn.Module):
         x: torch.Tensor | int = cpu_chain.FROM_STEP_X
         residual: torch.Tensor | int = cpu_chain.FROM_STEP_X
         for i, layer in enumerate(layers):
-            if not isinstance(layer, Qwen3DecoderLayer) or type(layer.mlp) is not Qwen3MLP:
-                raise cpu_chain.Unsupported("a layer other than Qwen3's dense one")
+            if not isinstance(layer, Qwen3DecoderLayer):
+                raise cpu_chain.Unsupported("a layer other than Qwen3's")
             sa, mlp = layer.self_attn, layer.mlp
+            if type(mlp) not in (Qwen3MLP, SparseMoeBlock):
+                raise cpu_chain.Unsupported("an MLP other than Qwen3's dense or sparse one")
             if not sa.qk_norm or (sa.num_heads, sa.num_kv_heads, sa.head_dim) != (hq, hkv, d):
                 raise cpu_chain.Unsupported("attention without q/k norm, or other heads")
             norm = layer.input_layernorm
@@ -428,11 +430,15 @@ class Qwen3ForCausalLM(nn.Module):
             norm = layer.post_attention_layernorm
             chain.norm(y, norm.weight, norm.eps, h, residual=residual, sum_into=y)
             residual = y
-            gate_up = chain.buffer("gate_up", mlp.gate_up_proj.weight.shape[0])
-            act = chain.buffer("act", gate_up.shape[1] // 2)
-            chain.matmul(mlp.gate_up_proj, h, gate_up)
-            chain.silu_mul(gate_up, act)
-            chain.matmul(mlp.down_proj, act, mlp_out)
+            if isinstance(mlp, SparseMoeBlock):
+                chain.moe(mlp, h, mlp_out)
+            else:
+                assert isinstance(mlp, Qwen3MLP)
+                gate_up = chain.buffer("gate_up", mlp.gate_up_proj.weight.shape[0])
+                act = chain.buffer("act", gate_up.shape[1] // 2)
+                chain.matmul(mlp.gate_up_proj, h, gate_up)
+                chain.silu_mul(gate_up, act)
+                chain.matmul(mlp.down_proj, act, mlp_out)
             x = mlp_out
         assert isinstance(residual, torch.Tensor)
         chain.layers_end = chain.mark()

@@ -30,7 +30,12 @@ PAGE = 4
 
 
 def write_hf_model(
-    path: Path, tie: bool = True, shard: bool = False, seed: int = 0, **overrides: Any
+    path: Path,
+    tie: bool = True,
+    shard: bool = False,
+    seed: int = 0,
+    moe: bool = False,
+    **overrides: Any,
 ) -> transformers.Qwen3ForCausalLM:
     import transformers  # here, not at the top: spawned TP workers need not import it
 
@@ -47,11 +52,15 @@ def write_hf_model(
         tie_word_embeddings=tie,
         eos_token_id=5,
     )
+    if moe:  # Qwen3-MoE: 16 experts, top 4, layer 1 dense
+        kwargs.update(num_experts=16, num_experts_per_tok=4, mlp_only_layers=[1])
+        kwargs.update(num_hidden_layers=3, moe_intermediate_size=32, norm_topk_prob=True)
     kwargs.update(overrides)
-    config = transformers.Qwen3Config(**kwargs)
+    config = (transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config)(**kwargs)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(config).eval()
+    model = (transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM)(config)
+    model.eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

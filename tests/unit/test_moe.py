@@ -50,6 +50,29 @@ def test_route_ties_go_to_the_lower_expert_id() -> None:
         assert [e for e, _ in ref_route(logits[t].tolist(), 2, True)] == ids[t].tolist()
 
 
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no CPU kernels here")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_s_c_route_chooses_as_torch_does(dtype: torch.dtype) -> None:
+    """At decode (<= 16 tokens) the CPU routes by one C call (the decode chain's route too): the
+    experts and order of torch's stable sort, the same weights to fp32 rounding, in the dtype
+    asked for; a row of NaN logits still picks k distinct experts (torch's first k)."""
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(40, 128, generator=g) * 2).to(dtype)
+    logits[3, 5] = logits[3, 9] = logits[3].max()  # a tie at the top
+    logits[11] = float("nan")
+    for renormalize in (True, False):
+        many_w, many_ids = route(logits, 8, renormalize)  # > 16 tokens: torch's ops
+        for t0 in range(0, 40, 16):
+            w, ids = route(logits[t0 : t0 + 16], 8, renormalize, dtype)
+            assert w.dtype == dtype and ids.dtype == torch.int64
+            assert torch.equal(ids, many_ids[t0 : t0 + 16])
+            # an fp32 rounding apart may round to neighbouring bf16 values
+            tol = 1e-6 if dtype == torch.float32 else 8e-3
+            want = many_w[t0 : t0 + 16].to(dtype)
+            torch.testing.assert_close(w, want, equal_nan=True, atol=tol, rtol=tol)
+    assert route(logits[11:12], 8, True)[1].tolist() == [list(range(8))]
+
+
 def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     gate, up = (x @ w13.T).chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up) @ w2.T

@@ -16,7 +16,7 @@
 #define OP_WORDS 24
 
 enum { OP_NORM = 0, OP_ATTN = 1, OP_SILU = 2, OP_MM8 = 3, OP_MM7 = 4, OP_QMM = 5, OP_ROWS = 6,
-       OP_ROPE = 7 };
+       OP_ROPE = 7, OP_ROUTE = 8, OP_MOE = 9 };
 /* Indices into the per-step values. */
 enum { STEP_X = 0, STEP_SLOTS = 1, STEP_LENS = 2, STEP_KMAX = 3, STEP_NEW_SLOTS = 4,
        STEP_COS = 5, STEP_SIN = 6, STEP_OUT = 7, STEP_IDS = 8, STEP_POS = 9 };
@@ -39,6 +39,12 @@ typedef void (*Matmul7Fn)(const void*, const void*, void*, int64_t, int64_t, int
 /* qgemv_* and the kernels that take its arguments */
 typedef void (*QMatmulFn)(const void*, int, const void*, int64_t, const void*, const void*,
                           int64_t, void*, int, int64_t, int64_t, int64_t, int64_t);
+/* moe_route: (logits, logits_bf16, T, E, k, renorm, weights, weights_bf16, ids) */
+typedef void (*RouteFn)(const void*, int, int64_t, int64_t, int64_t, int, void*, int, int64_t*);
+/* moe_decode_bf16, moe_decode_q: (x, x_bf16, w13, w2, E, ids, weights, weights_bf16, out, T, k,
+   H, I) */
+typedef int64_t (*MoeFn)(const void*, int, const void*, const void*, int64_t, const int64_t*,
+                         const void*, int, void*, int64_t, int64_t, int64_t, int64_t);
 /* qdequant_*: (codes, code stride, scales, zeros, group stride, out fp32, r0, r1, K, group) */
 typedef void (*DequantFn)(const void*, int64_t, const void*, const void*, int64_t, float*,
                           int64_t, int64_t, int64_t, int64_t);
@@ -116,6 +122,14 @@ static inline void run_op(const int64_t* op, const int64_t* step) {
                             a[6], input(a[7], step), (int)a[8], a[9], a[10], a[11], a[12]);
             break;
         case OP_ROWS: run_rows(a, fn, step); break;
+        case OP_ROUTE:
+            ((RouteFn)fn)(ptr(a[0]), (int)a[1], a[2], a[3], a[4], (int)a[5], ptr(a[6]), (int)a[7],
+                          ptr(a[8]));
+            break;
+        case OP_MOE: /* the ids are the route op's, every one an expert: nothing to refuse */
+            ((MoeFn)fn)(input(a[0], step), (int)a[1], ptr(a[2]), ptr(a[3]), a[4], ptr(a[5]),
+                        ptr(a[6]), (int)a[7], input(a[8], step), a[9], a[10], a[11], a[12]);
+            break;
     }
 }
 

@@ -12,6 +12,7 @@
    fused_moe's torch ops do: the result is the same bits as the per-expert loop's. */
 #include "gemv.h"
 
+#include <math.h>
 #include <string.h>
 
 void silu_mul_bf16(const uint16_t* x, uint16_t* out, int64_t M, int64_t I);
@@ -234,4 +235,48 @@ int64_t moe_decode_q(const void* x, int bf, const int64_t* q13, const int64_t* q
     }
     release(&b, xs, &g);
     return -1;
+}
+
+/* The router's choice for T tokens (moe.route on the CPU at decode, and the decode chain's): per
+   token, the softmax of its logits [E] (bf16 where logits_bf16, else fp32) in fp32, the k
+   largest probabilities in descending order, ties to the lower expert id, divided by their
+   sum where renorm -> weights [T, k] (bf16 where w_bf16, rounded to the nearest, ties to
+   even, else fp32) and ids [T, k]. k <= E. */
+void moe_route(const void* logits, int logits_bf16, int64_t T, int64_t E, int64_t k,
+               int renorm, void* weights, int w_bf16, int64_t* ids) {
+    float* p = malloc(sizeof(float) * E);
+    float* chosen = malloc(sizeof(float) * k);
+    char* taken = malloc(E);
+    for (int64_t t = 0; t < T; t++) {
+        float top = -INFINITY, sum = 0.f;
+        for (int64_t e = 0; e < E; e++) {
+            p[e] = logits_bf16 ? bf16_to_f32(((const uint16_t*)logits)[t * E + e])
+                               : ((const float*)logits)[t * E + e];
+            top = p[e] > top ? p[e] : top;
+        }
+        for (int64_t e = 0; e < E; e++) sum += p[e] = expf(p[e] - top);
+        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        /* k passes of a selection: the largest not yet taken, the lowest id among equals (the
+           first found stays), NaN above everything (as torch's descending sort puts it). */
+        memset(taken, 0, E);
+        float total = 0.f;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                if (taken[e]) continue;
+                if (best < 0 || (isnan(p[e]) ? !isnan(p[best]) : p[e] > p[best])) best = e;
+            }
+            taken[best] = 1;
+            ids[t * k + j] = best;
+            total += chosen[j] = p[best];
+        }
+        for (int64_t j = 0; j < k; j++) {
+            float w = renorm ? chosen[j] / total : chosen[j];
+            if (w_bf16) ((uint16_t*)weights)[t * k + j] = f32_to_bf16(w);
+            else ((float*)weights)[t * k + j] = w;
+        }
+    }
+    free(taken);
+    free(chosen);
+    free(p);
 }
