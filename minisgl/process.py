@@ -7,6 +7,7 @@ import gc
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -52,13 +53,15 @@ class WorkerLife:
     whole process group from a terminal or a service manager, are left to the server, which
     drains its requests and then stops the workers (before loading is over they still end the
     worker: nothing is in flight). The worker also stops when its parent is gone, so a kill -9
-    of the server leaves no orphans.
+    of the server leaves no orphans; it then removes the server's socket directory (`ipc_dir`),
+    which the server would have removed on its way out.
     """
 
     ORPHAN_CHECK_S = 0.5
 
-    def __init__(self) -> None:
+    def __init__(self, ipc_dir: str | None = None) -> None:
         self.parent_pid = os.getppid()
+        self.ipc_dir = ipc_dir
         self.stopping = False
         self.loaded = False
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -81,6 +84,7 @@ class WorkerLife:
                 )
                 for child in mp.active_children():  # e.g. tensor-parallel ranks still loading
                     child.kill()
+                self._remove_ipc_dir()
                 logging.shutdown()
                 os._exit(1)
             time.sleep(self.ORPHAN_CHECK_S)
@@ -97,7 +101,16 @@ class WorkerLife:
         self.loaded = True
 
     def alive(self) -> bool:
-        return not self.stopping and os.getppid() == self.parent_pid
+        if os.getppid() != self.parent_pid:
+            self._remove_ipc_dir()
+            return False
+        return not self.stopping
+
+    def _remove_ipc_dir(self) -> None:
+        """The server is gone without removing its sockets (a kill -9): the first of its
+        workers to notice does (the others find nothing left)."""
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 def report_ready(conn: Connection, **info: Any) -> None:

@@ -322,7 +322,7 @@ def run_scheduler_worker(
     args: EngineArgs, endpoints: Endpoints, ready: Connection, log_level: str, tp_rank: int = 0
 ) -> None:
     log = setup_logging(log_level, "scheduler")
-    life = WorkerLife()
+    life = WorkerLife(endpoints.root)
     start = time.perf_counter()
     ctx = messaging_context(args.scheduler_nice)
     try:

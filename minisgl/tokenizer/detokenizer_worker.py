@@ -190,7 +190,7 @@ def run_detokenizer_worker(
 ) -> None:
     keep_torch_out()
     log = setup_logging(log_level, "detokenizer")
-    life = WorkerLife()
+    life = WorkerLife(endpoints.root)
     start = time.perf_counter()
     try:
         detok = Detokenizer(load_tokenizer(model), log)

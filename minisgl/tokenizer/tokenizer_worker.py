@@ -100,7 +100,7 @@ def run_tokenizer_worker(
     server does not take them, so no sandbox process is started)."""
     keep_torch_out()
     log = setup_logging(log_level, "tokenizer")
-    life = WorkerLife()
+    life = WorkerLife(endpoints.root)
     start = time.perf_counter()
     try:
         tokenizer = load_tokenizer(model)

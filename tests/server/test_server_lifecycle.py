@@ -193,6 +193,30 @@ def test_scheduler_killed_makes_the_server_exit_non_zero(
         srv.stop()
 
 
+def test_a_killed_server_s_workers_leave_and_remove_its_sockets(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """kill -9 of the server: its workers notice and leave, and the first to notice removes
+    the socket directory the server can no longer remove (one was left in /tmp per kill)."""
+    log = tmp_path_factory.mktemp("killed") / "server.log"
+    srv = ServerProcess(tiny_model_dir, log, *COMMON_FLAGS).wait_ready()
+    try:
+        stats = srv.stats()
+        workers, ipc_dir = stats["workers"], stats["ipc_dir"]
+        assert os.path.isdir(ipc_dir)
+        srv.proc.kill()
+        srv.proc.wait(15)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and (
+            os.path.exists(ipc_dir) or any(pid_alive(p) for p in workers.values())
+        ):
+            time.sleep(0.1)
+        assert not any(pid_alive(p) for p in workers.values())
+        assert not os.path.exists(ipc_dir)
+    finally:
+        srv.stop()
+
+
 def test_ready_only_after_the_attention_warm_up(guarded: ServerProcess) -> None:
     """The fixture waited for /health 200; by then the scheduler had run the engine's warm-up
     (a prefill and a decode through the attention backend), before it reported the model
