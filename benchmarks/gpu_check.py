@@ -37,6 +37,7 @@ import gc
 import importlib.util
 import logging
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -331,6 +332,7 @@ def served(model: Path, setup: Setup) -> str:
     finally:
         code = stop_process(proc)  # SIGTERM to the server alone, as Kubernetes sends it
     assert code == 0, f"exit code {code} after SIGTERM; its log: {log}"
+    shutil.rmtree(log.parent)  # kept only where a check failed, to be read
     return f"ready in {start_s:.1f} s; chat, a stream of {len(events)} events, n=2 with logprobs"
 
 

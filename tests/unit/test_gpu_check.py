@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -13,8 +14,11 @@ def test_gpu_check_runs_its_cpu_parts_and_names_the_skipped(
     tiny_model_dir: Path,
     capsys: pytest.CaptureFixture[str],
     import_benchmark: Callable[[str], ModuleType],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     gpu_check = import_benchmark("gpu_check")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
     assert gpu_check.main(["--quick", "--model", str(tiny_model_dir)]) == 0
     out = capsys.readouterr().out
@@ -30,6 +34,7 @@ def test_gpu_check_runs_its_cpu_parts_and_names_the_skipped(
     for check in ("decode", "8 x 16"):
         assert f"SKIP {check}: figures of a GPU" in out
     assert "0 failed" in out
+    assert not list(tmp_path.glob("gpu-check-*"))  # the served log kept only on a failure
 
 
 def test_a_clear_divergence_fails_and_a_near_tie_does_not(
