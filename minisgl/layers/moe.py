@@ -195,9 +195,10 @@ def _gemv_rows(names: list[str], gemv: str = "gemv") -> int:
 
 
 def _gemv_tokens(w13: Experts, w2: Experts, mm13: MatMul, mm2: MatMul) -> int:
-    """Up to how many tokens mm13 and mm2 run the GEMV on every row count: the default
-    matmuls' untuned policy, or quantized experts' own matmul by their kernel's picks (the
-    quantized GEMV, qgemv, where there is none); 0 for anything else."""
+    """Up to how many tokens mm13 and mm2 run one C kernel on every row count: the GEMV by the
+    default matmuls' untuned policy; quantized experts' own matmul by their kernel's picks
+    (the quantized GEMV, qgemv, where there is none; the panels at every row count where
+    they were packed, QuantWeight.pack_vnni); 0 for anything else."""
     if isinstance(w13, QuantWeight) and isinstance(w2, QuantWeight):
         if mm13 != w13.expert_matmul or mm2 != w2.expert_matmul:
             return 0
@@ -206,7 +207,7 @@ def _gemv_tokens(w13: Experts, w2: Experts, mm13: MatMul, mm2: MatMul) -> int:
 
 
 def _qgemv_rows(w: QuantWeight) -> int:
-    if w.kernel is None:  # qlinear's untuned policy
+    if w.kernel is None or w.packed:  # qlinear's untuned policy; or the panels at every row count
         return cpu_kernels.MAX_ROWS
     if isinstance(w.kernel, QuantKernel):
         return _qgemv_rows_of(w.kernel.picks)
@@ -226,7 +227,7 @@ def _q_operands(x: torch.Tensor, w: QuantWeight) -> torch.Tensor | None:
     fp32. Made once per kind of x and place of the weight's tensors: a decode step asks for
     them in every layer."""
     cache = w.__dict__.setdefault("_moe_operands", {})
-    key = (x.dtype, x.device.type, x.dim(), w.codes.data_ptr(), w.scales.data_ptr())
+    key = (x.dtype, x.device.type, x.dim(), w.codes.data_ptr(), w.scales.data_ptr(), w.packed)
     if key not in cache:
         cache[key] = _q_words(x, w)
     return cache[key]
@@ -239,7 +240,9 @@ def _q_words(x: torch.Tensor, w: QuantWeight) -> torch.Tensor | None:
     one = w.view(0)
     if not cpu_gemv.usable(x, one):
         return None
-    fn = ctypes.cast(lib.qgemv[cpu_gemv.kind(one)], ctypes.c_void_p).value
+    # the experts' kernel at every row count the one call takes: the panels' or the GEMV's
+    kernels = lib.qvpanel if w.packed else lib.qgemv
+    fn = ctypes.cast(kernels[cpu_gemv.kind(one)], ctypes.c_void_p).value
     codes, scales, zeros = w.codes, w.scales, w.zeros
     if not (codes.is_contiguous() and scales.is_contiguous()):
         return None

@@ -174,14 +174,16 @@ class QuantWeight(nn.Module):
     def pack_vnni(self) -> None:
         """The buffers rewritten in place into cpu_vpanel's panels (the same shapes and bytes,
         so the same memory and huge pages), after which only `kernel` (vnni_panel, the
-        chooser's pick for every row count) multiplies by them."""
+        chooser's pick for every row count) multiplies by them. A mixture's experts one at a
+        time: one expert's copy at most beside them."""
         if self.packed:
             return
-        packed = cpu_vpanel.pack(self.view())
-        self.codes.copy_(packed.codes)
-        self.scales.copy_(packed.scales)
-        if self.zeros is not None and packed.zeros is not None:
-            self.zeros.copy_(packed.zeros)
+        for e in range(self.experts) if self.experts else [None]:
+            packed = cpu_vpanel.pack(self.view(e))
+            pairs = ((self.codes, packed.codes), (self.scales, packed.scales))
+            for dst, src in (*pairs, (self.zeros, packed.zeros)):
+                if dst is not None and src is not None:
+                    (dst if e is None else dst[e]).copy_(src)
         self.packed = True
 
     def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -202,6 +204,9 @@ class QuantWeight(nn.Module):
 
     def expert_matmul(self, x: torch.Tensor, w: QTensor) -> torch.Tensor:
         """One expert's x @ w.T, `w` a view of these buffers (the fused MoE's matmul)."""
+        if self.packed:  # the panels' own kernel, whatever the rows
+            assert self.kernel is not None
+            return through(self.kernel, x, w, None)
         return qlinear(x, w, self.kernel)
 
     def extra_repr(self) -> str:

@@ -9,11 +9,22 @@ import random
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from minisgl import LLM, SamplingParams
+from minisgl.layers import cpu_kernels
 from minisgl.testing.fixture import write_fixture_model
 from minisgl.testing.quant_writer import QuantFormat, write_quantized_pair
 
 MAX_TOKENS = 8
+needs_vnni_panel = pytest.mark.skipif(
+    not (cpu_kernels.load() is not None and cpu_kernels.load().qvpanel),
+    reason="no AVX512-VNNI build here: vnni_panel is never offered",
+)
+needs_fp8_panel = pytest.mark.skipif(
+    not (cpu_kernels.load() is not None and "fp8" in cpu_kernels.load().qvpanel),
+    reason="no AVX512-BF16 + AVX512-VBMI build here: fp8 panels are never offered",
+)
 # Every source checkpoint of this process lives here (80-160 MB each) and goes when the process
 # ends: mkdtemp alone left them behind, run after run, until the disk was full.
 _SOURCES = tempfile.TemporaryDirectory(prefix="minisgl-quant-sources-")

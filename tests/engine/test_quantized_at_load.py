@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from quant_parity import MAX_TOKENS, assert_agree, greedy, prompts, source
+from quant_parity import (
+    MAX_TOKENS,
+    assert_agree,
+    greedy,
+    needs_fp8_panel,
+    needs_vnni_panel,
+    prompts,
+    source,
+)
 
 from minisgl import LLM, SamplingParams
 from minisgl.layers import cpu_kernels
@@ -206,18 +214,6 @@ def test_activations_in_8_bits_keep_the_tokens_but_near_ties(
     else:  # 8-bit codes without VNNI (or no C kernels): exact paths, the flag changes nothing
         assert ours == reference
     assert any("--cpu-quantized-activations int8" in r.getMessage() for r in caplog.records)
-
-
-needs_vnni_panel = pytest.mark.skipif(
-    not (cpu_kernels.load() is not None and cpu_kernels.load().qvpanel),
-    reason="no AVX512-VNNI build here: vnni_panel is never offered",
-)
-
-
-needs_fp8_panel = pytest.mark.skipif(
-    not (cpu_kernels.load() is not None and "fp8" in cpu_kernels.load().qvpanel),
-    reason="no AVX512-BF16 + AVX512-VBMI build here: fp8 panels are never offered",
-)
 
 
 @needs_vnni_panel

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from minisgl.layers import cpu_kernels
+from minisgl.layers import cpu_kernels, kernel_choice, moe
 from minisgl.layers.moe import FusedMoE, SparseMoeBlock, fused_moe, route
 from minisgl.models.config import ModelConfig
 from minisgl.quant import cpu_gemv
@@ -369,13 +369,58 @@ def test_quantized_experts_in_one_call_give_the_per_expert_loop_s_bits(
     assert torch.equal(one_call, loop)
 
 
+@pytest.mark.skipif(
+    cpu_kernels.load() is None or not cpu_kernels.load().qvpanel,
+    reason="no AVX512-VNNI build here: experts are never packed",
+)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_experts_packed_into_panels_run_in_one_call_up_to_16_tokens(
+    method: str, x_dtype: torch.dtype
+) -> None:
+    """Experts repacked in place into VNNI panels (QuantWeight.pack_vnni, one by one): the
+    panels' kernel serves every row count, so up to 16 tokens (where qgemv's picks stopped at
+    4-8) the experts are one C call giving the loop's bits; and the products are those of the
+    row-major codes (to the summation's rounding)."""
+    from minisgl.quant.cpu_choice import PACKED, QuantKernel
+    from minisgl.quant.matmul import qlinear
+
+    g = torch.Generator().manual_seed(11)
+    e, h, i = 8, 256, 128
+    w13, w2 = _quantized_experts(method, e, 2 * i, h, g), _quantized_experts(method, e, h, i, g)
+    x = torch.randn(16, h, generator=g).to(x_dtype)
+    weights, ids = route(torch.randn(16, e, generator=g), 4, True, x_dtype)
+    rows = w13[3].codes.clone(), w2[5].codes.clone()
+    want = [qlinear(x, w13[3], None), qlinear(x[:, :i], w2[5], None)]
+    unpacked = fused_moe(x, w13, w2, weights, ids, w13.expert_matmul, w2.expert_matmul, 0)
+    for w in (w13, w2):
+        w.kernel = QuantKernel((PACKED,) * len(kernel_choice.BUCKETS))
+        w.pack_vnni()
+    assert not torch.equal(w13[3].codes, rows[0]) and w13[3].codes.shape == rows[0].shape
+    got = [w13.expert_matmul(x, w13[3]), w2.expert_matmul(x[:, :i], w2[5])]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    for tokens in (1, 8, 16):
+        call = moe.decode_call(x[:tokens], w13, w2, w13.expert_matmul, w2.expert_matmul)
+        assert call is not None and call[0] == "q"
+        args = (x[:tokens], w13, w2, weights[:tokens], ids[:tokens])
+        one = fused_moe(*args, w13.expert_matmul, w2.expert_matmul)
+        loop = fused_moe(*args, w13.expert_matmul, w2.expert_matmul, 0)
+        assert torch.equal(one, loop)
+    torch.testing.assert_close(
+        fused_moe(x, w13, w2, weights, ids, w13.expert_matmul, w2.expert_matmul).float(),
+        unpacked.float(),
+        atol=5e-2,
+        rtol=5e-2,
+    )
+
+
 def test_quantized_experts_picks_are_read_once_not_per_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Whether a decode step's experts run as one call is read from their kernel's picks; the
     row table that answer comes from (514 entries, ~0.2 ms to build in Python) was built twice
     per mixture layer and step: ~19 ms of a 48-layer Qwen3-30B-A3B step. Now once per picks."""
-    from minisgl.layers import kernel_choice
     from minisgl.quant.cpu_choice import QuantKernel
 
     g = torch.Generator().manual_seed(3)
