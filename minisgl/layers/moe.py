@@ -17,8 +17,10 @@ the whole layer is one C call (cpu_kernels.moe_decode): the chosen experts' weig
 among the threads in one parallel region, the prefetch running on from one expert into the
 next, instead of two GEMV calls, a SiLU and their Python per expert. Each expert's rows are the
 same GEMV arithmetic, so the result is the same bits as the loop's. Quantized experts on the
-quantized GEMV are one call too (cpu_kernels.moe_decode_q): there whole experts are shared
-among the threads, each through the same kernel call the loop makes.
+quantized GEMV, or repacked into the VNNI panels (whose kernel serves every row count), are one
+call too (cpu_kernels.moe_decode_q): there whole experts are shared among the threads, each
+through the same kernel call the loop makes. The router's top-k at decode is one C call too
+(cpu_kernels.moe_route), and the decode chain (cpu_chain.Chain.moe) makes the same three calls.
 """
 
 from __future__ import annotations

@@ -180,10 +180,10 @@ int64_t moe_decode_bf16(const void* x, int bf, const uint16_t* w13, const uint16
     return -1;
 }
 
-/* Quantized experts (qgemv.c's layout): a kernel with qgemv's arguments and each expert's
-   operands, as int64 words: kernel, codes, codes per expert (bytes), code row stride (bytes),
-   scales, scales per expert (bytes), zero points (0: none), zero points per expert (bytes),
-   group row stride (elements), N, K, group size. */
+/* Quantized experts (qgemv.c's row-major layout, or qvpanel.c's panels): a kernel with qgemv's
+   arguments (qgemv or qvpanel) and each expert's operands, as int64 words: kernel, codes, codes
+   per expert (bytes), code row stride (bytes), scales, scales per expert (bytes), zero points
+   (0: none), zero points per expert (bytes), group row stride (elements), N, K, group size. */
 typedef void (*QMatmulFn)(const void*, int, const void*, int64_t, const void*, const void*,
                           int64_t, void*, int, int64_t, int64_t, int64_t, int64_t);
 enum { Q_FN, Q_CODES, Q_CODES_E, Q_CSTRIDE, Q_SCALES, Q_SCALES_E, Q_ZEROS, Q_ZEROS_E,
