@@ -266,38 +266,38 @@ class Chain:
         if isinstance(w13, QuantWeight) and isinstance(w2, QuantWeight):
             call = moe.decode_call(x, w13, w2, w13.expert_matmul, w2.expert_matmul)
         else:
-            call = moe.decode_call(x, w13, w2, experts.mm13, experts.mm2, experts.one_call_tokens)
+            tokens, names = experts.one_call_tokens, experts.names
+            call = moe.decode_call(x, w13, w2, experts.mm13, experts.mm2, tokens, names)
         if call is None:
             raise Unsupported("experts that run one by one at these rows")
         self._own_dtype(x, out)
-        num, k = block.gate.shape[0], block.top_k
-        logits = self.buffer("router", num)
+        k = block.top_k
+        logits = self.buffer("router", call.experts)
         self.gemv(block.gate, x, logits)
         weights = self.buffer("route_weights", k)
         ids = self._arg(torch.empty(self.rows, k, dtype=torch.int64))
-        args = (self._arg(logits), self.bf16, self.rows, num, k, int(block.renormalize))
+        args = (self._arg(logits), self.bf16, self.rows, call.experts, k, int(block.renormalize))
         self._emit(OP_ROUTE, self.lib.moe_route, *args, self._arg(weights), self.bf16, ids)
-        kind, a13, a2 = call
-        fn = self.lib.moe_decode_q if kind == "q" else self.lib.moe_decode
-        inter = int(a2[10]) if kind == "q" else a13.shape[1] // 2
-        hidden = x.shape[1]
+        fn = {"q": self.lib.moe_decode_q, "f": self.lib.moe_decode_f}.get(
+            call.kind, self.lib.moe_decode
+        )
         self._emit(
             OP_MOE,
             fn,
             self._arg(x),
             self.bf16,
-            self._arg(a13),
-            self._arg(a2),
-            num,
+            self._arg(call.w13),
+            self._arg(call.w2),
+            call.experts,
             ids,
             self._arg(weights),
             self.bf16,
             self._arg(out),
             self.rows,
             k,
-            hidden,
-            inter,
-            label=f"C experts {kind}",
+            x.shape[1],
+            call.inter,
+            label=f"C experts {call.kind}",
         )
 
     def _pick(self, picks: tuple[str, ...]) -> str:

@@ -153,6 +153,9 @@ class _Lib:
         lib.moe_decode_q.argtypes = lib.moe_decode_bf16.argtypes
         lib.moe_decode_q.restype = i64
         self.moe_decode_q = lib.moe_decode_q
+        lib.moe_decode_f.argtypes = lib.moe_decode_bf16.argtypes
+        lib.moe_decode_f.restype = i64
+        self.moe_decode_f = lib.moe_decode_f
         # The router's top-k choice (moe.c): logits, logits_bf16, T, E, k, renorm, weights,
         # weights_bf16, ids.
         lib.moe_route.argtypes = [ptr, ctypes.c_int, i64, i64, i64, ctypes.c_int, ptr]
@@ -521,6 +524,25 @@ def moe_decode_q(
     return _moe_call(
         lib.moe_decode_q, x, q13.data_ptr(), q2.data_ptr(), num_experts, inter, weights, ids
     )
+
+
+def moe_decode_f(
+    x: torch.Tensor,
+    f13: torch.Tensor,
+    f2: torch.Tensor,
+    num_experts: int,
+    inter: int,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """moe_decode over float experts whose GEMV picks are not `gemv` at every row count (gemv512
+    on AVX-512): f13 and f2 are each one's weights and per-row-count kernels as csrc/moe.c's
+    words (moe.py builds them); each expert's rows through the kernel the per-expert loop
+    picks for them (the same bits), whole experts shared among the threads."""
+    lib = _loaded()
+    assert lib is not None
+    args = (f13.data_ptr(), f2.data_ptr(), num_experts, inter, weights, ids)
+    return _moe_call(lib.moe_decode_f, x, *args)
 
 
 def _moe_call(

@@ -28,8 +28,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +126,7 @@ def fused_moe(
     mm13: MatMul = _matmul,
     mm2: MatMul = _matmul,
     one_call_tokens: int | None = None,
+    names: RowNames | None = None,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t -> [T, H] in x's dtype;
     `mm13`/`mm2` multiply by one expert's w13/w2 (the kernels measured fastest per row count).
@@ -135,15 +137,13 @@ def fused_moe(
 
     Up to `one_call_tokens` tokens (where mm13 and mm2 run the CPU GEMV for every row count up
     to it) the experts run as one call (cpu_kernels.moe_decode), the same bits; None: as the
-    default matmuls do (the GEMV up to cpu_kernels.MAX_ROWS rows), 0 with any others."""
+    default matmuls do (the GEMV up to cpu_kernels.MAX_ROWS rows), 0 with any others. `names`:
+    mm13's and mm2's pick per row count, where other GEMVs than `gemv` may be one call too
+    (decode_call)."""
     t, k = ids.shape
-    call = decode_call(x, w13, w2, mm13, mm2, one_call_tokens)
+    call = decode_call(x, w13, w2, mm13, mm2, one_call_tokens, names)
     if call is not None:
-        kind, a13, a2 = call
-        if kind == "q":
-            assert isinstance(w13, QuantWeight)
-            return cpu_kernels.moe_decode_q(x, a13, a2, w13.experts, weights, ids)
-        return cpu_kernels.moe_decode(x, a13, a2, weights, ids)
+        return call.run(x, weights, ids)
     flat = ids.reshape(-1)
     if t == 1:  # decode at batch 1: k distinct experts, no sort or gather needed
         outs = [_expert(x, w13, w2, e, mm13, mm2) for e in flat.tolist()]
@@ -159,6 +159,30 @@ def fused_moe(
     return _combine(torch.cat(outs), weights, order, x.dtype)
 
 
+# Float experts' GEMV pick per row count (kernel_choice.row_table), for w13 and for w2.
+RowNames = tuple[list[str], list[str]]
+
+
+class OneCall(NamedTuple):
+    """fused_moe's experts as one C call (csrc/moe.c), `kind`: "bf16" (moe_decode, w13 and w2
+    the experts' bf16 tensors), "q" (moe_decode_q, quantized experts' kernel and operand
+    words) or "f" (moe_decode_f, float experts' per-row-count GEMV words)."""
+
+    kind: str
+    w13: torch.Tensor
+    w2: torch.Tensor
+    experts: int
+    inter: int  # w2's input features
+
+    def run(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.kind == "q":
+            return cpu_kernels.moe_decode_q(x, self.w13, self.w2, self.experts, weights, ids)
+        if self.kind == "f":
+            args = (self.experts, self.inter, weights, ids)
+            return cpu_kernels.moe_decode_f(x, self.w13, self.w2, *args)
+        return cpu_kernels.moe_decode(x, self.w13, self.w2, weights, ids)
+
+
 def decode_call(
     x: torch.Tensor,
     w13: Experts,
@@ -166,24 +190,88 @@ def decode_call(
     mm13: MatMul,
     mm2: MatMul,
     one_call_tokens: int | None = None,
-) -> tuple[str, torch.Tensor, torch.Tensor] | None:
-    """How fused_moe runs x's tokens as one C call (csrc/moe.c): ("bf16", w13, w2), the float
-    experts as moe_decode takes them; ("q", q13, q2), quantized experts' kernel and operand
-    words as moe_decode_q takes them; or None: the per-expert loop. The decode chain makes the
-    same call."""
+    names: RowNames | None = None,
+) -> OneCall | None:
+    """How fused_moe runs x's tokens as one C call, or None: the per-expert loop. The decode
+    chain makes the same call. Up to one_call_tokens (see fused_moe) through `gemv`'s blocks
+    (bf16 experts) or each quantized expert's kernel; float experts whose picks per row count
+    (`names`) are other GEMVs (gemv512) each through those."""
     if one_call_tokens is None:
         one_call_tokens = _gemv_tokens(w13, w2, mm13, mm2)
-    if x.shape[0] > one_call_tokens:
-        return None
+    t = x.shape[0]
     if isinstance(w13, QuantWeight) and isinstance(w2, QuantWeight):
+        if t > one_call_tokens:
+            return None
         q13, q2 = _q_operands(x, w13), _q_operands(x, w2)
-        return None if q13 is None or q2 is None else ("q", q13, q2)
-    if (
-        isinstance(w13, torch.Tensor)
-        and isinstance(w2, torch.Tensor)
-        and cpu_kernels.supports_moe_decode(x, w13, w2)
-    ):
-        return ("bf16", w13, w2)
+        if q13 is None or q2 is None:
+            return None
+        return OneCall("q", q13, q2, w13.experts, w2.in_features)
+    if not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)):
+        return None
+    experts, inter = w13.shape[0], w2.shape[2]
+    if t <= one_call_tokens and cpu_kernels.supports_moe_decode(x, w13, w2):
+        return OneCall("bf16", w13, w2, experts, inter)
+    if names is None or not _f_takes(x, w13, w2):
+        return None
+    f13, rows13 = _f_words(w13, x.dtype, tuple(names[0][1 : cpu_kernels.MAX_ROWS + 1]))
+    f2, rows2 = _f_words(w2, x.dtype, tuple(names[1][1 : cpu_kernels.MAX_ROWS + 1]))
+    return OneCall("f", f13, f2, experts, inter) if t <= min(rows13, rows2) else None
+
+
+def _f_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """moe_decode_f's shapes: x [T, H] bf16 or fp32, contiguous [E, 2I, H] and [E, H, I]
+    experts on the CPU, H and I multiples of 16 (its weighting's and SiLU's vectors)."""
+    if not (x.is_cpu and x.dim() == 2 and w13.dim() == w2.dim() == 3):
+        return False
+    e, i2, h = w13.shape
+    return (
+        x.dtype in (torch.bfloat16, torch.float32)
+        and all(w.is_cpu and w.is_contiguous() for w in (w13, w2))
+        and tuple(w2.shape) == (e, h, i2 // 2)
+        and x.shape[1] == h
+        and h % 16 == 0
+        and (i2 // 2) % 16 == 0
+        and cpu_kernels.load() is not None
+    )
+
+
+def _f_words(
+    w: torch.Tensor, x_dtype: torch.dtype, names: tuple[str, ...]
+) -> tuple[torch.Tensor, int]:
+    """moe_decode_f's words for experts w [E, N, K] whose pick for M rows is names[M - 1], and
+    up to how many rows every pick is a GEMV it calls (csrc/moe.c: weights, bytes per expert,
+    N, K, then per row count the kernel's address and form). Once per weight and x dtype."""
+    cache = w.__dict__.setdefault("_moe_f_words", {})
+    key = (x_dtype, names, w.data_ptr())
+    if key not in cache:
+        e, n, k = w.shape
+        words = [w.data_ptr(), w[0].numel() * w.element_size(), n, k]
+        rows = 0
+        for name in names:
+            kernel = _gemv_kernel(name, x_dtype, w.dtype)
+            if kernel is None:
+                break
+            words += kernel
+            rows += 1
+        words += [0, 0] * (cpu_kernels.MAX_ROWS - rows)
+        cache[key] = torch.tensor(words, dtype=torch.int64), rows
+    return cache[key]
+
+
+def _gemv_kernel(name: str, x_dtype: torch.dtype, w_dtype: torch.dtype) -> list[int] | None:
+    """[address, form] of the C call cpu_linear's pick `name` makes for x of `x_dtype` (its
+    _RUN: gemv512 takes x of the weights' dtype, else it is the GEMV), None where that is no
+    single call on x as it is (an fp32 weight's GEMV converts bf16 x first)."""
+    lib = cpu_kernels.load()
+    if lib is None or name not in ("gemv", "gemv512"):
+        return None
+    if name == "gemv512" and x_dtype == w_dtype and lib.gemv512_bf16 is not None:
+        fn = lib.gemv512_bf16 if w_dtype == torch.bfloat16 else lib.gemv512_f32
+        return [ctypes.cast(fn, ctypes.c_void_p).value or 0, 0]
+    if w_dtype == torch.bfloat16:
+        return [ctypes.cast(lib.bf16, ctypes.c_void_p).value or 0, 1]
+    if x_dtype == torch.float32:
+        return [ctypes.cast(lib.f32, ctypes.c_void_p).value or 0, 0]
     return None
 
 
@@ -339,23 +427,29 @@ class FusedMoE(nn.Module):
         # Up to how many tokens mm13 and mm2 are the GEMV (fused_moe's one call); None: the
         # default matmuls'.
         self.one_call_tokens: int | None = None
+        # mm13's and mm2's picks per row count, where measured (decode_call's other GEMVs).
+        self.names: RowNames | None = None
         self.grouped: bool | None = None  # grouped GEMM path; decided on the first forward
 
     def prepare_cpu_kernels(self, tuning: str = "cached") -> list[str]:
         """Measure (or read from the tuning cache) the fastest copy-free matmul per row count
         for this layer's expert shapes, as the dense layers do; the summary lines of the picks
         (none where nothing was measured: CPU kernels off, another device)."""
-        if tuning == "off" or isinstance(self.w13, QuantWeight):
+        forced = bool(os.environ.get("MINISGL_CPU_LINEAR"))  # a pick for every layer
+        if (tuning == "off" and not forced) or isinstance(self.w13, QuantWeight):
             return []
         lines = []
         gemv_rows = cpu_kernels.MAX_ROWS  # as _matmul, where nothing was measured
+        picked: list[list[str]] = []
         for name, w in (("mm13", self.w13), ("mm2", self.w2)):
             run, line, names = cpu_linear.row_runner(list(w.detach().unbind(0)), tuning)
             if run is not None:
                 setattr(self, name, run)
                 lines.append(line)
                 gemv_rows = min(gemv_rows, _gemv_rows(names))
+                picked.append(names)
         self.one_call_tokens = gemv_rows
+        self.names = (picked[0], picked[1]) if len(picked) == 2 else None
         return lines
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -369,9 +463,8 @@ class FusedMoE(nn.Module):
             if self.grouped:
                 y = grouped_moe(x, self.w13, self.w2, weights, ids)
             else:
-                y = fused_moe(
-                    x, self.w13, self.w2, weights, ids, self.mm13, self.mm2, self.one_call_tokens
-                )
+                args = (self.mm13, self.mm2, self.one_call_tokens, self.names)
+                y = fused_moe(x, self.w13, self.w2, weights, ids, *args)
         if self.tp_size > 1:
             distributed.all_reduce(y)
         return y

@@ -67,16 +67,28 @@ def test_chain_equals_layer_by_layer(
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not build here")
-@pytest.mark.parametrize("quantization", [None, "int8", "int4", "fp8"])
+@pytest.mark.parametrize(
+    ("quantization", "matmul"),
+    [(None, "default"), (None, "gemv512"), ("int8", "default"), ("int4", "default"),
+     ("fp8", "default")],
+)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_mixture_s_layers_run_in_the_chain(
-    tmp_path: Path, dtype: torch.dtype, quantization: str | None, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    dtype: torch.dtype,
+    quantization: str | None,
+    matmul: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Qwen3-MoE's sparse layers (router, top-k, the experts' one call) and its dense one are
     the chain's ops: the same logits as layer by layer, and no layer-by-layer decode step (a
     48-layer Qwen3-30B-A3B spent ~0.8 ms of Python a layer and step there)."""
     from minisgl.layers import moe
 
+    if matmul != "default":  # every float matmul, the experts' too (AVX-512 builds)
+        if cpu_kernels.load().gemv512_bf16 is None:
+            pytest.skip("no AVX-512 build here: gemv512 is never picked")
+        monkeypatch.setenv("MINISGL_CPU_LINEAR", matmul)
     write_hf_model(tmp_path, moe=True, moe_intermediate_size=128, **SHAPE)
     calls: list[int] = []
     forward = moe.SparseMoeBlock.forward
@@ -85,18 +97,17 @@ def test_a_mixture_s_layers_run_in_the_chain(
     )
     chained, chains = _run(tmp_path, dtype, quantization)
     assert sorted(rows for rows, *_ in chains) == [1, 2]
-    # fp32 experts run one by one at decode too (the one call takes bf16 or quantized ones):
-    # that stays layer by layer.
-    in_chain = not (dtype == torch.float32 and quantization is None)
+    # fp32 experts on the untuned GEMV run one by one at decode (gemv's one call takes bf16
+    # ones): that stays layer by layer; on gemv512 (its own one call) they are chain ops.
+    in_chain = not (dtype == torch.float32 and quantization is None and matmul == "default")
     assert all((c is not None) == in_chain for c in chains.values())
     # Two sparse layers a forward: the prefill and mixed steps' only where the chain ran.
     forwards = [5 + 9, 1 + 3] if in_chain else [5 + 9, 1 + 3, 2, 2, 1, 1]
     assert calls == [rows for rows in forwards for _ in range(2)]
     if in_chain:
         chain = next(iter(chains.values()))[0]
-        assert {"C router top-k", "C experts q" if quantization else "C experts bf16"} <= set(
-            chain._labels
-        )
+        kind = "q" if quantization else "f" if matmul == "gemv512" else "bf16"
+        assert {"C router top-k", f"C experts {kind}"} <= set(chain._labels)
     monkeypatch.setenv("MINISGL_CPU_DECODE_CHAIN", "0")
     plain, _ = _run(tmp_path, dtype, quantization)
     for a, b in zip(chained, plain, strict=True):

@@ -328,6 +328,50 @@ def test_one_call_only_where_every_row_count_up_to_the_batch_runs_the_gemv(
         assert bool(calls) == one_call
 
 
+@pytest.mark.skipif(
+    cpu_kernels.load() is None or cpu_kernels.load().gemv512_bf16 is None,
+    reason="no AVX-512 build here: gemv512 is never picked",
+)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_experts_on_gemv512_run_in_one_call(
+    x_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Float experts whose measured picks are gemv512 (AVX-512), or gemv for one row and
+    gemv512 from two: one C call through those kernels per expert (moe_decode_f), the loop's
+    bits, where before they ran one by one from Python."""
+    from minisgl.layers import cpu_linear
+
+    w13_names = kernel_choice.row_table(("gemv512",) * len(kernel_choice.BUCKETS))
+    w2_names = kernel_choice.row_table(("gemv",) + ("gemv512",) * (len(kernel_choice.BUCKETS) - 1))
+    assert w2_names[1] == "gemv" and w2_names[2] == "gemv512"
+    tables = iter([w13_names, w2_names])
+
+    def row_runner(weights, tuning):  # noqa: ANN001, ANN202
+        names = next(tables)
+        run = cpu_linear._RUN
+        return (lambda x, w: run[names[x.shape[0]]](x, w, None, None)), "", names
+
+    monkeypatch.setattr(cpu_linear, "row_runner", row_runner)
+    moe_layer = FusedMoE(num_experts=16, hidden_size=64, intermediate_size=32)
+    _, w13, w2 = _bf16_experts(6)
+    moe_layer.w13.data, moe_layer.w2.data = w13.to(x_dtype), w2.to(x_dtype)
+    moe_layer.prepare_cpu_kernels("full")
+    assert moe_layer.one_call_tokens == 0  # gemv_bf16's blocks run none of them
+    calls: list[int] = []
+    moe_decode_f = cpu_kernels.moe_decode_f
+    monkeypatch.setattr(cpu_kernels, "moe_decode_f", lambda *a: calls.append(1) or moe_decode_f(*a))
+    g = torch.Generator().manual_seed(9)
+    for tokens in (1, 2, 5, 16):
+        calls.clear()
+        x = torch.randn(tokens, 64, generator=g).to(x_dtype)
+        weights, ids = route(torch.randn(tokens, 16, generator=g), 4, True, x_dtype)
+        one = moe_layer(x, weights, ids)
+        loop = fused_moe(x, moe_layer.w13, moe_layer.w2, weights, ids, moe_layer.mm13,
+                         moe_layer.mm2, 0)  # fmt: skip
+        assert calls == [1]
+        assert torch.equal(one, loop)
+
+
 def _quantized_experts(method: str, e: int, n: int, k: int, g: torch.Generator) -> QuantWeight:
     scheme = load_scheme(method)
     qs = [quantize(torch.randn(n, k, generator=g) / 8, scheme) for _ in range(e)]

@@ -201,15 +201,37 @@ static void q_expert(const int64_t* q, int64_t e, const void* x, int bf, void* y
                                    M, q[Q_N], q[Q_K], q[Q_GS]);
 }
 
-/* moe_decode_bf16 for quantized experts q13 (N = 2I, K = H) and q2 (N = H, K = I), each
-   expert's rows through its kernel as the per-expert loop calls it (the same bits). The
-   kernels run their own parallel regions; called from inside this one they run on the calling
-   thread alone (a nested region of one), so the experts, not their blocks, are shared among
-   the threads: one fork and join a layer instead of two per expert, without a change to the
-   kernels. */
-int64_t moe_decode_q(const void* x, int bf, const int64_t* q13, const int64_t* q2, int64_t E,
-                     const int64_t* ids, const void* weights, int w_bf16, void* out, int64_t T,
-                     int64_t k, int64_t H, int64_t I) {
+/* Float experts through the GEMV the per-expert loop picks for each row count (cpu_linear's
+   row_runner): words: weights, bytes per expert, N, K, then per row count M = 1..F_ROWS the
+   kernel and its form (1: gemv_bf16's eight arguments, the last x's dtype; 0: gemv512_* and
+   gemv_f32's seven). */
+typedef void (*Matmul8Fn)(const void*, const void*, void*, int64_t, int64_t, int64_t, int, int);
+typedef void (*Matmul7Fn)(const void*, const void*, void*, int64_t, int64_t, int64_t, int);
+enum { F_W, F_W_E, F_N, F_K, F_KERNELS };
+#define F_ROWS 16
+
+/* f's expert e against x [M, f[F_K]] -> y [M, f[F_N]], by f's kernel for M rows. */
+static void f_expert(const int64_t* f, int64_t e, const void* x, int bf, void* y, int64_t M) {
+    const int64_t* kernel = f + F_KERNELS + 2 * (M - 1);
+    const void* w = (const char*)(intptr_t)f[F_W] + e * f[F_W_E];
+    if (kernel[1])
+        ((Matmul8Fn)(intptr_t)kernel[0])(x, w, y, M, f[F_N], f[F_K], bf, bf);
+    else
+        ((Matmul7Fn)(intptr_t)kernel[0])(x, w, y, M, f[F_N], f[F_K], bf);
+}
+
+typedef void (*ExpertFn)(const int64_t*, int64_t, const void*, int, void*, int64_t);
+
+/* The experts' SwiGLU MLPs as moe_decode_bf16 computes them, each chosen expert's rows through
+   `expert` (w13's words a13, w2's a2) as the per-expert loop calls its kernels (the same bits).
+   The kernels run their own parallel regions; called from inside this one they run on the
+   calling thread alone (a nested region of one), so the experts, not their blocks, are shared
+   among the threads: one fork and join a layer instead of two per expert, without a change to
+   the kernels. */
+static int64_t moe_decode_each(ExpertFn expert, const void* x, int bf, const int64_t* a13,
+                               const int64_t* a2, int64_t E, const int64_t* ids,
+                               const void* weights, int w_bf16, void* out, int64_t T, int64_t k,
+                               int64_t H, int64_t I) {
     int64_t R = T * k, size = bf ? 2 : 4, bad = bad_id(ids, R, E);
     if (bad >= 0) return bad;
     Groups g = groups_of(ids, R, E);
@@ -224,17 +246,32 @@ int64_t moe_decode_q(const void* x, int bf, const int64_t* q13, const int64_t* q
             int64_t r0 = g.start[grp], M = g.count[grp], e = g.expert[grp];
             for (int64_t r = r0; r < r0 + M; r++)
                 memcpy(xs + r * H * size, (const char*)x + g.order[r] / k * H * size, H * size);
-            q_expert(q13, e, xs + r0 * H * size, bf, h13 + r0 * 2 * I * size, M);
+            expert(a13, e, xs + r0 * H * size, bf, h13 + r0 * 2 * I * size, M);
             if (bf) silu_mul_bf16((const uint16_t*)(h13 + r0 * 2 * I * size),
                                   (uint16_t*)(h + r0 * I * size), M, I);
             else silu_mul_f32((const float*)(h13 + r0 * 2 * I * size),
                               (float*)(h + r0 * I * size), M, I);
-            q_expert(q2, e, h + r0 * I * size, bf, ys + r0 * H * size, M);
+            expert(a2, e, h + r0 * I * size, bf, ys + r0 * H * size, M);
         }
         weigh_and_sum(ys, g.pos, weights, w_bf16, out, T, k, H, bf);
     }
     release(&b, xs, &g);
     return -1;
+}
+
+/* moe_decode_bf16 for quantized experts q13 (N = 2I, K = H) and q2 (N = H, K = I). */
+int64_t moe_decode_q(const void* x, int bf, const int64_t* q13, const int64_t* q2, int64_t E,
+                     const int64_t* ids, const void* weights, int w_bf16, void* out, int64_t T,
+                     int64_t k, int64_t H, int64_t I) {
+    return moe_decode_each(q_expert, x, bf, q13, q2, E, ids, weights, w_bf16, out, T, k, H, I);
+}
+
+/* moe_decode_bf16 for float experts whose GEMV picks are not gemv_bf16's at every row count
+   (gemv512 on AVX-512), as f13 and f2's words say (T <= F_ROWS). */
+int64_t moe_decode_f(const void* x, int bf, const int64_t* f13, const int64_t* f2, int64_t E,
+                     const int64_t* ids, const void* weights, int w_bf16, void* out, int64_t T,
+                     int64_t k, int64_t H, int64_t I) {
+    return moe_decode_each(f_expert, x, bf, f13, f2, E, ids, weights, w_bf16, out, T, k, H, I);
 }
 
 /* The router's choice for T tokens (moe.route on the CPU at decode, and the decode chain's): per
