@@ -113,7 +113,7 @@ class Chain:
 
     def _emit(self, kind: int, fn: Any, *args: int, label: str = "") -> None:
         assert len(args) <= OP_WORDS - 2
-        addr = 0 if fn is None else _address(fn)
+        addr = 0 if fn is None else fn if isinstance(fn, int) else _address(fn)
         self._ops.append([kind, addr, *args] + [0] * (OP_WORDS - 2 - len(args)))
         self._labels.append(label or _KIND_LABELS[kind])
 
@@ -238,22 +238,24 @@ class Chain:
         else:
             raise Unsupported("a matmul without a CPU kernel")
 
-    def gemv(self, weight: torch.Tensor, x: torch.Tensor | int, out: torch.Tensor) -> None:
-        """cpu_kernels.gemv's call, x @ weight.T into out: a float weight that is no module's
-        (a router's, which moe._matmul runs through the GEMV at these rows)."""
-        lib = self.lib
-        if not cpu_kernels.supports(weight) or self.rows > cpu_kernels.MAX_ROWS:
-            raise Unsupported("a weight the GEMV does not take")
+    def gemv(
+        self, weight: torch.Tensor, x: torch.Tensor | int, out: torch.Tensor, pick: str = "gemv"
+    ) -> None:
+        """x @ weight.T into out by a float weight that is no module's (a router's), through
+        the GEMV its pick `pick` names at these rows (cpu_linear's gemv or gemv512, as
+        moe.gemv_kernel maps it)."""
+        kernel = moe.gemv_kernel(pick, self.dtype, weight.dtype)
+        if kernel is None or not cpu_kernels.supports(weight) or self.rows > cpu_kernels.MAX_ROWS:
+            raise Unsupported(f"a {weight.dtype} weight on {pick or 'no GEMV'}")
         self._own_dtype(out)
+        addr, takes_x_dtype = kernel
         n, k = weight.shape
         args = (self._arg(x), self._arg(weight), self._arg(out), self.rows, n, k, self.bf16)
-        label = f"C matmul {n}x{k} gemv"
-        if weight.dtype == torch.bfloat16:
-            self._emit(OP_MM8, lib.bf16, *args, self.bf16, label=label)
-        elif self.bf16:  # cpu_kernels.gemv's fp32 weights take an fp32 copy of x
-            raise Unsupported("an fp32 weight against bf16 rows")
+        label = f"C matmul {n}x{k} {pick}"
+        if takes_x_dtype:
+            self._emit(OP_MM8, addr, *args, self.bf16, label=label)
         else:
-            self._emit(OP_MM7, lib.f32, *args, label=label)
+            self._emit(OP_MM7, addr, *args, label=label)
 
     def moe(self, block: Any, x: torch.Tensor, out: torch.Tensor) -> None:
         """A SparseMoeBlock's forward at these rows, as it runs on the CPU: the router's GEMV
@@ -273,7 +275,7 @@ class Chain:
         self._own_dtype(x, out)
         k = block.top_k
         logits = self.buffer("router", call.experts)
-        self.gemv(block.gate, x, logits)
+        self.gemv(block.gate, x, logits, block.route_pick(self.rows))
         weights = self.buffer("route_weights", k)
         ids = self._arg(torch.empty(self.rows, k, dtype=torch.int64))
         args = (self._arg(logits), self.bf16, self.rows, call.experts, k, int(block.renormalize))

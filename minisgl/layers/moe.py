@@ -248,7 +248,7 @@ def _f_words(
         words = [w.data_ptr(), w[0].numel() * w.element_size(), n, k]
         rows = 0
         for name in names:
-            kernel = _gemv_kernel(name, x_dtype, w.dtype)
+            kernel = gemv_kernel(name, x_dtype, w.dtype)
             if kernel is None:
                 break
             words += kernel
@@ -258,7 +258,7 @@ def _f_words(
     return cache[key]
 
 
-def _gemv_kernel(name: str, x_dtype: torch.dtype, w_dtype: torch.dtype) -> list[int] | None:
+def gemv_kernel(name: str, x_dtype: torch.dtype, w_dtype: torch.dtype) -> list[int] | None:
     """[address, form] of the C call cpu_linear's pick `name` makes for x of `x_dtype` (its
     _RUN: gemv512 takes x of the weights' dtype, else it is the GEMV), None where that is no
     single call on x as it is (an fp32 weight's GEMV converts bf16 x first)."""
@@ -493,6 +493,23 @@ class FusedMoE(nn.Module):
         return True
 
 
+def prepare_routers(blocks: list[SparseMoeBlock], tuning: str) -> list[str]:
+    """Every sparse layer's router (one shape) gets the copy-free matmul measured fastest per
+    row count, timed once over all of them, as the experts are (cpu_linear.row_runner): a
+    decode step reads each router cold (on a 2-core Zen 4, 128x2048 bf16 at one row: the
+    AVX-512 GEMV 18.7 us a call against the GEMV's 27.2, at 8 rows 28 against 75). The
+    summary line of the picks, or none."""
+    forced = bool(os.environ.get("MINISGL_CPU_LINEAR"))
+    if not blocks or (tuning == "off" and not forced):
+        return []
+    run, line, names = cpu_linear.row_runner([b.gate.detach() for b in blocks], tuning)
+    if run is None:
+        return []
+    for b in blocks:
+        b.route_mm, b.route_names = run, names
+    return [line]
+
+
 class SparseMoeBlock(nn.Module):
     """Router + experts: Qwen3-MoE's `mlp` of a sparse layer (HF names: mlp.gate, mlp.experts)."""
 
@@ -511,12 +528,23 @@ class SparseMoeBlock(nn.Module):
         # The router is small ([E, H]) and every rank needs all of its logits: replicated.
         self.gate = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp_rank, tp_size)
+        # The router's matmul (prepare_routers: measured, as the experts'), and its pick per
+        # row count; untuned: the GEMV on CPU (torch's small-M matmul took ~1 ms for this
+        # 0.5 MB router).
+        self.route_mm: MatMul = _matmul
+        self.route_names: list[str] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Through the GEMV on CPU: torch's small-M matmul took ~1 ms for this 0.5 MB router.
         # transformers casts the routing weights to the activations' dtype before mixing.
-        weights, ids = route(_matmul(x, self.gate), self.top_k, self.renormalize, x.dtype)
+        logits = self.route_mm(x, self.gate)
+        weights, ids = route(logits, self.top_k, self.renormalize, x.dtype)
         return self.experts(x, weights, ids)
+
+    def route_pick(self, rows: int) -> str:
+        """The router's matmul at `rows` rows: its measured pick, or the untuned policy's."""
+        if self.route_names is not None:
+            return self.route_names[rows]
+        return "gemv" if rows <= cpu_kernels.MAX_ROWS and cpu_kernels.supports(self.gate) else ""
 
     def weight_names(self) -> set[str]:
         return {"gate.weight"} | {"experts." + n for n in self.experts.weight_names()}

@@ -30,7 +30,7 @@ from minisgl.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from minisgl.layers.moe import FusedMoE, SparseMoeBlock
+from minisgl.layers.moe import FusedMoE, SparseMoeBlock, prepare_routers
 from minisgl.layers.norm import RMSNorm, head_rms_norm_rotary
 from minisgl.layers.rotary import RotaryEmbedding, apply_rotary
 from minisgl.models.config import ModelConfig
@@ -599,6 +599,9 @@ class Qwen3ForCausalLM(nn.Module):
                 lines += m.prepare_cpu_kernels(tuning)
         for line in dict.fromkeys(lines):
             logger.info("experts: %s", line)
+        routers = [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
+        for line in prepare_routers(routers, tuning):
+            logger.info("routers: %s", line)
 
 
 def _every_row(indices: torch.Tensor, rows: int) -> bool:

@@ -372,6 +372,35 @@ def test_experts_on_gemv512_run_in_one_call(
         assert torch.equal(one, loop)
 
 
+@needs_kernels
+def test_routers_are_measured_once_over_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every sparse layer's router gets the matmul picked for its shape, timed once over all
+    of them (cold, as a step reads them); tuning off keeps the untuned GEMV."""
+    from minisgl.layers import cpu_linear
+
+    blocks = [SparseMoeBlock(16, 4, 64, 32, True) for _ in range(3)]
+    for b in blocks:
+        b.gate.data.normal_()
+    assert moe.prepare_routers(blocks, "off") == []
+    assert all(b.route_names is None and b.route_pick(1) == "gemv" for b in blocks)
+    seen: list[int] = []
+    names = kernel_choice.row_table(("gemv512",) * len(kernel_choice.BUCKETS))
+
+    def row_runner(weights, tuning):  # noqa: ANN001, ANN202
+        seen.append(len(weights))
+        return (lambda x, w: x @ w.T), "routers line", names
+
+    monkeypatch.setattr(cpu_linear, "row_runner", row_runner)
+    assert moe.prepare_routers(blocks, "full") == ["routers line"]
+    assert seen == [3]
+    assert all(b.route_pick(8) == "gemv512" for b in blocks)
+    x = torch.randn(2, 64)
+    calls: list[int] = []
+    blocks[0].route_mm = lambda x, w: calls.append(1) or x @ w.T
+    blocks[0](x)
+    assert calls == [1]
+
+
 def _quantized_experts(method: str, e: int, n: int, k: int, g: torch.Generator) -> QuantWeight:
     scheme = load_scheme(method)
     qs = [quantize(torch.randn(n, k, generator=g) / 8, scheme) for _ in range(e)]
