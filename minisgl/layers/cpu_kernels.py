@@ -463,6 +463,7 @@ def moe_route(
 
 
 def moe_route_supported(logits: torch.Tensor, top_k: int) -> bool:
+    """moe_route takes 2-D bf16 or fp32 logits on the CPU and a top_k of at most E."""
     return (
         logits.is_cpu
         and logits.dim() == 2

@@ -435,8 +435,7 @@ class FusedMoE(nn.Module):
         """Measure (or read from the tuning cache) the fastest copy-free matmul per row count
         for this layer's expert shapes, as the dense layers do; the summary lines of the picks
         (none where nothing was measured: CPU kernels off, another device)."""
-        forced = bool(os.environ.get("MINISGL_CPU_LINEAR"))  # a pick for every layer
-        if (tuning == "off" and not forced) or isinstance(self.w13, QuantWeight):
+        if not _picks_wanted(tuning) or isinstance(self.w13, QuantWeight):
             return []
         lines = []
         gemv_rows = cpu_kernels.MAX_ROWS  # as _matmul, where nothing was measured
@@ -493,14 +492,19 @@ class FusedMoE(nn.Module):
         return True
 
 
+def _picks_wanted(tuning: str) -> bool:
+    """Whether a mixture's float matmuls get picks (cpu_linear.row_runner): where tuning is on,
+    or a pick is forced for every layer (MINISGL_CPU_LINEAR, as the dense layers take it)."""
+    return tuning != "off" or bool(os.environ.get("MINISGL_CPU_LINEAR"))
+
+
 def prepare_routers(blocks: list[SparseMoeBlock], tuning: str) -> list[str]:
     """Every sparse layer's router (one shape) gets the copy-free matmul measured fastest per
     row count, timed once over all of them, as the experts are (cpu_linear.row_runner): a
     decode step reads each router cold (on a 2-core Zen 4, 128x2048 bf16 at one row: the
     AVX-512 GEMV 18.7 us a call against the GEMV's 27.2, at 8 rows 28 against 75). The
     summary line of the picks, or none."""
-    forced = bool(os.environ.get("MINISGL_CPU_LINEAR"))
-    if not blocks or (tuning == "off" and not forced):
+    if not blocks or not _picks_wanted(tuning):
         return []
     run, line, names = cpu_linear.row_runner([b.gate.detach() for b in blocks], tuning)
     if run is None:

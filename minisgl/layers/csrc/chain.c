@@ -41,8 +41,8 @@ typedef void (*QMatmulFn)(const void*, int, const void*, int64_t, const void*, c
                           int64_t, void*, int, int64_t, int64_t, int64_t, int64_t);
 /* moe_route: (logits, logits_bf16, T, E, k, renorm, weights, weights_bf16, ids) */
 typedef void (*RouteFn)(const void*, int, int64_t, int64_t, int64_t, int, void*, int, int64_t*);
-/* moe_decode_bf16, moe_decode_q: (x, x_bf16, w13, w2, E, ids, weights, weights_bf16, out, T, k,
-   H, I) */
+/* moe_decode_bf16, moe_decode_q, moe_decode_f: (x, x_bf16, w13, w2, E, ids, weights,
+   weights_bf16, out, T, k, H, I) */
 typedef int64_t (*MoeFn)(const void*, int, const void*, const void*, int64_t, const int64_t*,
                          const void*, int, void*, int64_t, int64_t, int64_t, int64_t);
 /* qdequant_*: (codes, code stride, scales, zeros, group stride, out fp32, r0, r1, K, group) */
