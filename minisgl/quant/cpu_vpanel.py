@@ -44,21 +44,25 @@ def takes(w: QTensor, x_dtype: torch.dtype = torch.bfloat16) -> bool:
 
 
 def _panels(t: torch.Tensor, unit: int) -> torch.Tensor:
-    """[N, X] -> the same elements as [N/ROWS, X/unit, ROWS, unit], flattened back to [N, X]."""
-    n, x = t.shape
-    out = t.reshape(n // ROWS, ROWS, x // unit, unit).transpose(1, 2).contiguous()
-    return out.reshape(n, x)
+    """[..., N, X] -> the same elements as [..., N/ROWS, X/unit, ROWS, unit], flattened back
+    to [..., N, X] (leading dims: several experts at once)."""
+    *lead, n, x = t.shape
+    out = t.reshape(*lead, n // ROWS, ROWS, x // unit, unit).transpose(-3, -2).contiguous()
+    return out.reshape(t.shape)
 
 
 def _fp8_panels(codes: torch.Tensor) -> torch.Tensor:
-    """fp8 codes [N, K] -> [N/ROWS, K/2, ROWS (FP8_ROW_ORDER), 2], flattened back to [N, K]."""
-    n, k = codes.shape
-    b = codes.view(torch.uint8).reshape(n // ROWS, ROWS, k // 2, 2)[:, FP8_ROW_ORDER]
-    return b.transpose(1, 2).contiguous().reshape(n, k).view(codes.dtype)
+    """fp8 codes [..., N, K] -> [..., N/ROWS, K/2, ROWS (FP8_ROW_ORDER), 2], flattened back to
+    [..., N, K]."""
+    *lead, n, k = codes.shape
+    b = codes.view(torch.uint8).reshape(*lead, n // ROWS, ROWS, k // 2, 2)
+    b = b[..., FP8_ROW_ORDER, :, :]
+    return b.transpose(-3, -2).contiguous().reshape(codes.shape).view(codes.dtype)
 
 
 def pack(w: QTensor) -> QTensor:
-    """w's tensors in the panel layout (new tensors; `w` is not changed)."""
+    """w's tensors in the panel layout (new tensors; `w` is not changed). Its tensors may have
+    leading dims (several experts' [E, N, X]: each packed as its own weight)."""
     scales = _panels(w.scales, 1)
     if cpu_gemv.kind(w) == "fp8":
         return QTensor(

@@ -449,7 +449,7 @@ def test_quantized_experts_in_one_call_give_the_per_expert_loop_s_bits(
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_experts_packed_into_panels_run_in_one_call_up_to_16_tokens(
-    method: str, x_dtype: torch.dtype
+    method: str, x_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Experts repacked in place into VNNI panels (QuantWeight.pack_vnni, one by one): the
     panels' kernel serves every row count, so up to 16 tokens (where qgemv's picks stopped at
@@ -464,13 +464,18 @@ def test_experts_packed_into_panels_run_in_one_call_up_to_16_tokens(
     x = torch.randn(16, h, generator=g).to(x_dtype)
     weights, ids = route(torch.randn(16, e, generator=g), 4, True, x_dtype)
     rows = w13[3].codes.clone(), w2[5].codes.clone()
-    want = [qlinear(x, w13[3], None), qlinear(x[:, :i], w2[5], None)]
+    want = [qlinear(x, w13[e], None) for e in (3, 7)] + [qlinear(x[:, :i], w2[5], None)]
     unpacked = fused_moe(x, w13, w2, weights, ids, w13.expert_matmul, w2.expert_matmul, 0)
+    # w13 repacked 3 experts at a time (8 = 3 + 3 + 2), w2 all 8 at once
+    from minisgl.quant import weight as quant_weight
+
+    runs = {id(w13): w13.nbytes() // 8 * 3, id(w2): quant_weight.PACK_BYTES}
     for w in (w13, w2):
         w.kernel = QuantKernel((PACKED,) * len(kernel_choice.BUCKETS))
+        monkeypatch.setattr(quant_weight, "PACK_BYTES", runs[id(w)])
         w.pack_vnni()
     assert not torch.equal(w13[3].codes, rows[0]) and w13[3].codes.shape == rows[0].shape
-    got = [w13.expert_matmul(x, w13[3]), w2.expert_matmul(x[:, :i], w2[5])]
+    got = [w13.expert_matmul(x, w13[e]) for e in (3, 7)] + [w2.expert_matmul(x[:, :i], w2[5])]
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
     for tokens in (1, 8, 16):
