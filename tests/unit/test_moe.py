@@ -11,6 +11,7 @@ from minisgl.layers import cpu_kernels, kernel_choice, moe
 from minisgl.layers.moe import FusedMoE, SparseMoeBlock, fused_moe, route
 from minisgl.models.config import ModelConfig
 from minisgl.quant import cpu_gemv
+from minisgl.quant import weight as quant_weight
 from minisgl.quant.qtensor import FP8
 from minisgl.quant.quantize import quantize
 from minisgl.quant.scheme import load_scheme
@@ -451,7 +452,7 @@ def test_quantized_experts_in_one_call_give_the_per_expert_loop_s_bits(
 def test_experts_packed_into_panels_run_in_one_call_up_to_16_tokens(
     method: str, x_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Experts repacked in place into VNNI panels (QuantWeight.pack_vnni, one by one): the
+    """Experts repacked in place into VNNI panels (QuantWeight.pack_vnni, in runs): the
     panels' kernel serves every row count, so up to 16 tokens (where qgemv's picks stopped at
     4-8) the experts are one C call giving the loop's bits; and the products are those of the
     row-major codes (to the summation's rounding)."""
@@ -467,8 +468,6 @@ def test_experts_packed_into_panels_run_in_one_call_up_to_16_tokens(
     want = [qlinear(x, w13[e], None) for e in (3, 7)] + [qlinear(x[:, :i], w2[5], None)]
     unpacked = fused_moe(x, w13, w2, weights, ids, w13.expert_matmul, w2.expert_matmul, 0)
     # w13 repacked 3 experts at a time (8 = 3 + 3 + 2), w2 all 8 at once
-    from minisgl.quant import weight as quant_weight
-
     runs = {id(w13): w13.nbytes() // 8 * 3, id(w2): quant_weight.PACK_BYTES}
     for w in (w13, w2):
         w.kernel = QuantKernel((PACKED,) * len(kernel_choice.BUCKETS))
