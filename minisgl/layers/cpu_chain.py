@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from minisgl.layers import cpu_kernels, kernel_choice, moe
+from minisgl.layers import cpu_kernels, cpu_linear, kernel_choice, moe
 from minisgl.layers.cpu_linear import CpuLinearKernel
 from minisgl.quant import cpu_choice, cpu_gemv
 from minisgl.quant.weight import QuantWeight
@@ -242,15 +242,20 @@ class Chain:
         self, weight: torch.Tensor, x: torch.Tensor | int, out: torch.Tensor, pick: str = "gemv"
     ) -> None:
         """x @ weight.T into out by a float weight that is no module's (a router's), through
-        the GEMV its pick `pick` names at these rows (cpu_linear's gemv or gemv512, as
-        moe.gemv_kernel maps it)."""
-        kernel = moe.gemv_kernel(pick, self.dtype, weight.dtype)
-        if kernel is None or not cpu_kernels.supports(weight) or self.rows > cpu_kernels.MAX_ROWS:
-            raise Unsupported(f"a {weight.dtype} weight on {pick or 'no GEMV'}")
+        the GEMV its pick `pick` names at these rows."""
+        if not cpu_kernels.supports(weight) or self.rows > cpu_kernels.MAX_ROWS:
+            raise Unsupported(f"a {weight.dtype} weight the GEMV does not take")
         self._own_dtype(out)
+        self._gemv(pick, self._arg(x), weight, self._arg(out), self.bf16)
+
+    def _gemv(self, pick: str, xa: int, w: torch.Tensor, ya: int, out_bf16: int) -> None:
+        """The one C call GEMV pick `pick` makes over row-major w (cpu_linear.gemv_call)."""
+        kernel = cpu_linear.gemv_call(pick, self.dtype, w.dtype)
+        if kernel is None:
+            raise Unsupported(f"pick {pick or 'none'} on a {w.dtype} weight")
         addr, takes_x_dtype = kernel
-        n, k = weight.shape
-        args = (self._arg(x), self._arg(weight), self._arg(out), self.rows, n, k, self.bf16)
+        n, k = w.shape
+        args = (xa, self._arg(w), ya, self.rows, n, k, out_bf16)
         label = f"C matmul {n}x{k} {pick}"
         if takes_x_dtype:
             self._emit(OP_MM8, addr, *args, self.bf16, label=label)
@@ -319,21 +324,7 @@ class Chain:
             return
         if w is None or w.dtype != self.dtype:
             raise Unsupported(f"pick {name} on a {None if w is None else w.dtype} weight")
-        self._held.append(w)
-        k = w.shape[1]
-        label = f"C matmul {n}x{k} {name}"
-        if name == "gemv" and self.bf16:
-            args = (xa, w.data_ptr(), ya, self.rows, n, k, out_bf16, 1)
-            self._emit(OP_MM8, lib.bf16, *args, label=label)
-        elif name == "gemv":
-            self._emit(
-                OP_MM7, lib.f32, xa, w.data_ptr(), ya, self.rows, n, k, out_bf16, label=label
-            )
-        elif name == "gemv512" and lib.gemv512_bf16 is not None:
-            fn = lib.gemv512_bf16 if self.bf16 else lib.gemv512_f32
-            self._emit(OP_MM7, fn, xa, w.data_ptr(), ya, self.rows, n, k, out_bf16, label=label)
-        else:
-            raise Unsupported(f"pick {name}")
+        self._gemv(name, xa, w, ya, out_bf16)
 
     def _quantized(self, weight: QuantWeight, xa: int, ya: int, out: torch.Tensor) -> None:
         w = weight.whole()

@@ -42,6 +42,7 @@ same-shaped weights at once.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -140,6 +141,30 @@ _RUN: dict[str, Callable[..., torch.Tensor]] = {
     "panel": lambda x, w, p, o: cpu_kernels.panel(x, p, o),
     "onednn": lambda x, w, p, o: _cast(_onednn_linear(x.to(p.dtype), p), o),
 }
+
+
+def gemv_call(name: str, x_dtype: torch.dtype, w_dtype: torch.dtype) -> list[int] | None:
+    """[address, form] of the one C call a GEMV pick `name` makes over row-major weights of
+    `w_dtype` for x of `x_dtype`, as _RUN runs it (gemv512 takes x of the weights' dtype,
+    else it is the GEMV); form 1: gemv_bf16's eight arguments (the last x's dtype), 0: the
+    seven of gemv_f32 and gemv512_*. None where it is no single call on x as it is (another
+    pick; an fp32 weight's GEMV converts bf16 x first). For the calls C makes itself (the
+    decode chain, a mixture's one call)."""
+    lib = cpu_kernels.load()
+    if lib is None or name not in ("gemv", "gemv512"):
+        return None
+    if name == "gemv512" and x_dtype == w_dtype:
+        if lib.gemv512_bf16 is None:
+            return None
+        fn = lib.gemv512_bf16 if w_dtype == torch.bfloat16 else lib.gemv512_f32
+        return [ctypes.cast(fn, ctypes.c_void_p).value or 0, 0]
+    if w_dtype == torch.bfloat16:
+        return [ctypes.cast(lib.bf16, ctypes.c_void_p).value or 0, 1]
+    if x_dtype == torch.float32:
+        return [ctypes.cast(lib.f32, ctypes.c_void_p).value or 0, 0]
+    return None
+
+
 # The layout a layer may keep alone (kernel_choice.one_layout), and that a tied embedding can
 # read its rows from: where it serves every row count, the original weight is dropped.
 SELF_CONTAINED = "panel"

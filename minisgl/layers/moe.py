@@ -248,7 +248,7 @@ def _f_words(
         words = [w.data_ptr(), w[0].numel() * w.element_size(), n, k]
         rows = 0
         for name in names:
-            kernel = gemv_kernel(name, x_dtype, w.dtype)
+            kernel = cpu_linear.gemv_call(name, x_dtype, w.dtype)
             if kernel is None:
                 break
             words += kernel
@@ -256,23 +256,6 @@ def _f_words(
         words += [0, 0] * (cpu_kernels.MAX_ROWS - rows)
         cache[key] = torch.tensor(words, dtype=torch.int64), rows
     return cache[key]
-
-
-def gemv_kernel(name: str, x_dtype: torch.dtype, w_dtype: torch.dtype) -> list[int] | None:
-    """[address, form] of the C call cpu_linear's pick `name` makes for x of `x_dtype` (its
-    _RUN: gemv512 takes x of the weights' dtype, else it is the GEMV), None where that is no
-    single call on x as it is (an fp32 weight's GEMV converts bf16 x first)."""
-    lib = cpu_kernels.load()
-    if lib is None or name not in ("gemv", "gemv512"):
-        return None
-    if name == "gemv512" and x_dtype == w_dtype and lib.gemv512_bf16 is not None:
-        fn = lib.gemv512_bf16 if w_dtype == torch.bfloat16 else lib.gemv512_f32
-        return [ctypes.cast(fn, ctypes.c_void_p).value or 0, 0]
-    if w_dtype == torch.bfloat16:
-        return [ctypes.cast(lib.bf16, ctypes.c_void_p).value or 0, 1]
-    if x_dtype == torch.float32:
-        return [ctypes.cast(lib.f32, ctypes.c_void_p).value or 0, 0]
-    return None
 
 
 def _gemv_rows(names: list[str], gemv: str = "gemv") -> int:

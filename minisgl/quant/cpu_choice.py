@@ -333,19 +333,16 @@ def measure(
 
 
 def kernels_for(
-    groups: Sequence[Sequence[QTensor]],
-    x_dtype: torch.dtype,
-    tuning: str,
-    packable: Sequence[bool] | None = None,
+    groups: Sequence[Sequence[QTensor]], x_dtype: torch.dtype, tuning: str
 ) -> tuple[list[QuantKernel | None], str]:
-    """A kernel per group of same-shaped weights, and one log line of the picks. `packable`:
-    per group, whether its weights may be repacked (see choose)."""
+    """A kernel per group of same-shaped weights, and one log line of the picks. Every group
+    may be repacked (see choose): picks of vnni_panel in every bucket mean the caller must."""
     t0 = time.perf_counter()
     out: list[QuantKernel | None] = []
     chosen: dict[ShapeKey, tuple[str, ...]] = {}
     sources: set[str] = set()
-    for i, weights in enumerate(groups):
-        got = choose(weights, x_dtype, tuning, bool(packable and packable[i]))
+    for weights in groups:
+        got = choose(weights, x_dtype, tuning, packable=True)
         if got is None:
             out.append(None)
             continue

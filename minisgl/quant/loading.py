@@ -82,9 +82,9 @@ def prepare_cpu(model: torch.nn.Module, x_dtype: torch.dtype, tuning: str) -> st
     holders = list(by_shape.values())
     # Timed over every layer's weight of the shape (every expert's, for a mixture): cold reads.
     groups = [[e for h in hs for e in _views(h)] for hs in holders]
-    # Repackable for cpu_choice's vnni_panel: every weight (a tied table's lookups then gather
+    # Each may be repacked for cpu_choice's vnni_panel (a tied table's lookups then gather
     # their rows out of the panels; a mixture's experts are packed a run of them at a time).
-    kernels, line = cpu_choice.kernels_for(groups, x_dtype, tuning, [True] * len(groups))
+    kernels, line = cpu_choice.kernels_for(groups, x_dtype, tuning)
     for hs, kernel in zip(holders, kernels, strict=True):
         pack = kernel is not None and set(kernel.picks) == {cpu_choice.PACKED}
         for h in hs:
