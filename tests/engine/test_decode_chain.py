@@ -1,7 +1,7 @@
 """The CPU decode chain (layers/cpu_chain.py: a decode step's layers as one C call) against the
 same model run layer by layer: the same kernels on the same arguments, so the same bits, for
-float and quantized weights, one and several requests, with prefills and mixed steps (which
-run layer by layer) in between."""
+float and quantized weights, one and several requests, short prefills alone and beside a decode
+(steps of few rows: the chain's) and a long one (which runs layer by layer)."""
 
 from __future__ import annotations
 
@@ -20,14 +20,15 @@ from minisgl.quant.weight import QuantWeight
 
 # Widths the quantized kernels take (groups of 128 input features).
 SHAPE = dict(hidden_size=128, intermediate_size=256, head_dim=32)
-# Request 1 prefills while 0 decodes (mixed: layer by layer), then both decode (the chain at
-# two rows), then request 1 alone (one row).
-SCHEDULE = [[5, 9], [1, 3], [1, 1], [1, 1], [0, 1], [0, 1]]
+# Request 0's 3-token prompt (the chain at three rows), request 1's first 17 prompt tokens
+# beside request 0's first decode (18 rows: more than the chain takes, layer by layer), its last
+# 3 beside the next decode (four rows), then both decode (two rows), then request 1 alone.
+SCHEDULE = [[3, 0], [1, 17], [1, 3], [1, 1], [0, 1], [0, 1]]
 
 
 def _run(path: Path, dtype: torch.dtype, quantization: str | None, **kw: str) -> tuple[list, dict]:
     model = load(path, dtype, quantization=quantization, cpu_kernel_tuning="off", **kw)
-    got = Runner(model, ModelConfig.from_dir(path), dtype).run(prompts([8, 16]), SCHEDULE)
+    got = Runner(model, ModelConfig.from_dir(path), dtype).run(prompts([6, 23]), SCHEDULE)
     return got, model.__dict__.get("_cpu_chains", {})
 
 
@@ -49,9 +50,9 @@ def test_chain_equals_layer_by_layer(
     monkeypatch.setenv("MINISGL_CPU_DECODE_CHAIN", "0")
     plain, none = _run(tmp_path, dtype, quantization)
     assert not any(none.values())
-    # One and two rows, each built once; where the picks are the chain's own (the untuned
+    # One to four rows, each built once; where the picks are the chain's own (the untuned
     # policy: the GEMV or qgemv at few rows), it ran.
-    assert sorted(rows for rows, *_ in chains) == [1, 2]
+    assert sorted(rows for rows, *_ in chains) == [1, 2, 3, 4]
     if matmul == "default" or quantization is not None:
         assert all(c is not None for c in chains.values())
     if matmul == "default" or quantization is not None:
@@ -96,13 +97,13 @@ def test_a_mixture_s_layers_run_in_the_chain(
         moe.SparseMoeBlock, "forward", lambda self, x: calls.append(x.shape[0]) or forward(self, x)
     )
     chained, chains = _run(tmp_path, dtype, quantization)
-    assert sorted(rows for rows, *_ in chains) == [1, 2]
+    assert sorted(rows for rows, *_ in chains) == [1, 2, 3, 4]
     # fp32 experts on the untuned GEMV run one by one at decode (gemv's one call takes bf16
     # ones): that stays layer by layer; on gemv512 (its own one call) they are chain ops.
     in_chain = not (dtype == torch.float32 and quantization is None and matmul == "default")
     assert all((c is not None) == in_chain for c in chains.values())
-    # Two sparse layers a forward: the prefill and mixed steps' only where the chain ran.
-    forwards = [5 + 9, 1 + 3] if in_chain else [5 + 9, 1 + 3, 2, 2, 1, 1]
+    # Two sparse layers a forward: the long prefill's step only where the chain ran.
+    forwards = [1 + 17] if in_chain else [3, 1 + 17, 1 + 3, 2, 1, 1]
     assert calls == [rows for rows in forwards for _ in range(2)]
     if in_chain:
         chain = next(iter(chains.values()))[0]

@@ -316,10 +316,17 @@ def test_short_extends_run_row_by_row_on_the_decode_kernel() -> None:
         free = iter(range(NUM_PAGES))
         tables = [[next(free) for _ in range(-(-(p + e) // PAGE))] for p, e in zip(prefix, extend)]
         meta = attn.prepare(BatchLayout(PAGE, prefix, extend, tables))
-        return [g.decode_kernel for g in meta.groups]  # type: ignore[attr-defined]
+        flags = [g.decode_kernel for g in meta.groups]  # type: ignore[attr-defined]
+        assert (attn.decode_chain_inputs(meta) is not None) == (flags == [True])
+        return flags
 
     assert groups([0], [6]) == [True]
-    assert groups([5, 0], [1, 6]) == [True, True]  # a decode beside a short prompt
+    # Decodes beside a short prompt: one group of rows in step order, which the kernel stores
+    # itself (the shape the CPU decode chain runs), however long the decodes' contexts; past
+    # 16 rows in all, the decodes and the prompt apart.
+    assert groups([5, 0], [1, 6]) == [True]
+    assert groups([300, 0], [1, 6]) == [True]
+    assert groups([5] * 11 + [0], [1] * 11 + [6]) == [True, True]
     assert groups([0], [40]) == [False]
     assert groups([300], [8]) == [False]  # 8 rows would each read 300+ keys
 

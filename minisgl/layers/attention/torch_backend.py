@@ -79,8 +79,9 @@ class _Group:
     valid: torch.Tensor | None  # flat [G * Q] indices of the valid queries; None: all valid
     lens: torch.Tensor  # [G] keys per request (prefix + extend)
     decode_kernel: bool  # one query per request, for the CPU decode kernel
-    # The decode kernel may store the step's rows itself (one row per request: no row reads
-    # another's); False for a short extend's rows, which read each other's keys.
+    # The decode kernel may store the step's rows itself: it writes them all before any row
+    # attends, so a short extend's rows (which read each other's keys) may too, where they are
+    # the step's rows in order.
     stores_new: bool = True
     # The CPU prefill kernel's plan for these prompts (cpu_prefill.py; it writes their rows of the
     # step's output in place); `calls` are then built only if it cannot run (`fallback`).
@@ -168,6 +169,11 @@ class TorchAttentionBackend(AttentionBackend):
 
         decode = np.flatnonzero(extend == 1)
         ext = np.flatnonzero(extend > 1)
+        if self._all_rows(prefix, extend, ext):
+            group = self._group_rows(np.arange(n), prefix, extend, starts, pages, ps, n)
+            return TorchMetadata(
+                num_tokens=len(out_loc), out_loc=self._dev(out_loc), groups=[group]
+            )
         groups = []
         for members in (decode, ext):
             if len(members):
@@ -334,6 +340,18 @@ class TorchAttentionBackend(AttentionBackend):
             decode_kernel=decode_kernel,
         )
 
+    def _all_rows(self, prefix: np.ndarray, extend: np.ndarray, ext: np.ndarray) -> bool:
+        """Whether the whole step (its short extends and any decodes beside them) is one group
+        of decode-kernel rows in step order: the shape the CPU decode chain runs
+        (decode_chain_inputs), so a short prompt's prefill and a mixed step are one C call
+        for all layers, not ~10 calls a layer from Python."""
+        return (
+            self.cpu_decode
+            and len(ext) > 0
+            and int(extend.sum()) <= _ROWS_MAX_QUERIES
+            and self._short_extend(prefix[ext], extend[ext])
+        )
+
     @staticmethod
     def _short_extend(pre: np.ndarray, ext: np.ndarray) -> bool:
         rows = int(ext.sum())
@@ -374,7 +392,8 @@ class TorchAttentionBackend(AttentionBackend):
             valid=None,
             lens=self._dev(lens),
             decode_kernel=True,
-            stores_new=False,
+            # In step order the kernel stores every row before any row attends.
+            stores_new=identity,
         )
 
     def _runs(
