@@ -19,7 +19,7 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
-from minisgl.layers import cpu_chain, cpu_kernels, cpu_linear
+from minisgl.layers import cpu_chain, cpu_linear
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.attention.base import AttentionBackend, AttentionMetadata
 from minisgl.layers.attention.torch_backend import TorchAttentionBackend
@@ -375,10 +375,11 @@ class Qwen3ForCausalLM(nn.Module):
         layer's output and the residual in, and the logits' width where the final norm and the
         LM head follow them (0 where the head is not one it expresses); None where some
         layer's call is not one it expresses."""
-        if rows > cpu_kernels.MAX_ROWS or not cpu_chain.available(dtype):
+        if rows > cpu_chain.MAX_ROWS or not cpu_chain.available(dtype):
             return None
+        arena = self.__dict__.setdefault("_cpu_chain_buffers", {})
         try:
-            return self._lay_chain(cpu_chain.Chain(rows, dtype, attn), attn)
+            return self._lay_chain(cpu_chain.Chain(rows, dtype, attn, arena), attn)
         except cpu_chain.Unsupported as e:
             logger.info("decode at %d rows runs layer by layer: %s", rows, e)
             return None

@@ -6,6 +6,7 @@ float and quantized weights, one and several requests, short prefills alone and 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -182,6 +183,41 @@ def test_a_pick_the_chain_does_not_express_runs_layer_by_layer(
     monkeypatch.setenv("MINISGL_CPU_DECODE_CHAIN", "0")
     plain, _ = _run(tmp_path, torch.bfloat16, None)
     for a, b in zip(got, plain, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not build here")
+def test_a_batch_past_16_requests_runs_in_the_chain_on_shared_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode batches of 17 to 64 requests on the panels (bf16) are chain steps too, the same
+    logits as layer by layer; every chain's activations are the first rows of one set of
+    MAX_ROWS-row buffers, so a server's chains for many batch sizes hold one set."""
+    monkeypatch.setenv("MINISGL_CPU_LINEAR", "panel")
+    dtype = torch.bfloat16
+    write_hf_model(tmp_path, **SHAPE)
+    n = 20
+    schedule = [[3] * n, [1] * n, [1] * (n - 1) + [0], [1] * 3 + [0] * (n - 3)]
+    seqs = prompts([6] * 3 + [5] * (n - 4) + [4], seed=3)
+
+    def run() -> tuple[list[torch.Tensor], Any]:
+        model = load(tmp_path, dtype, cpu_kernel_tuning="off")
+        got = Runner(model, ModelConfig.from_dir(tmp_path), dtype).run(seqs, schedule)
+        return got, model
+
+    chained, model = run()
+    chains = model.__dict__["_cpu_chains"]
+    assert sorted(rows for rows, *_ in chains) == [3, n - 1, n]
+    assert all(c is not None for c in chains.values())
+    arena = model.__dict__["_cpu_chain_buffers"]
+    assert all(t.shape[0] == cpu_chain.MAX_ROWS for t in arena.values())
+    bases = {t.data_ptr() for t in arena.values()}
+    for chain, out, residual, _ in chains.values():
+        assert {out.data_ptr(), residual.data_ptr()} <= bases
+        assert {t.data_ptr() for t in chain._buffers.values()} <= bases
+    monkeypatch.setenv("MINISGL_CPU_DECODE_CHAIN", "0")
+    plain, _ = run()
+    for a, b in zip(chained, plain, strict=True):
         assert torch.equal(a, b)
 
 
