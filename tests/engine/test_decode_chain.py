@@ -22,8 +22,9 @@ from minisgl.quant.weight import QuantWeight
 # Widths the quantized kernels take (groups of 128 input features).
 SHAPE = dict(hidden_size=128, intermediate_size=256, head_dim=32)
 # Request 0's 3-token prompt (the chain at three rows), request 1's first 17 prompt tokens
-# beside request 0's first decode (18 rows: more than the chain takes, layer by layer), its last
-# 3 beside the next decode (four rows), then both decode (two rows), then request 1 alone.
+# beside request 0's first decode (a prompt chunk too long to attend row by row: layer by
+# layer), its last 3 beside the next decode (four rows), then both decode (two rows), then
+# request 1 alone.
 SCHEDULE = [[3, 0], [1, 17], [1, 3], [1, 1], [0, 1], [0, 1]]
 
 

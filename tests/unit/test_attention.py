@@ -322,11 +322,12 @@ def test_short_extends_run_row_by_row_on_the_decode_kernel() -> None:
 
     assert groups([0], [6]) == [True]
     # Decodes beside a short prompt: one group of rows in step order, which the kernel stores
-    # itself (the shape the CPU decode chain runs), however long the decodes' contexts; past
-    # 16 rows in all, the decodes and the prompt apart.
+    # itself (the shape the CPU decode chain runs), however many decodes and however long
+    # their contexts; beside a long prompt, the decodes and the prompt apart.
     assert groups([5, 0], [1, 6]) == [True]
     assert groups([300, 0], [1, 6]) == [True]
-    assert groups([5] * 11 + [0], [1] * 11 + [6]) == [True, True]
+    assert groups([5] * 20 + [0], [1] * 20 + [6]) == [True]
+    assert groups([5] * 3 + [0], [1] * 3 + [40]) == [True, False]
     assert groups([0], [40]) == [False]
     assert groups([300], [8]) == [False]  # 8 rows would each read 300+ keys
 

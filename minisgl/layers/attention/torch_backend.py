@@ -342,15 +342,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _all_rows(self, prefix: np.ndarray, extend: np.ndarray, ext: np.ndarray) -> bool:
         """Whether the whole step (its short extends and any decodes beside them) is one group
-        of decode-kernel rows in step order: the shape the CPU decode chain runs
-        (decode_chain_inputs), so a short prompt's prefill and a mixed step are one C call
-        for all layers, not ~10 calls a layer from Python."""
-        return (
-            self.cpu_decode
-            and len(ext) > 0
-            and int(extend.sum()) <= _ROWS_MAX_QUERIES
-            and self._short_extend(prefix[ext], extend[ext])
-        )
+        of decode-kernel rows in step order: one kernel call a layer, and the shape the CPU
+        decode chain runs (decode_chain_inputs), so a short prompt's prefill and a step that
+        mixes one with decodes are one C call for all layers, not ~10 calls a layer from
+        Python."""
+        return self.cpu_decode and len(ext) > 0 and self._short_extend(prefix[ext], extend[ext])
 
     @staticmethod
     def _short_extend(pre: np.ndarray, ext: np.ndarray) -> bool:
