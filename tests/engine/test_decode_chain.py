@@ -21,16 +21,16 @@ from minisgl.quant.weight import QuantWeight
 
 # Widths the quantized kernels take (groups of 128 input features).
 SHAPE = dict(hidden_size=128, intermediate_size=256, head_dim=32)
-# Request 0's 3-token prompt (the chain at three rows), request 1's first 17 prompt tokens
+# Request 0's 3-token prompt (the chain at three rows), request 1's first 70 prompt tokens
 # beside request 0's first decode (a prompt chunk too long to attend row by row: layer by
 # layer), its last 3 beside the next decode (four rows), then both decode (two rows), then
 # request 1 alone.
-SCHEDULE = [[3, 0], [1, 17], [1, 3], [1, 1], [0, 1], [0, 1]]
+SCHEDULE = [[3, 0], [1, 70], [1, 3], [1, 1], [0, 1], [0, 1]]
 
 
 def _run(path: Path, dtype: torch.dtype, quantization: str | None, **kw: str) -> tuple[list, dict]:
     model = load(path, dtype, quantization=quantization, cpu_kernel_tuning="off", **kw)
-    got = Runner(model, ModelConfig.from_dir(path), dtype).run(prompts([6, 23]), SCHEDULE)
+    got = Runner(model, ModelConfig.from_dir(path), dtype).run(prompts([6, 76]), SCHEDULE)
     return got, model.__dict__.get("_cpu_chains", {})
 
 
@@ -105,7 +105,7 @@ def test_a_mixture_s_layers_run_in_the_chain(
     in_chain = not (dtype == torch.float32 and quantization is None and matmul == "default")
     assert all((c is not None) == in_chain for c in chains.values())
     # Two sparse layers a forward: the long prefill's step only where the chain ran.
-    forwards = [1 + 17] if in_chain else [3, 1 + 17, 1 + 3, 2, 1, 1]
+    forwards = [1 + 70] if in_chain else [3, 1 + 70, 1 + 3, 2, 1, 1]
     assert calls == [rows for rows in forwards for _ in range(2)]
     if in_chain:
         chain = next(iter(chains.values()))[0]
@@ -191,8 +191,8 @@ def test_a_pick_the_chain_does_not_express_runs_layer_by_layer(
 def test_a_batch_past_16_requests_runs_in_the_chain_on_shared_buffers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Decode batches of 17 to 64 requests on the panels (bf16) are chain steps too, the same
-    logits as layer by layer; every chain's activations are the first rows of one set of
+    """Steps of 17 to 64 rows on the panels (bf16), decodes and short prompts, are chain steps
+    too, the same logits as layer by layer; every chain's activations are the first rows of one set of
     MAX_ROWS-row buffers, so a server's chains for many batch sizes hold one set."""
     monkeypatch.setenv("MINISGL_CPU_LINEAR", "panel")
     dtype = torch.bfloat16
@@ -208,7 +208,8 @@ def test_a_batch_past_16_requests_runs_in_the_chain_on_shared_buffers(
 
     chained, model = run()
     chains = model.__dict__["_cpu_chains"]
-    assert sorted(rows for rows, *_ in chains) == [3, n - 1, n]
+    # the 20 prompts' first 3 tokens (60 rows), then 20, 19 and 3 decodes
+    assert sorted(rows for rows, *_ in chains) == [3, n - 1, n, 3 * n]
     assert all(c is not None for c in chains.values())
     arena = model.__dict__["_cpu_chain_buffers"]
     assert all(t.shape[0] == cpu_chain.MAX_ROWS for t in arena.values())

@@ -327,8 +327,9 @@ def test_short_extends_run_row_by_row_on_the_decode_kernel() -> None:
     assert groups([5, 0], [1, 6]) == [True]
     assert groups([300, 0], [1, 6]) == [True]
     assert groups([5] * 20 + [0], [1] * 20 + [6]) == [True]
-    assert groups([5] * 3 + [0], [1] * 3 + [40]) == [True, False]
-    assert groups([0], [40]) == [False]
+    assert groups([5] * 3 + [0], [1] * 3 + [70]) == [True, False]
+    assert groups([0], [40]) == [True]  # 820 key reads
+    assert groups([0], [70]) == [False]  # more rows than the decode chain takes
     assert groups([300], [8]) == [False]  # 8 rows would each read 300+ keys
 
 

@@ -166,10 +166,11 @@ def test_a_bf16_model_s_prefill_on_the_kernel_tracks_transformers(
     attend = cpu_prefill.attend
     monkeypatch.setattr(cpu_prefill, "attend", lambda *a: calls.append(attend(*a)) or calls[-1])
     g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, 95, (n,), generator=g).tolist() for n in (45, 70, 60)]
-    # Step 1: prompts 0 and 1, and the first 20 tokens of prompt 2; step 2: its other 40.
-    steps = [[(0, 0, 45), (1, 0, 70), (2, 0, 20)], [(2, 20, 40)]]
-    tables = [list(range(0, 12)), list(range(12, 30)), list(range(30, 45))]
+    seqs = [torch.randint(0, 95, (n,), generator=g).tolist() for n in (45, 70, 90)]
+    # Step 1: prompts 0 and 1, and the first 20 tokens of prompt 2; step 2: its other 70 (more
+    # rows than a short extend's, which the decode kernel attends row by row).
+    steps = [[(0, 0, 45), (1, 0, 70), (2, 0, 20)], [(2, 20, 70)]]
+    tables = [list(range(0, 12)), list(range(12, 30)), list(range(30, 53))]
     got: list[list[torch.Tensor]] = [[], [], []]
     for step in steps:
         ids = [t for i, pre, n in step for t in seqs[i][pre : pre + n]]
