@@ -15,8 +15,9 @@ from the model's tables, not gathered by torch each step) and the final norm and
 float or quantized, into the step's float32 logits (the last ops).
 
 The model (qwen3.py) lays out the layers with `Chain`'s emitters; whatever it cannot express
-(another kernel pick, a bias, tensor parallelism, a step whose attention is not one decode-kernel
-row per new token, or of more than MAX_ROWS rows) leaves the unfused path to run. MINISGL_CPU_DECODE_CHAIN=0: never.
+(another kernel pick, a bias, tensor parallelism, a step of more than MAX_ROWS rows or whose
+attention is not one decode-kernel row per new token) leaves the unfused path to run.
+MINISGL_CPU_DECODE_CHAIN=0: never.
 """
 
 from __future__ import annotations
@@ -40,10 +41,9 @@ STEP_X, STEP_SLOTS, STEP_LENS, STEP_KMAX, STEP_NEW_SLOTS, STEP_COS, STEP_SIN, ST
 STEP_IDS, STEP_POS = 8, 9
 STEP_WORDS = 10
 FROM_STEP_X, FROM_STEP_OUT = -1, -2
-# The most rows a chain is built for: decode batches up to the chooser's 33-64 bucket, whose
-# picks are still the panels on many CPUs; past it a step's Python is a small share of its
-# time. A B=32 Qwen3-0.6B step spent ~8 ms of its ~120 in Python layer by layer (AMD EPYC
-# Zen 4).
+# The most rows a chain is built for: steps up to the chooser's 33-64 bucket, whose picks are
+# still the panels on many CPUs; past it a step's Python is a small share of its time. In the
+# chain a B=32 Qwen3-0.6B bf16 step ran 1.04x faster than layer by layer (AMD EPYC Zen 4).
 MAX_ROWS = 64
 
 # Where a step's time goes, op by op (benchmarks/decode_step.py --breakdown): while a dict,
@@ -90,7 +90,7 @@ class Chain:
         rows: int,
         dtype: torch.dtype,
         backend: Any,
-        arena: dict[tuple[Any, ...], torch.Tensor] | None = None,
+        arena: dict[tuple[Any, ...], torch.Tensor],
     ) -> None:
         """`arena`: buffers of MAX_ROWS rows by dtype, name and shape, shared by every chain
         given it (each takes its first rows): one step runs at a time, and a chain per batch
@@ -122,20 +122,16 @@ class Chain:
 
     def buffer(self, name: str, *shape: int) -> torch.Tensor:
         """[rows, *shape] in the chain's dtype: one per name and shape (layers reuse them), the
-        first rows of the arena's where there is one."""
+        first rows of the arena's."""
         key = (name, shape)
         t = self._buffers.get(key)
         if t is None:
-            if self._arena is None:
-                t = torch.empty(self.rows, *shape, dtype=self.dtype)
-            else:
-                whole = self._arena.get((self.dtype, *key))
-                if whole is None:
-                    whole = self._arena[(self.dtype, *key)] = torch.empty(
-                        MAX_ROWS, *shape, dtype=self.dtype
-                    )
-                t = whole[: self.rows]
-            self._buffers[key] = t
+            whole = self._arena.get((self.dtype, *key))
+            if whole is None:
+                whole = self._arena[(self.dtype, *key)] = torch.empty(
+                    MAX_ROWS, *shape, dtype=self.dtype
+                )
+            t = self._buffers[key] = whole[: self.rows]
         return t
 
     def _emit(self, kind: int, fn: Any, *args: int, label: str = "") -> None:

@@ -381,7 +381,7 @@ class Qwen3ForCausalLM(nn.Module):
         try:
             return self._lay_chain(cpu_chain.Chain(rows, dtype, attn, arena), attn)
         except cpu_chain.Unsupported as e:
-            logger.info("decode at %d rows runs layer by layer: %s", rows, e)
+            logger.info("a step of %d rows runs layer by layer: %s", rows, e)
             return None
 
     def _lay_chain(
@@ -458,7 +458,7 @@ class Qwen3ForCausalLM(nn.Module):
         try:
             chain.embedding(embed.weight)
         except cpu_chain.Unsupported as e:
-            logger.info("decode at %d rows looks the embedding up apart: %s", chain.rows, e)
+            logger.info("a step of %d rows looks the embedding up apart: %s", chain.rows, e)
 
     def _lay_head(self, chain: cpu_chain.Chain, x: torch.Tensor, residual: torch.Tensor) -> int:
         """The final norm and the LM head after the layers, as hidden_states and forward call
@@ -478,7 +478,7 @@ class Qwen3ForCausalLM(nn.Module):
             chain.norm(x, norm.weight, norm.eps, final, residual=residual, sum_into=x)
             chain.matmul(head, final, logits, step_out=True)
         except cpu_chain.Unsupported as e:
-            logger.info("decode at %d rows runs the LM head apart: %s", chain.rows, e)
+            logger.info("a step of %d rows runs the LM head apart: %s", chain.rows, e)
             chain.drop_after(mark)
             return 0
         return vocab

@@ -188,12 +188,12 @@ def test_a_pick_the_chain_does_not_express_runs_layer_by_layer(
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not build here")
-def test_a_batch_past_16_requests_runs_in_the_chain_on_shared_buffers(
+def test_steps_past_16_rows_run_in_the_chain_on_shared_buffers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Steps of 17 to 64 rows on the panels (bf16), decodes and short prompts, are chain steps
-    too, the same logits as layer by layer; every chain's activations are the first rows of one set of
-    MAX_ROWS-row buffers, so a server's chains for many batch sizes hold one set."""
+    too, the same logits as layer by layer; every chain's activations are the first rows of
+    one set of MAX_ROWS-row buffers, so a server's chains for many batch sizes hold one set."""
     monkeypatch.setenv("MINISGL_CPU_LINEAR", "panel")
     dtype = torch.bfloat16
     write_hf_model(tmp_path, **SHAPE)
