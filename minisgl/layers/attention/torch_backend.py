@@ -78,11 +78,10 @@ class _Group:
     out_rows: torch.Tensor | None  # step rows of the valid queries; None: all of 0..T-1 in order
     valid: torch.Tensor | None  # flat [G * Q] indices of the valid queries; None: all valid
     lens: torch.Tensor  # [G] keys per request (prefix + extend)
-    decode_kernel: bool  # one query per request, for the CPU decode kernel
-    # The decode kernel may store the step's rows itself: it writes them all before any row
-    # attends, so a short extend's rows (which read each other's keys) may too, where they are
-    # the step's rows in order.
-    stores_new: bool = True
+    # One query row per kernel row, for the CPU decode kernel (which may store the step's new
+    # rows itself: it writes them all before any row attends, so a short extend's rows, which
+    # read each other's keys, may too)
+    decode_kernel: bool
     # The CPU prefill kernel's plan for these prompts (cpu_prefill.py; it writes their rows of the
     # step's output in place); `calls` are then built only if it cannot run (`fallback`).
     prefill_plan: cpu_prefill.Plan | None = None
@@ -173,7 +172,7 @@ class TorchAttentionBackend(AttentionBackend):
         decode = np.flatnonzero(extend == 1)
         ext = np.flatnonzero(extend > 1)
         if self._all_rows(prefix, extend, ext):
-            group = self._group_rows(np.arange(n), prefix, extend, starts, pages, ps, n)
+            group = self._group_rows(req, pos, pages, ps)
             return TorchMetadata(
                 num_tokens=len(out_loc), out_loc=self._dev(out_loc), groups=[group]
             )
@@ -243,8 +242,6 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> _Group:
         pre, ext, st = prefix[members], extend[members], starts[members]
         tot = pre + ext
-        if ext.max() > 1 and self.cpu_decode and self._short_extend(pre, ext):
-            return self._group_rows(members, pre, ext, st, pages, ps, num_requests)
         if ext.max() > 1 and self.cpu_prefill and int(tot.max()) <= cpu_prefill.MAX_LEN:
             return _Group(
                 calls=[],
@@ -357,42 +354,19 @@ class TorchAttentionBackend(AttentionBackend):
         key_reads = int((ext * pre).sum()) + int((ext * (ext + 1)).sum()) // 2
         return rows <= _ROWS_MAX_QUERIES and key_reads <= _ROWS_MAX_KEY_READS
 
-    def _group_rows(
-        self,
-        members: np.ndarray,
-        pre: np.ndarray,
-        ext: np.ndarray,
-        st: np.ndarray,
-        pages: np.ndarray,
-        ps: int,
-        num_requests: int,
-    ) -> _Group:
-        """Every query row of the extends as its own decode-kernel row: the keys of its request
-        up to its own position (causal by the row's key count)."""
-        q_req = np.repeat(np.arange(len(members)), ext)
-        offset = np.arange(int(ext.sum())) - np.repeat(np.cumsum(ext) - ext, ext)
-        lens = pre[q_req] + offset + 1
+    def _group_rows(self, req: np.ndarray, pos: np.ndarray, pages: np.ndarray, ps: int) -> _Group:
+        """Every row of the step (request req[t], position pos[t]) as its own decode-kernel row
+        in step order: the keys of its request up to its own position (causal by the row's key
+        count)."""
+        lens = pos + 1
         kp = np.arange(int(lens.max()))[None, :]
-        k_slots = _slots(pages, members[q_req][:, None], np.minimum(kp, lens[:, None] - 1), ps)
-        rows = st[q_req] + offset  # the step's rows, in order within each request
-        identity = len(members) == num_requests and np.array_equal(rows, np.arange(len(rows)))
+        k_slots = _slots(pages, req[:, None], np.minimum(kp, pos[:, None]), ps)
+        rows = len(pos)
         call = self._call(
-            None if identity else self._dev(rows[:, None]),
-            0,
-            k_slots,
-            np.zeros((len(rows), 1), np.int64),
-            lens[:, None] - 1,
-            False,
-            plan=False,
+            None, 0, k_slots, np.zeros((rows, 1), np.int64), pos[:, None], False, plan=False
         )
         return _Group(
-            calls=[call],
-            out_rows=None if identity else self._dev(rows),
-            valid=None,
-            lens=self._dev(lens),
-            decode_kernel=True,
-            # In step order the kernel stores every row before any row attends.
-            stores_new=identity,
+            calls=[call], out_rows=None, valid=None, lens=self._dev(lens), decode_kernel=True
         )
 
     def _runs(
@@ -538,7 +512,7 @@ class TorchAttentionBackend(AttentionBackend):
         if not self.cpu_decode or not isinstance(meta, TorchMetadata) or len(meta.groups) != 1:
             return None
         grp = meta.groups[0]
-        if not (grp.decode_kernel and grp.stores_new and grp.prefill_plan is None):
+        if not (grp.decode_kernel and grp.prefill_plan is None):
             return None
         if grp.out_rows is not None or grp.valid is not None or len(grp.calls) != 1:
             return None
@@ -561,7 +535,6 @@ class TorchAttentionBackend(AttentionBackend):
         grp = meta.groups[0]
         return (
             grp.decode_kernel
-            and grp.stores_new
             and grp.calls[0].q_rows is None
             and grp.out_rows is None
             and grp.valid is None
