@@ -36,7 +36,9 @@ from minisgl.quant.weight import QuantWeight
 
 # As csrc/chain.c.
 OP_WORDS = 24
-OP_NORM, OP_ATTN, OP_SILU, OP_MM8, OP_MM7, OP_QMM, OP_ROWS, OP_ROPE, OP_ROUTE, OP_MOE = range(10)
+OP_NORM, OP_ATTN, OP_SILU, OP_MM8, OP_MM7, OP_QMM, OP_ROWS, OP_ROPE, OP_ROUTE, OP_MOE, OP_PROWS = (
+    range(11)
+)
 STEP_X, STEP_SLOTS, STEP_LENS, STEP_KMAX, STEP_NEW_SLOTS, STEP_COS, STEP_SIN, STEP_OUT = range(8)
 STEP_IDS, STEP_POS = 8, 9
 STEP_WORDS = 10
@@ -396,6 +398,20 @@ class Chain:
         fn = (self.lib.qvpanel_rows if table.packed else self.lib.qdequant)[ops.kind]
         self._emit(OP_ROWS, fn, *weight_args, self._arg(out), *sizes, self._arg(scratch))
 
+    def embedding_panels(self, panels: cpu_kernels.PanelWeight) -> None:
+        """As `embedding`, for a bf16 table kept only as its tied LM head's panels
+        (VocabParallelEmbedding.use_panels): the step's rows copied out in C as
+        cpu_kernels.panel_rows reads them (its torch indexing ops were ~0.16 ms of a bf16 B=1
+        step after the weights' stream, AMD EPYC Zen 4)."""
+        if self._ops:
+            raise Unsupported("an embedding lookup after other ops")
+        if self.dtype != torch.bfloat16 or panels.data.dtype != torch.bfloat16:
+            raise Unsupported("panels of another dtype than the chain's bf16")
+        _, k, width = panels.data.shape
+        out = self.embedded = self.buffer("embedded", k)
+        args = (self._arg(panels.data), k, width, int(panels.pairs), self._arg(out), self.rows)
+        self._emit(OP_PROWS, None, *args)
+
     def rope(self, table: torch.Tensor) -> None:
         """The step's rotary rows, cos and signed sin of each row's position, from `table`
         [2, positions, D] (RotaryEmbedding's float32 tables) into the buffers the norms'
@@ -482,6 +498,7 @@ _KIND_LABELS = {
     OP_MM7: "C matmul",
     OP_QMM: "C matmul",
     OP_ROWS: "C embedding rows",
+    OP_PROWS: "C embedding rows",
     OP_ROPE: "C rotary rows",
     OP_ROUTE: "C router top-k",
     OP_MOE: "C experts",

@@ -451,12 +451,16 @@ class Qwen3ForCausalLM(nn.Module):
         """A quantized embedding table's lookup as the chain's first op (its rows then are the
         step's input rows): a decode step's ~10 torch and ctypes calls of QuantWeight.rows
         (0.07 ms a row warm, 0.3 ms after a step's weight stream, 1 thread, AMD EPYC VM) in
-        C. A float table (one F.embedding call) stays the module's."""
+        C; so is a bf16 table kept only as its tied LM head's panels (torch indexing ops). A
+        float table of its own (one F.embedding call) stays the module's."""
         embed = self.model.embed_tokens
-        if not isinstance(embed.weight, QuantWeight) or embed.tp_size != 1:
+        if embed.tp_size != 1:
             return
         try:
-            chain.embedding(embed.weight)
+            if isinstance(embed.weight, QuantWeight):
+                chain.embedding(embed.weight)
+            elif embed.panels is not None:
+                chain.embedding_panels(embed.panels)
         except cpu_chain.Unsupported as e:
             logger.info("a step of %d rows looks the embedding up apart: %s", chain.rows, e)
 

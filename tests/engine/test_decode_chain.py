@@ -5,6 +5,7 @@ float and quantized weights, one and several requests, short prefills alone and 
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,16 @@ SCHEDULE = [[3, 0], [1, 70], [1, 3], [1, 1], [0, 1], [0, 1]]
 
 
 def _run(path: Path, dtype: torch.dtype, quantization: str | None, **kw: str) -> tuple[list, dict]:
+    got, chains, _ = _run_model(path, dtype, quantization, **kw)
+    return got, chains
+
+
+def _run_model(
+    path: Path, dtype: torch.dtype, quantization: str | None, **kw: str
+) -> tuple[list, dict, Any]:
     model = load(path, dtype, quantization=quantization, cpu_kernel_tuning="off", **kw)
     got = Runner(model, ModelConfig.from_dir(path), dtype).run(prompts([6, 76]), SCHEDULE)
-    return got, model.__dict__.get("_cpu_chains", {})
+    return got, model.__dict__.get("_cpu_chains", {}), model
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not build here")
@@ -48,7 +56,7 @@ def test_chain_equals_layer_by_layer(
     if matmul != "default":
         monkeypatch.setenv("MINISGL_CPU_LINEAR", matmul)
     write_hf_model(tmp_path, **SHAPE)
-    chained, chains = _run(tmp_path, dtype, quantization)
+    chained, chains, model = _run_model(tmp_path, dtype, quantization)
     monkeypatch.setenv("MINISGL_CPU_DECODE_CHAIN", "0")
     plain, none = _run(tmp_path, dtype, quantization)
     assert not any(none.values())
@@ -63,10 +71,36 @@ def test_chain_equals_layer_by_layer(
         # model's head (int8 per channel by default) by its quantized kernel into float32.
         vocab = ModelConfig.from_dir(tmp_path).vocab_size
         assert {c[3] for c in chains.values()} == {vocab}
-    # A quantized (tied) table's lookup is the chain's first op; a float one stays F.embedding.
-    assert all((c[0].embedded is not None) == (quantization is not None) for c in chains.values())
+    # A quantized (tied) table's lookup is the chain's first op, and so is a bf16 one kept only
+    # as its LM head's panels; a float table of its own stays F.embedding.
+    in_chain = quantization is not None or model.model.embed_tokens.panels is not None
+    assert all(c is None or (c[0].embedded is not None) == in_chain for c in chains.values())
+    if dtype == torch.bfloat16 and matmul == "panel" and quantization is None:
+        assert model.model.embed_tokens.panels is not None  # the case above is met
     for a, b in zip(chained, plain, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not build here")
+@pytest.mark.parametrize("pairs", [False, True], ids=["panel.c", "panel512.c"])
+def test_the_chain_copies_token_rows_out_of_panels_as_torch_indexes_them(pairs: bool) -> None:
+    """The lookup op for a bf16 table kept only as its LM head's panels, alone in a chain, in
+    either build's panel layout: the rows cpu_kernels.panel_rows gives, bit for bit."""
+    lib = cpu_kernels.load()
+    assert lib is not None
+    n, k = 96, 64
+    width = 32 if pairs else 16
+    torch.manual_seed(0)
+    data = torch.randn(n // width, k, width).to(torch.bfloat16)  # any bits: a layout's copy
+    panels = cpu_kernels.PanelWeight(data, n, pairs)
+    ids = torch.tensor([0, 95, 17, 40, 63, 64], dtype=torch.int64)
+    out = torch.empty(len(ids), k, dtype=torch.bfloat16)
+    op = [cpu_chain.OP_PROWS, 0, data.data_ptr(), k, width, int(pairs), out.data_ptr(), len(ids)]
+    ops = torch.tensor(op + [0] * (cpu_chain.OP_WORDS - len(op)), dtype=torch.int64)
+    step = (ctypes.c_int64 * cpu_chain.STEP_WORDS)()
+    step[cpu_chain.STEP_IDS] = ids.data_ptr()
+    assert lib.decode_chain(ops.data_ptr(), 1, step) == 0
+    assert torch.equal(out, cpu_kernels.panel_rows(panels, ids))
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not build here")

@@ -16,7 +16,7 @@
 #define OP_WORDS 24
 
 enum { OP_NORM = 0, OP_ATTN = 1, OP_SILU = 2, OP_MM8 = 3, OP_MM7 = 4, OP_QMM = 5, OP_ROWS = 6,
-       OP_ROPE = 7, OP_ROUTE = 8, OP_MOE = 9 };
+       OP_ROPE = 7, OP_ROUTE = 8, OP_MOE = 9, OP_PROWS = 10 };
 /* Indices into the per-step values. */
 enum { STEP_X = 0, STEP_SLOTS = 1, STEP_LENS = 2, STEP_KMAX = 3, STEP_NEW_SLOTS = 4,
        STEP_COS = 5, STEP_SIN = 6, STEP_OUT = 7, STEP_IDS = 8, STEP_POS = 9 };
@@ -102,6 +102,27 @@ static void run_rows(const int64_t* a, void* fn, const int64_t* step) {
     }
 }
 
+/* The step's token ids' rows of a bf16 table kept only as its tied LM head's panels
+   (VocabParallelEmbedding.use_panels), copied out as cpu_kernels.panel_rows reads them:
+   panels [n / width][K][width], on AVX512-BF16 builds K in pairs ([K / 2][width][2]), else
+   the lanes interleaved (panel_pack_bf16's order). a: panels, K, width, pairs, out, rows. */
+static void run_panel_rows(const int64_t* a, const int64_t* step) {
+    const uint16_t* data = ptr(a[0]);
+    const int64_t k = a[1], width = a[2];
+    const int64_t* ids = ptr(step[STEP_IDS]);
+    for (int64_t r = 0; r < a[5]; r++) {
+        const int64_t col = ids[r] % width;
+        const uint16_t* panel = data + (ids[r] / width) * k * width;
+        uint16_t* row = (uint16_t*)ptr(a[4]) + r * k;
+        if (a[3]) {
+            for (int64_t j = 0; j < k / 2; j++) memcpy(row + 2 * j, panel + (j * width + col) * 2, 4);
+        } else {
+            const int64_t lane = col < 8 ? 2 * col : 2 * col - 15;
+            for (int64_t i = 0; i < k; i++) row[i] = panel[i * width + lane];
+        }
+    }
+}
+
 static inline void run_op(const int64_t* op, const int64_t* step) {
     void* fn = ptr(op[1]);
     const int64_t* a = op + 2;
@@ -122,6 +143,7 @@ static inline void run_op(const int64_t* op, const int64_t* step) {
                             a[6], input(a[7], step), (int)a[8], a[9], a[10], a[11], a[12]);
             break;
         case OP_ROWS: run_rows(a, fn, step); break;
+        case OP_PROWS: run_panel_rows(a, step); break;
         case OP_ROUTE:
             ((RouteFn)fn)(ptr(a[0]), (int)a[1], a[2], a[3], a[4], (int)a[5], ptr(a[6]), (int)a[7],
                           ptr(a[8]));
