@@ -114,8 +114,9 @@ static void run_panel_rows(const int64_t* a, const int64_t* step) {
         const int64_t col = ids[r] % width;
         const uint16_t* panel = data + (ids[r] / width) * k * width;
         uint16_t* row = (uint16_t*)ptr(a[4]) + r * k;
-        if (a[3]) {
-            for (int64_t j = 0; j < k / 2; j++) memcpy(row + 2 * j, panel + (j * width + col) * 2, 4);
+        if (a[3]) { /* a pair of K at a time: 4 bytes */
+            for (int64_t j = 0; j < k / 2; j++)
+                memcpy(row + 2 * j, panel + (j * width + col) * 2, 4);
         } else {
             const int64_t lane = col < 8 ? 2 * col : 2 * col - 15;
             for (int64_t i = 0; i < k; i++) row[i] = panel[i * width + lane];
