@@ -1,7 +1,7 @@
 """The API server's side of the pipeline: sends requests to the tokenizer, routes replies back.
 
-One reader task owns the PULL socket from the detokenizer (and the tokenizer's error replies)
-and hands each message to the asyncio.Queue of its request. Sending is a plain (synchronous)
+The PULL socket from the detokenizer (and the tokenizer's error replies) is read by the event
+loop itself, which hands each message to the asyncio.Queue of its request. Sending is a plain (synchronous)
 PUSH: it only copies into ZMQ's queue, so it never blocks the event loop and can be called
 from a `finally` during cancellation, which is where client-disconnect aborts come from.
 """
@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from minisgl.message import api_to_tokenizer, detokenizer_to_api
 from minisgl.message.api_to_tokenizer import AbortRequest, Heartbeat, Ping, TokenizeRequest
@@ -65,23 +64,19 @@ class RequestManager:
         self._ping_ids = itertools.count(1)
         self._beat_ids = itertools.count(1)
         self._beat_sent: dict[int, float] = {}  # heartbeats to the tokenizer not answered yet
-        self._reader: asyncio.Task[None] | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
-        self._sync_ctx = zmq.Context()
-        self._async_ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self.inbox: AsyncPullQueue[Any] = AsyncPullQueue(
-            self._async_ctx, self.endpoints.api, detokenizer_to_api.KINDS
+            self._ctx, self.endpoints.api, detokenizer_to_api.KINDS
         )
         self.to_tokenizer: PushQueue[Any] = PushQueue(
-            self._sync_ctx, self.endpoints.tokenizer, api_to_tokenizer.KINDS
+            self._ctx, self.endpoints.tokenizer, api_to_tokenizer.KINDS
         )
-        self._reader = asyncio.create_task(self._read_loop())
+        self.inbox.start(self._dispatch, _undecodable)
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
         self.inbox.close()
         self.to_tokenizer.close()
 
@@ -152,17 +147,6 @@ class RequestManager:
         return time.monotonic() - min(self._beat_sent.values())
 
     # ---- replies ----------------------------------------------------------------------------
-    async def _read_loop(self) -> None:
-        while True:
-            try:
-                msg = await self.inbox.get()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("undecodable message from a worker")
-                continue
-            self._dispatch(msg)
-
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, TextBatch):
             for out in msg.outputs:
@@ -214,6 +198,10 @@ class RequestManager:
             )
         except Exception:
             log.exception("metrics update failed")
+
+
+def _undecodable(exc: Exception) -> None:
+    log.error("a message from a worker failed: %r", exc, exc_info=exc)
 
 
 # The fields a grammar's 400 names from the scheduler, which knows only the grammar's kind.

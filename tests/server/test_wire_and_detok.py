@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgpack
@@ -11,7 +12,7 @@ import zmq
 from minisgl.message.api_to_tokenizer import AbortRequest, Ping, TokenizeRequest
 from minisgl.message.codec import CodecError, decode, encode
 from minisgl.message.endpoints import Endpoints
-from minisgl.message.queue import PullQueue, PushQueue
+from minisgl.message.queue import AsyncPullQueue, PullQueue, PushQueue
 from minisgl.message.scheduler_to_detokenizer import (
     RequestEnded,
     RequestRegistered,
@@ -71,6 +72,53 @@ def test_typed_queues_over_a_private_ipc_dir() -> None:
         ctx.term()
         a.remove()
         b.remove()
+
+
+def test_the_api_servers_queue_hands_every_message_on_in_order_past_bad_ones() -> None:
+    """The API server's end of the pipeline, read by its event loop: what was queued before
+    it started, a burst, and everything after a message that does not decode, is of a kind
+    the channel does not carry or that its handler fails on."""
+    ep = Endpoints.create()
+    ctx = zmq.Context()
+    got: list[Any] = []
+    errors: list[Exception] = []
+
+    def on_message(msg: Any) -> None:
+        if msg == Ping(13, []):
+            raise RuntimeError("handler failed")
+        got.append(msg)
+
+    async def main() -> None:
+        pull: AsyncPullQueue[Any] = AsyncPullQueue(ctx, ep.api, (AbortRequest, Ping))
+        push: PushQueue[Any] = PushQueue(ctx, ep.api, (AbortRequest, Ping))
+        raw = ctx.socket(zmq.PUSH)
+        raw.connect(ep.api)
+        push.put(AbortRequest("early"))
+        await asyncio.sleep(0.05)  # queued in ZMQ before the loop watches the socket
+        pull.start(on_message, errors.append)
+        for i in range(500):
+            push.put(Ping(i, []))
+        raw.send(b"\xc1 not msgpack")
+        raw.send(encode(TokenBatch([])))  # a valid message, not one for this channel
+        push.put(AbortRequest("after"))
+        deadline = asyncio.get_running_loop().time() + 10
+        while len(got) < 501 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        pull.close()
+        push.put(AbortRequest("closed"))
+        await asyncio.sleep(0.05)
+        raw.close(linger=0)
+        push.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        ctx.term()
+        ep.remove()
+    want = [AbortRequest("early")] + [Ping(i, []) for i in range(500) if i != 13]
+    assert got == want + [AbortRequest("after")]
+    # (the raw socket's two and the pushed ones are fair-queued: no order between them)
+    assert sorted(type(e).__name__ for e in errors) == ["CodecError", "RuntimeError", "TypeError"]
 
 
 def _stream(tok: Any, ids: list[int], **kw: Any) -> tuple[list[str], IncrementalDecoder]:
