@@ -1,9 +1,10 @@
 """The API server's side of the pipeline: sends requests to the tokenizer, routes replies back.
 
 The PULL socket from the detokenizer (and the tokenizer's error replies) is read by the event
-loop itself, which hands each message to the asyncio.Queue of its request. Sending is a plain (synchronous)
-PUSH: it only copies into ZMQ's queue, so it never blocks the event loop and can be called
-from a `finally` during cancellation, which is where client-disconnect aborts come from.
+loop itself, which hands each message to the asyncio.Queue of its request. Sending is a plain
+(synchronous) PUSH: it only copies into ZMQ's queue, so it never blocks the event loop and can
+be called from a `finally` during cancellation, which is where client-disconnect aborts come
+from.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class RequestManager:
         self.to_tokenizer: PushQueue[Any] = PushQueue(
             self._ctx, self.endpoints.tokenizer, api_to_tokenizer.KINDS
         )
-        self.inbox.start(self._dispatch, _undecodable)
+        self.inbox.start(self._dispatch, _reply_failed)
 
     def close(self) -> None:
         self.inbox.close()
@@ -200,7 +201,7 @@ class RequestManager:
             log.exception("metrics update failed")
 
 
-def _undecodable(exc: Exception) -> None:
+def _reply_failed(exc: Exception) -> None:
     log.error("a message from a worker failed: %r", exc, exc_info=exc)
 
 
