@@ -46,6 +46,32 @@ def test_argmax_ties_take_the_first_index_and_nan_poisons_the_row() -> None:
     assert cpu_kernels.rows_argmax(wide)[1].tolist() == [8, 40, 98]
 
 
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_row_split_among_the_threads_gives_one_passs_answer(threads: int) -> None:
+    """Fewer rows than threads: each row's vocabulary is split among them (a decode step of
+    one request). The first index of the maximum wins across the parts, ties on a boundary
+    included, and a NaN in any part poisons the row."""
+    v = 151_936
+    x = torch.randn(4, v)
+    x[0, [100, 90_000]] = 9.0  # a tie across the halves: the first
+    x[1, [v - 1, 75_968]] = 9.0  # one at the second part's first index, one at the end
+    x[2, 140_000] = float("nan")  # in the last part; the row's best elsewhere
+    x[3] = float("-inf")
+    x[3, [5, 80_000]] = float("inf")
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in ([0], [1], [2], [3], [0, 1], [2, 3], [0, 1, 2, 3]):
+            top, best = cpu_kernels.rows_argmax(x[rows].contiguous())
+            ref_top, ref_best = x[rows].max(dim=-1)
+            finite = ~torch.isnan(ref_top)
+            assert torch.equal(best[finite], ref_best[finite]), rows
+            assert torch.equal(top[finite], ref_top[finite]) and torch.isnan(top[~finite]).all()
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("vocab", [3, 29, 151_936])
 def test_token_logprobs_match_log_softmax(
