@@ -76,11 +76,13 @@ def test_equals_the_int16_emulation_at_one_and_two_threads(
 
 
 @needs_kernel
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
-    """Each row of a 19-row call (tiles of 8, 8 and 3) equals that row alone, bit for bit, and
-    bf16 out is the fp32 result rounded once; against the exact matmul on the dequantized
-    weight, int16 x's error (~1e-5)."""
-    w = random_qtensor(64, 1024, 4, 128, seed=1)
+@pytest.mark.parametrize("bits,group", [(4, 128), (8, 0), (8, 128)])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits: int, group: int) -> None:
+    """Each row of a 19-row call (tiles of 8, 8 and 3) equals that row alone (the one-row
+    loop: 4-bit codes against x's bytes, more sums in flight), bit for bit, and bf16 out is
+    the fp32 result rounded once; against the exact matmul on the dequantized weight, int16
+    x's error (~1e-5)."""
+    w = random_qtensor(64, 1024, bits, group, seed=1)
     packed = cpu_vpanel.pack(w)
     x = torch.randn(19, 1024).to(torch.bfloat16)
     y = cpu_vpanel.vnni_panel(x, packed, torch.float32)
