@@ -48,14 +48,14 @@ def test_argmax_ties_take_the_first_index_and_nan_poisons_the_row() -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_a_row_split_among_the_threads_gives_one_passs_answer(threads: int) -> None:
+def test_a_row_split_among_the_threads_gives_the_one_pass_answer(threads: int) -> None:
     """Fewer rows than threads: each row's vocabulary is split among them (a decode step of
     one request). The first index of the maximum wins across the parts, ties on a boundary
     included, and a NaN in any part poisons the row."""
     v = 151_936
     x = torch.randn(4, v)
     x[0, [100, 90_000]] = 9.0  # a tie across the halves: the first
-    x[1, [v - 1, 75_968]] = 9.0  # one at the second part's first index, one at the end
+    x[1, [v - 1, 75_968]] = 9.0  # at the end, and first in the second of two parts
     x[2, 140_000] = float("nan")  # in the last part; the row's best elsewhere
     x[3] = float("-inf")
     x[3, [5, 80_000]] = float("inf")
