@@ -13,6 +13,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "panel.h"
+
 #define OP_WORDS 24
 
 enum { OP_NORM = 0, OP_ATTN = 1, OP_SILU = 2, OP_MM8 = 3, OP_MM7 = 4, OP_QMM = 5, OP_ROWS = 6,
@@ -118,7 +120,7 @@ static void run_panel_rows(const int64_t* a, const int64_t* step) {
             for (int64_t j = 0; j < k / 2; j++)
                 memcpy(row + 2 * j, panel + (j * width + col) * 2, 4);
         } else {
-            const int64_t lane = col < 8 ? 2 * col : 2 * col - 15;
+            const int64_t lane = panel16_lane(col);
             for (int64_t i = 0; i < k; i++) row[i] = panel[i * width + lane];
         }
     }

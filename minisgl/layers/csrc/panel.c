@@ -16,6 +16,7 @@
    The AVX-512 build on a CPU with AVX512-BF16 compiles panel512.c instead: the same entry
    points on 32-column panels with K in pairs (VDPBF16PS's layout). */
 #include "common.h"
+#include "panel.h"
 
 #ifndef __AVX512BF16__
 
@@ -34,7 +35,7 @@ void panel_pack_bf16(const uint16_t* w, uint16_t* p, int64_t N, int64_t K) {
         uint16_t* out = p + q * K * 16;
         for (int c = 0; c < 16; c++) {
             int64_t n = q * 16 + c;
-            int lane = c < 8 ? 2 * c : 2 * (c - 8) + 1;
+            const int64_t lane = panel16_lane(c);
             for (int64_t k = 0; k < K; k++) out[k * 16 + lane] = n < N ? w[n * K + k] : 0;
         }
     }
