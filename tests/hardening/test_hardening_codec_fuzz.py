@@ -21,7 +21,7 @@ from minisgl.message.scheduler_to_detokenizer import (
     TokenOutput,
 )
 from minisgl.message.tokenizer_to_scheduler import TokenizedRequest
-from minisgl.sampling_params import SamplingParams
+from minisgl.sampling_params import INT_MAX, SamplingParams
 
 FUZZ = settings(
     max_examples=int(os.environ.get("HARDENING_FUZZ_EXAMPLES", "300")),
@@ -41,14 +41,15 @@ json_value = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(text, inner, max_size=4),
     max_leaves=12,
 )
+# Within what SamplingParams accepts (its own validation rejects larger values at build).
 params = st.builds(
     SamplingParams,
     temperature=st.floats(0, 100),
     top_p=st.floats(0.01, 1),
-    top_k=st.integers(-1, 2**31),
+    top_k=st.integers(-1, INT_MAX),
     min_p=st.floats(0, 1),
     seed=st.none() | st.integers(0, 2**63 - 1),
-    max_tokens=st.integers(1, 2**31),
+    max_tokens=st.integers(1, INT_MAX),
     ignore_eos=st.booleans(),
     stop=st.lists(st.text(min_size=1, max_size=8), max_size=4),
     stop_token_ids=st.lists(u32, max_size=4),
