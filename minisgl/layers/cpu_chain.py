@@ -36,9 +36,10 @@ from minisgl.quant.weight import QuantWeight
 
 # As csrc/chain.c.
 OP_WORDS = 24
-OP_NORM, OP_ATTN, OP_SILU, OP_MM8, OP_MM7, OP_QMM, OP_ROWS, OP_ROPE, OP_ROUTE, OP_MOE, OP_PROWS = (
-    range(11)
-)
+(
+    OP_NORM, OP_ATTN, OP_SILU, OP_MM8, OP_MM7, OP_QMM, OP_ROWS, OP_ROPE, OP_ROUTE, OP_MOE, OP_PROWS,
+    OP_MMI,
+) = range(12)  # fmt: skip
 STEP_X, STEP_SLOTS, STEP_LENS, STEP_KMAX, STEP_NEW_SLOTS, STEP_COS, STEP_SIN, STEP_OUT = range(8)
 STEP_IDS, STEP_POS = 8, 9
 STEP_WORDS = 10
@@ -274,18 +275,20 @@ class Chain:
         self._gemv(pick, self._arg(x), weight, self._arg(out), self.bf16)
 
     def _gemv(self, pick: str, xa: int, w: torch.Tensor, ya: int, out_bf16: int) -> None:
-        """The one C call GEMV pick `pick` makes over row-major w (cpu_linear.gemv_call)."""
+        """The one C call pick `pick` makes over row-major w (cpu_linear.gemv_call)."""
         kernel = cpu_linear.gemv_call(pick, self.dtype, w.dtype)
         if kernel is None:
             raise Unsupported(f"pick {pick or 'none'} on a {w.dtype} weight")
-        addr, takes_x_dtype = kernel
+        addr, form = kernel
         n, k = w.shape
+        if form == 2 and not cpu_kernels.supports_amx(self.dtype, w):
+            raise Unsupported(f"pick {pick} on a {tuple(w.shape)} {w.dtype} weight")
         args = (xa, self._arg(w), ya, self.rows, n, k, out_bf16)
         label = f"C matmul {n}x{k} {pick}"
-        if takes_x_dtype:
+        if form == 1:
             self._emit(OP_MM8, addr, *args, self.bf16, label=label)
         else:
-            self._emit(OP_MM7, addr, *args, label=label)
+            self._emit(OP_MMI if form == 2 else OP_MM7, addr, *args, label=label)
 
     def moe(self, block: Any, x: torch.Tensor, out: torch.Tensor) -> None:
         """A SparseMoeBlock's forward at these rows, as it runs on the CPU: the router's GEMV
@@ -363,7 +366,9 @@ class Chain:
             raise Unsupported("a quantized matmul set up for another device")
         name = self._pick(kernel.picks) if kernel is not None else "qgemv"
         ops = cpu_gemv.operands(w)
-        fn = _quantized_kernel(self.lib, name, ops.kind, self.bf16)
+        fn = cpu_choice.kernel_fn(self.lib, name, ops.kind, self.bf16)
+        if fn is None:  # dequant_gemm / dequant_torch: chunks dequantized from Python
+            raise Unsupported(f"quantized pick {name}, which is no single C kernel call")
         if out.shape[1] != ops.n:
             raise Unsupported("a quantized weight of another width")
         self._held.append(ops)
@@ -459,7 +464,7 @@ class Chain:
         TorchAttentionBackend.decode_chain_inputs). `upto`: only the ops before that mark
         (default: all); `out`: the step's output buffer (see `matmul`), needed by ops past the
         layers that write it. False: the step was refused before any layer ran (a position
-        past the rotary tables)."""
+        past the rotary tables); raises where a matmul failed part-way (see `_ran`)."""
         assert self.cos is not None and self.sin is not None, "no rotary rows (rope)"
         step = self.step
         first = 0
@@ -481,13 +486,21 @@ class Chain:
         n = self.ops.shape[0] if upto is None else upto
         ops = self.ops.data_ptr() + first * OP_WORDS * 8
         if timing is None or self.lib.decode_chain_timed is None:
-            return self.lib.decode_chain(ops, n - first, step) == 0
+            return _ran(self.lib.decode_chain(ops, n - first, step))
         ns = (ctypes.c_int64 * max(1, n - first))()
-        if self.lib.decode_chain_timed(ops, n - first, step, ns, int(timing_cpu_clock)) != 0:
+        if not _ran(self.lib.decode_chain_timed(ops, n - first, step, ns, int(timing_cpu_clock))):
             return False
         for label, t in zip(self._labels[first:n], ns):
             timing[label] = timing.get(label, 0.0) + t * 1e-9
         return True
+
+
+def _ran(code: int) -> bool:
+    """decode_chain's answer: True (ran), False (refused before any layer ran); raises where a
+    matmul failed part-way (the AMX matmul without memory for its packed x)."""
+    if code == -2:
+        raise RuntimeError("a matmul of the decode chain failed part-way (no memory)")
+    return code == 0
 
 
 _KIND_LABELS = {
@@ -496,6 +509,7 @@ _KIND_LABELS = {
     OP_SILU: "C SiLU x up",
     OP_MM8: "C matmul",
     OP_MM7: "C matmul",
+    OP_MMI: "C matmul",
     OP_QMM: "C matmul",
     OP_ROWS: "C embedding rows",
     OP_PROWS: "C embedding rows",
@@ -503,28 +517,6 @@ _KIND_LABELS = {
     OP_ROUTE: "C router top-k",
     OP_MOE: "C experts",
 }
-
-
-def _quantized_kernel(lib: Any, name: str, kind: str, x_bf16: int) -> Any:
-    """The C function quantized pick `name` calls for code `kind` (all take qgemv's
-    arguments), by the rules of its wrapper in cpu_gemv.py / cpu_panel.py."""
-    if name == "qgemv":
-        return lib.qgemv[kind]
-    if name == "dequant_panel":
-        return lib.qpanel[kind]
-    if name == "int16_panel":
-        return lib.qpanel16.get(kind) or lib.qpanel[kind]
-    if name == "amx_panel":
-        return (lib.qamx.get(kind) if x_bf16 else None) or lib.qpanel[kind]
-    if name == "amx_int":
-        fn = lib.qamxi.get(kind)
-        return lib.qgemv[kind] if fn is None or (kind == "fp8" and not x_bf16) else fn
-    if name == "x8_panel" and kind in lib.qvnni:  # picked only for weights it takes
-        return lib.qvnni[kind]
-    if name == "vnni_panel" and kind in lib.qvpanel:  # picked only for packed weights
-        return lib.qvpanel[kind]
-    # dequant_gemm / dequant_torch: chunks dequantized from Python, then a GEMM call each.
-    raise Unsupported(f"quantized pick {name}, which is no single C kernel call")
 
 
 def ids_ok(ids: torch.Tensor, rows: int) -> bool:

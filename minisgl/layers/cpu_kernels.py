@@ -515,13 +515,13 @@ def moe_decode_q(
     weights: torch.Tensor,
     ids: torch.Tensor,
 ) -> torch.Tensor:
-    """moe_decode over quantized experts: q13 and q2 are each one's kernel and operands as
-    csrc/moe.c's twelve int64 words (moe.py builds them), each expert's rows through that
-    kernel as the per-expert loop calls it (the same bits); the experts, not their weight
+    """moe_decode over quantized experts: q13 and q2 are each one's operands and kernel per
+    row count as csrc/moe.c's int64 words (moe.py builds them), each expert's rows through the
+    kernel the per-expert loop calls for them (the same bits); the experts, not their weight
     blocks, are shared among the threads."""
     lib = _loaded()
     assert lib is not None
-    inter = int(q2[10])  # w2's K
+    inter = int(q2[9])  # w2's K
     return _moe_call(
         lib.moe_decode_q, x, q13.data_ptr(), q2.data_ptr(), num_experts, inter, weights, ids
     )
@@ -570,6 +570,8 @@ def _moe_call(
     bad = fn(*args, int(w_bf16), out.data_ptr(), t, k, x.shape[1], inter)
     if bad >= 0:
         raise IndexError(f"expert id {int(flat[bad])} outside the {num_experts} experts")
+    if bad == -2:
+        raise RuntimeError("an expert's matmul computed nothing (no memory for its packed x)")
     return out
 
 

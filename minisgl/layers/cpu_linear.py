@@ -144,14 +144,21 @@ _RUN: dict[str, Callable[..., torch.Tensor]] = {
 
 
 def gemv_call(name: str, x_dtype: torch.dtype, w_dtype: torch.dtype) -> list[int] | None:
-    """[address, form] of the one C call a GEMV pick `name` makes over row-major weights of
-    `w_dtype` for x of `x_dtype`, as _RUN runs it (gemv512 takes x of the weights' dtype,
-    else it is the GEMV); form 1: gemv_bf16's eight arguments (the last x's dtype), 0: the
-    seven of gemv_f32 and gemv512_*. None where it is no single call on x as it is (another
-    pick; an fp32 weight's GEMV converts bf16 x first). For the calls C makes itself (the
-    decode chain, a mixture's one call)."""
+    """[address, form] of the one C call a pick `name` on the row-major weight makes over
+    weights of `w_dtype` for x of `x_dtype`, as _RUN runs it (gemv512 takes x of the weights'
+    dtype, else it is the GEMV; amx bf16 x and weights); form 1: gemv_bf16's eight arguments
+    (the last x's dtype), 0: the seven of gemv_f32 and gemv512_*, 2: amx_bf16's seven (it
+    returns 0 where it computed nothing). None where it is no single call on x as it is
+    (another pick; an fp32 weight's GEMV converts bf16 x first). For the calls C makes itself
+    (the decode chain, a mixture's one call), on weights the pick was made for."""
     lib = cpu_kernels.load()
-    if lib is None or name not in ("gemv", "gemv512"):
+    if lib is None:
+        return None
+    if name == "amx":
+        if lib.amx is None or not x_dtype == w_dtype == torch.bfloat16:
+            return None
+        return [ctypes.cast(lib.amx, ctypes.c_void_p).value or 0, 2]
+    if name not in ("gemv", "gemv512"):
         return None
     if name == "gemv512" and x_dtype == w_dtype:
         if lib.gemv512_bf16 is None:

@@ -41,7 +41,7 @@ from minisgl.layers import cpu_kernels, cpu_linear, kernel_choice
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.cpu_linear import native_bf16, onednn_gemm_enabled
 from minisgl.quant import cpu_gemv
-from minisgl.quant.cpu_choice import QuantKernel
+from minisgl.quant.cpu_choice import PACKED, QuantKernel, kernel_fn
 from minisgl.quant.weight import QuantWeight
 
 logger = logging.getLogger(__name__)
@@ -203,9 +203,9 @@ def decode_call(
         if t > one_call_tokens:
             return None
         q13, q2 = _q_operands(x, w13), _q_operands(x, w2)
-        if q13 is None or q2 is None:
+        if q13 is None or q2 is None or t > min(q13[1], q2[1]):
             return None
-        return OneCall("q", q13, q2, w13.experts, w2.in_features)
+        return OneCall("q", q13[0], q2[0], w13.experts, w2.in_features)
     if not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)):
         return None
     experts, inter = w13.shape[0], w2.shape[2]
@@ -269,64 +269,85 @@ def _gemv_rows(names: list[str], gemv: str = "gemv") -> int:
 
 def _gemv_tokens(w13: Experts, w2: Experts, mm13: MatMul, mm2: MatMul) -> int:
     """Up to how many tokens mm13 and mm2 run one C kernel on every row count: the GEMV by the
-    default matmuls' untuned policy; quantized experts' own matmul by their kernel's picks
-    (the quantized GEMV, qgemv, where there is none; the panels at every row count where
-    they were packed, QuantWeight.pack_vnni); 0 for anything else."""
+    default matmuls' untuned policy; quantized experts' own matmul: cpu_kernels.MAX_ROWS, as
+    far as their kernels' words allow (_q_operands); 0 for anything else."""
     if isinstance(w13, QuantWeight) and isinstance(w2, QuantWeight):
         if mm13 != w13.expert_matmul or mm2 != w2.expert_matmul:
             return 0
-        return min(_qgemv_rows(w13), _qgemv_rows(w2))
+        return cpu_kernels.MAX_ROWS
     return cpu_kernels.MAX_ROWS if mm13 is mm2 is _matmul else 0
 
 
-def _qgemv_rows(w: QuantWeight) -> int:
-    if w.kernel is None or w.packed:  # qlinear's untuned policy; or the panels at every row count
-        return cpu_kernels.MAX_ROWS
+def _q_names(w: QuantWeight) -> tuple[str, ...] | None:
+    """The quantized pick the per-expert loop runs for 1, 2, ... cpu_kernels.MAX_ROWS rows:
+    the panels at every row count where they were packed (QuantWeight.pack_vnni), the quantized
+    GEMV under qlinear's untuned policy (no kernel), else the kernel's picks."""
+    if w.packed:
+        return (PACKED,) * cpu_kernels.MAX_ROWS
+    if w.kernel is None:
+        return ("qgemv",) * cpu_kernels.MAX_ROWS
     if isinstance(w.kernel, QuantKernel):
-        return _qgemv_rows_of(w.kernel.picks)
-    return 0
+        return _names_of(w.kernel.picks)
+    return None
 
 
 @functools.cache
-def _qgemv_rows_of(picks: tuple[str, ...]) -> int:
-    """_gemv_rows of these picks, once: asked twice per mixture layer and step, the row table
-    it is read from took ~1.5 ms of a 12 ms Qwen3-30B-A3B-shaped 4-layer step (Zen 4)."""
-    return _gemv_rows(kernel_choice.row_table(picks), "qgemv")
+def _names_of(picks: tuple[str, ...]) -> tuple[str, ...]:
+    """The picks per row count 1..cpu_kernels.MAX_ROWS, once per picks: the row table they
+    are read from took ~1.5 ms of a 12 ms Qwen3-30B-A3B-shaped 4-layer step (Zen 4) when it
+    was built for every layer and step."""
+    return tuple(kernel_choice.row_table(picks)[1 : cpu_kernels.MAX_ROWS + 1])
 
 
-def _q_operands(x: torch.Tensor, w: QuantWeight) -> torch.Tensor | None:
-    """Quantized experts' kernel and operands as moe_decode_q takes them (csrc/moe.c), or None
-    where the quantized GEMV does not take them (cpu_gemv.usable) or x is neither bf16 nor
-    fp32. Made once per kind of x and place of the weight's tensors: a decode step asks for
-    them in every layer."""
+def _q_operands(x: torch.Tensor, w: QuantWeight) -> tuple[torch.Tensor, int] | None:
+    """Quantized experts' operands and kernel per row count as moe_decode_q takes them
+    (csrc/moe.c), and up to how many rows an expert may have in that call (the row counts whose
+    pick is one C kernel call); None where the quantized GEMV does not take them
+    (cpu_gemv.usable), x is neither bf16 nor fp32 or no row count is one call. Made once per
+    kind of x, place of the weight's tensors and picks: a decode step asks in every layer."""
     cache = w.__dict__.setdefault("_moe_operands", {})
-    key = (x.dtype, x.device.type, x.dim(), w.codes.data_ptr(), w.scales.data_ptr(), w.packed)
+    picks = w.kernel.picks if isinstance(w.kernel, QuantKernel) else None
+    key = (
+        x.dtype,
+        x.device.type,
+        x.dim(),
+        w.codes.data_ptr(),
+        w.scales.data_ptr(),
+        w.packed,
+        picks,
+    )
     if key not in cache:
         cache[key] = _q_words(x, w)
     return cache[key]
 
 
-def _q_words(x: torch.Tensor, w: QuantWeight) -> torch.Tensor | None:
+def _q_words(x: torch.Tensor, w: QuantWeight) -> tuple[torch.Tensor, int] | None:
     lib = cpu_kernels.load()
     if lib is None or x.dtype not in (torch.bfloat16, torch.float32) or not w.experts:
         return None
     one = w.view(0)
-    if not cpu_gemv.usable(x, one):
+    names = _q_names(w)
+    if names is None or not cpu_gemv.usable(x, one):
         return None
-    # the experts' kernel at every row count the one call takes: the panels' or the GEMV's
-    kernels = lib.qvpanel if w.packed else lib.qgemv
-    fn = ctypes.cast(kernels[cpu_gemv.kind(one)], ctypes.c_void_p).value
+    kind, x_bf16 = cpu_gemv.kind(one), int(x.dtype == torch.bfloat16)
+    kernels = []
+    for name in names:  # as far as every row count is one C call
+        fn = kernel_fn(lib, name, kind, x_bf16)
+        if fn is None:
+            break
+        kernels.append(ctypes.cast(fn, ctypes.c_void_p).value or 0)
     codes, scales, zeros = w.codes, w.scales, w.zeros
-    if not (codes.is_contiguous() and scales.is_contiguous()):
+    if not kernels or not (codes.is_contiguous() and scales.is_contiguous()):
         return None
-    words = [fn, codes.data_ptr(), codes.stride(0) * codes.element_size()]
+    words = [codes.data_ptr(), codes.stride(0) * codes.element_size()]
     words += [codes.stride(1) * codes.element_size(), scales.data_ptr()]
     words += [scales.stride(0) * scales.element_size()]
     words += (
         [zeros.data_ptr(), zeros.stride(0) * zeros.element_size()] if zeros is not None else [0, 0]
     )
     words += [scales.stride(1), codes.shape[1], w.in_features, w.group_size or w.in_features]
-    return torch.tensor(words, dtype=torch.int64)
+    words += kernels + [0] * (cpu_kernels.MAX_ROWS - len(kernels))
+    return torch.tensor(words, dtype=torch.int64), len(kernels)
 
 
 def _group_by_expert(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

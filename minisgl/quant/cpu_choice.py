@@ -41,7 +41,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -114,6 +114,30 @@ class QuantKernel:
         return run(x, w) if out_dtype is None else run(x, w, out_dtype)
 
 
+def kernel_fn(lib: Any, name: str, kind: str, x_bf16: int) -> Any | None:
+    """The C function (a ctypes function of `lib`, cpu_kernels.load()) that quantized pick
+    `name` calls for codes of `kind` (cpu_gemv.kind), all taking qgemv's arguments, by the
+    rules of its wrapper in cpu_gemv.py / cpu_panel.py; None where the pick is no single C
+    call (dequant_gemm / dequant_torch: chunks dequantized from Python, a GEMM call each). For
+    the calls C makes itself (the decode chain, a mixture's one call)."""
+    if name == "qgemv":
+        return lib.qgemv[kind]
+    if name == "dequant_panel":
+        return lib.qpanel[kind]
+    if name == "int16_panel":
+        return lib.qpanel16.get(kind) or lib.qpanel[kind]
+    if name == "amx_panel":
+        return (lib.qamx.get(kind) if x_bf16 else None) or lib.qpanel[kind]
+    if name == "amx_int":
+        fn = lib.qamxi.get(kind)
+        return lib.qgemv[kind] if fn is None or (kind == "fp8" and not x_bf16) else fn
+    if name == "x8_panel" and kind in lib.qvnni:  # picked only for weights it takes
+        return lib.qvnni[kind]
+    if name == PACKED and kind in lib.qvpanel:  # picked only for packed weights
+        return lib.qvpanel[kind]
+    return None
+
+
 def default_picks(
     kind: str | None = None, x_dtype: torch.dtype = torch.bfloat16, x8: bool = False
 ) -> tuple[str, ...]:
@@ -137,7 +161,8 @@ def default_picks(
     else:
         tiles = lib is not None and kind in lib.qamxi
         tiles = tiles and (kind != "fp8" or x_dtype == torch.bfloat16)
-    few = "amx_int" if tiles else "qgemv"
+    # amx_int multiplies x in 16 bits: under `x8` the rows qgemv rounds x for stay qgemv's.
+    few = "amx_int" if tiles and not x8 else "qgemv"
     # AVX512-BF16 and no AMX tiles (AMD Zen 4): the bf16 panel (amx_panel) beats the GEMV's
     # conversions at fewer rows for fp8 (from 5) and 4-bit codes (from 9); 8-bit codes keep
     # the GEMV's VPDPBUSD up to `small` (1 thread, CPU time, Qwen3-0.6B shapes: fp8 at 8 rows

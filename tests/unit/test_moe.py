@@ -513,3 +513,31 @@ def test_quantized_experts_picks_are_read_once_not_per_step(
         weights, ids = route(torch.randn(1, e, generator=g), 8, True)
         fused_moe(x, w13, w2, weights.bfloat16(), ids, w13.expert_matmul, w2.expert_matmul)
     assert len(built) <= 1
+
+
+@needs_kernels
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_experts_run_in_one_call_on_any_single_call_pick(method: str) -> None:
+    """The one call runs each expert's rows through the kernel its picks name for that row
+    count, wherever that pick is one C call (the panels, the AMX kernels), not only where it is
+    the quantized GEMV: on an AMX Xeon the untuned picks are amx_int from 2 rows, and every
+    decode batch of 2+ tokens ran its experts one by one from Python. A pick that is no single
+    call (chunks dequantized from Python) ends the one call's rows there."""
+    from minisgl.quant.cpu_choice import QuantKernel
+
+    g = torch.Generator().manual_seed(5)
+    e, h, i = 8, 256, 128
+    w13, w2 = _quantized_experts(method, e, 2 * i, h, g), _quantized_experts(method, e, h, i, g)
+    # qgemv at 1 row, the panels at 2-4, dequantized chunks (no single call) from 5
+    picks = ("qgemv", "amx_panel") + ("dequant_gemm",) * (len(kernel_choice.BUCKETS) - 2)
+    w13.kernel, w2.kernel = QuantKernel(picks), QuantKernel(picks)
+    x = torch.randn(8, h, generator=g).bfloat16()
+    weights, ids = route(torch.randn(8, e, generator=g), 4, True)
+    weights = weights.bfloat16()
+    for tokens in (1, 2, 4, 5, 8):
+        call = moe.decode_call(x[:tokens], w13, w2, w13.expert_matmul, w2.expert_matmul)
+        assert (call is not None) == (tokens <= 4), tokens
+        args = (x[:tokens], w13, w2, weights[:tokens], ids[:tokens])
+        one = fused_moe(*args, w13.expert_matmul, w2.expert_matmul)
+        loop = fused_moe(*args, w13.expert_matmul, w2.expert_matmul, 0)
+        assert torch.equal(one, loop), tokens

@@ -161,13 +161,10 @@ def test_the_decode_chain_runs_the_pick_as_one_call() -> None:
     """A decode batch whose pick is x8_panel (4-bit codes from 5 rows under int8 activations)
     stays in the C decode chain: the pick is qvnni.c's entry point (before, the chain gave up
     on it and the whole step ran layer by layer)."""
-    from minisgl.layers import cpu_chain
-
     lib = cpu_kernels.load()
     assert lib is not None
     for kind in ("u4", "u8"):
         if kind in lib.qvnni:
-            assert cpu_chain._quantized_kernel(lib, "x8_panel", kind, 1) is lib.qvnni[kind]
-        else:
-            with pytest.raises(cpu_chain.Unsupported):
-                cpu_chain._quantized_kernel(lib, "x8_panel", kind, 1)
+            assert cpu_choice.kernel_fn(lib, "x8_panel", kind, 1) is lib.qvnni[kind]
+        else:  # no single call: the chain leaves the step to the layer-by-layer path
+            assert cpu_choice.kernel_fn(lib, "x8_panel", kind, 1) is None

@@ -18,7 +18,7 @@
 #define OP_WORDS 24
 
 enum { OP_NORM = 0, OP_ATTN = 1, OP_SILU = 2, OP_MM8 = 3, OP_MM7 = 4, OP_QMM = 5, OP_ROWS = 6,
-       OP_ROPE = 7, OP_ROUTE = 8, OP_MOE = 9, OP_PROWS = 10 };
+       OP_ROPE = 7, OP_ROUTE = 8, OP_MOE = 9, OP_PROWS = 10, OP_MMI = 11 };
 /* Indices into the per-step values. */
 enum { STEP_X = 0, STEP_SLOTS = 1, STEP_LENS = 2, STEP_KMAX = 3, STEP_NEW_SLOTS = 4,
        STEP_COS = 5, STEP_SIN = 6, STEP_OUT = 7, STEP_IDS = 8, STEP_POS = 9 };
@@ -38,6 +38,8 @@ typedef void (*SiluFn)(const void*, void*, int64_t, int64_t);
 typedef void (*Matmul8Fn)(const void*, const void*, void*, int64_t, int64_t, int64_t, int, int);
 /* gemv_f32, gemv512_*: (x, w, y, M, N, K, out_bf16) */
 typedef void (*Matmul7Fn)(const void*, const void*, void*, int64_t, int64_t, int64_t, int);
+/* amx_bf16: the same arguments, 0 where it computed nothing (no tile memory) */
+typedef int (*MatmulIntFn)(const void*, const void*, void*, int64_t, int64_t, int64_t, int);
 /* qgemv_* and the kernels that take its arguments */
 typedef void (*QMatmulFn)(const void*, int, const void*, int64_t, const void*, const void*,
                           int64_t, void*, int, int64_t, int64_t, int64_t, int64_t);
@@ -151,10 +153,6 @@ static inline void run_op(const int64_t* op, const int64_t* step) {
             ((RouteFn)fn)(ptr(a[0]), (int)a[1], a[2], a[3], a[4], (int)a[5], ptr(a[6]), (int)a[7],
                           ptr(a[8]));
             break;
-        case OP_MOE: /* the ids are the route op's, every one an expert: nothing to refuse */
-            ((MoeFn)fn)(input(a[0], step), (int)a[1], ptr(a[2]), ptr(a[3]), a[4], ptr(a[5]),
-                        ptr(a[6]), (int)a[7], input(a[8], step), a[9], a[10], a[11], a[12]);
-            break;
     }
 }
 
@@ -182,18 +180,44 @@ static int64_t run_rope(const int64_t* a, const int64_t* step) {
     return 0;
 }
 
-/* One op of the chain: 0, or -1 where it refused the step (run_rope). */
+/* OP_MMI: a matmul that may compute nothing (amx_bf16): 0, or -2 where it did. */
+static int64_t run_mmi(const int64_t* op, const int64_t* step) {
+    const int64_t* a = op + 2;
+    return ((MatmulIntFn)ptr(op[1]))(input(a[0], step), ptr(a[1]), input(a[2], step), a[3], a[4],
+                                      a[5], (int)a[6])
+               ? 0
+               : -2;
+}
+
+/* OP_MOE: 0, or -2 where an expert's matmul computed nothing (the ids are the route op's,
+   every one an expert: nothing else to refuse). */
+static int64_t run_moe(const int64_t* op, const int64_t* step) {
+    const int64_t* a = op + 2;
+    int64_t got = ((MoeFn)ptr(op[1]))(input(a[0], step), (int)a[1], ptr(a[2]), ptr(a[3]), a[4],
+                                      ptr(a[5]), ptr(a[6]), (int)a[7], input(a[8], step), a[9],
+                                      a[10], a[11], a[12]);
+    return got == -2 ? -2 : 0;
+}
+
+/* One op of the chain: 0, -1 where it refused the step (run_rope), -2 where a matmul
+   failed (run_mmi, run_moe). */
 static int64_t run_any(const int64_t* op, const int64_t* step) {
     if (op[0] == OP_ROPE) return run_rope(op + 2, step);
+    if (op[0] == OP_MMI) return run_mmi(op, step);
+    if (op[0] == OP_MOE) return run_moe(op, step);
     run_op(op, step);
     return 0;
 }
 
-/* 0, or -1 where an op refused the step before any layer ran (the rotary rows' positions
-   past the tables: the caller runs the step its other way, which reports it). */
+/* 0; -1 where an op refused the step before any layer ran (the rotary rows' positions
+   past the tables: the caller runs the step its other way, which reports it); -2 where a
+   matmul failed part-way (the layers' buffers and the KV rows written so far are not the
+   step's: the caller raises). */
 int64_t decode_chain(const int64_t* ops, int64_t n_ops, const int64_t* step) {
-    for (int64_t i = 0; i < n_ops; i++)
-        if (run_any(ops + i * OP_WORDS, step)) return -1;
+    for (int64_t i = 0; i < n_ops; i++) {
+        int64_t refused = run_any(ops + i * OP_WORDS, step);
+        if (refused) return refused;
+    }
     return 0;
 }
 
@@ -206,7 +230,8 @@ int64_t decode_chain_timed(const int64_t* ops, int64_t n_ops, const int64_t* ste
     struct timespec t0, t1;
     clock_gettime(clk, &t0);
     for (int64_t i = 0; i < n_ops; i++) {
-        if (run_any(ops + i * OP_WORDS, step)) return -1;
+        int64_t refused = run_any(ops + i * OP_WORDS, step);
+        if (refused) return refused;
         clock_gettime(clk, &t1);
         ns[i] += (t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec);
         t0 = t1;

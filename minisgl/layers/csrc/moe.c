@@ -180,54 +180,63 @@ int64_t moe_decode_bf16(const void* x, int bf, const uint16_t* w13, const uint16
     return -1;
 }
 
-/* Quantized experts (qgemv.c's row-major layout, or qvpanel.c's panels): a kernel with qgemv's
-   arguments (qgemv or qvpanel) and each expert's operands, as int64 words: kernel, codes, codes
-   per expert (bytes), code row stride (bytes), scales, scales per expert (bytes), zero points
-   (0: none), zero points per expert (bytes), group row stride (elements), N, K, group size. */
+/* Quantized experts (qgemv.c's row-major layout, or qvpanel.c's panels): each expert's
+   operands and the kernel the per-expert loop runs for each row count (qgemv's arguments:
+   qgemv, qvpanel, the AMX kernels...), as int64 words: codes, codes per expert (bytes), code
+   row stride (bytes), scales, scales per expert (bytes), zero points (0: none), zero points per
+   expert (bytes), group row stride (elements), N, K, group size, then the kernel for M = 1, 2,
+   ... rows (as many as the caller lets an expert have). */
 typedef void (*QMatmulFn)(const void*, int, const void*, int64_t, const void*, const void*,
                           int64_t, void*, int, int64_t, int64_t, int64_t, int64_t);
-enum { Q_FN, Q_CODES, Q_CODES_E, Q_CSTRIDE, Q_SCALES, Q_SCALES_E, Q_ZEROS, Q_ZEROS_E,
-       Q_GSTRIDE, Q_N, Q_K, Q_GS };
+enum { Q_CODES, Q_CODES_E, Q_CSTRIDE, Q_SCALES, Q_SCALES_E, Q_ZEROS, Q_ZEROS_E, Q_GSTRIDE, Q_N,
+       Q_K, Q_GS, Q_KERNELS };
 
 static inline const char* at_expert(int64_t base, int64_t per_expert, int64_t e) {
     return base ? (const char*)(intptr_t)base + e * per_expert : 0;
 }
 
-/* q's expert e against x [M, q[Q_K]] -> y [M, q[Q_N]], in the activations' dtype. */
-static void q_expert(const int64_t* q, int64_t e, const void* x, int bf, void* y, int64_t M) {
-    ((QMatmulFn)(intptr_t)q[Q_FN])(x, bf, at_expert(q[Q_CODES], q[Q_CODES_E], e), q[Q_CSTRIDE],
-                                   at_expert(q[Q_SCALES], q[Q_SCALES_E], e),
-                                   at_expert(q[Q_ZEROS], q[Q_ZEROS_E], e), q[Q_GSTRIDE], y, bf,
-                                   M, q[Q_N], q[Q_K], q[Q_GS]);
+/* q's expert e against x [M, q[Q_K]] -> y [M, q[Q_N]], in the activations' dtype: 1. */
+static int q_expert(const int64_t* q, int64_t e, const void* x, int bf, void* y, int64_t M) {
+    ((QMatmulFn)(intptr_t)q[Q_KERNELS + M - 1])(
+        x, bf, at_expert(q[Q_CODES], q[Q_CODES_E], e), q[Q_CSTRIDE],
+        at_expert(q[Q_SCALES], q[Q_SCALES_E], e), at_expert(q[Q_ZEROS], q[Q_ZEROS_E], e),
+        q[Q_GSTRIDE], y, bf, M, q[Q_N], q[Q_K], q[Q_GS]);
+    return 1;
 }
 
 /* Float experts through the GEMV the per-expert loop picks for each row count (cpu_linear's
    row_runner): words: weights, bytes per expert, N, K, then per row count M = 1..F_ROWS the
    kernel and its form (1: gemv_bf16's eight arguments, the last x's dtype; 0: gemv512_* and
-   gemv_f32's seven). */
+   gemv_f32's seven; 2: amx_bf16's seven, 0 returned where it computed nothing). */
 typedef void (*Matmul8Fn)(const void*, const void*, void*, int64_t, int64_t, int64_t, int, int);
 typedef void (*Matmul7Fn)(const void*, const void*, void*, int64_t, int64_t, int64_t, int);
+typedef int (*MatmulIntFn)(const void*, const void*, void*, int64_t, int64_t, int64_t, int);
 enum { F_W, F_W_E, F_N, F_K, F_KERNELS };
 #define F_ROWS 16
 
-/* f's expert e against x [M, f[F_K]] -> y [M, f[F_N]], by f's kernel for M rows. */
-static void f_expert(const int64_t* f, int64_t e, const void* x, int bf, void* y, int64_t M) {
+/* f's expert e against x [M, f[F_K]] -> y [M, f[F_N]], by f's kernel for M rows: 1, or 0
+   where the kernel computed nothing. */
+static int f_expert(const int64_t* f, int64_t e, const void* x, int bf, void* y, int64_t M) {
     const int64_t* kernel = f + F_KERNELS + 2 * (M - 1);
     const void* w = (const char*)(intptr_t)f[F_W] + e * f[F_W_E];
+    if (kernel[1] == 2)
+        return ((MatmulIntFn)(intptr_t)kernel[0])(x, w, y, M, f[F_N], f[F_K], bf);
     if (kernel[1])
         ((Matmul8Fn)(intptr_t)kernel[0])(x, w, y, M, f[F_N], f[F_K], bf, bf);
     else
         ((Matmul7Fn)(intptr_t)kernel[0])(x, w, y, M, f[F_N], f[F_K], bf);
+    return 1;
 }
 
-typedef void (*ExpertFn)(const int64_t*, int64_t, const void*, int, void*, int64_t);
+typedef int (*ExpertFn)(const int64_t*, int64_t, const void*, int, void*, int64_t);
 
 /* The experts' SwiGLU MLPs as moe_decode_bf16 computes them, each chosen expert's rows through
    `expert` (w13's words a13, w2's a2) as the per-expert loop calls its kernels (the same bits).
    The kernels run their own parallel regions; called from inside this one they run on the
    calling thread alone (a nested region of one), so the experts, not their blocks, are shared
    among the threads: one fork and join a layer instead of two per expert, without a change to
-   the kernels. */
+   the kernels. -1 (done), the first out-of-range id's index, or -2 where an expert's kernel
+   computed nothing (amx_bf16 without memory for its packed x). */
 static int64_t moe_decode_each(ExpertFn expert, const void* x, int bf, const int64_t* a13,
                                const int64_t* a2, int64_t E, const int64_t* ids,
                                const void* weights, int w_bf16, void* out, int64_t T, int64_t k,
@@ -238,6 +247,7 @@ static int64_t moe_decode_each(ExpertFn expert, const void* x, int bf, const int
     char* xs = malloc(size * R * H); /* x's rows in expert order */
     Hidden b = hidden_alloc(R, H, I, size);
     char *h13 = b.h13, *h = b.h, *ys = b.ys;
+    int failed = 0;
     #pragma omp parallel
     {
         omp_set_num_threads(1); /* this thread's nested regions: the kernels' blocks in order */
@@ -246,17 +256,21 @@ static int64_t moe_decode_each(ExpertFn expert, const void* x, int bf, const int
             int64_t r0 = g.start[grp], M = g.count[grp], e = g.expert[grp];
             for (int64_t r = r0; r < r0 + M; r++)
                 memcpy(xs + r * H * size, (const char*)x + g.order[r] / k * H * size, H * size);
-            expert(a13, e, xs + r0 * H * size, bf, h13 + r0 * 2 * I * size, M);
+            int ok = expert(a13, e, xs + r0 * H * size, bf, h13 + r0 * 2 * I * size, M);
             if (bf) silu_mul_bf16((const uint16_t*)(h13 + r0 * 2 * I * size),
                                   (uint16_t*)(h + r0 * I * size), M, I);
             else silu_mul_f32((const float*)(h13 + r0 * 2 * I * size),
                               (float*)(h + r0 * I * size), M, I);
-            expert(a2, e, h + r0 * I * size, bf, ys + r0 * H * size, M);
+            ok &= expert(a2, e, h + r0 * I * size, bf, ys + r0 * H * size, M);
+            if (!ok) {
+                #pragma omp atomic write
+                failed = 1;
+            }
         }
         weigh_and_sum(ys, g.pos, weights, w_bf16, out, T, k, H, bf);
     }
     release(&b, xs, &g);
-    return -1;
+    return failed ? -2 : -1;
 }
 
 /* moe_decode_bf16 for quantized experts q13 (N = 2I, K = H) and q2 (N = H, K = I). */
