@@ -40,7 +40,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,6 +175,9 @@ class _Lib:
         lib.stream_read.argtypes = [ptr, i64]
         lib.stream_read.restype = ctypes.c_float
         self.stream_read = lib.stream_read
+        lib.flush_lines.argtypes = [ptr, i64]
+        lib.flush_lines.restype = None
+        self.flush_lines = lib.flush_lines
         lib.fma_peak.argtypes = [i64, ptr]
         lib.fma_peak.restype = i64
         self.fma_peak = lib.fma_peak
@@ -573,6 +576,20 @@ def _moe_call(
     if bad == -2:
         raise RuntimeError("an expert's matmul computed nothing (no memory for its packed x)")
     return out
+
+
+def flush(tensors: Iterable[torch.Tensor]) -> bool:
+    """Every cache line of these CPU tensors (strided ones; others are skipped) out of the
+    caches (csrc/stream.c's flush_lines), so the next read of them comes from memory, as a
+    decode step's read of its weights does whatever the size of the last-level cache. False
+    (nothing done) without the kernels."""
+    lib = load()
+    if lib is None:
+        return False
+    for t in tensors:
+        if t.layout == torch.strided and t.device.type == "cpu" and t.numel():
+            lib.flush_lines(t.data_ptr(), t.numel() * t.element_size())
+    return True
 
 
 def supports_gemv512(x_dtype: torch.dtype, weight: torch.Tensor) -> bool:

@@ -43,6 +43,7 @@ same-shaped weights at once.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import time
@@ -70,8 +71,8 @@ logger = logging.getLogger(__name__)
 
 # Listed with the copy-free ones first: ties go to the earlier one.
 CANDIDATES = ("gemv", "gemv512", "amx", "gemm", "torch", "panel", "onednn")
-# Timing: at least this many bytes of distinct weights per pass (more than a last-level cache,
-# so each pass reads from memory as a decode step does), at most this many FLOPs per pass.
+# Timing: at least this many bytes of distinct weights per pass (a step reads many weights in
+# turn; each pass is also flushed out of the caches first, _cooler), at most this many FLOPs.
 _COLD_BYTES = 48 << 20
 _PASS_FLOPS = 4e8
 # The least output columns per thread a timing slice keeps (_timing_set): 8 of panel.c's
@@ -440,19 +441,36 @@ def _timing_set(weights: Sequence[torch.Tensor], rows: int) -> list[torch.Tensor
     return [weights[0].detach()[: min(n, keep)]]
 
 
-def _evictor(group: Sequence[torch.Tensor]) -> Callable[[], object] | None:
-    """For a timing set smaller than _COLD_BYTES (a slice of one weight, at prefill-sized row
-    counts): a read of _COLD_BYTES of other memory, run before each timed pass so the pass
-    reads its weights from memory as a step does, not from a cache the previous pass filled
-    (where the weights stream in during the FMAs, a warm slice hides that cost). None where the
-    set already misses the caches."""
-    if sum(w.numel() * w.element_size() for w in group) >= _COLD_BYTES:
+def _cooler(tensors: Sequence[torch.Tensor]) -> Callable[[], object] | None:
+    """What runs before each timed pass so the pass reads `tensors` (its weights and copies)
+    from memory as a decode step does, not from a cache an earlier pass filled (where the
+    weights stream in during the FMAs, a warm set hides that cost): their lines flushed out of
+    every cache level (cpu_kernels.flush), whatever the size of the last-level cache: a pass
+    over 48 MB ran from a Xeon VM's 480 MB L3 at ~1.9x a step's rate and ranked the kernels by
+    their arithmetic. Without the kernels, where the set is smaller than _COLD_BYTES, a read of
+    _COLD_BYTES of other memory (last-level caches of up to ~32 MB); None: nothing to do."""
+    if cpu_kernels.load() is not None:
+        return lambda: cpu_kernels.flush(tensors)
+    if sum(t.numel() * t.element_size() for t in tensors) >= _COLD_BYTES:
         return None
     buf = torch.ones(_COLD_BYTES // 4)
-    lib = cpu_kernels.load()
-    if lib is not None:
-        return lambda: lib.stream_read(buf.data_ptr(), buf.numel())
     return lambda: float(buf.sum())
+
+
+def _pass_tensors(group: Sequence[torch.Tensor], packed: Sequence[Any]) -> list[torch.Tensor]:
+    """The tensors a candidate's pass reads: the weights and its copies of them (a tensor, or
+    a dataclass of tensors such as PanelWeight)."""
+    out = list(group)
+    for p in packed:
+        if isinstance(p, torch.Tensor):
+            out.append(p)
+        elif dataclasses.is_dataclass(p):
+            out += [
+                v
+                for f in dataclasses.fields(p)
+                if isinstance(v := getattr(p, f.name), torch.Tensor)
+            ]
+    return out
 
 
 def measure(
@@ -467,15 +485,15 @@ def measure(
     run here. The candidates take turns pass by pass and each keeps its best, so a burst of
     other work on the machine hits them all alike; one far behind after its first pass is not
     run again (except the panels, SELF_CONTAINED). The best pass counts (other work only ever adds time). Every pass reads its
-    weights from memory (_timing_set, _evictor), as a step does. `spreads` collects each
+    weights from memory (_timing_set, _cooler), as a step does. `spreads` collects each
     repeated candidate's slowest pass over its fastest."""
     timings: dict[str, list[float | None]] = {name: [] for name in CANDIDATES}
     packs: dict[tuple[str, int, int], Any] = {}
     for rows in TIMED_ROWS:
         group = _timing_set(weights, rows)
-        evict = _evictor(group)
         x = torch.randn(rows, group[0].shape[1]).to(x_dtype)
         live: dict[str, tuple[Callable[..., torch.Tensor], list[Any]]] = {}
+        cool: dict[str, Callable[[], object] | None] = {}
         for name in CANDIDATES:
             if name not in avail:
                 continue
@@ -484,13 +502,14 @@ def measure(
                     packs[(name, i, w.shape[0])] = pack(name, w)
             packed = [packs[(name, i, w.shape[0])] for i, w in enumerate(group)]
             live[name] = (_RUN[name], packed)
+            cool[name] = _cooler(_pass_tensors(group, packed))
             _RUN[name](x, group[0], packed[0], out_dtype)  # warm-up: first-call set-up
         best = {name: float("inf") for name in live}
         worst = {name: 0.0 for name in live}
         for rep in range(_MAX_REPEATS):
             improved = False
             for name, (run, packed) in live.items():
-                if evict is not None:
+                if (evict := cool[name]) is not None:
                     evict()
                 t0 = clock()
                 for w, p in zip(group, packed):

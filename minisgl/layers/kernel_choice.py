@@ -111,7 +111,8 @@ COPY_WORTH_ONE_BUCKET = 0.25
 def policy(candidates: Sequence[str]) -> str:
     """What the cached timings cover, for the cache key: new candidates re-measure. (Margins
     and the copy allowance only turn timings into picks, at every start.)"""
-    return f"{','.join(candidates)};timings at {','.join(map(str, TIMED_ROWS))} rows"
+    rows = ",".join(map(str, TIMED_ROWS))
+    return f"{','.join(candidates)};timings at {rows} rows;weights flushed from the caches"
 
 
 def one_layout(

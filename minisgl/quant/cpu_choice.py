@@ -84,7 +84,8 @@ _RUN: dict[str, Run] = {
     "x8_panel": cpu_panel.x8_panel,
     "vnni_panel": cpu_vpanel.timed,  # timed on packed copies; weights packed run vnni_panel
 }
-# Timing passes: as cpu_linear's (cold weights, bounded FLOPs, best of a few interleaved).
+# Timing passes: as cpu_linear's (weights flushed from the caches, bounded FLOPs, best of a few
+# interleaved).
 _COLD_BYTES = 48 << 20
 _PASS_FLOPS = 4e8
 _MIN_REPEATS, _MAX_REPEATS = 3, 8
@@ -299,6 +300,15 @@ def _timing_set(weights: Sequence[QTensor], rows: int) -> list[QTensor]:
     return [weights[0].narrow(0, 0, min(n, keep))]
 
 
+def _pass_tensors(group: Sequence[QTensor], name: str) -> list[torch.Tensor]:
+    """The tensors candidate `name`'s pass over `group` reads (codes, scales, zero points; for
+    vnni_panel those of the packed copies), flushed from the caches before each timed pass so
+    it reads them from memory as a step does, whatever the last-level cache holds (as
+    cpu_linear._cooler)."""
+    ws = [w.__dict__.get("_vnni_packed", w) for w in group] if name == PACKED else list(group)
+    return [t for w in ws for t in (w.codes, w.scales, w.zeros) if t is not None]
+
+
 def measure(
     weights: Sequence[QTensor],
     x_dtype: torch.dtype,
@@ -326,6 +336,7 @@ def measure(
         for rep in range(_MAX_REPEATS):
             improved = False
             for name in live:
+                cpu_kernels.flush(_pass_tensors(group, name))
                 t0 = clock()
                 for w in group:
                     _RUN[name](x, w)
@@ -346,6 +357,7 @@ def measure(
         if defaults is not None and defaults[b] in live and defaults[b] != leader:
             for _ in range(_CONFIRM_REPEATS):
                 for name in (defaults[b], leader):
+                    cpu_kernels.flush(_pass_tensors(group, name))
                     t0 = clock()
                     for w in group:
                         _RUN[name](x, w)

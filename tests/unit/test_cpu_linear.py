@@ -329,31 +329,52 @@ def test_forcing_a_candidate(monkeypatch: pytest.MonkeyPatch, name: str) -> None
 
 
 def test_each_timed_pass_reads_its_weights_from_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A timing set smaller than a cache (one small weight, or a slice of one at prefill row
-    counts) is preceded in every timed pass by a read of other memory, as a step finds it;
-    a set of many weights is cold by itself."""
-    events: list[str] = []
-    made = []
+    """Every timed pass is preceded by a flush of what it reads (the weights, and a candidate's
+    own copy of them: the panels) out of the caches, whatever the size of the timing set: a set
+    of 48 MB of distinct weights ran from a Xeon VM's 480 MB L3 at ~1.9x a step's rate, and the
+    chooser ranked the kernels by their arithmetic. Without the kernels, a set smaller than
+    _COLD_BYTES is preceded by a read of other memory instead."""
+    w = [weight(torch.bfloat16) for _ in range(3)]
+    avail = [n for n in ("gemm", "panel") if n in cpu_linear.available(w[0], torch.bfloat16)]
+    if cpu_kernels.load() is None:
+        pytest.skip("no CPU kernels here")
+    events: list[tuple[str, ...]] = []
+    flush = cpu_kernels.flush
 
-    def evictor(group):  # noqa: ANN001, ANN202
-        got = real(group)
-        made.append(got is not None)
-        return None if got is None else lambda: events.append("evict")
+    def flushed(tensors):  # noqa: ANN001, ANN202
+        ts = list(tensors)
+        events.append(("flush", *sorted({t.data_ptr() for t in ts})))
+        return flush(ts)
 
-    real = cpu_linear._evictor
-    monkeypatch.setattr(cpu_linear, "_evictor", evictor)
+    monkeypatch.setattr(cpu_kernels, "flush", flushed)
 
     def clock() -> float:
-        events.append("clock")
+        events.append(("clock",))
         return float(len(events))
 
-    w = [weight(torch.float32)]
-    cpu_linear.measure(w, torch.float32, None, ["gemm"], clock=clock)
-    assert made == [True] * len(TIMED_ROWS)
-    passes = "".join("e" if e == "evict" else "c" for e in events)
-    assert passes and passes == "ecc" * (len(events) // 3)
+    cpu_linear.measure(w, torch.bfloat16, None, avail, clock=clock)
+    kinds = "".join("f" if e[0] == "flush" else "c" for e in events)
+    assert kinds and kinds == "fcc" * (len(events) // 3)
+    weights = {t.data_ptr() for t in w}
+    for e in events:
+        if e[0] == "flush":
+            assert weights <= set(e[1:])  # the weights, and for the panels their copies too
+    if "panel" in avail:
+        assert any(len(e) > 1 + len(w) for e in events if e[0] == "flush")
+    # without the kernels: a read of other memory before a small set's passes, none for a big one
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     big = torch.zeros(cpu_linear._COLD_BYTES // 4 // 64, 64)
-    assert real([big]) is None and real([big[:16]]) is not None
+    assert cpu_linear._cooler([big]) is None and cpu_linear._cooler([big[:16]]) is not None
+
+
+def test_a_flush_keeps_the_values() -> None:
+    """cpu_kernels.flush drops cache lines, never their data (odd sizes and offsets too)."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no CPU kernels here")
+    t = torch.randn(1000, 37)
+    before = t.clone()
+    assert cpu_kernels.flush([t, t[3:], t[5, 1:4], torch.empty(0)])
+    assert torch.equal(t, before)
 
 
 def test_one_slow_first_pass_never_drops_the_self_contained_layout(
