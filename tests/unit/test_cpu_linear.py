@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from minisgl.layers import cpu_build, cpu_kernels, cpu_linear, kernel_choice
 from minisgl.layers.kernel_choice import BUCKETS, LAYOUT, TIMED_ROWS
+from minisgl.testing.flushes import Passes
 
 
 @pytest.fixture(autouse=True)
@@ -338,29 +339,13 @@ def test_each_timed_pass_reads_its_weights_from_memory(monkeypatch: pytest.Monke
     avail = [n for n in ("gemm", "panel") if n in cpu_linear.available(w[0], torch.bfloat16)]
     if cpu_kernels.load() is None:
         pytest.skip("no CPU kernels here")
-    events: list[tuple[str, ...]] = []
-    flush = cpu_kernels.flush
-
-    def flushed(tensors):  # noqa: ANN001, ANN202
-        ts = list(tensors)
-        events.append(("flush", *sorted({t.data_ptr() for t in ts})))
-        return flush(ts)
-
-    monkeypatch.setattr(cpu_kernels, "flush", flushed)
-
-    def clock() -> float:
-        events.append(("clock",))
-        return float(len(events))
-
-    cpu_linear.measure(w, torch.bfloat16, None, avail, clock=clock)
-    kinds = "".join("f" if e[0] == "flush" else "c" for e in events)
-    assert kinds and kinds == "fcc" * (len(events) // 3)
+    passes = Passes(monkeypatch)
+    cpu_linear.measure(w, torch.bfloat16, None, avail, clock=passes.clock)
+    assert passes.each_flushed()
     weights = {t.data_ptr() for t in w}
-    for e in events:
-        if e[0] == "flush":
-            assert weights <= set(e[1:])  # the weights, and for the panels their copies too
+    assert all(weights <= ptrs for ptrs in passes.flushed())  # and the panels' copies:
     if "panel" in avail:
-        assert any(len(e) > 1 + len(w) for e in events if e[0] == "flush")
+        assert any(len(ptrs) > len(w) for ptrs in passes.flushed())
     # without the kernels: a read of other memory before a small set's passes, none for a big one
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     big = torch.zeros(cpu_linear._COLD_BYTES // 4 // 64, 64)

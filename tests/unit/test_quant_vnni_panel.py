@@ -18,6 +18,7 @@ import torch
 from minisgl.layers import cpu_kernels, kernel_choice
 from minisgl.quant import cpu_choice, cpu_panel, cpu_vpanel
 from minisgl.quant.qtensor import QTensor, dequantize, take_rows
+from minisgl.testing.flushes import Passes
 from minisgl.testing.qtensors import random_qtensor
 from minisgl.testing.threads import at_thread_counts
 
@@ -298,28 +299,10 @@ def test_each_timed_pass_reads_its_codes_from_memory(monkeypatch: pytest.MonkeyP
     cpu_linear's passes are: with a last-level cache larger than the timing set (a Xeon VM's
     480 MB L3) the passes ran from it and the picks followed the kernels' arithmetic, not a
     step's (qgemv kept at 8 rows where amx_int is 1.15x faster from memory)."""
-    events: list[tuple[str, ...]] = []
-    flush = cpu_kernels.flush
-
-    def flushed(tensors):  # noqa: ANN001, ANN202
-        ts = list(tensors)
-        events.append(("flush", *sorted({t.data_ptr() for t in ts})))
-        return flush(ts)
-
-    monkeypatch.setattr(cpu_kernels, "flush", flushed)
-
-    def clock() -> float:
-        events.append(("clock",))
-        return float(len(events))
-
+    passes = Passes(monkeypatch)
     w = random_qtensor(64, 256, 8, 0)
-    names = ("qgemv", cpu_choice.PACKED)
-    cpu_choice.measure([w], torch.float32, clock=clock, names=names)
-    kinds = "".join("f" if e[0] == "flush" else "c" for e in events)
-    assert kinds and kinds == "fcc" * (len(events) // 3)
-    row_major = {w.codes.data_ptr(), w.scales.data_ptr()}
+    cpu_choice.measure([w], torch.float32, clock=passes.clock, names=("qgemv", cpu_choice.PACKED))
+    assert passes.each_flushed()
     packed = cpu_vpanel.packed_copy(w)
-    panels = {packed.codes.data_ptr(), packed.scales.data_ptr()}
-    flushed_sets = [set(e[1:]) for e in events if e[0] == "flush"]
-    assert any(row_major <= s for s in flushed_sets)
-    assert any(panels <= s for s in flushed_sets) == bool(cpu_kernels.load().qvpanel)
+    for q in (w, packed):  # the row-major codes' passes, and the panels'
+        assert any({q.codes.data_ptr(), q.scales.data_ptr()} <= p for p in passes.flushed())
