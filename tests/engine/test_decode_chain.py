@@ -349,3 +349,13 @@ def test_a_position_past_the_rotary_tables_runs_no_layer(
         runner.step([(table, 16, [4])])  # position 16: past it
     for before, after in zip(pools, runner.pool.k_buffers + runner.pool.v_buffers, strict=True):
         assert torch.equal(before, after)
+
+
+def test_a_matmul_that_computed_nothing_is_raised_not_run_around() -> None:
+    """decode_chain's answers: 0 ran; -1 refused before any layer ran (the caller runs the step
+    its other way); -2 a matmul (the AMX one, or an expert's inside the one call) computed
+    nothing part-way: the layers' buffers and KV rows are not the step's, so it is raised."""
+    assert cpu_chain._ran(0) is True
+    assert cpu_chain._ran(-1) is False
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        cpu_chain._ran(-2)

@@ -38,7 +38,7 @@ typedef void (*SiluFn)(const void*, void*, int64_t, int64_t);
 typedef void (*Matmul8Fn)(const void*, const void*, void*, int64_t, int64_t, int64_t, int, int);
 /* gemv_f32, gemv512_*: (x, w, y, M, N, K, out_bf16) */
 typedef void (*Matmul7Fn)(const void*, const void*, void*, int64_t, int64_t, int64_t, int);
-/* amx_bf16: the same arguments, 0 where it computed nothing (no tile memory) */
+/* amx_bf16: the same arguments, 0 where it computed nothing (no memory for its packed x) */
 typedef int (*MatmulIntFn)(const void*, const void*, void*, int64_t, int64_t, int64_t, int);
 /* qgemv_* and the kernels that take its arguments */
 typedef void (*QMatmulFn)(const void*, int, const void*, int64_t, const void*, const void*,
