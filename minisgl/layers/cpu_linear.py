@@ -43,7 +43,6 @@ same-shaped weights at once.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import logging
 import os
 import time
@@ -458,19 +457,10 @@ def _cooler(tensors: Sequence[torch.Tensor]) -> Callable[[], object] | None:
 
 
 def _pass_tensors(group: Sequence[torch.Tensor], packed: Sequence[Any]) -> list[torch.Tensor]:
-    """The tensors a candidate's pass reads: the weights and its copies of them (a tensor, or
-    a dataclass of tensors such as PanelWeight)."""
-    out = list(group)
-    for p in packed:
-        if isinstance(p, torch.Tensor):
-            out.append(p)
-        elif dataclasses.is_dataclass(p):
-            out += [
-                v
-                for f in dataclasses.fields(p)
-                if isinstance(v := getattr(p, f.name), torch.Tensor)
-            ]
-    return out
+    """The tensors a candidate's pass reads: the weights and its copies of them (pack: the
+    panels' data, oneDNN's reordered tensor, or none)."""
+    copies = [p.data if isinstance(p, cpu_kernels.PanelWeight) else p for p in packed]
+    return list(group) + [t for t in copies if isinstance(t, torch.Tensor)]
 
 
 def measure(

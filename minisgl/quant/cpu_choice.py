@@ -48,7 +48,7 @@ import torch
 from minisgl.layers import cpu_build, cpu_kernels, kernel_choice
 from minisgl.layers.kernel_choice import BUCKETS, TIMED_ROWS, MachineKey, ShapeKey
 from minisgl.quant import cpu_gemv, cpu_panel, cpu_vpanel
-from minisgl.quant.qtensor import QTensor
+from minisgl.quant.qtensor import QTensor, streamed
 
 logger = logging.getLogger(__name__)
 
@@ -305,8 +305,8 @@ def _pass_tensors(group: Sequence[QTensor], name: str) -> list[torch.Tensor]:
     vnni_panel those of the packed copies), flushed from the caches before each timed pass so
     it reads them from memory as a step does, whatever the last-level cache holds (as
     cpu_linear._cooler)."""
-    ws = [w.__dict__.get("_vnni_packed", w) for w in group] if name == PACKED else list(group)
-    return [t for w in ws for t in (w.codes, w.scales, w.zeros) if t is not None]
+    ws = [cpu_vpanel.held_copy(w) or w for w in group] if name == PACKED else list(group)
+    return [t for w in ws for t in streamed(w)]
 
 
 def measure(

@@ -20,13 +20,16 @@ import torch
 from minisgl import hugepages
 from minisgl.layers import cpu_kernels
 from minisgl.quant import cpu_gemv, cpu_panel
-from minisgl.quant.qtensor import QTensor
+from minisgl.quant.qtensor import QTensor, streamed
 
 ROWS = 32  # weight rows per panel
 # fp8: the row in each slot of a 64-byte line (two codes a slot): per 16-byte lane L rows
 # 4L..4L+3, then 16+4L..16+4L+3, so the kernel's two byte unpacks give rows 0-15 and 16-31.
 FP8_ROW_ORDER = [b + 4 * lane + i for lane in range(4) for b in (0, 16) for i in range(4)]
 _FP8_SLOT = torch.tensor(FP8_ROW_ORDER).argsort()  # row r's slot in a line
+
+# Where a weight keeps its packed copy for timing (packed_copy, pack_copies).
+_COPY = "_vnni_packed"
 
 
 def takes(w: QTensor, x_dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -114,10 +117,16 @@ def dequant_rows(w: QTensor, ids: list[int]) -> torch.Tensor:
 def packed_copy(w: QTensor) -> QTensor:
     """A packed copy of w kept with it (made by pack_copies, or here), for timing vnni_panel
     beside the row-major kernels (the chooser drops it with the views it timed)."""
-    got: QTensor | None = w.__dict__.get("_vnni_packed")
+    got = held_copy(w)
     if got is None:
         pack_copies([w])
-        got = w.__dict__["_vnni_packed"]
+        got = w.__dict__[_COPY]
+    return got
+
+
+def held_copy(w: QTensor) -> QTensor | None:
+    """w's packed copy where pack_copies made one (None: none yet)."""
+    got: QTensor | None = w.__dict__.get(_COPY)
     return got
 
 
@@ -125,14 +134,10 @@ def pack_copies(ws: list[QTensor]) -> None:
     """Packed copies of these weights, all on huge pages in one mapping as a model's packed
     weights are (loading.prepare_cpu): timed on small pages, a 4-bit 512x3072 call took 1.4x
     its time there."""
-    new = [w for w in ws if "_vnni_packed" not in w.__dict__]
+    new = [w for w in ws if _COPY not in w.__dict__]
     for w in new:
-        w.__dict__["_vnni_packed"] = pack(w)
-    hugepages.move_all_onto([t for w in new for t in _tensors(w.__dict__["_vnni_packed"])])
-
-
-def _tensors(w: QTensor) -> list[torch.Tensor]:
-    return [t for t in (w.codes, w.scales, w.zeros) if t is not None]
+        w.__dict__[_COPY] = pack(w)
+    hugepages.move_all_onto([t for w in new for t in streamed(w.__dict__[_COPY])])
 
 
 def vnni_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

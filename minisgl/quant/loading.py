@@ -18,7 +18,7 @@ from minisgl.quant import cpu_choice, cpu_gemv
 from minisgl.quant import layout as quant_layout
 from minisgl.quant.attach import after_materialise, attach, format_name, summary, weight_bytes
 from minisgl.quant.layout import CheckpointLayout, read_headers, scan
-from minisgl.quant.qtensor import QTensor
+from minisgl.quant.qtensor import QTensor, streamed
 from minisgl.quant.scheme import QuantScheme, lm_head_scheme, load_scheme
 from minisgl.quant.weight import QuantWeight
 
@@ -78,7 +78,7 @@ def prepare_cpu(model: torch.nn.Module, x_dtype: torch.dtype, tuning: str) -> st
             key = (tuple(m.codes.shape[-2:]), m.codes.dtype, m.bits, m.group_size, m.experts > 0)
             by_shape.setdefault(key, []).append(m)
     # All on huge pages, in one mapping (the small ones too), before they are timed.
-    hugepages.move_all_onto([t for hs in by_shape.values() for h in hs for t in _tensors(h)])
+    hugepages.move_all_onto([t for hs in by_shape.values() for h in hs for t in streamed(h)])
     holders = list(by_shape.values())
     # Timed over every layer's weight of the shape (every expert's, for a mixture): cold reads.
     groups = [[e for h in hs for e in _views(h)] for hs in holders]
@@ -94,17 +94,13 @@ def prepare_cpu(model: torch.nn.Module, x_dtype: torch.dtype, tuning: str) -> st
     return line
 
 
-def _tensors(w: QuantWeight | QTensor) -> list[torch.Tensor]:
-    return [t for t in (w.codes, w.scales, w.zeros) if t is not None]
-
-
 def move_to_huge_pages(w: QuantWeight | QTensor) -> None:
     """A CPU weight's codes, scales and zero points onto huge pages, in place, in one mapping
     (hugepages.py): a decode step streams them all, as it does the float weights the chooser
     moves there (one thread on an Intel Xeon with AVX512-BF16, bf16: B=1 step 139 -> 101 ms).
     prepare_cpu moves all of a model's at once; timed after the move, so the picks are
     measured on the pages they will run on."""
-    hugepages.move_all_onto(_tensors(w))
+    hugepages.move_all_onto(streamed(w))
 
 
 def _views(h: QuantWeight) -> list[QTensor]:

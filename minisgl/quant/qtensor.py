@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -124,6 +125,23 @@ class QTensor:
                 # the same g_idx since their inputs (and Hessians) are the same.
                 raise ValueError("fused projections with different g_idx (desc_act order)")
         return self
+
+
+class Coded(Protocol):
+    """What holds a weight's codes, scales and zero points (QTensor, QuantWeight)."""
+
+    @property
+    def codes(self) -> torch.Tensor: ...
+    @property
+    def scales(self) -> torch.Tensor: ...
+    @property
+    def zeros(self) -> torch.Tensor | None: ...
+
+
+def streamed(w: Coded) -> list[torch.Tensor]:
+    """The tensors a kernel reads for w: its codes, scales and zero points where it has them
+    (moved onto huge pages together, flushed before a timed pass)."""
+    return [t for t in (w.codes, w.scales, w.zeros) if t is not None]
 
 
 def take_rows(w: QTensor, ids: torch.Tensor) -> QTensor:
