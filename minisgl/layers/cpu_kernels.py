@@ -211,7 +211,18 @@ class _Lib:
         # fp8 codes too where the build has AVX512-BF16 and AVX512-VBMI (bf16 x only).
         self.qvpanel = _quant_kernels(lib, "qvpanel", ("u4", "u8", "fp8"), _QMM_ARGS)
         self.qvpanel_rows = _quant_kernels(lib, "qvpanel_rows", ("u4", "u8", "fp8"), _QROWS_ARGS)
+        # The same panels of integer codes on AMX-INT8 tiles, the same bits (qvpanel.c's
+        # va_matmul): where the build targets AMX and the tiles were granted.
+        self.qvpanel_amx = _tile_kernels(lib, "qvpanel_amx", ("u4", "u8"))
+        # The same panels dequantized to bf16 (qamx.c's panel kernel over the packed layout:
+        # amx_panel's values, bf16 x only), AMX tiles or VDPBF16PS as qamx.
+        packed = _tile_kernels(lib, "qamx", ("p4", "p8"))
+        self.qamx_packed = {k: packed[p] for k, p in (("u4", "p4"), ("u8", "p8")) if p in packed}
         self.qvpanel_takes: Any = getattr(lib, "qvpanel_takes", None)
+        # Whether its one-row form prefetches into L2 (cpu_vpanel measures it once).
+        self.vp_row_prefetch = (
+            ctypes.c_int.in_dll(lib, "vp_row_prefetch") if self.qvpanel_takes is not None else None
+        )
         if self.qvpanel_takes is not None:
             self.qvpanel_takes.argtypes = [ctypes.c_int, i64, i64, i64]
             self.qvpanel_takes.restype = ctypes.c_int

@@ -280,9 +280,10 @@ def _gemv_tokens(w13: Experts, w2: Experts, mm13: MatMul, mm2: MatMul) -> int:
 
 def _q_names(w: QuantWeight) -> tuple[str, ...] | None:
     """The quantized pick the per-expert loop runs for 1, 2, ... cpu_kernels.MAX_ROWS rows:
-    the panels at every row count where they were packed (QuantWeight.pack_vnni), the quantized
-    GEMV under qlinear's untuned policy (no kernel), else the kernel's picks."""
-    if w.packed:
+    the kernel's picks (the packed kernels' where they were packed: QuantWeight.pack_vnni), the
+    panels' own where packed without one, the quantized GEMV under qlinear's untuned policy (no
+    kernel)."""
+    if w.packed and not isinstance(w.kernel, QuantKernel):
         return (PACKED,) * cpu_kernels.MAX_ROWS
     if w.kernel is None:
         return ("qgemv",) * cpu_kernels.MAX_ROWS

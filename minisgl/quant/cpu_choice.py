@@ -25,7 +25,12 @@ The candidates (cpu_gemv.py), all reading the quantized weight as loaded (no sec
   buckets than the row-major candidates' picks (as the float weights' one layout,
   kernel_choice.single_layout); offered for dense weights (a tied embedding table too: its
   lookups gather rows out of the panels), not a mixture's experts. Timed on packed copies of
-  the timing set.
+  the timing set;
+- "amx_vpanel": the same panels on AMX-INT8 tiles, the same bits (cpu_vpanel.py), where the
+  CPU and build have them: the packed layout's kernel for the row counts it runs faster
+  (8-bit codes from ~8 rows, 4-bit from ~32, on an AMX Xeon), vnni_panel's for the others;
+- "amx_bf16_vpanel": the same panels dequantized once per call into bf16 and multiplied by bf16
+  x (amx_panel's kernel and values, over the packed layout): the packed layout's prefill.
 MINISGL_CPU_QUANT_LINEAR=<candidate> forces one everywhere it can run (tests, benchmarks).
 Which wins at which row count depends on the CPU (FMA width, integer multiply rate, MKL), so
 nothing is a fixed row limit: each shape and code kind is timed per bucket at start-up, or read
@@ -62,9 +67,13 @@ CANDIDATES = (
     "amx_int",
     "x8_panel",
     "vnni_panel",
+    "amx_vpanel",
+    "amx_bf16_vpanel",
 )
-# The candidate whose weights are repacked: all buckets or none (see the top).
+# The candidates over repacked weights: the layout serves all buckets or none (see the top);
+# PACKED, its VNNI kernel, runs every row count and names the layout.
 PACKED = "vnni_panel"
+PACKED_KERNELS = (PACKED, "amx_vpanel", "amx_bf16_vpanel")
 
 
 class Run(Protocol):
@@ -83,6 +92,14 @@ _RUN: dict[str, Run] = {
     "amx_int": cpu_panel.amx_int,
     "x8_panel": cpu_panel.x8_panel,
     "vnni_panel": cpu_vpanel.timed,  # timed on packed copies; weights packed run vnni_panel
+    "amx_vpanel": cpu_vpanel.timed_amx,
+    "amx_bf16_vpanel": cpu_vpanel.timed_bf16,
+}
+# What packed weights run for a pick of each packed candidate.
+_PACKED_RUN: dict[str, Run] = {
+    PACKED: cpu_vpanel.vnni_panel,
+    "amx_vpanel": cpu_vpanel.amx_vpanel,
+    "amx_bf16_vpanel": cpu_vpanel.amx_bf16_vpanel,
 }
 # Timing passes: as cpu_linear's (weights flushed from the caches, bounded FLOPs, best of a few
 # interleaved).
@@ -102,8 +119,7 @@ class QuantKernel:
     def __init__(self, picks: Sequence[str]) -> None:
         self.picks = tuple(picks)
         self._table = [
-            cpu_vpanel.vnni_panel if name == PACKED else _RUN[name]
-            for name in kernel_choice.row_table(self.picks)
+            _PACKED_RUN.get(name) or _RUN[name] for name in kernel_choice.row_table(self.picks)
         ]
 
     def __call__(
@@ -136,6 +152,10 @@ def kernel_fn(lib: Any, name: str, kind: str, x_bf16: int) -> Any | None:
         return lib.qvnni[kind]
     if name == PACKED and kind in lib.qvpanel:  # picked only for packed weights
         return lib.qvpanel[kind]
+    if name == "amx_vpanel":
+        return lib.qvpanel_amx.get(kind)
+    if name == "amx_bf16_vpanel":  # vnni_panel's for fp32 x, as its wrapper
+        return (lib.qamx_packed.get(kind) if x_bf16 else None) or lib.qvpanel.get(kind)
     return None
 
 
@@ -191,21 +211,36 @@ def offered(
     """The candidates timed for these weights: x8_panel only under --cpu-quantized-activations
     int8 and where its kernel takes them (outside that mode it would change the numerics);
     vnni_panel only where the weights may be repacked (`packable`) and its kernel takes them
-    (under int8 activations it rounds x as x8_panel does; fp8 codes: bf16 x only)."""
+    (under int8 activations it rounds x as x8_panel does; fp8 codes: bf16 x only), its AMX
+    forms beside it where their kernels run here (amx_vpanel: exact x only; amx_bf16_vpanel:
+    bf16 x)."""
     x8 = cpu_kernels.quantized_activations() == "int8" and cpu_panel.x8_takes(weights[0])
     packed = packable and cpu_vpanel.takes(weights[0], x_dtype)
-    return tuple(c for c in CANDIDATES if (c != "x8_panel" or x8) and (c != PACKED or packed))
+    extra = {
+        "x8_panel": x8,
+        PACKED: packed,
+        "amx_vpanel": packed and cpu_vpanel.takes_amx(weights[0]),
+        "amx_bf16_vpanel": packed and cpu_vpanel.takes_bf16(weights[0], x_dtype),
+    }
+    return tuple(c for c in CANDIDATES if extra.get(c, True))
 
 
 def one_layout(timings: kernel_choice.Timings, defaults: Sequence[str]) -> tuple[str, ...]:
-    """The picks over the row-major codes (per bucket, as kernel_choice.pick), or vnni_panel
-    in every bucket where it ran in all and is more than LAYOUT_MARGIN less slow on average
-    (kernel_choice.slowdown): its layout replaces the codes, so it cannot serve only some row
-    counts."""
-    row = {n: ts for n, ts in timings.items() if n != PACKED}
+    """The picks over the row-major codes (per bucket, as kernel_choice.pick), or the packed
+    layout's in every bucket (the fastest of PACKED_KERNELS that ran there) where vnni_panel
+    ran in all and the layout is more than LAYOUT_MARGIN less slow on average (kernel_choice.slowdown): its layout replaces the codes, so it cannot
+    serve only some row counts."""
+    row = {n: ts for n, ts in timings.items() if n not in PACKED_KERNELS}
     packed = timings.get(PACKED)
     complete = packed is not None and all(t is not None for t in packed)
-    every = tuple(PACKED for _ in defaults)
+    every = tuple(
+        min(
+            (n for n in PACKED_KERNELS if (ts := timings.get(n)) is not None and ts[b] is not None),
+            key=lambda n: timings[n][b] or 0.0,
+            default=PACKED,
+        )
+        for b in range(len(defaults))
+    )
     try:
         picks = kernel_choice.pick(row, defaults)
     except ValueError:  # no row-major timing in a bucket (a cache from before measure kept one)
@@ -305,7 +340,8 @@ def _pass_tensors(group: Sequence[QTensor], name: str) -> list[torch.Tensor]:
     vnni_panel those of the packed copies), flushed from the caches before each timed pass so
     it reads them from memory as a step does, whatever the last-level cache holds (as
     cpu_linear._cooler)."""
-    ws = [cpu_vpanel.held_copy(w) or w for w in group] if name == PACKED else list(group)
+    packed = name in PACKED_KERNELS
+    ws = [cpu_vpanel.held_copy(w) or w for w in group] if packed else list(group)
     return [t for w in ws for t in streamed(w)]
 
 
@@ -349,7 +385,9 @@ def measure(
                 # one disturbed pass in one bucket would take the layout from every bucket;
                 # so does the best over the row-major codes, which must have a pick in every
                 # bucket should the panels not be taken (fp8 panels at 8 rows: 3x ahead)
-                rows_lead = min((n for n in live if n != PACKED), key=best.__getitem__, default="")
+                rows_lead = min(
+                    (n for n in live if n not in PACKED_KERNELS), key=best.__getitem__, default=""
+                )
                 live = [n for n in live if best[n] <= 3 * lead or n in (PACKED, rows_lead)]
             elif rep + 1 >= _MIN_REPEATS and not improved:
                 break

@@ -15,6 +15,9 @@ so)."""
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from minisgl import hugepages
@@ -30,6 +33,12 @@ _FP8_SLOT = torch.tensor(FP8_ROW_ORDER).argsort()  # row r's slot in a line
 
 # Where a weight keeps its packed copy for timing (packed_copy, pack_copies).
 _COPY = "_vnni_packed"
+
+logger = logging.getLogger(__name__)
+# Whether the one-row form's L2 prefetch was measured in this process (_measure_row_prefetch).
+_ROW_PREFETCH_MEASURED = False
+# What that measure reads: more than a last-level cache's share holds warm, flushed anyway.
+_ROW_PREFETCH_BYTES = 32 << 20
 
 
 def takes(w: QTensor, x_dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -63,9 +72,44 @@ def _fp8_panels(codes: torch.Tensor) -> torch.Tensor:
     return b.transpose(-3, -2).contiguous().reshape(codes.shape).view(codes.dtype)
 
 
+def _measure_row_prefetch() -> None:
+    """Whether vnni_panel's one-row form prefetches its panels into L2 (qvpanel.c's
+    vp_row_prefetch), measured once per process on the running machine: it reads the panels
+    faster on some CPUs and slower on others. One row against 32 MB of 8-bit panels flushed
+    from the caches, with and without, in turns, the best of 5 each; on only where it is 3%
+    faster. The bits do not change, only the speed."""
+    global _ROW_PREFETCH_MEASURED
+    lib = cpu_kernels.load()
+    if _ROW_PREFETCH_MEASURED or lib is None or lib.vp_row_prefetch is None:
+        return
+    _ROW_PREFETCH_MEASURED = True
+    k = 2048
+    n = _ROW_PREFETCH_BYTES // k
+    codes = torch.randint(0, 256, (n, k), dtype=torch.uint8)
+    w = QTensor(codes, torch.ones(n, 1), torch.zeros(n, 1, dtype=torch.uint8), None, 8, 0, k)
+    x = torch.randn(1, k, dtype=torch.bfloat16)
+    best = {0: float("inf"), 1: float("inf")}
+    for _ in range(5):
+        for on in best:
+            lib.vp_row_prefetch.value = on
+            cpu_kernels.flush(streamed(w))
+            t0 = time.perf_counter()
+            vnni_panel(x, w)
+            best[on] = min(best[on], time.perf_counter() - t0)
+    lib.vp_row_prefetch.value = int(best[1] < 0.97 * best[0])
+    logger.info(
+        "vnni_panel, one row: %s its L2 prefetch (%.1f GB/s with it, %.1f without)",
+        "with" if lib.vp_row_prefetch.value else "without",
+        _ROW_PREFETCH_BYTES / best[1] / 1e9,
+        _ROW_PREFETCH_BYTES / best[0] / 1e9,
+    )
+
+
 def pack(w: QTensor) -> QTensor:
     """w's tensors in the panel layout (new tensors; `w` is not changed). Its tensors may have
-    leading dims (several experts' [E, N, X]: each packed as its own weight)."""
+    leading dims (several experts' [E, N, X]: each packed as its own weight). The first in a
+    process measures the one-row form's prefetch (_measure_row_prefetch)."""
+    _measure_row_prefetch()
     scales = _panels(w.scales, 1)
     if cpu_gemv.kind(w) == "fp8":
         return QTensor(
@@ -153,3 +197,52 @@ def vnni_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None
 def timed(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """vnni_panel on w's packed copy: the chooser's candidate over row-major weights."""
     return vnni_panel(x, packed_copy(w), out_dtype)
+
+
+def takes_amx(w: QTensor) -> bool:
+    """Whether amx_vpanel runs w's panels here: integer codes vnni_panel takes, in a build
+    and on a CPU with AMX-INT8 tiles granted (exact x only: under --cpu-quantized-activations
+    int8 vnni_panel rounds x, which this form does not)."""
+    lib = cpu_kernels.load()
+    if lib is None or cpu_kernels.quantized_activations() == "int8":
+        return False
+    return cpu_gemv.kind(w) in lib.qvpanel_amx and takes(w)
+
+
+def amx_vpanel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """vnni_panel's product on AMX-INT8 tiles (qvpanel.c's va_matmul): the same panels, the
+    same bits, faster from ~8 rows (8-bit codes) or ~32 (4-bit) on an AMX Xeon."""
+    lib = cpu_kernels.load()
+    assert lib is not None
+    return cpu_panel.run_c(lib.qvpanel_amx[cpu_gemv.kind(w)], x, w, out_dtype)
+
+
+def timed_amx(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """amx_vpanel on w's packed copy (as `timed`)."""
+    return amx_vpanel(x, packed_copy(w), out_dtype)
+
+
+def takes_bf16(w: QTensor, x_dtype: torch.dtype) -> bool:
+    """Whether amx_bf16_vpanel runs w's panels against x of `x_dtype` here: integer codes
+    vnni_panel takes, bf16 x, a build with qamx.c's panel kernel (AMX tiles, or VDPBF16PS)."""
+    lib = cpu_kernels.load()
+    if lib is None or x_dtype != torch.bfloat16:
+        return False
+    return cpu_gemv.kind(w) in lib.qamx_packed and takes(w)
+
+
+def amx_bf16_vpanel(
+    x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """x @ W.T for many rows over the packed panels: each panel dequantized once into bf16
+    and multiplied by bf16 x (qamx.c: amx_panel's kernel and values, to the bit); fp32 x runs
+    vnni_panel (the panel kernel takes bf16 x only)."""
+    lib = cpu_kernels.load()
+    assert lib is not None
+    fn = lib.qamx_packed.get(cpu_gemv.kind(w)) if x.dtype == torch.bfloat16 else None
+    return cpu_panel.run_c(fn, x, w, out_dtype) if fn else vnni_panel(x, w, out_dtype)
+
+
+def timed_bf16(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """amx_bf16_vpanel on w's packed copy (as `timed`)."""
+    return amx_bf16_vpanel(x, packed_copy(w), out_dtype)

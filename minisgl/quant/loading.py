@@ -86,7 +86,7 @@ def prepare_cpu(model: torch.nn.Module, x_dtype: torch.dtype, tuning: str) -> st
     # their rows out of the panels; a mixture's experts are packed a run of them at a time).
     kernels, line = cpu_choice.kernels_for(groups, x_dtype, tuning)
     for hs, kernel in zip(holders, kernels, strict=True):
-        pack = kernel is not None and set(kernel.picks) == {cpu_choice.PACKED}
+        pack = kernel is not None and set(kernel.picks) <= set(cpu_choice.PACKED_KERNELS)
         for h in hs:
             if pack:
                 h.pack_vnni()

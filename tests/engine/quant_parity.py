@@ -21,6 +21,10 @@ needs_vnni_panel = pytest.mark.skipif(
     not (cpu_kernels.load() is not None and cpu_kernels.load().qvpanel),
     reason="no AVX512-VNNI build here: vnni_panel is never offered",
 )
+needs_amx_vpanel = pytest.mark.skipif(
+    not (cpu_kernels.load() is not None and cpu_kernels.load().qvpanel_amx),
+    reason="no AMX-INT8 here: amx_vpanel is never offered",
+)
 needs_fp8_panel = pytest.mark.skipif(
     not (cpu_kernels.load() is not None and "fp8" in cpu_kernels.load().qvpanel),
     reason="no AVX512-BF16 + AVX512-VBMI build here: fp8 panels are never offered",

@@ -16,6 +16,7 @@ from quant_parity import (
     MAX_TOKENS,
     assert_agree,
     greedy,
+    needs_amx_vpanel,
     needs_fp8_panel,
     needs_vnni_panel,
     prompts,
@@ -234,6 +235,19 @@ def test_vnni_panels_generate_the_twins_tokens(
     tokens, batched, with prefix hits and chunked prefill as quant_parity runs them."""
     monkeypatch.setenv("MINISGL_CPU_QUANT_LINEAR", "vnni_panel")
     _assert_twin_tokens(tmp_path, method, dtype=dtype, quantization=method)
+
+
+@needs_amx_vpanel
+@pytest.mark.parametrize("pick", ["amx_vpanel", "amx_bf16_vpanel"])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_panels_on_amx_tiles_generate_the_twins_tokens(
+    method: str, pick: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every quantized weight packed and multiplied on AMX tiles at every row count (prefill
+    chunks, decode batches and the decode chain's C calls), exact (AMX-INT8) or dequantized
+    to bf16: the twin's greedy tokens, batched, with prefix hits and chunked prefill."""
+    monkeypatch.setenv("MINISGL_CPU_QUANT_LINEAR", pick)
+    _assert_twin_tokens(tmp_path, method, dtype="bfloat16", quantization=method)
 
 
 @needs_fp8_panel

@@ -306,3 +306,37 @@ def test_each_timed_pass_reads_its_codes_from_memory(monkeypatch: pytest.MonkeyP
     packed = cpu_vpanel.packed_copy(w)
     for q in (w, packed):  # the row-major codes' passes, and the panels'
         assert any({q.codes.data_ptr(), q.scales.data_ptr()} <= p for p in passes.flushed())
+
+
+@needs_kernel
+@pytest.mark.parametrize("faster", [True, False])
+def test_the_one_row_prefetch_is_on_where_it_measured_faster(
+    monkeypatch: pytest.MonkeyPatch, faster: bool
+) -> None:
+    """Measured once per process on the running machine (the first pack): on where a cold
+    one-row pass ran 3% faster with it, off where it did not; either way the same bits."""
+    lib = cpu_kernels.load()
+    assert lib is not None and lib.vp_row_prefetch is not None
+    now = [0.0]
+    real = cpu_vpanel.vnni_panel
+
+    def timed(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        now[0] += (0.9 if faster else 1.0) if lib.vp_row_prefetch.value else 0.95
+        return real(x, w, out_dtype)
+
+    monkeypatch.setattr(cpu_vpanel, "vnni_panel", timed)
+    monkeypatch.setattr(cpu_vpanel.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(cpu_vpanel, "_ROW_PREFETCH_MEASURED", False)
+    monkeypatch.setattr(cpu_vpanel, "_ROW_PREFETCH_BYTES", 1 << 20)
+    before = lib.vp_row_prefetch.value
+    try:
+        w = cpu_vpanel.pack(random_qtensor(64, 512, 4, 128, seed=2))
+        assert lib.vp_row_prefetch.value == int(faster)
+        x = torch.randn(1, 512, dtype=torch.bfloat16)
+        outs = []
+        for on in (0, 1):
+            lib.vp_row_prefetch.value = on
+            outs.append(real(x, w, torch.float32))
+        assert torch.equal(outs[0], outs[1])
+    finally:
+        lib.vp_row_prefetch.value = before

@@ -27,7 +27,8 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
-enum { QA_U8 = 0, QA_U4 = 1, QA_FP8 = 2 };
+/* QA_P8 / QA_P4: integer codes in vnni_panel's packed panels (qvpanel.c, cpu_vpanel.py). */
+enum { QA_U8 = 0, QA_U4 = 1, QA_FP8 = 2, QA_P8 = 3, QA_P4 = 4 };
 
 #define QA_PANEL_BYTES (768 << 10) /* a thread's dequantized panel: within L2 */
 
@@ -83,11 +84,54 @@ static inline __m512i qa_u4_lookup(const uint8_t* c, __m512i table) {
     return _mm512_permutexvar_epi16(idx, table);
 }
 
+/* Packed panels (QA_P8 / QA_P4; N % 32 == 0): weight rows n0..n0+15, half of a 32-row panel,
+   dequantized into wb [K/2][16][2] bf16. A panel's dword holds 4 (8-bit) or 8 (4-bit)
+   features of one row and its 16 rows' dwords are one 64-byte line, so the lanes are the
+   rows: each feature of the line becomes a vector of the 16 rows' values, (code - zero) *
+   scale in fp32 as qa_deq32 computes it, rounded to bf16 by the same instruction (so the
+   values of the row-major codes' panel, to the bit), and two features' vectors interleave
+   into one row of wb. */
+static inline void qa_dequant16_packed(int kind, const uint8_t* codes, const float* scales,
+                                       const uint8_t* zeros, int64_t n0, int64_t K,
+                                       int64_t gs, uint16_t* wb) {
+    const int bits = kind == QA_P8 ? 8 : 4, per = 32 / bits; /* features per dword */
+    const int64_t G = K / gs, p = n0 / 32, h = (n0 % 32) / 16;
+    const uint32_t* P = (const uint32_t*)(codes + p * 32 * K * bits / 8);
+    const __m512i pairs = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003,
+                                            0x00140004, 0x00150005, 0x00160006, 0x00170007,
+                                            0x00180008, 0x00190009, 0x001A000A, 0x001B000B,
+                                            0x001C000C, 0x001D000D, 0x001E000E, 0x001F000F);
+    const __m512i mask = _mm512_set1_epi32(bits == 8 ? 0xFF : 0x0F);
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t at = (p * G + g) * 32 + 16 * h;
+        const __m512 s = _mm512_loadu_ps(scales + at);
+        const __m512 z = zeros ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                     _mm_loadu_si128((const __m128i*)(zeros + at))))
+                               : _mm512_setzero_ps();
+        for (int64_t q = g * gs / per; q < (g + 1) * gs / per; q++) {
+            __m512i d = _mm512_loadu_si512((const void*)(P + q * 32 + 16 * h));
+            for (int f = 0; f < per; f += 2) {
+                __m512 a = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, bits * f), mask));
+                __m512 b = _mm512_cvtepi32_ps(
+                    _mm512_and_si512(_mm512_srli_epi32(d, bits * (f + 1)), mask));
+                a = _mm512_mul_ps(_mm512_sub_ps(a, z), s);
+                b = _mm512_mul_ps(_mm512_sub_ps(b, z), s);
+                __m512i v = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+                _mm512_store_si512((__m512i*)(wb + (q * per + f) * 16), v);
+            }
+        }
+    }
+}
+
 /* Weight rows n0..n0+15 (past N: zeros) dequantized into wb [K/2][16][2] bf16, a group at a
    time: each row's scale and zero point (or 4-bit table) read once per group. */
 static inline __attribute__((always_inline)) void qa_dequant16(
     int kind, const uint8_t* codes, int64_t cstride, const float* scales, const uint8_t* zeros,
     int64_t gstride, int64_t n0, int64_t N, int64_t K, int64_t gs, uint16_t* wb) {
+    if (kind == QA_P8 || kind == QA_P4) {
+        qa_dequant16_packed(kind, codes, scales, zeros, n0, K, gs, wb);
+        return;
+    }
     int live = N - n0 < 16 ? (int)(N - n0) : 16;
     const uint8_t* row[16];
     for (int j = 0; j < 16; j++) row[j] = codes + (n0 + (j < live ? j : 0)) * cstride;
@@ -371,6 +415,8 @@ int qamx_ready(void) { return 1; }
 QAMX(qamx_u8, QA_U8)
 QAMX(qamx_u4, QA_U4)
 QAMX(qamx_fp8, QA_FP8)
+QAMX(qamx_p8, QA_P8)
+QAMX(qamx_p4, QA_P4)
 
 #else
 typedef int qamx_not_built; /* no AMX in this build: no entry points (cpu_kernels.py) */

@@ -48,9 +48,15 @@
 /* Tiles of this many rows and more prefetch the panel's lines 4 KB ahead: their products
    keep the core busy long enough that the hardware's prefetch alone falls behind (2 threads,
    Zen 4, cold weights, 8 rows 1.03-1.19x, 16 rows 1.03-1.10x, 64 rows 1.01-1.03x); one row
-   streams at the memory's rate without it and lost with it (0.64-1.10x). */
+   streamed at the memory's rate without it and lost with it (0.64-1.10x; but see
+   vp_row_prefetch). */
 #define VP_PF_ROWS 4
 #define VP_PF_BYTES 4096
+/* Whether one row prefetches the panels' lines VP_PF_BYTES ahead into L2: set per process by
+   cpu_vpanel.py, which measures it. It pays on some CPUs and not on others: on the Xeon
+   (Sapphire Rapids class, KVM, 2 threads, cold panels) 8-bit 17.8-20.5 -> 23.0-25.8 GB/s,
+   4-bit 17.0-19.5 -> 21.6-27.6 (into L1: 19.1-24.4), where into L1 on the Zen 4 it lost. */
+int vp_row_prefetch = 0;
 
 /* Whether vnni_panel takes codes of `bits` bits in groups of gs features, N x K. */
 int qvpanel_takes(int bits, int64_t N, int64_t K, int64_t gs) {
@@ -242,6 +248,9 @@ static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, con
                     if (R >= VP_PF_ROWS)
                         _mm_prefetch((const char*)(w + VP_ROWS * s + 16 * h) + VP_PF_BYTES,
                                      _MM_HINT_T0);
+                    else if (R == 1 && vp_row_prefetch)
+                        _mm_prefetch((const char*)(w + VP_ROWS * s + 16 * h) + VP_PF_BYTES,
+                                     _MM_HINT_T1);
                     if (x8 && bits == 8) {
                         v[h][0] = d;
                     } else if (x8 || sp) {
@@ -438,6 +447,266 @@ void qvpanel_u4(const void* x, int x_bf16, const uint8_t* codes, int64_t cstride
     (void)cstride, (void)gstride;
     vp_matmul(4, x, x_bf16, codes, scales, zeros, y, out_bf16, M, N, K, gs);
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+/* The same panels on AMX-INT8 tiles (`amx_vpanel`, cpu_vpanel.py), the same bits as
+   vp_matmul's exact form: y = x @ W.T with C = x . W^T, A = x's rows, B = the panel as it
+   lies. AMX-INT8's B operand is the VNNI layout (row kq: 4 bytes of one feature quad per
+   output column): 8-bit panels are B tiles as they are (16 quads x 16 rows, the panel's
+   128-byte quad rows read 64 bytes at a time: two B tiles a step, one per half of the
+   panel), so a step streams 2 KB of contiguous codes; 4-bit panels are split into low and
+   high nibbles first (a quad row's low nibbles are features 8q + 0, 2, 4, 6, its high ones
+   8q + 1, 3, 5, 7), and x's bytes are laid out per step as the codes are: the even features,
+   then the odd ones.
+
+   Why: the row-major codes' AMX kernel (qamxi.c, `amx_int`) loads its A tiles as 16 rows
+   K bytes apart, so the memory sees 32 short runs at once and the hardware prefetcher
+   follows none of them; at 8 rows on 2 threads it read 8-bit codes at 15-17 GB/s where one
+   row's GEMV reads 28-29 (Xeon, Sapphire Rapids class under KVM). Here the codes are one
+   run per panel and the A operand is x: a tile product's time follows x's rows, not 16.
+
+   Numerics (exactly vp_matmul's, so a weight can take either per row count): x quantized
+   per row to int16 as vp_quantize_row; AMX multiplies bytes, so xq = 256 * hi + lo (hi
+   signed, lo unsigned): TDPBSUD (hi x codes) and TDPBUUD (lo x codes) into two int32 sums
+   per chunk of L features (chunk_len: |256 * hi_sum + lo_sum| fits int32), combined, less
+   the zero point times the chunk's x sum, in int32, then fp32 times the group's scale added
+   to the output's fp32 sum, chunk by chunk; the row's scale last. */
+#include "amx.h"
+
+/* Chunks' sums are folded VA_LAG chunks after their tiles were stored, and 4-bit codes split
+   VA_LAG chunks before their tiles load them (qamxi.c: a vector load of lines a tile store
+   left in the store buffer, or a tile load after vector stores, waits for them). */
+#define VA_LAG 2
+/* The codes a step reads are prefetched this far ahead, into L1 (the Xeon above, 2 threads,
+   cold panels, 6144x1024 and 1024x3072: 8-bit at 8 rows 17.8 -> 21.2 and 16.7 -> 20.3 GB/s, 1
+   row 20.1 -> 23.2 and 19.7 -> 23.0; 4-bit at 1 row 12.9 -> 14.6; 2 KB and 8 KB ahead, or
+   into L2, no better; at 32 rows no change: the products bound them). */
+#define VA_PF_BYTES 4096
+
+typedef struct {
+    int bits;
+    int64_t S, M, N, K, gs, L, nch, steps, mtiles;
+    const uint8_t* codes;
+    const float* scales;
+    const uint8_t* zeros;
+    uint8_t* xa;  /* [mtiles][steps][2][16][64]: x's high bytes' A tile, then its low bytes' */
+    int32_t* xs;  /* [M][nch]: each chunk's sum of x's int16 codes */
+    float* xsc;   /* [M]: each row's scale */
+} VaCall;
+
+/* Row m of x -> its int16 codes (vp_quantize_row's), its chunks' sums and scale, and its
+   bytes in the A tiles' step layout. */
+static void va_prepare_row(VaCall* c, const void* x, int x_bf16, int64_t m, int16_t* tmp) {
+    const int64_t K = c->K, S = c->S;
+    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16)
+        mx = _mm512_max_ps(mx, _mm512_and_ps(load16_x(x, x_bf16, m * K + k), abs_mask));
+    float amax = _mm512_reduce_max_ps(mx);
+    float s = amax > 0 && isfinite(amax) ? amax / 32767.0f : 1.0f;
+    c->xsc[m] = s;
+    const __m512 inv = _mm512_set1_ps(1.0f / s);
+    const __m512i top = _mm512_set1_epi32(32767), bottom = _mm512_set1_epi32(-32767);
+    for (int64_t c0 = 0; c0 < K; c0 += c->L) {
+        __m512i sum = _mm512_setzero_si512();
+        for (int64_t k = c0; k < c0 + c->L; k += 16) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16_x(x, x_bf16, m * K + k), inv));
+            q = _mm512_max_epi32(_mm512_min_epi32(q, top), bottom);
+            sum = _mm512_add_epi32(sum, q);
+            _mm256_storeu_si256((__m256i*)(tmp + k), _mm512_cvtepi32_epi16(q));
+        }
+        c->xs[m * c->nch + c0 / c->L] = _mm512_reduce_add_epi32(sum);
+    }
+    /* 4-bit steps: of 64 features the 32 even ones, then the 32 odd; of 32, 16 and 16 */
+    int16_t order[32] __attribute__((aligned(64)));
+    for (int i = 0; i < 32; i++) order[i] = (int16_t)(S == 64 || i < 16 ? 2 * i : 2 * i - 31);
+    const __m512i even = _mm512_load_si512((const void*)order);
+    const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+    const int64_t mt = m / 16, r = m % 16;
+    for (int64_t t = 0; t < c->steps; t++) {
+        uint8_t* hi = c->xa + ((mt * c->steps + t) * 2) * 1024 + r * 64;
+        uint8_t* lo = hi + 1024;
+        const int16_t* q = tmp + t * S;
+        for (int64_t h = 0; h < S / 32; h++) {
+            __m512i v;
+            if (c->bits == 8) {
+                v = _mm512_loadu_si512((const void*)(q + 32 * h));
+            } else if (S == 64) {
+                __m512i a = _mm512_loadu_si512((const void*)q), b = _mm512_loadu_si512((const void*)(q + 32));
+                v = _mm512_permutex2var_epi16(a, h ? odd : even, b);
+            } else {
+                v = _mm512_permutexvar_epi16(even, _mm512_loadu_si512((const void*)q));
+            }
+            _mm256_storeu_si256((__m256i*)(hi + 32 * h), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+            _mm256_storeu_si256((__m256i*)(lo + 32 * h), _mm512_cvtepi16_epi8(v));
+        }
+    }
+}
+
+/* 4-bit codes of chunk i of a panel -> B tiles in ubuf [steps][2 halves][S / 4][64]: per step
+   its S / 8 quad rows' low nibbles, then their high nibbles. */
+static inline void va_split_chunk(const VaCall* c, const uint8_t* P, uint8_t* ubuf, int64_t i) {
+    const int64_t S = c->S, rows = S / 8;
+    const __m512i n4 = _mm512_set1_epi32(0x0F0F0F0F);
+    for (int64_t k = i * c->L; k < (i + 1) * c->L; k += S) {
+        const int64_t t = k / S;
+        for (int64_t j = 0; j < rows; j++) {
+            const uint8_t* src = P + (k / 8 + j) * 128;
+            _mm_prefetch((const char*)src + VA_PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char*)src + VA_PF_BYTES + 64, _MM_HINT_T0);
+            for (int h = 0; h < 2; h++) {
+                __m512i d = _mm512_loadu_si512((const void*)(src + 64 * h));
+                uint8_t* dst = ubuf + ((t * 2 + h) * (S / 4)) * 64;
+                _mm512_store_si512((void*)(dst + j * 64), _mm512_and_si512(d, n4));
+                _mm512_store_si512((void*)(dst + (rows + j) * 64),
+                                   _mm512_and_si512(_mm512_srli_epi16(d, 4), n4));
+            }
+        }
+    }
+}
+
+/* Chunk j's four C tiles (cb: hi x half 0, lo x half 0, hi x half 1, lo x half 1, 16 rows of
+   16 int32 each) into the fp32 sums acc[r][32] of the m-tile's `mr` rows. */
+static inline void va_fold(const VaCall* c, const int32_t* cb, int64_t p, int64_t m0,
+                           int64_t mr, int64_t j, float* acc) {
+    const int64_t G = c->K / c->gs, g = j * c->L / c->gs;
+    for (int h = 0; h < 2; h++) {
+        const __m512 sc = _mm512_loadu_ps(c->scales + (p * G + g) * VP_ROWS + 16 * h);
+        const __m512i z = c->zeros ? _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                         (const __m128i*)(c->zeros + (p * G + g) * VP_ROWS + 16 * h)))
+                                   : _mm512_setzero_si512();
+        const int32_t* th = cb + (2 * h) * 256;
+        const int32_t* tl = th + 256;
+        for (int64_t r = 0; r < mr; r++) {
+            __m512i t = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(th + 16 * r), 8),
+                                         _mm512_load_si512(tl + 16 * r));
+            t = _mm512_sub_epi32(t, _mm512_mullo_epi32(z, _mm512_set1_epi32(c->xs[(m0 + r) * c->nch + j])));
+            float* f = acc + 32 * r + 16 * h;
+            _mm512_store_ps(f, _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc, _mm512_load_ps(f)));
+        }
+    }
+}
+
+/* Panel p against every m-tile of x. */
+static void va_panel(const VaCall* c, int64_t p, uint8_t* ubuf, int32_t* cbuf, float* acc,
+                     void* y, int out_bf16) {
+    const int64_t S = c->S, nch = c->nch, tb = (S / 4) * 64;
+    const uint8_t* P = c->codes + p * VP_ROWS * c->K * c->bits / 8;
+    const int u4 = c->bits == 4;
+    for (int64_t mt = 0; mt < c->mtiles; mt++) {
+        const int64_t m0 = mt * 16, mr = c->M - m0 < 16 ? c->M - m0 : 16;
+        const int split = u4 && mt == 0;
+        const uint8_t* xa = c->xa + mt * c->steps * 2 * 1024;
+        memset(acc, 0, sizeof(float) * 32 * 16);
+        for (int64_t i = 0; split && i < VA_LAG && i < nch; i++) va_split_chunk(c, P, ubuf, i);
+        for (int64_t i = 0; i < nch + VA_LAG; i++) {
+            if (i < nch) {
+                if (split && i + VA_LAG < nch) va_split_chunk(c, P, ubuf, i + VA_LAG);
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t k = i * c->L; k < (i + 1) * c->L; k += S) {
+                    const int64_t t = k / S;
+                    _tile_loadd(4, xa + t * 2048, 64);
+                    _tile_loadd(5, xa + t * 2048 + 1024, 64);
+                    if (u4) {
+                        _tile_loadd(6, ubuf + (t * 2) * tb, 64);
+                        _tile_loadd(7, ubuf + (t * 2 + 1) * tb, 64);
+                    } else {
+                        for (int64_t l = 0; l < S * VP_ROWS; l += 64)
+                            _mm_prefetch((const char*)P + k * VP_ROWS + VA_PF_BYTES + l, _MM_HINT_T0);
+                        _tile_loadd(6, P + k * VP_ROWS, 128);
+                        _tile_loadd(7, P + k * VP_ROWS + 64, 128);
+                    }
+                    _tile_dpbsud(0, 4, 6);
+                    _tile_dpbuud(1, 5, 6);
+                    _tile_dpbsud(2, 4, 7);
+                    _tile_dpbuud(3, 5, 7);
+                }
+                int32_t* cb = cbuf + (i % (VA_LAG + 1)) * 1024;
+                _tile_stored(0, cb, 64);
+                _tile_stored(1, cb + 256, 64);
+                _tile_stored(2, cb + 512, 64);
+                _tile_stored(3, cb + 768, 64);
+            }
+            if (i >= VA_LAG) va_fold(c, cbuf + ((i - VA_LAG) % (VA_LAG + 1)) * 1024, p, m0, mr, i - VA_LAG, acc);
+        }
+        for (int64_t r = 0; r < mr; r++) {
+            __m512 rs = _mm512_set1_ps(c->xsc[m0 + r]);
+            for (int h = 0; h < 2; h++)
+                vp_store(y, out_bf16, (m0 + r) * c->N + p * VP_ROWS + 16 * h,
+                         _mm512_mul_ps(_mm512_load_ps(acc + 32 * r + 16 * h), rs));
+        }
+    }
+}
+
+static void va_matmul(int bits, const void* x, int x_bf16, const uint8_t* codes,
+                      const float* scales, const uint8_t* zeros, void* y, int out_bf16,
+                      int64_t M, int64_t N, int64_t K, int64_t gs) {
+    if (qgemv_x8) { /* x in 8 bits: vnni_panel's form of that (its bits, not these) */
+        vp_matmul(bits, x, x_bf16, codes, scales, zeros, y, out_bf16, M, N, K, gs);
+        return;
+    }
+    if (M <= 0) return; /* no rows: tiles of 0 rows are no valid configuration */
+    const int64_t L = chunk_len(bits, gs), S = L % 64 == 0 ? 64 : 32;
+    VaCall c = {bits, S, M, N, K, gs, L, K / L, K / S, (M + 15) / 16,
+                codes, scales, zeros, NULL, NULL, NULL};
+    /* rows of the last m-tile past M stay zero: multiplied, never stored */
+    c.xa = (uint8_t*)aligned_alloc(64, (size_t)(c.mtiles * c.steps * 2048));
+    memset(c.xa, 0, (size_t)(c.mtiles * c.steps * 2048));
+    c.xs = (int32_t*)malloc(sizeof(int32_t) * M * c.nch);
+    c.xsc = (float*)malloc(sizeof(float) * M);
+    const int64_t panels = N / VP_ROWS, mr = M < 16 ? M : 16;
+    Share shares[SHARE_MAX] __attribute__((aligned(64)));
+    int parts = share_parts();
+    shares_init(shares, parts, panels);
+    #pragma omp parallel
+    {
+        int16_t* tmp = (int16_t*)aligned_alloc(64, sizeof(int16_t) * K);
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) va_prepare_row(&c, x, x_bf16, m, tmp);
+        free(tmp);
+        AmxConfig cfg;
+        amx_config_init(&cfg);
+        for (int t = 0; t < 4; t++) amx_config_tile(&cfg, t, (int)mr, 64);
+        amx_config_tile(&cfg, 4, (int)mr, (int)S);
+        amx_config_tile(&cfg, 5, (int)mr, (int)S);
+        amx_config_tile(&cfg, 6, (int)(S / 4), 64);
+        amx_config_tile(&cfg, 7, (int)(S / 4), 64);
+        amx_config(&cfg);
+        uint8_t* ubuf = bits == 4 ? (uint8_t*)aligned_alloc(64, (size_t)(VP_ROWS * K)) : NULL;
+        int32_t* cbuf = (int32_t*)aligned_alloc(64, sizeof(int32_t) * (VA_LAG + 1) * 1024);
+        float* acc = (float*)aligned_alloc(64, sizeof(float) * 32 * 16);
+        for (int64_t p; (p = share_next(shares, parts, omp_get_thread_num())) >= 0;)
+            va_panel(&c, p, ubuf, cbuf, acc, y, out_bf16);
+        amx_release();
+        free(ubuf);
+        free(cbuf);
+        free(acc);
+    }
+    free(c.xa);
+    free(c.xs);
+    free(c.xsc);
+}
+
+/* 1 where the AMX form may run (the tiles granted to this process), else 0. */
+int qvpanel_amx_ready(void) { return amx_ready(); }
+
+/* vnni_panel's entry points on AMX tiles: the same arguments, layout and bits. */
+void qvpanel_amx_u8(const void* x, int x_bf16, const uint8_t* codes, int64_t cstride,
+                    const float* scales, const uint8_t* zeros, int64_t gstride, void* y,
+                    int out_bf16, int64_t M, int64_t N, int64_t K, int64_t gs) {
+    (void)cstride, (void)gstride;
+    va_matmul(8, x, x_bf16, codes, scales, zeros, y, out_bf16, M, N, K, gs);
+}
+void qvpanel_amx_u4(const void* x, int x_bf16, const uint8_t* codes, int64_t cstride,
+                    const float* scales, const uint8_t* zeros, int64_t gstride, void* y,
+                    int out_bf16, int64_t M, int64_t N, int64_t K, int64_t gs) {
+    (void)cstride, (void)gstride;
+    va_matmul(4, x, x_bf16, codes, scales, zeros, y, out_bf16, M, N, K, gs);
+}
+#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 /* fp8 e4m3 codes in 32-row panels, against bf16 x with VDPBF16PS (the bf16 panels' product,
