@@ -97,6 +97,25 @@ static inline void vp_split_bytes(__m512i v, int32_t* d) {
     _mm256_store_si256((__m256i*)(d + 8), _mm256_permute2x128_si256(u, w, 0x31));
 }
 
+/* Row m of x's scale for its int16 codes: max|x| / 32767 (1 where the row is 0 or not
+   finite). */
+static float vp_row_scale(const void* x, int x_bf16, int64_t m, int64_t K) {
+    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16)
+        mx = _mm512_max_ps(mx, _mm512_and_ps(load16_x(x, x_bf16, m * K + k), abs_mask));
+    float amax = _mm512_reduce_max_ps(mx);
+    return amax > 0 && isfinite(amax) ? amax / 32767.0f : 1.0f;
+}
+
+/* 16 values of x from `at` times the inverse scale, to int16 codes (nearest even, clamped to
+   +-32767) in int32 lanes. */
+static inline __m512i vp_q16(const void* x, int x_bf16, int64_t at, __m512 inv) {
+    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16_x(x, x_bf16, at), inv));
+    return _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(32767)),
+                            _mm512_set1_epi32(-32767));
+}
+
 /* Row m of x -> int16 codes in the panel's pair order, written as dwords into its tile's
    interleaved layout (dword d of the tile's row r at xt[d * R + r] for a tile of R rows, so
    a step's broadcasts for a tile's rows sit at constant offsets from one pointer), the
@@ -106,14 +125,8 @@ static float vp_quantize_row(const void* x, int x_bf16, int64_t m, int64_t M, in
                              int bits, int64_t L, int32_t* xt, int32_t* xsum) {
     const int64_t m0 = m - m % VP_TILE, R = M - m0 < VP_TILE ? M - m0 : VP_TILE;
     const int split = vp_split(bits, R);
-    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-    __m512 mx = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16)
-        mx = _mm512_max_ps(mx, _mm512_and_ps(load16_x(x, x_bf16, m * K + k), abs_mask));
-    float amax = _mm512_reduce_max_ps(mx);
-    float s = amax > 0 && isfinite(amax) ? amax / 32767.0f : 1.0f;
+    float s = vp_row_scale(x, x_bf16, m, K);
     const __m512 inv = _mm512_set1_ps(1.0f / s);
-    const __m512i top = _mm512_set1_epi32(32767), bottom = _mm512_set1_epi32(-32767);
     /* 32 features in order -> pair order, per quad (8-bit) or per 8 (4-bit) */
     const __m512i order8 = _mm512_set_epi16(31, 29, 30, 28, 27, 25, 26, 24, 23, 21, 22, 20, 19,
                                             17, 18, 16, 15, 13, 14, 12, 11, 9, 10, 8, 7, 5, 6,
@@ -126,11 +139,8 @@ static float vp_quantize_row(const void* x, int x_bf16, int64_t m, int64_t M, in
     for (int64_t c0 = 0; c0 < K; c0 += L) {
         __m512i sum = _mm512_setzero_si512();
         for (int64_t k = c0; k < c0 + L; k += 32) {
-            __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(load16_x(x, x_bf16, m * K + k), inv));
-            __m512i b =
-                _mm512_cvtps_epi32(_mm512_mul_ps(load16_x(x, x_bf16, m * K + k + 16), inv));
-            a = _mm512_max_epi32(_mm512_min_epi32(a, top), bottom);
-            b = _mm512_max_epi32(_mm512_min_epi32(b, top), bottom);
+            __m512i a = vp_q16(x, x_bf16, m * K + k, inv);
+            __m512i b = vp_q16(x, x_bf16, m * K + k + 16, inv);
             sum = _mm512_add_epi32(sum, _mm512_add_epi32(a, b));
             __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(a)),
                                               _mm512_cvtepi32_epi16(b), 1);
@@ -498,20 +508,12 @@ typedef struct {
    bytes in the A tiles' step layout. */
 static void va_prepare_row(VaCall* c, const void* x, int x_bf16, int64_t m, int16_t* tmp) {
     const int64_t K = c->K, S = c->S;
-    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-    __m512 mx = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16)
-        mx = _mm512_max_ps(mx, _mm512_and_ps(load16_x(x, x_bf16, m * K + k), abs_mask));
-    float amax = _mm512_reduce_max_ps(mx);
-    float s = amax > 0 && isfinite(amax) ? amax / 32767.0f : 1.0f;
-    c->xsc[m] = s;
+    float s = c->xsc[m] = vp_row_scale(x, x_bf16, m, K);
     const __m512 inv = _mm512_set1_ps(1.0f / s);
-    const __m512i top = _mm512_set1_epi32(32767), bottom = _mm512_set1_epi32(-32767);
     for (int64_t c0 = 0; c0 < K; c0 += c->L) {
         __m512i sum = _mm512_setzero_si512();
         for (int64_t k = c0; k < c0 + c->L; k += 16) {
-            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16_x(x, x_bf16, m * K + k), inv));
-            q = _mm512_max_epi32(_mm512_min_epi32(q, top), bottom);
+            __m512i q = vp_q16(x, x_bf16, m * K + k, inv);
             sum = _mm512_add_epi32(sum, q);
             _mm256_storeu_si256((__m256i*)(tmp + k), _mm512_cvtepi32_epi16(q));
         }
