@@ -7,7 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from quant_parity import assert_same_tokens, needs_fp8_panel, needs_vnni_panel, pair
+from quant_parity import (
+    assert_same_tokens,
+    needs_amx_vpanel,
+    needs_fp8_panel,
+    needs_vnni_panel,
+    pair,
+)
 
 from minisgl.testing.quant_writer import QuantFormat
 
@@ -44,3 +50,15 @@ def test_experts_in_vnni_panels_generate_the_twins_tokens(
     monkeypatch.setenv("MINISGL_CPU_QUANT_LINEAR", "vnni_panel")
     quant, twin = pair("quant-moe", FORMATS[name], tmp_path)
     assert_same_tokens(quant, twin, dtype=dtype)
+
+
+@needs_amx_vpanel
+def test_experts_in_panels_on_amx_tiles_generate_the_twins_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same with every row count's pick the panels' AMX-INT8 form (vnni_panel's bits):
+    the decode steps' experts through it in one call, prefill's one by one, the twin's
+    tokens."""
+    monkeypatch.setenv("MINISGL_CPU_QUANT_LINEAR", "amx_vpanel")
+    quant, twin = pair("quant-moe", FORMATS["gptq int4 g128"], tmp_path)
+    assert_same_tokens(quant, twin, dtype="float32")
