@@ -20,15 +20,15 @@ The candidates (cpu_gemv.py), all reading the quantized weight as loaded (no sec
   numerics), for weights its kernel takes;
 - "vnni_panel": integer codes repacked once into 32-row panels, any row count, with
   AVX512-VNNI (cpu_vpanel.py): exact (int16 x), or under --cpu-quantized-activations int8
-  x rounded to 8 bits as x8_panel rounds it (the same bits). Its layout replaces the row-major codes, so it is all or
-  nothing for a weight: it serves every row count where it is less slow on average over the
-  buckets than the row-major candidates' picks (as the float weights' one layout,
-  kernel_choice.single_layout); offered for dense weights (a tied embedding table too: its
-  lookups gather rows out of the panels), not a mixture's experts. Timed on packed copies of
-  the timing set;
+  x rounded to 8 bits as x8_panel rounds it (the same bits). Its layout replaces the
+  row-major codes, so it is all or nothing for a weight: it serves every row count where it is
+  less slow on average over the buckets than the row-major candidates' picks (as the float
+  weights' one layout, kernel_choice.single_layout); offered for dense weights (a tied
+  embedding table too: its lookups gather rows out of the panels) and a mixture's experts
+  (packed a run of them at a time). Timed on packed copies of the timing set;
 - "amx_vpanel": the same panels on AMX-INT8 tiles, the same bits (cpu_vpanel.py), where the
   CPU and build have them: the packed layout's kernel for the row counts it runs faster
-  (8-bit codes from ~8 rows, 4-bit from ~32, on an AMX Xeon), vnni_panel's for the others;
+  (on an AMX Xeon 8-bit codes from 2 rows, 4-bit from 5-9), vnni_panel's for the others;
 - "amx_bf16_vpanel": the same panels dequantized once per call into bf16 and multiplied by bf16
   x (amx_panel's kernel and values, over the packed layout): the packed layout's prefill.
 MINISGL_CPU_QUANT_LINEAR=<candidate> forces one everywhere it can run (tests, benchmarks).
@@ -228,8 +228,9 @@ def offered(
 def one_layout(timings: kernel_choice.Timings, defaults: Sequence[str]) -> tuple[str, ...]:
     """The picks over the row-major codes (per bucket, as kernel_choice.pick), or the packed
     layout's in every bucket (the fastest of PACKED_KERNELS that ran there) where vnni_panel
-    ran in all and the layout is more than LAYOUT_MARGIN less slow on average (kernel_choice.slowdown): its layout replaces the codes, so it cannot
-    serve only some row counts."""
+    ran in all and the layout is more than LAYOUT_MARGIN less slow on average
+    (kernel_choice.slowdown): its layout replaces the codes, so it cannot serve only some row
+    counts."""
     row = {n: ts for n, ts in timings.items() if n not in PACKED_KERNELS}
     packed = timings.get(PACKED)
     complete = packed is not None and all(t is not None for t in packed)

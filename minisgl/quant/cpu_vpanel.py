@@ -87,6 +87,7 @@ def _measure_row_prefetch() -> None:
     n = _ROW_PREFETCH_BYTES // k
     codes = torch.randint(0, 256, (n, k), dtype=torch.uint8)
     w = QTensor(codes, torch.ones(n, 1), torch.zeros(n, 1, dtype=torch.uint8), None, 8, 0, k)
+    hugepages.move_all_onto(list(streamed(w)))  # as a model's packed weights lie
     x = torch.randn(1, k, dtype=torch.bfloat16)
     best = {0: float("inf"), 1: float("inf")}
     for _ in range(5):
@@ -201,8 +202,8 @@ def timed(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> 
 
 def takes_amx(w: QTensor) -> bool:
     """Whether amx_vpanel runs w's panels here: integer codes vnni_panel takes, in a build
-    and on a CPU with AMX-INT8 tiles granted (exact x only: under --cpu-quantized-activations
-    int8 vnni_panel rounds x, which this form does not)."""
+    and on a CPU with AMX-INT8 tiles granted, for exact x (under --cpu-quantized-activations
+    int8 it runs vnni_panel's 8-bit form itself: nothing to time)."""
     lib = cpu_kernels.load()
     if lib is None or cpu_kernels.quantized_activations() == "int8":
         return False

@@ -111,7 +111,8 @@ static inline void qa_dequant16_packed(int kind, const uint8_t* codes, const flo
         for (int64_t q = g * gs / per; q < (g + 1) * gs / per; q++) {
             __m512i d = _mm512_loadu_si512((const void*)(P + q * 32 + 16 * h));
             for (int f = 0; f < per; f += 2) {
-                __m512 a = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, bits * f), mask));
+                __m512 a =
+                    _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, bits * f), mask));
                 __m512 b = _mm512_cvtepi32_ps(
                     _mm512_and_si512(_mm512_srli_epi32(d, bits * (f + 1)), mask));
                 a = _mm512_mul_ps(_mm512_sub_ps(a, z), s);

@@ -534,12 +534,14 @@ static void va_prepare_row(VaCall* c, const void* x, int x_bf16, int64_t m, int1
             if (c->bits == 8) {
                 v = _mm512_loadu_si512((const void*)(q + 32 * h));
             } else if (S == 64) {
-                __m512i a = _mm512_loadu_si512((const void*)q), b = _mm512_loadu_si512((const void*)(q + 32));
+                __m512i a = _mm512_loadu_si512((const void*)q);
+                __m512i b = _mm512_loadu_si512((const void*)(q + 32));
                 v = _mm512_permutex2var_epi16(a, h ? odd : even, b);
             } else {
                 v = _mm512_permutexvar_epi16(even, _mm512_loadu_si512((const void*)q));
             }
-            _mm256_storeu_si256((__m256i*)(hi + 32 * h), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+            _mm256_storeu_si256((__m256i*)(hi + 32 * h),
+                                _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
             _mm256_storeu_si256((__m256i*)(lo + 32 * h), _mm512_cvtepi16_epi8(v));
         }
     }
@@ -574,15 +576,16 @@ static inline void va_fold(const VaCall* c, const int32_t* cb, int64_t p, int64_
     const int64_t G = c->K / c->gs, g = j * c->L / c->gs;
     for (int h = 0; h < 2; h++) {
         const __m512 sc = _mm512_loadu_ps(c->scales + (p * G + g) * VP_ROWS + 16 * h);
-        const __m512i z = c->zeros ? _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                                         (const __m128i*)(c->zeros + (p * G + g) * VP_ROWS + 16 * h)))
-                                   : _mm512_setzero_si512();
+        const uint8_t* zp = c->zeros ? c->zeros + (p * G + g) * VP_ROWS + 16 * h : NULL;
+        const __m512i z = zp ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)zp))
+                             : _mm512_setzero_si512();
         const int32_t* th = cb + (2 * h) * 256;
         const int32_t* tl = th + 256;
         for (int64_t r = 0; r < mr; r++) {
             __m512i t = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(th + 16 * r), 8),
                                          _mm512_load_si512(tl + 16 * r));
-            t = _mm512_sub_epi32(t, _mm512_mullo_epi32(z, _mm512_set1_epi32(c->xs[(m0 + r) * c->nch + j])));
+            __m512i xs = _mm512_set1_epi32(c->xs[(m0 + r) * c->nch + j]);
+            t = _mm512_sub_epi32(t, _mm512_mullo_epi32(z, xs));
             float* f = acc + 32 * r + 16 * h;
             _mm512_store_ps(f, _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc, _mm512_load_ps(f)));
         }
@@ -616,8 +619,9 @@ static void va_panel(const VaCall* c, int64_t p, uint8_t* ubuf, int32_t* cbuf, f
                         _tile_loadd(6, ubuf + (t * 2) * tb, 64);
                         _tile_loadd(7, ubuf + (t * 2 + 1) * tb, 64);
                     } else {
+                        const char* ahead = (const char*)P + k * VP_ROWS + VA_PF_BYTES;
                         for (int64_t l = 0; l < S * VP_ROWS; l += 64)
-                            _mm_prefetch((const char*)P + k * VP_ROWS + VA_PF_BYTES + l, _MM_HINT_T0);
+                            _mm_prefetch(ahead + l, _MM_HINT_T0);
                         _tile_loadd(6, P + k * VP_ROWS, 128);
                         _tile_loadd(7, P + k * VP_ROWS + 64, 128);
                     }
@@ -632,7 +636,9 @@ static void va_panel(const VaCall* c, int64_t p, uint8_t* ubuf, int32_t* cbuf, f
                 _tile_stored(2, cb + 512, 64);
                 _tile_stored(3, cb + 768, 64);
             }
-            if (i >= VA_LAG) va_fold(c, cbuf + ((i - VA_LAG) % (VA_LAG + 1)) * 1024, p, m0, mr, i - VA_LAG, acc);
+            if (i >= VA_LAG)
+                va_fold(c, cbuf + ((i - VA_LAG) % (VA_LAG + 1)) * 1024, p, m0, mr, i - VA_LAG,
+                        acc);
         }
         for (int64_t r = 0; r < mr; r++) {
             __m512 rs = _mm512_set1_ps(c->xsc[m0 + r]);
