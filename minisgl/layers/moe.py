@@ -283,12 +283,12 @@ def _q_names(w: QuantWeight) -> tuple[str, ...] | None:
     the kernel's picks (the packed kernels' where they were packed: QuantWeight.pack_vnni), the
     panels' own where packed without one, the quantized GEMV under qlinear's untuned policy (no
     kernel)."""
-    if w.packed and not isinstance(w.kernel, QuantKernel):
+    if isinstance(w.kernel, QuantKernel):
+        return _names_of(w.kernel.picks)
+    if w.packed:
         return (PACKED,) * cpu_kernels.MAX_ROWS
     if w.kernel is None:
         return ("qgemv",) * cpu_kernels.MAX_ROWS
-    if isinstance(w.kernel, QuantKernel):
-        return _names_of(w.kernel.picks)
     return None
 
 

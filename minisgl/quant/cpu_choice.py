@@ -91,16 +91,14 @@ _RUN: dict[str, Run] = {
     "amx_panel": cpu_panel.amx_panel,
     "amx_int": cpu_panel.amx_int,
     "x8_panel": cpu_panel.x8_panel,
-    "vnni_panel": cpu_vpanel.timed,  # timed on packed copies; weights packed run vnni_panel
-    "amx_vpanel": cpu_vpanel.timed_amx,
-    "amx_bf16_vpanel": cpu_vpanel.timed_bf16,
 }
-# What packed weights run for a pick of each packed candidate.
+# What packed weights run for a pick of each packed candidate; timed on packed copies.
 _PACKED_RUN: dict[str, Run] = {
     PACKED: cpu_vpanel.vnni_panel,
     "amx_vpanel": cpu_vpanel.amx_vpanel,
     "amx_bf16_vpanel": cpu_vpanel.amx_bf16_vpanel,
 }
+_RUN.update({name: cpu_vpanel.on_copy(run) for name, run in _PACKED_RUN.items()})
 # Timing passes: as cpu_linear's (weights flushed from the caches, bounded FLOPs, best of a few
 # interleaved).
 _COLD_BYTES = 48 << 20
@@ -234,14 +232,7 @@ def one_layout(timings: kernel_choice.Timings, defaults: Sequence[str]) -> tuple
     row = {n: ts for n, ts in timings.items() if n not in PACKED_KERNELS}
     packed = timings.get(PACKED)
     complete = packed is not None and all(t is not None for t in packed)
-    every = tuple(
-        min(
-            (n for n in PACKED_KERNELS if (ts := timings.get(n)) is not None and ts[b] is not None),
-            key=lambda n: timings[n][b] or 0.0,
-            default=PACKED,
-        )
-        for b in range(len(defaults))
-    )
+    every = tuple(_packed_pick(timings, b) for b in range(len(defaults)))
     try:
         picks = kernel_choice.pick(row, defaults)
     except ValueError:  # no row-major timing in a bucket (a cache from before measure kept one)
@@ -254,6 +245,16 @@ def one_layout(timings: kernel_choice.Timings, defaults: Sequence[str]) -> tuple
     if cost < kernel_choice.slowdown(picks, timings) * (1 - kernel_choice.LAYOUT_MARGIN):
         return every
     return picks
+
+
+def _packed_pick(timings: kernel_choice.Timings, b: int) -> str:
+    """The fastest of PACKED_KERNELS in bucket b among those timed there (PACKED if none)."""
+    ran: dict[str, float] = {}
+    for name in PACKED_KERNELS:
+        t = (timings.get(name) or [None] * (b + 1))[b]
+        if t is not None:
+            ran[name] = t
+    return min(ran, key=ran.__getitem__, default=PACKED)
 
 
 def shape_key(w: QTensor, x_dtype: torch.dtype) -> ShapeKey:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -195,9 +196,14 @@ def vnni_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None
     return cpu_panel.run_c(lib.qvpanel[kind], x, w, out_dtype)
 
 
-def timed(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """vnni_panel on w's packed copy: the chooser's candidate over row-major weights."""
-    return vnni_panel(x, packed_copy(w), out_dtype)
+def on_copy(run: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`run` (a kernel over packed weights) on a row-major weight's packed copy: the chooser's
+    candidates of the packed layout, timed beside the row-major kernels."""
+
+    def timed(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return run(x, packed_copy(w), out_dtype)
+
+    return timed
 
 
 def takes_amx(w: QTensor) -> bool:
@@ -216,11 +222,6 @@ def amx_vpanel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None
     lib = cpu_kernels.load()
     assert lib is not None
     return cpu_panel.run_c(lib.qvpanel_amx[cpu_gemv.kind(w)], x, w, out_dtype)
-
-
-def timed_amx(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """amx_vpanel on w's packed copy (as `timed`)."""
-    return amx_vpanel(x, packed_copy(w), out_dtype)
 
 
 def takes_bf16(w: QTensor, x_dtype: torch.dtype) -> bool:
@@ -242,8 +243,3 @@ def amx_bf16_vpanel(
     assert lib is not None
     fn = lib.qamx_packed.get(cpu_gemv.kind(w)) if x.dtype == torch.bfloat16 else None
     return cpu_panel.run_c(fn, x, w, out_dtype) if fn else vnni_panel(x, w, out_dtype)
-
-
-def timed_bf16(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """amx_bf16_vpanel on w's packed copy (as `timed`)."""
-    return amx_bf16_vpanel(x, packed_copy(w), out_dtype)
