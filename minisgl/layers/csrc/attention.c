@@ -96,18 +96,20 @@ static inline void add_values8(float* acc, const __m256 w[4], const __m256 v[4])
     _mm256_storeu_ps(acc, x);
 }
 
-/* In a chunk function: the pool rows of keys i..i+3 (past n: key i's, which the caller weighs
-   0) and of the keys PF_KEYS later (0 past n), and whether those four are adjacent slots (keys
+/* In a chunk function's values' pass: the pool rows of keys i..i+3 (past n: key i's, which the
+   caller weighs 0) and of the keys PF_KEYS later (past n: the first keys' rows of the task the
+   thread likely takes next, nsl[0..nn), else 0), and whether those four are adjacent slots (keys
    of one page: one block of 4 rows). Then 1/Hkv of the latter prefetched per head, so the whole
    of them has arrived when the loop reaches them (a burst of whole rows would stall on full
    miss queues). An adjacent block is prefetched front to back, not in the order the loop reads
    it (four rows' head pieces in turn): the memory streams it as it streams one long run
    (measured on a 2-core Zen 3, that read order alone ran at half the bandwidth of a front-to-
    back read of the same bytes). */
-#define FOUR_ROWS(POOL, ROWS, AHEAD, BLOCK)                                                   \
+#define FOUR_VALUE_ROWS(ROWS, AHEAD, BLOCK)                                                   \
     for (int j = 0; j < 4; j++) {                                                           \
-        ROWS[j] = POOL + sl[i + j < n ? i + j : i] * row;                                   \
-        AHEAD[j] = i + PF_KEYS + j < n ? POOL + sl[i + PF_KEYS + j] * row : 0;              \
+        int64_t a_ = i + PF_KEYS + j;                                                       \
+        ROWS[j] = vp + sl[i + j < n ? i + j : i] * row;                                     \
+        AHEAD[j] = a_ < n ? vp + sl[a_] * row : (a_ - n < nn ? kp + nsl[a_ - n] * row : 0); \
     }                                                                                       \
     int BLOCK = AHEAD[3] && AHEAD[3] == AHEAD[0] + 3 * row;
 /* FOUR_ROWS for the keys' pass, whose prefetch runs on past the chunk's last key into its first
@@ -127,6 +129,18 @@ static inline void add_values8(float* acc, const __m256 w[4], const __m256 v[4])
         for (int j = 0; j < 4; j++)                                                         \
             if (AHEAD[j]) prefetch_row(AHEAD[j] + (hk) * D, D * (int64_t)sizeof(*AHEAD[j]))
 
+/* PREFETCH_HEAD's lines as four runs pfl[j] of D * 2 bytes (0: none), for the 16-lane passes,
+   which prefetch line d / 32 of run j beside their load of key j's values [d, d + 32) instead
+   of all 16 in a burst: on the Xeon of docs/performance.md (KVM, AMX; 32 requests x 65 keys,
+   28 layers, cold) a burst stalled the core at the prefetch instructions (perf: 44% of the
+   keys' pass samples on one of them) and the call read 17.9 GB/s; spread, 19.4-20.6 (1 thread
+   9.0 -> 10.2). Lines and distance as PREFETCH_HEAD's; bf16 D % 32 == 0. */
+#define HEAD_LINES(PFL, AHEAD, BLOCK, hk)                                                     \
+    const char* PFL[4];                                                                     \
+    for (int j = 0; j < 4; j++)                                                             \
+        PFL[j] = BLOCK ? (const char*)(AHEAD[0] + (hk) * 4 * D) + j * D * 2                  \
+                       : (AHEAD[j] ? (const char*)(AHEAD[j] + (hk) * D) : 0)
+
 int attn_dpbf16 = 1;
 #if defined(__AVX512BF16__)
 /* The keys' pass of a chunk (scores sc[h * n4 + i], scaled) for bf16 keys and a bf16 query qh
@@ -144,7 +158,7 @@ static void keys_dpbf16(const uint16_t* qh, const uint16_t* kp, const uint16_t* 
         const uint16_t *kr[4], *ahead[4];
         FOUR_KEY_ROWS(kr, ahead, block);
         for (int64_t hk = 0; hk < Hkv; hk++) {
-            PREFETCH_HEAD(ahead, block, hk);
+            HEAD_LINES(pfl, ahead, block, hk);
             for (int64_t g0 = 0; g0 < group; g0 += 2) {
                 int64_t ha = hk * group + g0, hb = g0 + 1 < group ? ha + 1 : ha;
                 const uint16_t* qa = qh + ha * D;
@@ -155,6 +169,7 @@ static void keys_dpbf16(const uint16_t* qh, const uint16_t* kp, const uint16_t* 
                     __m512bh xa = (__m512bh)_mm512_loadu_si512(qa + d);
                     __m512bh xb = (__m512bh)_mm512_loadu_si512(qw + d);
                     for (int j = 0; j < 4; j++) {
+                        if (g0 == 0 && pfl[j]) _mm_prefetch(pfl[j] + d * 2, _MM_HINT_T1);
                         __m512bh k = (__m512bh)_mm512_loadu_si512(kr[j] + hk * D + d);
                         a[j] = _mm512_dpbf16_ps(a[j], xa, k);
                         b[j] = _mm512_dpbf16_ps(b[j], xb, k);
@@ -194,15 +209,15 @@ int attn_v512 = 1;
    [b1 even | b1 odd]): ~40% fewer instructions than two 8-lane halves. Loads, prefetches and
    order as that path's. */
 static void values_512(const uint16_t* kp, const uint16_t* vp, const int64_t* sl, int64_t n,
-                       int64_t Hq, int64_t Hkv, int64_t D, const float* sc, float* po) {
+                       const int64_t* nsl, int64_t nn, int64_t Hq, int64_t Hkv, int64_t D,
+                       const float* sc, float* po) {
     int64_t group = Hq / Hkv, row = Hkv * D, n4 = (n + 3) & ~(int64_t)3;
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
-    (void)kp;
     for (int64_t i = 0; i < n; i += 4) {
         const uint16_t *vr[4], *ahead[4];
-        FOUR_ROWS(vp, vr, ahead, block);
+        FOUR_VALUE_ROWS(vr, ahead, block);
         for (int64_t hk = 0; hk < Hkv; hk++) {
-            PREFETCH_HEAD(ahead, block, hk);
+            HEAD_LINES(pfl, ahead, block, hk);
             for (int64_t g0 = 0; g0 < group; g0 += 2) {
                 int64_t ha = hk * group + g0;
                 int two = g0 + 1 < group;
@@ -218,6 +233,7 @@ static void values_512(const uint16_t* kp, const uint16_t* vp, const int64_t* sl
                 for (int64_t d = 0; d < D; d += 32) {
                     __m512 v0[4], v1[4];
                     for (int j = 0; j < 4; j++) {
+                        if (g0 == 0 && pfl[j]) _mm_prefetch(pfl[j] + d * 2, _MM_HINT_T1);
                         __m512i raw = _mm512_loadu_si512(vr[j] + hk * D + d);
                         __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
                         __m512 o = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
@@ -248,8 +264,10 @@ static void values_512(const uint16_t* kp, const uint16_t* vp, const int64_t* sl
 #else
 #define HAVE_VALUES512 0
 static void values_512(const uint16_t* kp, const uint16_t* vp, const int64_t* sl, int64_t n,
-                       int64_t Hq, int64_t Hkv, int64_t D, const float* sc, float* po) {
-    (void)kp, (void)vp, (void)sl, (void)n, (void)Hq, (void)Hkv, (void)D, (void)sc, (void)po;
+                       const int64_t* nsl, int64_t nn, int64_t Hq, int64_t Hkv, int64_t D,
+                       const float* sc, float* po) {
+    (void)kp, (void)vp, (void)sl, (void)n, (void)nsl, (void)nn, (void)Hq, (void)Hkv, (void)D;
+    (void)sc, (void)po;
 }
 #endif
 
@@ -257,8 +275,9 @@ static void values_512(const uint16_t* kp, const uint16_t* vp, const int64_t* sl
    tail of a head); PERM: whether LOAD16 reorders. */
 #define ATTN(NAME, KT, LOAD16, LOAD8, PERM)                                                   \
 static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int64_t* sl,     \
-                         int64_t n, int64_t Hq, int64_t Hkv, int64_t D, float scale,        \
-                         float* sc, float* po, const uint16_t* qh, int v512) {              \
+                         int64_t n, const int64_t* nsl, int64_t nn, int64_t Hq, int64_t Hkv, \
+                         int64_t D, float scale, float* sc, float* po, const uint16_t* qh,  \
+                         int v512) {                                                        \
     int64_t group = Hq / Hkv, row = Hkv * D, n4 = (n + 3) & ~(int64_t)3, D16 = D & ~15;     \
     float* pm = po + Hq * D;                                                                \
     float* pl = pm + Hq;                                                                    \
@@ -305,10 +324,11 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
     for (int64_t h = 0; h < Hq; h++) pl[h] = softmax_partial(sc + h * n4, n, n4, pm + h);   \
     for (int64_t e = 0; e < Hq * D; e += 8) _mm256_storeu_ps(po + e, _mm256_setzero_ps());  \
     if (v512)                                                                               \
-        values_512((const uint16_t*)kp, (const uint16_t*)vp, sl, n, Hq, Hkv, D, sc, po);    \
+        values_512((const uint16_t*)kp, (const uint16_t*)vp, sl, n, nsl, nn, Hq, Hkv, D, sc, \
+                   po);                                                                     \
     for (int64_t i = 0; i < (v512 ? 0 : n); i += 4) {                                       \
         const KT *vr[4], *ahead[4];                                                         \
-        FOUR_ROWS(vp, vr, ahead, block);                                                    \
+        FOUR_VALUE_ROWS(vr, ahead, block);                                                    \
         for (int64_t hk = 0; hk < Hkv; hk++) {                                              \
             PREFETCH_HEAD(ahead, block, hk);                                                \
             for (int64_t g0 = 0; g0 < group; g0 += 2) {                                     \
@@ -367,8 +387,14 @@ void NAME(const void* q, int64_t q_stride, int q_bf16, KT* kp, KT* vp,          
             int64_t n = lens[b] - c0 < chunk ? lens[b] - c0 : chunk;                        \
             if (b != held) gather_query(q, b * q_stride, q_bf16, Hq, D, PERM, qf);          \
             held = b;                                                                       \
-            NAME##_chunk(qf, kp, vp, slots + b * kmax + c0, n, Hq, Hkv, D, scale, sc,       \
-                         part + t * stride, qh ? qh + b * q_stride : 0, v512);              \
+            /* The task this thread likely takes next (tasks go out in turn): its first keys \
+               are prefetched at the end of this one's values, not met cold. */            \
+            int64_t t2 = t + omp_get_num_threads(), b2 = t2 < T ? owner[t2] : 0;            \
+            int64_t c2 = t2 < T ? (t2 - first[b2]) * chunk : 0;                             \
+            int64_t n2 = t2 < T && lens[b2] > c2 ? lens[b2] - c2 : 0;                       \
+            NAME##_chunk(qf, kp, vp, slots + b * kmax + c0, n, slots + b2 * kmax + c2,      \
+                         n2 < chunk ? n2 : chunk, Hq, Hkv, D, scale, sc, part + t * stride, \
+                         qh ? qh + b * q_stride : 0, v512);                                 \
             /* The thread that finishes a request's last chunk merges its chunks. */        \
             if (__atomic_add_fetch(&done[b], 1, __ATOMIC_ACQ_REL) == first[b + 1] - first[b]) \
                 merge_request(part, first, b, Hq, D, PERM, out, out_bf16);                  \
