@@ -26,9 +26,10 @@ The candidates (cpu_gemv.py), all reading the quantized weight as loaded (no sec
   weights' one layout, kernel_choice.single_layout); offered for dense weights (a tied
   embedding table too: its lookups gather rows out of the panels) and a mixture's experts
   (packed a run of them at a time). Timed on packed copies of the timing set;
-- "amx_vpanel": the same panels on AMX-INT8 tiles, the same bits (cpu_vpanel.py), where the
-  CPU and build have them: the packed layout's kernel for the row counts it runs faster
-  (on an AMX Xeon 8-bit codes from 2 rows, 4-bit from 5-9), vnni_panel's for the others;
+- "amx_vpanel": the same panels on AMX-INT8 tiles, the same bits (cpu_vpanel.py; exact x or
+  x in 8 bits, as vnni_panel), where the CPU and build have them: the packed layout's kernel
+  for the row counts it runs faster (on an AMX Xeon 8-bit codes from 2 rows, 4-bit from 5-9),
+  vnni_panel's for the others;
 - "amx_bf16_vpanel": the same panels dequantized once per call into bf16 and multiplied by bf16
   x (amx_panel's kernel and values, over the packed layout): the packed layout's prefill.
 MINISGL_CPU_QUANT_LINEAR=<candidate> forces one everywhere it can run (tests, benchmarks).
@@ -210,8 +211,8 @@ def offered(
     int8 and where its kernel takes them (outside that mode it would change the numerics);
     vnni_panel only where the weights may be repacked (`packable`) and its kernel takes them
     (under int8 activations it rounds x as x8_panel does; fp8 codes: bf16 x only), its AMX
-    forms beside it where their kernels run here (amx_vpanel: exact x only; amx_bf16_vpanel:
-    bf16 x)."""
+    forms beside it where their kernels run here (amx_vpanel: integer codes, exact or 8-bit
+    x as vnni_panel; amx_bf16_vpanel: bf16 x)."""
     x8 = cpu_kernels.quantized_activations() == "int8" and cpu_panel.x8_takes(weights[0])
     packed = packable and cpu_vpanel.takes(weights[0], x_dtype)
     extra = {

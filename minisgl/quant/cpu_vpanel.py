@@ -208,17 +208,18 @@ def on_copy(run: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 
 def takes_amx(w: QTensor) -> bool:
     """Whether amx_vpanel runs w's panels here: integer codes vnni_panel takes, in a build
-    and on a CPU with AMX-INT8 tiles granted, for exact x (under --cpu-quantized-activations
-    int8 it runs vnni_panel's 8-bit form itself: nothing to time)."""
+    and on a CPU with AMX-INT8 tiles granted (exact x, or under --cpu-quantized-activations
+    int8 x in 8 bits as vnni_panel rounds it)."""
     lib = cpu_kernels.load()
-    if lib is None or cpu_kernels.quantized_activations() == "int8":
+    if lib is None:
         return False
     return cpu_gemv.kind(w) in lib.qvpanel_amx and takes(w)
 
 
 def amx_vpanel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """vnni_panel's product on AMX-INT8 tiles (qvpanel.c's va_matmul): the same panels, the
-    same bits, faster from ~8 rows (8-bit codes) or ~32 (4-bit) on an AMX Xeon."""
+    same bits (exact x, or x in 8 bits under --cpu-quantized-activations int8), faster from ~8
+    rows (8-bit codes) or ~32 (4-bit) on an AMX Xeon."""
     lib = cpu_kernels.load()
     assert lib is not None
     return cpu_panel.run_c(lib.qvpanel_amx[cpu_gemv.kind(w)], x, w, out_dtype)

@@ -17,6 +17,7 @@ from minisgl.quant import cpu_choice, cpu_gemv
 from minisgl.quant.attach import _holder
 from minisgl.quant.quantize import quantize
 from minisgl.quant.scheme import load_scheme
+from minisgl.quant.weight import QuantWeight
 from minisgl.testing.fixture import write_fixture_model
 from minisgl.testing.quant_writer import QuantFormat, write_quantized_pair
 
@@ -228,3 +229,47 @@ def test_a_prefill_past_64_rows_runs_8_bit_activations_and_keeps_the_tokens(
     assert (max(ran, default=0) >= 100) == x8  # the prefill's rows went through it
     if x8:
         assert our_tops[0][0] != exact_tops[0][0]
+
+
+def _x8_run(path: Path, method: str, pick: str, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """Greedy tokens and top logprobs of a 100-token prompt (a 100-row prefill, then decode
+    steps of one row through the decode chain) under --cpu-quantized-activations int8 with
+    every quantized weight on `pick`."""
+    monkeypatch.setenv("MINISGL_CPU_QUANT_LINEAR", pick)
+    ids = torch.randint(5, 4000, (100,), generator=torch.Generator().manual_seed(11)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    flags = {"dtype": "bfloat16", "num_pages": 16, "cpu_kernel_tuning": "off"}
+    tokens: list[int] = []
+    tops: list[list[float]] = []
+    try:
+        with LLM(str(path), quantization=method, cpu_quantized_activations="int8", **flags) as llm:
+            engine = llm.engine
+            weights = [m for m in engine.runner.model.modules() if isinstance(m, QuantWeight)]
+            picks = {p for w in weights for p in (w.kernel.picks if w.kernel else ())}
+            assert picks == {pick}, picks  # every weight packed and on `pick` in every bucket
+            engine.add_request(f"x8-{pick}-{next(_REQUEST_IDS)}", ids, params)
+            while engine.has_unfinished():
+                for step in engine.step():
+                    assert step.error is None, step.error
+                    tokens += step.new_token_ids
+                    tops += [list(top) for top in step.logprobs.top_logprobs]
+    finally:
+        cpu_kernels.set_quantized_activations("int16")
+    return tokens, tops
+
+
+@pytest.mark.skipif(
+    not (cpu_kernels.load() and cpu_kernels.load().qvpanel_amx),
+    reason="no AMX-INT8 here: amx_vpanel is never offered",
+)
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_8_bit_activations_on_amx_tiles_give_the_vnni_panels_tokens_and_logprobs(
+    method: str, quant_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under --cpu-quantized-activations int8 the packed panels' AMX-INT8 form rounds x as
+    vnni_panel's 8-bit form does and sums the same integers: a whole model on either gives the
+    same tokens and the same logprobs, prefill and decode."""
+    on_tiles = _x8_run(quant_dir, method, "amx_vpanel", monkeypatch)
+    on_vnni = _x8_run(quant_dir, method, "vnni_panel", monkeypatch)
+    assert len(on_tiles[0]) == 6
+    assert on_tiles == on_vnni

@@ -9,6 +9,8 @@ chooser never offers them: checked too."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -41,21 +43,33 @@ FORMATS = [(8, 0, 1024), (8, 32, 512), (4, 128, 512), (4, 64, 512), (4, 32, 512)
 ROWS = [0, 1, 2, 7, 16, 17, 40]  # 0: a step's empty LM head call
 
 
+@pytest.fixture(params=["int16", "int8"])
+def activations(request: pytest.FixtureRequest) -> Iterator[str]:
+    """--cpu-quantized-activations for the test (int16: exact x; int8: x rounded to 8 bits
+    per block of features), restored after it."""
+    cpu_kernels.set_quantized_activations(request.param)
+    try:
+        yield request.param
+    finally:
+        cpu_kernels.set_quantized_activations("int16")
+
+
 @needs_tiles
 @pytest.mark.parametrize(("bits", "group", "k"), FORMATS)
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 def test_the_tiles_give_vnni_panels_bits(
-    bits: int, group: int, k: int, x_dtype: torch.dtype
+    bits: int, group: int, k: int, x_dtype: torch.dtype, activations: str
 ) -> None:
     """Every row count (one m-tile, a partial one, several), bf16 and fp32 x and output, rows
-    of x far apart in size: the same bits as vnni_panel on the same panels."""
+    of x far apart in size, exact x and x in 8 bits: the same bits as vnni_panel on the same
+    panels."""
     w = cpu_vpanel.pack(random_qtensor(96, k, bits, group, seed=bits + group))
     for m in ROWS:
         x = torch.randn(m, k) * torch.logspace(-3, 3, m)[:, None]
         x = x.to(x_dtype)
         for out in (torch.float32, torch.bfloat16):
             want = cpu_vpanel.vnni_panel(x, w, out)
-            assert torch.equal(cpu_vpanel.amx_vpanel(x, w, out), want), (m, out)
+            assert torch.equal(cpu_vpanel.amx_vpanel(x, w, out), want), (m, out, activations)
 
 
 @needs_tiles
@@ -70,8 +84,8 @@ def test_a_row_does_not_depend_on_the_threads_or_the_rows_beside_it() -> None:
 
 @needs_tiles
 def test_x_in_8_bits_gives_vnni_panels_form_of_it() -> None:
-    """Under --cpu-quantized-activations int8 vnni_panel rounds x to 8 bits; a weight whose
-    picks name amx_vpanel then gives the same bits as vnni_panel, not the exact product."""
+    """Under --cpu-quantized-activations int8 vnni_panel rounds x to 8 bits; amx_vpanel's
+    8-bit form then gives the same bits as vnni_panel's, not the exact product."""
     w = cpu_vpanel.pack(random_qtensor(64, 512, 4, 128, seed=5))
     x = torch.randn(9, 512, dtype=torch.bfloat16)
     exact = cpu_vpanel.amx_vpanel(x, w, torch.float32)
@@ -103,9 +117,9 @@ def test_the_bf16_panels_give_amx_panels_bits(bits: int, group: int, k: int) -> 
 
 
 def test_offered_only_beside_vnni_panel_where_the_tiles_run() -> None:
-    """Not for weights that may not be repacked, not under 8-bit x (amx_vpanel) or for fp32 x
-    (amx_bf16_vpanel); elsewhere exactly where the build and CPU have their kernels (and
-    vnni_panel takes the weight)."""
+    """Not for weights that may not be repacked, nor for fp32 x (amx_bf16_vpanel); elsewhere,
+    under exact and 8-bit x alike (amx_vpanel), exactly where the build and CPU have their
+    kernels (and vnni_panel takes the weight)."""
     w = random_qtensor(64, 512, 8, 0)
     assert not {"amx_vpanel", "amx_bf16_vpanel"} & set(cpu_choice.offered([w]))
     packed = cpu_choice.offered([w], packable=True)
@@ -114,9 +128,10 @@ def test_offered_only_beside_vnni_panel_where_the_tiles_run() -> None:
     assert "amx_bf16_vpanel" not in cpu_choice.offered([w], True, torch.float32)
     cpu_kernels.set_quantized_activations("int8")
     try:
-        assert "amx_vpanel" not in cpu_choice.offered([w], packable=True)
+        under_x8 = cpu_choice.offered([w], packable=True)
     finally:
         cpu_kernels.set_quantized_activations("int16")
+    assert ("amx_vpanel" in under_x8) == ("amx_vpanel" in packed)
 
 
 def test_the_layout_takes_the_faster_of_its_two_kernels_per_bucket() -> None:
