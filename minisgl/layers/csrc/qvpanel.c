@@ -493,7 +493,11 @@ void qvpanel_u4(const void* x, int x_bf16, const uint8_t* codes, int64_t cstride
    signed, lo unsigned): TDPBSUD (hi x codes) and TDPBUUD (lo x codes) into two int32 sums
    per chunk of L features (chunk_len: |256 * hi_sum + lo_sum| fits int32), combined, less
    the zero point times the chunk's x sum, in int32, then fp32 times the group's scale added
-   to the output's fp32 sum, chunk by chunk; the row's scale last.
+   to the output's fp32 sum, chunk by chunk; the row's scale last. 4-bit codes have their zero
+   points subtracted as they are split into bytes (signed, |code - zero| <= 15), so their
+   products are TDPBSSD and TDPBUSD and their sums need no zero-point term: the same int32
+   sums with a third less work per fold (4-bit g128, 32 rows 451-466 -> 424-452 us, 128 rows
+   1219 -> 1094-1111, cold, 6144x1024, 2 threads, Intel Xeon with AMX).
 
    Under --cpu-quantized-activations int8 (qgemv_x8) x is rounded as vp_matmul's 8-bit form
    rounds it (vp_q8_block per chunk of gcd(group, 128) features), its codes one A tile a step:
@@ -591,11 +595,21 @@ static void va_prepare_row8(VaCall* c, const void* x, int x_bf16, int64_t m, int
     }
 }
 
-/* 4-bit codes of chunk i of a panel -> B tiles in ubuf [steps][2 halves][S / 4][64]: per step
-   its S / 8 quad rows' low nibbles, then their high nibbles. */
-static inline void va_split_chunk(const VaCall* c, const uint8_t* P, uint8_t* ubuf, int64_t i) {
-    const int64_t S = c->S, rows = S / 8;
+/* 4-bit codes of chunk i of panel p (codes P) -> B tiles in ubuf [steps][2 halves][S / 4][64]:
+   per step its S / 8 quad rows' low nibbles, then their high nibbles, each less its column's
+   zero point (a chunk lies in one group): signed bytes in [-15, 15], so the tile products sum
+   x . (code - zero) and the fold has no zero-point term to subtract (the same int32 sums). */
+static inline void va_split_chunk(const VaCall* c, const uint8_t* P, int64_t p, uint8_t* ubuf,
+                                  int64_t i) {
+    const int64_t S = c->S, rows = S / 8, G = c->K / c->gs, g = i * c->L / c->gs;
     const __m512i n4 = _mm512_set1_epi32(0x0F0F0F0F);
+    __m512i z[2]; /* per half: each column's zero point in the 4 bytes of its dword */
+    for (int h = 0; h < 2; h++) {
+        const uint8_t* zp = c->zeros ? c->zeros + (p * G + g) * VP_ROWS + 16 * h : NULL;
+        z[h] = zp ? _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)zp)),
+                                       _mm512_set1_epi32(0x01010101))
+                  : _mm512_setzero_si512();
+    }
     for (int64_t k = i * c->L; k < (i + 1) * c->L; k += S) {
         const int64_t t = k / S;
         for (int64_t j = 0; j < rows; j++) {
@@ -605,9 +619,10 @@ static inline void va_split_chunk(const VaCall* c, const uint8_t* P, uint8_t* ub
             for (int h = 0; h < 2; h++) {
                 __m512i d = _mm512_loadu_si512((const void*)(src + 64 * h));
                 uint8_t* dst = ubuf + ((t * 2 + h) * (S / 4)) * 64;
-                _mm512_store_si512((void*)(dst + j * 64), _mm512_and_si512(d, n4));
-                _mm512_store_si512((void*)(dst + (rows + j) * 64),
-                                   _mm512_and_si512(_mm512_srli_epi16(d, 4), n4));
+                __m512i lo = _mm512_and_si512(d, n4);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(d, 4), n4);
+                _mm512_store_si512((void*)(dst + j * 64), _mm512_sub_epi8(lo, z[h]));
+                _mm512_store_si512((void*)(dst + (rows + j) * 64), _mm512_sub_epi8(hi, z[h]));
             }
         }
     }
@@ -615,14 +630,17 @@ static inline void va_split_chunk(const VaCall* c, const uint8_t* P, uint8_t* ub
 
 /* Chunk j's four C tiles (cb: hi x half 0, lo x half 0, hi x half 1, lo x half 1, 16 rows of
    16 int32 each; x8: the 8-bit codes' x half 0 and x half 1 in the places of the hi ones) into
-   the fp32 sums acc[r][32] of the m-tile's `mr` rows; x8 with each chunk's x scale, as
+   the fp32 sums acc[r][32] of the m-tile's `mr` rows, less the zero points times the chunk's
+   x sums for 8-bit codes (4-bit ones had them taken off in va_split_chunk); x8 with each
+   chunk's x scale, as
    vp_tile's 8-bit form folds. */
 static inline void va_fold(const VaCall* c, const int32_t* cb, int64_t p, int64_t m0,
                            int64_t mr, int64_t j, float* acc) {
     const int64_t G = c->K / c->gs, g = j * c->L / c->gs;
     for (int h = 0; h < 2; h++) {
         const __m512 sc = _mm512_loadu_ps(c->scales + (p * G + g) * VP_ROWS + 16 * h);
-        const uint8_t* zp = c->zeros ? c->zeros + (p * G + g) * VP_ROWS + 16 * h : NULL;
+        const int zero = c->zeros && c->bits == 8;
+        const uint8_t* zp = zero ? c->zeros + (p * G + g) * VP_ROWS + 16 * h : NULL;
         const __m512i z = zp ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)zp))
                              : _mm512_setzero_si512();
         const int32_t* th = cb + (2 * h) * 256;
@@ -630,8 +648,10 @@ static inline void va_fold(const VaCall* c, const int32_t* cb, int64_t p, int64_
         for (int64_t r = 0; r < mr; r++) {
             const int64_t at = (m0 + r) * c->nch + j;
             __m512i t = _mm512_load_si512(th + 16 * r);
-            if (!c->x8) t = _mm512_add_epi32(_mm512_slli_epi32(t, 8), _mm512_load_si512(tl + 16 * r));
-            t = _mm512_sub_epi32(t, _mm512_mullo_epi32(z, _mm512_set1_epi32(c->xs[at])));
+            if (!c->x8)
+                t = _mm512_add_epi32(_mm512_slli_epi32(t, 8), _mm512_load_si512(tl + 16 * r));
+            if (zero)
+                t = _mm512_sub_epi32(t, _mm512_mullo_epi32(z, _mm512_set1_epi32(c->xs[at])));
             const __m512 scale = c->x8 ? _mm512_mul_ps(sc, _mm512_set1_ps(c->xsc[at])) : sc;
             float* f = acc + 32 * r + 16 * h;
             _mm512_store_ps(f, _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, _mm512_load_ps(f)));
@@ -651,10 +671,10 @@ static void va_panel(const VaCall* c, int64_t p, uint8_t* ubuf, int32_t* cbuf, f
         const int64_t xstep = c->x8 ? 1024 : 2048; /* A tile bytes per step */
         const uint8_t* xa = c->xa + mt * c->steps * xstep;
         memset(acc, 0, sizeof(float) * 32 * 16);
-        for (int64_t i = 0; split && i < VA_LAG && i < nch; i++) va_split_chunk(c, P, ubuf, i);
+        for (int64_t i = 0; split && i < VA_LAG && i < nch; i++) va_split_chunk(c, P, p, ubuf, i);
         for (int64_t i = 0; i < nch + VA_LAG; i++) {
             if (i < nch) {
-                if (split && i + VA_LAG < nch) va_split_chunk(c, P, ubuf, i + VA_LAG);
+                if (split && i + VA_LAG < nch) va_split_chunk(c, P, p, ubuf, i + VA_LAG);
                 _tile_zero(0);
                 _tile_zero(2);
                 if (!c->x8) {
@@ -675,11 +695,19 @@ static void va_panel(const VaCall* c, int64_t p, uint8_t* ubuf, int32_t* cbuf, f
                         _tile_loadd(6, P + k * VP_ROWS, 128);
                         _tile_loadd(7, P + k * VP_ROWS + 64, 128);
                     }
-                    _tile_dpbsud(0, 4, 6);
-                    _tile_dpbsud(2, 4, 7);
-                    if (c->x8) continue;
-                    _tile_dpbuud(1, 5, 6);
-                    _tile_dpbuud(3, 5, 7);
+                    if (u4) { /* signed codes less their zero points (va_split_chunk) */
+                        _tile_dpbssd(0, 4, 6);
+                        _tile_dpbssd(2, 4, 7);
+                        if (c->x8) continue;
+                        _tile_dpbusd(1, 5, 6);
+                        _tile_dpbusd(3, 5, 7);
+                    } else {
+                        _tile_dpbsud(0, 4, 6);
+                        _tile_dpbsud(2, 4, 7);
+                        if (c->x8) continue;
+                        _tile_dpbuud(1, 5, 6);
+                        _tile_dpbuud(3, 5, 7);
+                    }
                 }
                 int32_t* cb = cbuf + (i % (VA_LAG + 1)) * 1024;
                 _tile_stored(0, cb, 64);
