@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from quant_parity import needs_amx_vpanel
 
 from minisgl import LLM, SamplingParams
 from minisgl.layers import cpu_kernels
@@ -231,7 +232,9 @@ def test_a_prefill_past_64_rows_runs_8_bit_activations_and_keeps_the_tokens(
         assert our_tops[0][0] != exact_tops[0][0]
 
 
-def _x8_run(path: Path, method: str, pick: str, monkeypatch: pytest.MonkeyPatch) -> tuple:
+def _x8_run(
+    path: Path, method: str, pick: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[int], list[list[float]]]:
     """Greedy tokens and top logprobs of a 100-token prompt (a 100-row prefill, then decode
     steps of one row through the decode chain) under --cpu-quantized-activations int8 with
     every quantized weight on `pick`."""
@@ -258,10 +261,7 @@ def _x8_run(path: Path, method: str, pick: str, monkeypatch: pytest.MonkeyPatch)
     return tokens, tops
 
 
-@pytest.mark.skipif(
-    not (cpu_kernels.load() and cpu_kernels.load().qvpanel_amx),
-    reason="no AMX-INT8 here: amx_vpanel is never offered",
-)
+@needs_amx_vpanel
 @pytest.mark.parametrize("method", ["int4", "int8"])
 def test_8_bit_activations_on_amx_tiles_give_the_vnni_panels_tokens_and_logprobs(
     method: str, quant_dir: Path, monkeypatch: pytest.MonkeyPatch

@@ -112,7 +112,7 @@ static inline void add_values8(float* acc, const __m256 w[4], const __m256 v[4])
         AHEAD[j] = a_ < n ? vp + sl[a_] * row : (a_ - n < nn ? kp + nsl[a_ - n] * row : 0); \
     }                                                                                       \
     int BLOCK = AHEAD[3] && AHEAD[3] == AHEAD[0] + 3 * row;
-/* FOUR_ROWS for the keys' pass, whose prefetch runs on past the chunk's last key into its first
+/* The same for the keys' pass, whose prefetch runs on past the chunk's last key into its first
    values' rows: the values' pass that follows starts on rows already on their way, not on a
    cold miss per row until its own prefetch is PF_KEYS keys ahead. */
 #define FOUR_KEY_ROWS(ROWS, AHEAD, BLOCK)                                                     \
@@ -328,7 +328,7 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
                    po);                                                                     \
     for (int64_t i = 0; i < (v512 ? 0 : n); i += 4) {                                       \
         const KT *vr[4], *ahead[4];                                                         \
-        FOUR_VALUE_ROWS(vr, ahead, block);                                                    \
+        FOUR_VALUE_ROWS(vr, ahead, block);                                                  \
         for (int64_t hk = 0; hk < Hkv; hk++) {                                              \
             PREFETCH_HEAD(ahead, block, hk);                                                \
             for (int64_t g0 = 0; g0 < group; g0 += 2) {                                     \

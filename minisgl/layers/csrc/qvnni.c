@@ -60,8 +60,8 @@ int qvnni_takes(int bits, int64_t K, int64_t gs) {
 }
 
 /* Block of B features from x[at] -> B int8 codes into q, its scale (returned) and the sum of
-   its codes (*sum). */
-static float qv_quantize_block(const void* x, int x_bf16, int64_t at, int64_t B, int8_t* q,
+   its codes (*sum). Also qvpanel.c's rounding of x to 8 bits (the same codes there). */
+float qv_quantize_block(const void* x, int x_bf16, int64_t at, int64_t B, int8_t* q,
                                int32_t* sum) {
     const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     __m512 mx = _mm512_setzero_ps();

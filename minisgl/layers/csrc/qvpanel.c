@@ -178,30 +178,10 @@ extern int qgemv_x8;
 
 static int64_t x8_block(int64_t gs) { return gcd64(gs, 128); }
 
-/* B8 values of x from `at` rounded to 8 bits with their own scale (max|x| / 127, nearest
-   even; 1 where they are 0 or not finite): codes into q[0, B8) in order, their sum returned,
-   the scale in *scale. x8_panel's rounding (qvnni.c), shared by vnni_panel's 8-bit form and
-   its AMX form, so both see the same codes. */
-static int32_t vp_q8_block(const void* x, int x_bf16, int64_t at, int64_t B8, int8_t* q,
-                           float* scale) {
-    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-    const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
-    __m512 mx = _mm512_setzero_ps();
-    for (int64_t k = 0; k < B8; k += 16)
-        mx = _mm512_max_ps(mx, _mm512_and_ps(load16_x(x, x_bf16, at + k), abs_mask));
-    float amax = _mm512_reduce_max_ps(mx);
-    float s = amax > 0 && isfinite(amax) ? amax / 127.0f : 1.0f;
-    const __m512 inv = _mm512_set1_ps(1.0f / s);
-    __m512i sum = _mm512_setzero_si512();
-    for (int64_t k = 0; k < B8; k += 16) {
-        __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16_x(x, x_bf16, at + k), inv));
-        v = _mm512_max_epi32(_mm512_min_epi32(v, top), bottom);
-        sum = _mm512_add_epi32(sum, v);
-        _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtepi32_epi8(v));
-    }
-    *scale = s;
-    return _mm512_reduce_add_epi32(sum);
-}
+/* qvnni.c's x8_panel rounding of x to 8 bits, per block of features (nearest even, each block
+   scaled by its max|x| / 127): vnni_panel's 8-bit form and its AMX form round x with it. */
+float qv_quantize_block(const void* x, int x_bf16, int64_t at, int64_t B, int8_t* q,
+                        int32_t* sum);
 
 /* Row m of x -> int8 codes as dwords in its tile's interleaved layout (as vp_quantize_row:
    dword d of the tile's row r at xt[d * R + r]), per block its sum of codes and its scale.
@@ -215,7 +195,7 @@ static void vp_quantize_row8(const void* x, int x_bf16, int64_t m, int64_t M, in
     const __m128i odd_even = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
     int8_t q[128] __attribute__((aligned(16))); /* B8 = gcd(group, 128) */
     for (int64_t c0 = 0; c0 < K; c0 += B8) {
-        xsum[c0 / B8] = vp_q8_block(x, x_bf16, m * K + c0, B8, q, &xscale[c0 / B8]);
+        xscale[c0 / B8] = qv_quantize_block(x, x_bf16, m * K + c0, B8, q, &xsum[c0 / B8]);
         for (int64_t k = 0; k < B8; k += 16) {
             __m128i b = _mm_load_si128((const __m128i*)(q + k));
             if (bits == 4) b = _mm_shuffle_epi8(b, odd_even);
@@ -500,11 +480,12 @@ void qvpanel_u4(const void* x, int x_bf16, const uint8_t* codes, int64_t cstride
    1219 -> 1094-1111, cold, 6144x1024, 2 threads, Intel Xeon with AMX).
 
    Under --cpu-quantized-activations int8 (qgemv_x8) x is rounded as vp_matmul's 8-bit form
-   rounds it (vp_q8_block per chunk of gcd(group, 128) features), its codes one A tile a step:
-   TDPBSUD alone (half the tile products and A loads of the exact form), folded per chunk with
-   the chunk's x scale: vp_tile's 8-bit bits. Before, that mode ran vnni_panel's 8-bit form
-   here. 2 threads, cold panels, 6144x1024, against vnni_panel's 8-bit form and the exact
-   tiles, in the same runs: 4-bit codes at 32 rows 375 us (466, 454), 128 rows 1003 (1595,
+   rounds it (qv_quantize_block per chunk of gcd(group, 128) features), its codes one A tile
+   a step: one tile product (TDPBSUD; 4-bit TDPBSSD), half the products and A loads of the
+   exact form, folded per chunk with the chunk's x scale: vp_tile's 8-bit bits. Before, that
+   mode ran vnni_panel's 8-bit form here. 2 threads, cold panels, 6144x1024, against
+   vnni_panel's 8-bit form and the exact tiles, in the same runs (before the 4-bit codes' zero
+   points went into their split): 4-bit codes at 32 rows 375 us (466, 454), 128 rows 1003 (1595,
    1225); 8-bit at 32 rows 420 (598, 482), 128 rows 1083 (1718, 1065) (Intel Xeon, AMX). */
 #include "amx.h"
 
@@ -573,14 +554,14 @@ static void va_prepare_row(VaCall* c, const void* x, int x_bf16, int64_t m, int1
     }
 }
 
-/* Row m of x rounded to 8 bits (vp_q8_block per chunk: vnni_panel's 8-bit codes, sums and
+/* Row m of x rounded to 8 bits (qv_quantize_block per chunk: vnni_panel's 8-bit codes, sums and
    scales) and laid out as the A tile of each step, in the step's feature order as
    va_prepare_row lays out the int16 codes' bytes. */
 static void va_prepare_row8(VaCall* c, const void* x, int x_bf16, int64_t m, int8_t* tmp) {
     const int64_t K = c->K, S = c->S, L = c->L, nch = c->nch;
     for (int64_t j = 0; j < nch; j++)
-        c->xs[m * nch + j] = vp_q8_block(x, x_bf16, m * K + j * L, L, tmp + j * L,
-                                         &c->xsc[m * nch + j]);
+        c->xsc[m * nch + j] = qv_quantize_block(x, x_bf16, m * K + j * L, L, tmp + j * L,
+                                                &c->xs[m * nch + j]);
     const int64_t mt = m / 16, r = m % 16;
     for (int64_t t = 0; t < c->steps; t++) {
         int8_t* dst = (int8_t*)c->xa + (mt * c->steps + t) * 1024 + r * 64;
