@@ -54,13 +54,6 @@ static float softmax_partial(float* s, int64_t n, int64_t n4, float* mx_out) {
    odd; `perm`), so the dot products and sums are the same; the merge writes out in order.
    q is read and the output written in the model's dtype here, not converted around the call. */
 #define PF_KEYS 8
-/* Into L2, not L1: a core holds few more L1 misses in flight than a 2 KB row has lines, so
-   prefetches into L1 capped a core at ~10 GB/s; into L2 (which holds several times more) the
-   call ran 1.35-1.5x faster (64 requests x 320 keys on shuffled pages, Qwen3-0.6B heads, AMD
-   EPYC Zen 4, 1 and 2 threads, cold, interleaved; 4 or 16 keys ahead measured the same). */
-static inline void prefetch_row(const void* row, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)row + o, _MM_HINT_T1);
-}
 static inline void load16_bf16(const uint16_t* p, __m256* even, __m256* odd) {
     __m256i v = _mm256_loadu_si256((const __m256i*)p);
     *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -99,9 +92,9 @@ static inline void add_values8(float* acc, const __m256 w[4], const __m256 v[4])
 /* In a chunk function's values' pass: the pool rows of keys i..i+3 (past n: key i's, which the
    caller weighs 0) and of the keys PF_KEYS later (past n: the first keys' rows of the task the
    thread likely takes next, nsl[0..nn), else 0), and whether those four are adjacent slots (keys
-   of one page: one block of 4 rows). Then 1/Hkv of the latter prefetched per head, so the whole
-   of them has arrived when the loop reaches them (a burst of whole rows would stall on full
-   miss queues). An adjacent block is prefetched front to back, not in the order the loop reads
+   of one page: one block of 4 rows). Then 1/Hkv of the latter prefetched per head (HEAD_LINES),
+   so the whole of them has arrived when the loop reaches them (a burst of whole rows would
+   stall on full miss queues). An adjacent block is prefetched front to back, not in the order the loop reads
    it (four rows' head pieces in turn): the memory streams it as it streams one long run
    (measured on a 2-core Zen 3, that read order alone ran at half the bandwidth of a front-to-
    back read of the same bytes). */
@@ -122,24 +115,28 @@ static inline void add_values8(float* acc, const __m256 w[4], const __m256 v[4])
         AHEAD[j] = a_ < n ? kp + sl[a_] * row : (a_ - n < n ? vp + sl[a_ - n] * row : 0);   \
     }                                                                                       \
     int BLOCK = AHEAD[3] && AHEAD[3] == AHEAD[0] + 3 * row;
-#define PREFETCH_HEAD(AHEAD, BLOCK, hk)                                                       \
-    if (BLOCK)                                                                              \
-        prefetch_row(AHEAD[0] + (hk) * 4 * D, 4 * D * (int64_t)sizeof(*AHEAD[0]));          \
-    else                                                                                    \
-        for (int j = 0; j < 4; j++)                                                         \
-            if (AHEAD[j]) prefetch_row(AHEAD[j] + (hk) * D, D * (int64_t)sizeof(*AHEAD[j]))
-
-/* PREFETCH_HEAD's lines as four runs pfl[j] of D * 2 bytes (0: none), for the 16-lane passes,
-   which prefetch line d / 32 of run j beside their load of key j's values [d, d + 32) instead
-   of all 16 in a burst: on the Xeon of docs/performance.md (KVM, AMX; 32 requests x 65 keys,
-   28 layers, cold) a burst stalled the core at the prefetch instructions (perf: 44% of the
-   keys' pass samples on one of them) and the call read 17.9 GB/s; spread, 19.4-20.6 (1 thread
-   9.0 -> 10.2). Lines and distance as PREFETCH_HEAD's; bf16 D % 32 == 0. */
+/* Head hk's share of the rows ahead as four runs PFL[j] of D values (0: none): of an adjacent
+   block its hk-th 1/Hkv, front to back; else each row's head hk. A pass prefetches a run's
+   lines one beside each of its loads of key j (16-lane passes: line d / 32 beside values
+   [d, d + 32); 8-lane: LINE_AT) instead of all in a burst: on the Xeon of docs/performance.md
+   (KVM, AMX; 32 requests x 65 keys, 28 layers, cold) a burst per head stalled the core at the
+   prefetch instructions (perf: 44% of the keys' pass samples on one of them): the 16-lane call
+   read 17.9 GB/s, spread 19.4-20.6 (1 thread 9.0 -> 10.2); the AVX2 build's 8-lane passes
+   16.4 -> 13.0 ms, fp32 pools 24.6 -> 21.2. Into L2, not L1: a core holds few more L1 misses
+   in flight than a 2 KB row has lines, so prefetches into L1 capped a core at ~10 GB/s; into
+   L2 (which holds several times more) the call ran 1.35-1.5x faster (64 requests x 320 keys
+   on shuffled pages, Qwen3-0.6B heads, AMD EPYC Zen 4, 1 and 2 threads, cold, interleaved; 4
+   or 16 keys ahead measured the same). */
 #define HEAD_LINES(PFL, AHEAD, BLOCK, hk)                                                     \
     const char* PFL[4];                                                                     \
     for (int j = 0; j < 4; j++)                                                             \
-        PFL[j] = BLOCK ? (const char*)(AHEAD[0] + (hk) * 4 * D) + j * D * 2                  \
+        PFL[j] = BLOCK ? (const char*)(AHEAD[0] + (hk) * 4 * D) + j * D * sizeof(*AHEAD[0])  \
                        : (AHEAD[j] ? (const char*)(AHEAD[j] + (hk) * D) : 0)
+/* The 8-lane passes' part of that: the line at byte d * SIZE of run j, beside key j's load of
+   values [d, d + 16) that starts it (and beside the tail's load). */
+#define LINE_AT(PFL, j, d, SIZE)                                                              \
+    if (g0 == 0 && PFL[j] && ((d) * (int64_t)(SIZE) & 63) == 0)                              \
+    _mm_prefetch(PFL[j] + (d) * (SIZE), _MM_HINT_T1)
 
 int attn_dpbf16 = 1;
 #if defined(__AVX512BF16__)
@@ -289,7 +286,7 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
         const KT *kr[4], *ahead[4];                                                         \
         FOUR_KEY_ROWS(kr, ahead, block);                                                    \
         for (int64_t hk = 0; hk < Hkv; hk++) {                                              \
-            PREFETCH_HEAD(ahead, block, hk);                                                \
+            HEAD_LINES(pfl, ahead, block, hk);                                              \
             for (int64_t g0 = 0; g0 < group; g0 += 2) {                                     \
                 int64_t ha = hk * group + g0, hb = g0 + 1 < group ? ha + 1 : ha;            \
                 const float* qa = qb + ha * D;                                              \
@@ -301,6 +298,7 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
                     __m256 xe = _mm256_loadu_ps(qa + d), xo = _mm256_loadu_ps(qa + d + 8);  \
                     __m256 ye = _mm256_loadu_ps(qw + d), yo = _mm256_loadu_ps(qw + d + 8);  \
                     for (int j = 0; j < 4; j++) {                                           \
+                        LINE_AT(pfl, j, d, sizeof(KT));                                                 \
                         __m256 ke, ko;                                                      \
                         LOAD16(kr[j] + o, &ke, &ko);                                        \
                         a[j] = _mm256_fmadd_ps(ko, xo, _mm256_fmadd_ps(ke, xe, a[j]));      \
@@ -311,6 +309,7 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
                     int64_t o = hk * D + D16;                                               \
                     __m256 x = _mm256_loadu_ps(qa + D16), y = _mm256_loadu_ps(qw + D16);    \
                     for (int j = 0; j < 4; j++) {                                           \
+                        LINE_AT(pfl, j, D16, sizeof(KT));                                               \
                         __m256 k8 = LOAD8(kr[j] + o);                                       \
                         a[j] = _mm256_fmadd_ps(k8, x, a[j]);                                \
                         b[j] = _mm256_fmadd_ps(k8, y, b[j]);                                \
@@ -330,7 +329,7 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
         const KT *vr[4], *ahead[4];                                                         \
         FOUR_VALUE_ROWS(vr, ahead, block);                                                  \
         for (int64_t hk = 0; hk < Hkv; hk++) {                                              \
-            PREFETCH_HEAD(ahead, block, hk);                                                \
+            HEAD_LINES(pfl, ahead, block, hk);                                              \
             for (int64_t g0 = 0; g0 < group; g0 += 2) {                                     \
                 int64_t ha = hk * group + g0;                                               \
                 int two = g0 + 1 < group;                                                   \
@@ -345,13 +344,19 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
                 float* ob = two ? oa + D : 0;                                               \
                 for (int64_t d = 0; d < D16; d += 16) {                                     \
                     __m256 ve[4], vo[4];                                                    \
-                    for (int j = 0; j < 4; j++) LOAD16(vr[j] + hk * D + d, &ve[j], &vo[j]); \
+                    for (int j = 0; j < 4; j++) {                                           \
+                        LINE_AT(pfl, j, d, sizeof(KT));                                                 \
+                        LOAD16(vr[j] + hk * D + d, &ve[j], &vo[j]);                         \
+                    }                                                                       \
                     add_values16(oa + d, wa, ve, vo);                                       \
                     if (ob) add_values16(ob + d, wb, ve, vo);                               \
                 }                                                                           \
                 if (D16 < D) {                                                              \
                     __m256 v8[4];                                                           \
-                    for (int j = 0; j < 4; j++) v8[j] = LOAD8(vr[j] + hk * D + D16);        \
+                    for (int j = 0; j < 4; j++) {                                           \
+                        LINE_AT(pfl, j, D16, sizeof(KT));                                               \
+                        v8[j] = LOAD8(vr[j] + hk * D + D16);                                \
+                    }                                                                       \
                     add_values8(oa + D16, wa, v8);                                          \
                     if (ob) add_values8(ob + D16, wb, v8);                                  \
                 }                                                                           \
