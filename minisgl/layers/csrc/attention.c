@@ -94,10 +94,10 @@ static inline void add_values8(float* acc, const __m256 w[4], const __m256 v[4])
    thread likely takes next, nsl[0..nn), else 0), and whether those four are adjacent slots (keys
    of one page: one block of 4 rows). Then 1/Hkv of the latter prefetched per head (HEAD_LINES),
    so the whole of them has arrived when the loop reaches them (a burst of whole rows would
-   stall on full miss queues). An adjacent block is prefetched front to back, not in the order the loop reads
-   it (four rows' head pieces in turn): the memory streams it as it streams one long run
-   (measured on a 2-core Zen 3, that read order alone ran at half the bandwidth of a front-to-
-   back read of the same bytes). */
+   stall on full miss queues). An adjacent block is prefetched front to back, not in the order
+   the loop reads it (four rows' head pieces in turn): the memory streams it as it streams one
+   long run (measured on a 2-core Zen 3, that read order alone ran at half the bandwidth of a
+   front-to-back read of the same bytes). */
 #define FOUR_VALUE_ROWS(ROWS, AHEAD, BLOCK)                                                   \
     for (int j = 0; j < 4; j++) {                                                           \
         int64_t a_ = i + PF_KEYS + j;                                                       \
@@ -298,7 +298,7 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
                     __m256 xe = _mm256_loadu_ps(qa + d), xo = _mm256_loadu_ps(qa + d + 8);  \
                     __m256 ye = _mm256_loadu_ps(qw + d), yo = _mm256_loadu_ps(qw + d + 8);  \
                     for (int j = 0; j < 4; j++) {                                           \
-                        LINE_AT(pfl, j, d, sizeof(KT));                                                 \
+                        LINE_AT(pfl, j, d, sizeof(KT));                                     \
                         __m256 ke, ko;                                                      \
                         LOAD16(kr[j] + o, &ke, &ko);                                        \
                         a[j] = _mm256_fmadd_ps(ko, xo, _mm256_fmadd_ps(ke, xe, a[j]));      \
@@ -309,7 +309,7 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
                     int64_t o = hk * D + D16;                                               \
                     __m256 x = _mm256_loadu_ps(qa + D16), y = _mm256_loadu_ps(qw + D16);    \
                     for (int j = 0; j < 4; j++) {                                           \
-                        LINE_AT(pfl, j, D16, sizeof(KT));                                               \
+                        LINE_AT(pfl, j, D16, sizeof(KT));                                   \
                         __m256 k8 = LOAD8(kr[j] + o);                                       \
                         a[j] = _mm256_fmadd_ps(k8, x, a[j]);                                \
                         b[j] = _mm256_fmadd_ps(k8, y, b[j]);                                \
@@ -345,7 +345,7 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
                 for (int64_t d = 0; d < D16; d += 16) {                                     \
                     __m256 ve[4], vo[4];                                                    \
                     for (int j = 0; j < 4; j++) {                                           \
-                        LINE_AT(pfl, j, d, sizeof(KT));                                                 \
+                        LINE_AT(pfl, j, d, sizeof(KT));                                     \
                         LOAD16(vr[j] + hk * D + d, &ve[j], &vo[j]);                         \
                     }                                                                       \
                     add_values16(oa + d, wa, ve, vo);                                       \
@@ -354,7 +354,7 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
                 if (D16 < D) {                                                              \
                     __m256 v8[4];                                                           \
                     for (int j = 0; j < 4; j++) {                                           \
-                        LINE_AT(pfl, j, D16, sizeof(KT));                                               \
+                        LINE_AT(pfl, j, D16, sizeof(KT));                                   \
                         v8[j] = LOAD8(vr[j] + hk * D + D16);                                \
                     }                                                                       \
                     add_values8(oa + D16, wa, v8);                                          \
