@@ -252,7 +252,7 @@ def _packed_pick(timings: kernel_choice.Timings, b: int) -> str:
     """The fastest of PACKED_KERNELS in bucket b among those timed there (PACKED if none)."""
     ran: dict[str, float] = {}
     for name in PACKED_KERNELS:
-        t = (timings.get(name) or [None] * (b + 1))[b]
+        t = timings[name][b] if name in timings else None
         if t is not None:
             ran[name] = t
     return min(ran, key=ran.__getitem__, default=PACKED)

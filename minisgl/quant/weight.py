@@ -181,9 +181,10 @@ class QuantWeight(nn.Module):
     def pack_vnni(self) -> None:
         """The buffers rewritten in place into cpu_vpanel's panels (the same shapes and bytes,
         so the same memory and huge pages), after which only `kernel` (the chooser's packed
-        kernels, cpu_choice.PACKED_KERNELS, for every row count) multiplies by them. A mixture's experts in runs of
-        PACK_BYTES at most: no more than that beside them, in a few large copies (one expert at a
-        time, the 48 layers of Qwen3-30B-A3B took 14 s of its start-up on a 2-core Zen 4)."""
+        kernels, cpu_choice.PACKED_KERNELS, for every row count) multiplies by them. A
+        mixture's experts in runs of PACK_BYTES at most: no more than that beside them, in a
+        few large copies (one expert at a time, the 48 layers of Qwen3-30B-A3B took 14 s of its
+        start-up on a 2-core Zen 4)."""
         if self.packed:
             return
         per_expert = self.nbytes() // max(1, self.experts)

@@ -646,10 +646,10 @@ static void va_panel(const VaCall* c, int64_t p, uint8_t* ubuf, int32_t* cbuf, f
     const int64_t S = c->S, nch = c->nch, tb = (S / 4) * 64;
     const uint8_t* P = c->codes + p * VP_ROWS * c->K * c->bits / 8;
     const int u4 = c->bits == 4;
+    const int64_t xstep = c->x8 ? 1024 : 2048; /* A tile bytes per step */
     for (int64_t mt = 0; mt < c->mtiles; mt++) {
         const int64_t m0 = mt * 16, mr = c->M - m0 < 16 ? c->M - m0 : 16;
         const int split = u4 && mt == 0;
-        const int64_t xstep = c->x8 ? 1024 : 2048; /* A tile bytes per step */
         const uint8_t* xa = c->xa + mt * c->steps * xstep;
         memset(acc, 0, sizeof(float) * 32 * 16);
         for (int64_t i = 0; split && i < VA_LAG && i < nch; i++) va_split_chunk(c, P, p, ubuf, i);
