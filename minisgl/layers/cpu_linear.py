@@ -197,6 +197,7 @@ def available(weight: torch.Tensor, x_dtype: torch.dtype, copies: bool = True) -
     if ours:
         out.append("gemv")
         if cpu_kernels.supports_gemv512(x_dtype, weight):
+            cpu_kernels.measure_gemv512_rows_in_turn()
             out.append("gemv512")
         if cpu_kernels.supports_amx(x_dtype, weight):
             out.append("amx")

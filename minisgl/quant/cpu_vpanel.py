@@ -16,7 +16,6 @@ so)."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import torch
@@ -90,15 +89,7 @@ def _measure_row_prefetch() -> None:
     w = QTensor(codes, torch.ones(n, 1), torch.zeros(n, 1, dtype=torch.uint8), None, 8, 0, k)
     hugepages.move_all_onto(list(streamed(w)))  # as a model's packed weights lie
     x = torch.randn(1, k, dtype=torch.bfloat16)
-    best = {0: float("inf"), 1: float("inf")}
-    for _ in range(5):
-        for on in best:
-            lib.vp_row_prefetch.value = on
-            cpu_kernels.flush(streamed(w))
-            t0 = time.perf_counter()
-            vnni_panel(x, w)
-            best[on] = min(best[on], time.perf_counter() - t0)
-    lib.vp_row_prefetch.value = int(best[1] < 0.97 * best[0])
+    best = cpu_kernels.time_switch(lib.vp_row_prefetch, lambda: vnni_panel(x, w), streamed(w), 5)
     logger.info(
         "vnni_panel, one row: %s its L2 prefetch (%.1f GB/s with it, %.1f without)",
         "with" if lib.vp_row_prefetch.value else "without",

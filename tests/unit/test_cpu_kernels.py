@@ -4,6 +4,8 @@ to them (every matmul candidate, tails included) and paged decode attention with
 from __future__ import annotations
 
 import ctypes
+import functools
+import itertools
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl.layers import cpu_build, cpu_kernels
+from minisgl.layers import cpu_build, cpu_kernels, cpu_linear
 from minisgl.testing.threads import at_thread_counts
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2 kernels here")
@@ -201,6 +203,65 @@ def test_avx512_gemv_matches_reference(wdtype: torch.dtype, rows: int, threads: 
         torch.set_num_threads(saved)
 
 
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+def test_avx512_gemv_rows_in_turn_give_the_same_bits(wdtype: torch.dtype) -> None:
+    """gemv512 reading each 8-row block's rows one after another (one sequential stream, up
+    to 8 input rows; 9 read them together either way) computes every sum in the same order as
+    the rows read together: the same bits whichever way start-up measured faster. N ending in a partial block, K whole
+    4-vector steps and not (the prefetch runs per 4 vectors), on one thread and on two."""
+    lib = cpu_kernels.load()
+    if lib is None or lib.gemv512_bf16 is None:  # the AVX2 build: no such kernel
+        return
+    torch.manual_seed(1)
+    before = lib.gemv512_rows_in_turn.value
+    try:
+        for (n, k), rows in itertools.product(((203, 512), (37, 96)), range(1, 10)):
+            w, x = torch.randn(n, k).to(wdtype), torch.randn(rows, k).to(wdtype)
+            outs = {}
+            for on in (0, 1):
+                lib.gemv512_rows_in_turn.value = on
+                outs[on] = at_thread_counts(
+                    functools.partial(cpu_kernels.gemv512, x, w, torch.float32)
+                )
+            ref = F.linear(x.double(), w.double())
+            torch.testing.assert_close(outs[1][0].double(), ref, rtol=1e-5, atol=1e-4)
+            assert all(torch.equal(outs[0][0], y) for y in outs[0] + outs[1])
+    finally:
+        lib.gemv512_rows_in_turn.value = before
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_avx512_gemv_reads_rows_in_turn_where_it_measured_faster(
+    monkeypatch: pytest.MonkeyPatch, faster: bool
+) -> None:
+    """Measured once per process on the running machine (where the chooser first offers
+    gemv512): rows in turn where a cold one-row pass ran 3% faster that way, else together."""
+    lib = cpu_kernels.load()
+    if lib is None or lib.gemv512_bf16 is None:  # the AVX2 build: no such kernel
+        return
+    now = [0.0]
+    real = cpu_kernels.gemv512
+
+    def timed(x: torch.Tensor, w: torch.Tensor, out: torch.dtype | None = None) -> torch.Tensor:
+        now[0] += (0.9 if faster else 1.0) if lib.gemv512_rows_in_turn.value else 0.95
+        return real(x, w, out)
+
+    monkeypatch.setattr(cpu_kernels, "gemv512", timed)
+    monkeypatch.setattr(cpu_kernels.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(cpu_kernels, "_ROWS_IN_TURN_MEASURED", False)
+    monkeypatch.setattr(cpu_kernels, "_ROWS_IN_TURN_SHAPE", (512, 256))
+    before = lib.gemv512_rows_in_turn.value
+    try:
+        w = torch.randn(64, 256).bfloat16()
+        assert cpu_linear.available(w, torch.bfloat16)[:2] == ["gemv", "gemv512"]
+        assert lib.gemv512_rows_in_turn.value == int(faster)
+        lib.gemv512_rows_in_turn.value = 1 - int(faster)
+        cpu_linear.available(w, torch.bfloat16)  # once per process: not measured again
+        assert lib.gemv512_rows_in_turn.value == 1 - int(faster)
+    finally:
+        lib.gemv512_rows_in_turn.value = before
+
+
 def test_avx512_gemv_prefetch_switch_changes_no_result() -> None:
     """gemv512's prefetch into L1 instead of L2 (a switch the benchmarks flip) only moves
     lines between caches: the same bits, and the switch back at its default afterwards."""
@@ -237,13 +298,18 @@ def test_avx512_gemv_without_native_bf16_matches_reference(tmp_path: Path) -> No
     fn = lib.gemv512_bf16
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     fn.restype = None
+    in_turn = ctypes.c_int.in_dll(lib, "gemv512_rows_in_turn")
     torch.manual_seed(0)
     for rows in (1, 2, 3, 5, 9):
         w, x = torch.randn(37, 96).bfloat16(), torch.randn(rows, 96).bfloat16()
-        y = torch.empty(rows, 37)
-        fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, 37, 96, 0)
         ref = F.linear(x.double(), w.double())
-        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+        ys = []
+        for on in (0, 1):  # the block's rows together, then in turn (up to 8 rows)
+            in_turn.value = on
+            ys.append(torch.empty(rows, 37))
+            fn(x.data_ptr(), w.data_ptr(), ys[-1].data_ptr(), rows, 37, 96, 0)
+            torch.testing.assert_close(ys[-1].double(), ref, rtol=1e-5, atol=1e-4)
+        assert torch.equal(ys[0], ys[1])
 
 
 def test_read_bandwidth_is_measured() -> None:

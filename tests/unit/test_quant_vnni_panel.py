@@ -325,7 +325,7 @@ def test_the_one_row_prefetch_is_on_where_it_measured_faster(
         return real(x, w, out_dtype)
 
     monkeypatch.setattr(cpu_vpanel, "vnni_panel", timed)
-    monkeypatch.setattr(cpu_vpanel.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(cpu_kernels.time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(cpu_vpanel, "_ROW_PREFETCH_MEASURED", False)
     monkeypatch.setattr(cpu_vpanel, "_ROW_PREFETCH_BYTES", 1 << 20)
     before = lib.vp_row_prefetch.value
