@@ -200,6 +200,7 @@ def available(weight: torch.Tensor, x_dtype: torch.dtype, copies: bool = True) -
             cpu_kernels.measure_gemv512_rows_in_turn()
             out.append("gemv512")
         if cpu_kernels.supports_amx(x_dtype, weight):
+            cpu_kernels.measure_amx_rows_to_hardware()
             out.append("amx")
         out.append("gemm")
     out.append("torch")

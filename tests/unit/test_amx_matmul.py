@@ -79,6 +79,65 @@ def test_two_threads_compute_what_one_does() -> None:
 
 
 @needs_amx
+@pytest.mark.parametrize("m", [1, 8, 17, 40])
+def test_rows_left_to_the_hardware_prefetcher_give_the_same_bits(m: int) -> None:
+    """Weight rows of 4 KB or more (K >= 2048) left to the hardware prefetcher, each k step's
+    lines fetched a step ahead, instead of the next block prefetched: only where lines come
+    from changes, so every result keeps its bits; shorter rows (K = 1024) take the block
+    prefetch either way. A short last block, one x tile and two."""
+    lib = cpu_kernels.load()
+    assert lib is not None and lib.amx_rows_to_hardware is not None
+    g = torch.Generator().manual_seed(m)
+    before = lib.amx_rows_to_hardware.value
+    try:
+        for n, k in [(200, 2048), (33, 4096), (70, 1024)]:
+            w = torch.randn(n, k, generator=g).bfloat16()
+            x = torch.randn(m, k, generator=g).bfloat16()
+            exact, bound = _reference(x, w)
+            ys = []
+            for on in (0, 1):
+                lib.amx_rows_to_hardware.value = on
+                ys.append(cpu_kernels.amx(x, w, torch.float32))
+            assert ((ys[1].double() - exact).abs() <= bound + 1e-30).all()
+            assert torch.equal(ys[0], ys[1])
+    finally:
+        lib.amx_rows_to_hardware.value = before
+
+
+@needs_amx
+@pytest.mark.parametrize("faster", [True, False])
+def test_long_rows_go_to_the_hardware_where_it_measured_faster(
+    monkeypatch: pytest.MonkeyPatch, faster: bool
+) -> None:
+    """Measured once per process on the running machine (where the chooser first offers amx):
+    on where 8 rows against cold long-row weights ran 3% faster that way, else off."""
+    lib = cpu_kernels.load()
+    assert lib is not None and lib.amx_rows_to_hardware is not None
+    now = [0.0]
+    real = cpu_kernels.amx
+
+    def timed(x: torch.Tensor, w: torch.Tensor, out: torch.dtype | None = None) -> torch.Tensor:
+        now[0] += (0.9 if faster else 1.0) if lib.amx_rows_to_hardware.value else 0.95
+        return real(x, w, out)
+
+    monkeypatch.setattr(cpu_kernels, "amx", timed)
+    monkeypatch.setattr(cpu_kernels.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(cpu_kernels, "_AMX_ROWS_MEASURED", False)
+    monkeypatch.setattr(cpu_kernels, "_AMX_ROWS_SHAPE", (64, 2048))
+    monkeypatch.setattr(cpu_kernels, "_ROWS_IN_TURN_MEASURED", True)  # gemv512's: not timed here
+    before = lib.amx_rows_to_hardware.value
+    try:
+        w = torch.randn(64, 256).bfloat16()
+        assert "amx" in cpu_linear.available(w, torch.bfloat16)
+        assert lib.amx_rows_to_hardware.value == int(faster)
+        lib.amx_rows_to_hardware.value = 1 - int(faster)
+        cpu_linear.available(w, torch.bfloat16)  # once per process: not measured again
+        assert lib.amx_rows_to_hardware.value == 1 - int(faster)
+    finally:
+        lib.amx_rows_to_hardware.value = before
+
+
+@needs_amx
 def test_takes_bf16_with_k_a_multiple_of_32_only() -> None:
     w = torch.zeros(64, 48, dtype=torch.bfloat16)
     assert not cpu_kernels.supports_amx(torch.bfloat16, w)  # K % 32 != 0
