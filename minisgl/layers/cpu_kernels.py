@@ -652,8 +652,9 @@ def measure_gemv512_rows_in_turn() -> None:
     if _ROWS_IN_TURN_MEASURED or lib is None or lib.gemv512_rows_in_turn is None:
         return
     _ROWS_IN_TURN_MEASURED = True
-    w = hugepages.empty(*_ROWS_IN_TURN_SHAPE, dtype=torch.bfloat16)
-    w.copy_(torch.randn(*_ROWS_IN_TURN_SHAPE, dtype=torch.bfloat16))
+    # Written, so that every page is its own (a mapping never written reads one shared zero
+    # page); the kernels' speed does not depend on the values.
+    w = hugepages.empty(*_ROWS_IN_TURN_SHAPE, dtype=torch.bfloat16).fill_(0.5)
     x = torch.randn(1, _ROWS_IN_TURN_SHAPE[1], dtype=torch.bfloat16)
     best = time_switch(lib.gemv512_rows_in_turn, lambda: gemv512(x, w), [w], 7)
     nbytes = w.numel() * w.element_size()
@@ -681,8 +682,7 @@ def measure_amx_rows_to_hardware() -> None:
     if _AMX_ROWS_MEASURED or lib is None or lib.amx_rows_to_hardware is None:
         return
     _AMX_ROWS_MEASURED = True
-    w = hugepages.empty(*_AMX_ROWS_SHAPE, dtype=torch.bfloat16)
-    w.copy_(torch.randn(*_AMX_ROWS_SHAPE, dtype=torch.bfloat16))
+    w = hugepages.empty(*_AMX_ROWS_SHAPE, dtype=torch.bfloat16).fill_(0.5)  # as gemv512's
     x = torch.randn(8, _AMX_ROWS_SHAPE[1], dtype=torch.bfloat16)
     best = time_switch(lib.amx_rows_to_hardware, lambda: amx(x, w), [w], 5)
     nbytes = w.numel() * w.element_size()
