@@ -133,7 +133,7 @@ static inline void seq_prefetch(const char* p, const char* stop, int lines) {
         int64_t blocks = (N + 7) / 8, block_bytes = 8 * K * (int64_t)sizeof(WT);            \
         int64_t passes = M <= 2 ? 1 : 2 * ((M + 3) / 4); /* k loops a block takes */        \
         Share shares[SHARE_MAX] __attribute__((aligned(64)));                               \
-        int parts = share_parts(), in_turn = M <= 8 && gemv512_rows_in_turn;               \
+        int parts = share_parts(), in_turn = M >= 1 && M <= 8 && gemv512_rows_in_turn;      \
         const char* stop = (const char*)(w + N * K);                                        \
         shares_init(shares, parts, blocks);                                                 \
         _Pragma("omp parallel")                                                             \
