@@ -138,6 +138,24 @@ def test_long_rows_go_to_the_hardware_where_it_measured_faster(
 
 
 @needs_amx
+@pytest.mark.parametrize("m", [33, 48, 64])
+def test_three_and_four_x_tiles_give_each_row_its_own_bits(m: int) -> None:
+    """33 to 64 rows of x (the block's halves in turn, each against every x tile, where it
+    takes them; passes of two x tiles elsewhere): every row's result is the one it gets alone
+    (one x tile), bit for bit, whatever the tiles beside it; a short last block too."""
+    g = torch.Generator().manual_seed(m)
+    for n, k in [(70, 1024), (40, 2048), (33, 4096)]:
+        w = torch.randn(n, k, generator=g).bfloat16()
+        x = torch.randn(m, k, generator=g).bfloat16()
+        y = cpu_kernels.amx(x, w, torch.float32)
+        exact, bound = _reference(x, w)
+        assert ((y.double() - exact).abs() <= bound + 1e-30).all()
+        for m0 in range(0, m, 16):
+            alone = cpu_kernels.amx(x[m0 : m0 + 16], w, torch.float32)
+            assert torch.equal(y[m0 : m0 + 16], alone)
+
+
+@needs_amx
 def test_takes_bf16_with_k_a_multiple_of_32_only() -> None:
     w = torch.zeros(64, 48, dtype=torch.bfloat16)
     assert not cpu_kernels.supports_amx(torch.bfloat16, w)  # K % 32 != 0
