@@ -637,6 +637,24 @@ def time_switch(
     return best
 
 
+def _read_rates(
+    switch: Any,
+    kernel: Callable[..., torch.Tensor],
+    shape: tuple[int, int],
+    rows: int,
+    passes: int,
+) -> tuple[float, float]:
+    """GB/s of kernel(x, w) for `rows` rows of x against a cold bf16 weight of `shape` on huge
+    pages, with the switch at 0 and at 1 (time_switch: left at the faster)."""
+    # Written, so that every page is its own (a mapping never written reads one shared zero
+    # page); the kernels' speed does not depend on the values.
+    w = hugepages.empty(*shape, dtype=torch.bfloat16).fill_(0.5)
+    x = torch.randn(rows, shape[1], dtype=torch.bfloat16)
+    best = time_switch(switch, lambda: kernel(x, w), [w], passes)
+    nbytes = w.numel() * w.element_size()
+    return nbytes / best[0] / 1e9, nbytes / best[1] / 1e9
+
+
 _ROWS_IN_TURN_MEASURED = False
 _ROWS_IN_TURN_SHAPE = (32768, 1024)  # 64 MB of bf16, flushed from the caches each pass
 
@@ -652,17 +670,12 @@ def measure_gemv512_rows_in_turn() -> None:
     if _ROWS_IN_TURN_MEASURED or lib is None or lib.gemv512_rows_in_turn is None:
         return
     _ROWS_IN_TURN_MEASURED = True
-    # Written, so that every page is its own (a mapping never written reads one shared zero
-    # page); the kernels' speed does not depend on the values.
-    w = hugepages.empty(*_ROWS_IN_TURN_SHAPE, dtype=torch.bfloat16).fill_(0.5)
-    x = torch.randn(1, _ROWS_IN_TURN_SHAPE[1], dtype=torch.bfloat16)
-    best = time_switch(lib.gemv512_rows_in_turn, lambda: gemv512(x, w), [w], 7)
-    nbytes = w.numel() * w.element_size()
+    off, on = _read_rates(lib.gemv512_rows_in_turn, gemv512, _ROWS_IN_TURN_SHAPE, 1, 7)
     logger.info(
         "gemv512, one row: %s (%.1f GB/s in turn, %.1f together)",
         "rows in turn" if lib.gemv512_rows_in_turn.value else "rows together",
-        nbytes / best[1] / 1e9,
-        nbytes / best[0] / 1e9,
+        on,
+        off,
     )
 
 
@@ -682,16 +695,13 @@ def measure_amx_rows_to_hardware() -> None:
     if _AMX_ROWS_MEASURED or lib is None or lib.amx_rows_to_hardware is None:
         return
     _AMX_ROWS_MEASURED = True
-    w = hugepages.empty(*_AMX_ROWS_SHAPE, dtype=torch.bfloat16).fill_(0.5)  # as gemv512's
-    x = torch.randn(8, _AMX_ROWS_SHAPE[1], dtype=torch.bfloat16)
-    best = time_switch(lib.amx_rows_to_hardware, lambda: amx(x, w), [w], 5)
-    nbytes = w.numel() * w.element_size()
+    off, on = _read_rates(lib.amx_rows_to_hardware, amx, _AMX_ROWS_SHAPE, 8, 5)
     logger.info(
         "amx, rows of 4 KB or more: %s (%.1f GB/s left to the hardware prefetcher, %.1f with "
         "the next block prefetched)",
         "left to the hardware" if lib.amx_rows_to_hardware.value else "next block prefetched",
-        nbytes / best[1] / 1e9,
-        nbytes / best[0] / 1e9,
+        on,
+        off,
     )
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from minisgl.layers import cpu_kernels, cpu_linear, kernel_choice
 from minisgl.layers.kernel_choice import BUCKETS
 from minisgl.testing import builds
+from minisgl.testing.switch_clock import time_by_switch
 
 
 def _amx_here() -> bool:
@@ -113,15 +114,7 @@ def test_long_rows_go_to_the_hardware_where_it_measured_faster(
     on where 8 rows against cold long-row weights ran 3% faster that way, else off."""
     lib = cpu_kernels.load()
     assert lib is not None and lib.amx_rows_to_hardware is not None
-    now = [0.0]
-    real = cpu_kernels.amx
-
-    def timed(x: torch.Tensor, w: torch.Tensor, out: torch.dtype | None = None) -> torch.Tensor:
-        now[0] += (0.9 if faster else 1.0) if lib.amx_rows_to_hardware.value else 0.95
-        return real(x, w, out)
-
-    monkeypatch.setattr(cpu_kernels, "amx", timed)
-    monkeypatch.setattr(cpu_kernels.time, "perf_counter", lambda: now[0])
+    time_by_switch(monkeypatch, cpu_kernels, "amx", lib.amx_rows_to_hardware, faster)
     monkeypatch.setattr(cpu_kernels, "_AMX_ROWS_MEASURED", False)
     monkeypatch.setattr(cpu_kernels, "_AMX_ROWS_SHAPE", (64, 2048))
     monkeypatch.setattr(cpu_kernels, "_ROWS_IN_TURN_MEASURED", True)  # gemv512's: not timed here

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.layers import cpu_build, cpu_kernels, cpu_linear
+from minisgl.testing.switch_clock import time_by_switch
 from minisgl.testing.threads import at_thread_counts
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2 kernels here")
@@ -240,15 +241,7 @@ def test_avx512_gemv_reads_rows_in_turn_where_it_measured_faster(
     lib = cpu_kernels.load()
     if lib is None or lib.gemv512_bf16 is None:  # the AVX2 build: no such kernel
         return
-    now = [0.0]
-    real = cpu_kernels.gemv512
-
-    def timed(x: torch.Tensor, w: torch.Tensor, out: torch.dtype | None = None) -> torch.Tensor:
-        now[0] += (0.9 if faster else 1.0) if lib.gemv512_rows_in_turn.value else 0.95
-        return real(x, w, out)
-
-    monkeypatch.setattr(cpu_kernels, "gemv512", timed)
-    monkeypatch.setattr(cpu_kernels.time, "perf_counter", lambda: now[0])
+    time_by_switch(monkeypatch, cpu_kernels, "gemv512", lib.gemv512_rows_in_turn, faster)
     monkeypatch.setattr(cpu_kernels, "_ROWS_IN_TURN_MEASURED", False)
     monkeypatch.setattr(cpu_kernels, "_ROWS_IN_TURN_SHAPE", (512, 256))
     monkeypatch.setattr(cpu_kernels, "_AMX_ROWS_MEASURED", True)  # amx's: not timed here

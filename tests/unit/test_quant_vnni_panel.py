@@ -20,6 +20,7 @@ from minisgl.quant import cpu_choice, cpu_panel, cpu_vpanel
 from minisgl.quant.qtensor import QTensor, dequantize, take_rows
 from minisgl.testing.flushes import Passes
 from minisgl.testing.qtensors import random_qtensor
+from minisgl.testing.switch_clock import time_by_switch
 from minisgl.testing.threads import at_thread_counts
 
 
@@ -317,15 +318,8 @@ def test_the_one_row_prefetch_is_on_where_it_measured_faster(
     one-row pass ran 3% faster with it, off where it did not; either way the same bits."""
     lib = cpu_kernels.load()
     assert lib is not None and lib.vp_row_prefetch is not None
-    now = [0.0]
     real = cpu_vpanel.vnni_panel
-
-    def timed(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        now[0] += (0.9 if faster else 1.0) if lib.vp_row_prefetch.value else 0.95
-        return real(x, w, out_dtype)
-
-    monkeypatch.setattr(cpu_vpanel, "vnni_panel", timed)
-    monkeypatch.setattr(cpu_kernels.time, "perf_counter", lambda: now[0])
+    time_by_switch(monkeypatch, cpu_vpanel, "vnni_panel", lib.vp_row_prefetch, faster)
     monkeypatch.setattr(cpu_vpanel, "_ROW_PREFETCH_MEASURED", False)
     monkeypatch.setattr(cpu_vpanel, "_ROW_PREFETCH_BYTES", 1 << 20)
     before = lib.vp_row_prefetch.value

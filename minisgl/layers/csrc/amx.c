@@ -140,6 +140,20 @@ static inline void dot2x1(const uint16_t* a, int64_t K, const uint32_t* b0, int6
     }
 }
 
+/* The C tiles (0-3): zeroed before a pass over K, stored to cbuf (4 x 256 floats) after. */
+static inline void c_tiles_zero(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+static inline void c_tiles_store(float* cbuf) {
+    _tile_stored(0, cbuf, 64);
+    _tile_stored(1, cbuf + 256, 64);
+    _tile_stored(2, cbuf + 512, 64);
+    _tile_stored(3, cbuf + 768, 64);
+}
+
 /* Tiles 0 to n - 1 (n = 3 or 4) += A (16 weight rows a) . B (x tiles b, b + tile, ...) over all
    of K: each x tile's B operand loaded into tile 5, 6 or 7 in turn, so a load never waits for
    the product still reading the tile before it. */
@@ -176,15 +190,9 @@ static void block_halves(const uint16_t* a, const uint32_t* xp, int64_t M, int64
     Ahead pf = {next, next ? ROWS * K * 2 / 64 : 0, 2 * kblocks, 0, 0};
     for (int h = 0; h < 2; h++) {
         int ncols = N - n0 - 16 * h < 16 ? (int)(N - n0 - 16 * h) : 16;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        c_tiles_zero();
         dot1xn(a + 16 * h * K, K, xp, tile, (int)mtiles, kblocks, &pf);
-        _tile_stored(0, cbuf, 64);
-        _tile_stored(1, cbuf + 256, 64);
-        _tile_stored(2, cbuf + 512, 64);
-        _tile_stored(3, cbuf + 768, 64);
+        c_tiles_store(cbuf);
         for (int t = 0; t < mtiles && ncols > 0; t++) {
             int mrows = M - 16 * t < 16 ? (int)(M - 16 * t) : 16;
             store_c(cbuf + 256 * t, y, N, 16 * t, mrows, n0 + 16 * h, ncols, out_bf16);
@@ -203,18 +211,12 @@ static void block(const uint16_t* a, const uint32_t* xp, int64_t M, int64_t N, i
     Ahead pf = {next, next ? ROWS * K * 2 / 64 : 0, passes * kblocks, 0, 0};
     for (int64_t mt = 0; mt < mtiles; mt += 2) {
         int two = mt + 1 < mtiles;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        c_tiles_zero();
         if (two)
             dot2x2(a, K, xp + mt * tile, xp + (mt + 1) * tile, kblocks, &pf, near);
         else
             dot2x1(a, K, xp + mt * tile, kblocks, &pf, near);
-        _tile_stored(0, cbuf, 64);
-        _tile_stored(1, cbuf + 256, 64);
-        _tile_stored(2, cbuf + 512, 64);
-        _tile_stored(3, cbuf + 768, 64);
+        c_tiles_store(cbuf);
         for (int t = 0; t < 1 + two; t++) {
             int64_t m0 = (mt + t) * 16;
             int mrows = M - m0 < 16 ? (int)(M - m0) : 16;

@@ -119,6 +119,10 @@ static inline void seq_prefetch(const char* p, const char* stop, int lines) {
     ROWS_IN_TURN(NAME##_turn6, 6, WT, STEP, VT, LOAD, DOT)                                  \
     ROWS_IN_TURN(NAME##_turn7, 7, WT, STEP, VT, LOAD, DOT)                                  \
     ROWS_IN_TURN(NAME##_turn8, 8, WT, STEP, VT, LOAD, DOT)                                  \
+    static void (*const NAME##_turns[8])(const WT*, const WT*, int64_t, void*, int64_t,     \
+                                         int64_t, int, const char*, int) = {                \
+        NAME##_turn1, NAME##_turn2, NAME##_turn3, NAME##_turn4,                             \
+        NAME##_turn5, NAME##_turn6, NAME##_turn7, NAME##_turn8};                            \
     /* Input rows [0, M) against a half block (at most 4 weight rows), 4 at a time. */      \
     static void NAME##_half(const WT* const* wr, const WT* x, int64_t M, int64_t K, void* y, \
                             int64_t N, int64_t n0, int rows, Prefetch* pf, int out_bf16) {  \
@@ -141,16 +145,7 @@ static inline void seq_prefetch(const char* p, const char* stop, int lines) {
             int64_t n0 = b * 8;                                                             \
             int rows = N - n0 < 8 ? (int)(N - n0) : 8;                                      \
             if (in_turn) {                                                                  \
-                switch (M) {                                                                \
-                case 1: NAME##_turn1(w, x, K, y, N, n0, rows, stop, out_bf16); break;       \
-                case 2: NAME##_turn2(w, x, K, y, N, n0, rows, stop, out_bf16); break;       \
-                case 3: NAME##_turn3(w, x, K, y, N, n0, rows, stop, out_bf16); break;       \
-                case 4: NAME##_turn4(w, x, K, y, N, n0, rows, stop, out_bf16); break;       \
-                case 5: NAME##_turn5(w, x, K, y, N, n0, rows, stop, out_bf16); break;       \
-                case 6: NAME##_turn6(w, x, K, y, N, n0, rows, stop, out_bf16); break;       \
-                case 7: NAME##_turn7(w, x, K, y, N, n0, rows, stop, out_bf16); break;       \
-                default: NAME##_turn8(w, x, K, y, N, n0, rows, stop, out_bf16); break;      \
-                }                                                                           \
+                NAME##_turns[M - 1](w, x, K, y, N, n0, rows, stop, out_bf16);               \
                 continue;                                                                   \
             }                                                                               \
             const WT* wr[8];                                                                \

@@ -621,8 +621,7 @@ static inline void va_split_chunk(const VaCall* c, const uint8_t* P, int64_t p, 
    16 int32 each; x8: the 8-bit codes' x half 0 and x half 1 in the places of the hi ones) into
    the fp32 sums acc[r][32] of the m-tile's `mr` rows, less the zero points times the chunk's
    x sums for 8-bit codes (4-bit ones had them taken off in va_split_chunk); x8 with each
-   chunk's x scale, as
-   vp_tile's 8-bit form folds. */
+   chunk's x scale, as vp_tile's 8-bit form folds. */
 static inline void va_fold(const VaCall* c, const int32_t* cb, int64_t p, int64_t m0,
                            int64_t mr, int64_t j, float* acc) {
     const int64_t G = c->K / c->gs, g = j * c->L / c->gs;
