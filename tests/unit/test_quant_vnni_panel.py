@@ -209,6 +209,46 @@ def test_one_disturbed_pass_does_not_take_its_layout(monkeypatch: pytest.MonkeyP
     assert cpu_choice.one_layout(timings, defaults) == (cpu_choice.PACKED,) * len(defaults)
 
 
+def test_one_disturbed_pass_does_not_drop_the_panels_best_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The packed layout is judged by its best kernel in each bucket. One disturbed first pass
+    of amx_bf16_vpanel at 1024 rows (4x the leader; the next pass 2x ahead of it) dropped it
+    there: vnni_panel's 4x slower time stood for the panels in that bucket and the row-major
+    codes took every row count (on a Xeon with AMX: qgemv at one row, where vnni_panel read
+    1.15x faster). A candidate now stops only when still 3x behind after two passes."""
+    now = [0.0]
+    calls: dict[tuple[str, int], int] = {}
+    last = kernel_choice.TIMED_ROWS[-1]
+
+    def scripted(name: str) -> Callable[..., None]:
+        def run(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> None:
+            rows = x.shape[0]
+            n = calls[(name, rows)] = calls.get((name, rows), 0) + 1
+            if name == "qgemv":
+                now[0] += 10.0
+            elif name == cpu_choice.PACKED:
+                now[0] += 40.0 if rows == last else 9.0
+            elif rows == last:  # amx_bf16_vpanel: warm-up, a disturbed pass, then its pace
+                now[0] += 40.0 if n == 2 else 5.0
+            else:
+                now[0] += 50.0
+
+        return run
+
+    for name in cpu_choice.CANDIDATES:
+        monkeypatch.setitem(cpu_choice._RUN, name, scripted(name))
+    monkeypatch.setattr(cpu_vpanel, "pack_copies", lambda ws: None)
+    w = random_qtensor(64, 256, 8, 0)
+    names = ("qgemv", cpu_choice.PACKED, "amx_bf16_vpanel")
+    timings = cpu_choice.measure([w], torch.float32, clock=lambda: now[0], names=names)
+    assert timings["amx_bf16_vpanel"][-1] == 5.0
+    assert all(t is None for t in timings["amx_bf16_vpanel"][:-1])  # 5x behind: dropped
+    defaults = ("qgemv",) * len(kernel_choice.BUCKETS)
+    picks = (cpu_choice.PACKED,) * (len(defaults) - 1) + ("amx_bf16_vpanel",)
+    assert cpu_choice.one_layout(timings, defaults) == picks
+
+
 def test_the_row_major_codes_keep_a_pick_where_the_panels_run_far_ahead(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
