@@ -392,8 +392,9 @@ def measure(
                 best[name], worst[name] = min(best[name], t), max(worst[name], t)
             if rep + 1 == _DROP_AFTER:
                 lead = min(best.values())
-                # vnni_panel stays, as cpu_linear's panels do: a layout's only candidate, and
-                # one disturbed pass in one bucket would take the layout from every bucket;
+                # vnni_panel stays, as cpu_linear's panels do: the packed layout's kernel for
+                # every row count (one_layout needs it in each bucket), and one disturbed pass
+                # in one bucket would take the layout from every bucket;
                 # so does the best over the row-major codes, which must have a pick in every
                 # bucket should the panels not be taken (fp8 panels at 8 rows: 3x ahead)
                 rows_lead = min(

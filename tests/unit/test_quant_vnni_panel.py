@@ -180,21 +180,22 @@ def test_its_layout_serves_every_row_count_or_none() -> None:
     assert cpu_choice.one_layout(level, defaults) == defaults
 
 
-def test_one_disturbed_pass_does_not_take_its_layout(monkeypatch: pytest.MonkeyPatch) -> None:
-    """measure() drops a candidate over 3x behind after its first pass, but never vnni_panel:
-    a burst of other work over its first one-row pass (a memory phase change, a preemption)
-    would have left None in that bucket, and one_layout then keeps the row-major codes for
-    every row count however far ahead the panels are everywhere else."""
+def _measure_scripted(
+    monkeypatch: pytest.MonkeyPatch,
+    names: tuple[str, ...],
+    cost: Callable[[str, int, int], float],
+) -> dict[str, list[float | None]]:
+    """cpu_choice.measure over one small 8-bit weight, each run of candidate `name` taking
+    cost(name, rows, call) seconds of a fake clock (`call`: its count at that row count, the
+    first the warm-up); no packed copies made."""
     now = [0.0]
-    passes: dict[str, int] = {}
+    calls: dict[tuple[str, int], int] = {}
 
     def scripted(name: str) -> Callable[..., None]:
         def run(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> None:
-            passes[name] = passes.get(name, 0) + 1
-            if name == cpu_choice.PACKED:  # warm-up, then a first pass 4x the GEMV's
-                now[0] += 40.0 if passes[name] == 2 else 5.0
-            else:
-                now[0] += 10.0 if name == "qgemv" else 100.0
+            rows = x.shape[0]
+            calls[(name, rows)] = calls.get((name, rows), 0) + 1
+            now[0] += cost(name, rows, calls[(name, rows)])
 
         return run
 
@@ -202,8 +203,22 @@ def test_one_disturbed_pass_does_not_take_its_layout(monkeypatch: pytest.MonkeyP
         monkeypatch.setitem(cpu_choice._RUN, name, scripted(name))
     monkeypatch.setattr(cpu_vpanel, "pack_copies", lambda ws: None)
     w = random_qtensor(64, 256, 8, 0)
-    names = ("qgemv", cpu_choice.PACKED)
-    timings = cpu_choice.measure([w], torch.float32, clock=lambda: now[0], names=names)
+    return cpu_choice.measure([w], torch.float32, clock=lambda: now[0], names=names)
+
+
+def test_one_disturbed_pass_does_not_take_its_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """measure() drops a candidate still over 3x behind after its first passes, but never
+    vnni_panel: a burst of other work over its first one-row pass (a memory phase change, a
+    preemption) would have left None in that bucket, and one_layout then keeps the row-major
+    codes for every row count however far ahead the panels are everywhere else."""
+    first = kernel_choice.TIMED_ROWS[0]
+
+    def cost(name: str, rows: int, call: int) -> float:
+        if name == cpu_choice.PACKED:  # warm-up, then a first pass 4x the GEMV's
+            return 40.0 if rows == first and call == 2 else 5.0
+        return 10.0 if name == "qgemv" else 100.0
+
+    timings = _measure_scripted(monkeypatch, ("qgemv", cpu_choice.PACKED), cost)
     assert None not in timings[cpu_choice.PACKED]
     defaults = ("qgemv",) * len(kernel_choice.BUCKETS)
     assert cpu_choice.one_layout(timings, defaults) == (cpu_choice.PACKED,) * len(defaults)
@@ -217,31 +232,19 @@ def test_one_disturbed_pass_does_not_drop_the_panels_best_kernel(
     there: vnni_panel's 4x slower time stood for the panels in that bucket and the row-major
     codes took every row count (on a Xeon with AMX: qgemv at one row, where vnni_panel read
     1.15x faster). A candidate now stops only when still 3x behind after two passes."""
-    now = [0.0]
-    calls: dict[tuple[str, int], int] = {}
     last = kernel_choice.TIMED_ROWS[-1]
 
-    def scripted(name: str) -> Callable[..., None]:
-        def run(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> None:
-            rows = x.shape[0]
-            n = calls[(name, rows)] = calls.get((name, rows), 0) + 1
-            if name == "qgemv":
-                now[0] += 10.0
-            elif name == cpu_choice.PACKED:
-                now[0] += 40.0 if rows == last else 9.0
-            elif rows == last:  # amx_bf16_vpanel: warm-up, a disturbed pass, then its pace
-                now[0] += 40.0 if n == 2 else 5.0
-            else:
-                now[0] += 50.0
+    def cost(name: str, rows: int, call: int) -> float:
+        if name == "qgemv":
+            return 10.0
+        if name == cpu_choice.PACKED:
+            return 40.0 if rows == last else 9.0
+        if rows == last:  # amx_bf16_vpanel: warm-up, a disturbed pass, then its pace
+            return 40.0 if call == 2 else 5.0
+        return 50.0
 
-        return run
-
-    for name in cpu_choice.CANDIDATES:
-        monkeypatch.setitem(cpu_choice._RUN, name, scripted(name))
-    monkeypatch.setattr(cpu_vpanel, "pack_copies", lambda ws: None)
-    w = random_qtensor(64, 256, 8, 0)
     names = ("qgemv", cpu_choice.PACKED, "amx_bf16_vpanel")
-    timings = cpu_choice.measure([w], torch.float32, clock=lambda: now[0], names=names)
+    timings = _measure_scripted(monkeypatch, names, cost)
     assert timings["amx_bf16_vpanel"][-1] == 5.0
     assert all(t is None for t in timings["amx_bf16_vpanel"][:-1])  # 5x behind: dropped
     defaults = ("qgemv",) * len(kernel_choice.BUCKETS)
@@ -255,20 +258,11 @@ def test_the_row_major_codes_keep_a_pick_where_the_panels_run_far_ahead(
     """Where the panels are over 3x ahead of every row-major kernel (fp8 panels at 8 rows),
     the best row-major candidate still stays in the bucket: one_layout needs its picks over
     the row-major codes in every bucket (it failed: "no candidate ran for rows 2-4")."""
-    now = [0.0]
 
-    def scripted(name: str) -> Callable[..., None]:
-        def run(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> None:
-            now[0] += {cpu_choice.PACKED: 1.0, "qgemv": 10.0}.get(name, 20.0)
+    def cost(name: str, rows: int, call: int) -> float:
+        return {cpu_choice.PACKED: 1.0, "qgemv": 10.0}.get(name, 20.0)
 
-        return run
-
-    for name in cpu_choice.CANDIDATES:
-        monkeypatch.setitem(cpu_choice._RUN, name, scripted(name))
-    monkeypatch.setattr(cpu_vpanel, "pack_copies", lambda ws: None)
-    w = random_qtensor(64, 256, 8, 0)
-    names = ("qgemv", "amx_int", cpu_choice.PACKED)
-    timings = cpu_choice.measure([w], torch.float32, clock=lambda: now[0], names=names)
+    timings = _measure_scripted(monkeypatch, ("qgemv", "amx_int", cpu_choice.PACKED), cost)
     assert None not in timings["qgemv"] and all(t is None for t in timings["amx_int"])
     defaults = ("qgemv",) * len(kernel_choice.BUCKETS)
     assert cpu_choice.one_layout(timings, defaults) == (cpu_choice.PACKED,) * len(defaults)
