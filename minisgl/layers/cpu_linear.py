@@ -475,8 +475,9 @@ def measure(
 ) -> dict[str, list[float | None]]:
     """Seconds per pass for each candidate (in CANDIDATES' order) and bucket; None: cannot
     run here. The candidates take turns pass by pass and each keeps its best, so a burst of
-    other work on the machine hits them all alike; one far behind after its first pass is not
-    run again (except the panels, SELF_CONTAINED). The best pass counts (other work only ever adds time). Every pass reads its
+    other work on the machine hits them all alike; one far behind after kernel_choice.DROP_AFTER
+    passes is not run again (except the panels, SELF_CONTAINED). The best pass counts (other
+    work only ever adds time). Every pass reads its
     weights from memory (_timing_set, _cooler), as a step does. `spreads` collects each
     repeated candidate's slowest pass over its fastest."""
     timings: dict[str, list[float | None]] = {name: [] for name in CANDIDATES}
@@ -510,11 +511,12 @@ def measure(
                 improved |= t < 0.98 * best[name]
                 best[name] = min(best[name], t)
                 worst[name] = max(worst[name], t)
-            if rep == 0:
+            if rep + 1 == kernel_choice.DROP_AFTER:
                 lead = min(best.values())
-                # The panels stay: a layout's only candidate, dropped on one disturbed pass it
-                # would lose the weight's layout for every row count on that pass alone.
-                live = {n: v for n, v in live.items() if best[n] <= 3 * lead or n == SELF_CONTAINED}
+                # The panels stay: a layout's only candidate, dropped on disturbed passes it
+                # would lose the weight's layout for every row count on those passes alone.
+                behind = kernel_choice.DROP_BEHIND * lead
+                live = {n: v for n, v in live.items() if best[n] <= behind or n == SELF_CONTAINED}
             elif rep + 1 >= _MIN_REPEATS and not improved:
                 break
         for name in CANDIDATES:

@@ -108,11 +108,25 @@ COPY_WORTH = 0.10
 COPY_WORTH_ONE_BUCKET = 0.25
 
 
+# The timing passes after which a candidate more than DROP_BEHIND times the leader's best stops
+# running (both choosers). Two, not one: a burst of other work over one first pass is common on
+# a shared machine, and a kernel dropped on it is lost for the bucket, and with it, where it is a
+# layout's best, that layout for every row count (the Xeon of docs/performance.md: one disturbed
+# pass dropped amx_bf16_vpanel at 1024 rows for an 8-bit 6144x1024, which then ran its slower
+# row-major kernel at one row, 27 GB/s where the panels read 32).
+DROP_AFTER = 2
+DROP_BEHIND = 3.0
+
+
 def policy(candidates: Sequence[str]) -> str:
-    """What the cached timings cover, for the cache key: new candidates re-measure. (Margins
-    and the copy allowance only turn timings into picks, at every start.)"""
+    """What the cached timings cover, for the cache key: new candidates re-measure, as do
+    timings taken under another drop rule. (Margins and the copy allowance only turn timings
+    into picks, at every start.)"""
     rows = ",".join(map(str, TIMED_ROWS))
-    return f"{','.join(candidates)};timings at {rows} rows;weights flushed from the caches"
+    return (
+        f"{','.join(candidates)};timings at {rows} rows;weights flushed from the caches"
+        f";drop after {DROP_AFTER}"
+    )
 
 
 def one_layout(

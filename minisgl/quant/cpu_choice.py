@@ -105,12 +105,6 @@ _RUN.update({name: cpu_vpanel.on_copy(run) for name, run in _PACKED_RUN.items()}
 _COLD_BYTES = 48 << 20
 _PASS_FLOPS = 4e8
 _MIN_REPEATS, _MAX_REPEATS = 3, 8
-# The passes after which a candidate over 3x behind the leader stops running. Two, not one: the
-# packed layout is judged by its best kernel in each bucket, and one disturbed first pass that
-# dropped amx_bf16_vpanel at 1024 rows (the Xeon of docs/performance.md, 6144x1024 in 8 bits)
-# left vnni_panel's 4x slower time there, the row-major codes for every row count, and qgemv's
-# 27 GB/s at one row where the panels read 32 (int8 B=1 1.75x bf16 instead of ~1.85x).
-_DROP_AFTER = 2
 # Passes more of the leader and the default, in turn, where they differ: a burst of other work
 # over the default's first passes made a leader of a kernel 1.2x slower (an AVX2 EPYC VM's int4
 # prefill: qgemv over dequant_panel at 65-512 rows, 0.89x bf16's prefill rate).
@@ -274,7 +268,6 @@ def machine_key() -> MachineKey:
     kernels = cpu_kernels.build_id() or "none"
     # "keeps": measure keeps vnni_panel and the best row-major candidate in every bucket
     rules = f"quant:{kernel_choice.policy(CANDIDATES)};confirm {_CONFIRM_REPEATS};keeps"
-    rules += f";drop after {_DROP_AFTER}"  # caches timed under another rule: timed again
     if cpu_kernels.quantized_activations() == "int8":  # integer decode timings differ
         rules += ":x8"
     return MachineKey.of(model, flags, torch.__version__, torch.get_num_threads(), kernels, rules)
@@ -364,8 +357,8 @@ def measure(
     names: Sequence[str] = CANDIDATES,
 ) -> dict[str, list[float | None]]:
     """Seconds per pass for each candidate and bucket (interleaved passes, the best counts;
-    one more than 3x behind the leader after _DROP_AFTER passes is dropped: None, never
-    vnni_panel).
+    one more than DROP_BEHIND x behind the leader after DROP_AFTER passes (kernel_choice) is
+    dropped: None, never vnni_panel).
     Where the leader is not the bucket's default (`defaults`, the untuned picks), the two get
     _CONFIRM_REPEATS more passes in turn before the bests are final. Only `names` run (the
     others: None)."""
@@ -390,7 +383,7 @@ def measure(
                 t = clock() - t0
                 improved |= t < 0.98 * best[name]
                 best[name], worst[name] = min(best[name], t), max(worst[name], t)
-            if rep + 1 == _DROP_AFTER:
+            if rep + 1 == kernel_choice.DROP_AFTER:
                 lead = min(best.values())
                 # vnni_panel stays, as cpu_linear's panels do: the packed layout's kernel for
                 # every row count (one_layout needs it in each bucket), and one disturbed pass
@@ -400,7 +393,8 @@ def measure(
                 rows_lead = min(
                     (n for n in live if n not in PACKED_KERNELS), key=best.__getitem__, default=""
                 )
-                live = [n for n in live if best[n] <= 3 * lead or n in (PACKED, rows_lead)]
+                behind = kernel_choice.DROP_BEHIND * lead
+                live = [n for n in live if best[n] <= behind or n in (PACKED, rows_lead)]
             elif rep + 1 >= _MIN_REPEATS and not improved:
                 break
         leader = min(live, key=lambda n: best[n])

@@ -9,7 +9,7 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -362,16 +362,11 @@ def test_a_flush_keeps_the_values() -> None:
     assert torch.equal(t, before)
 
 
-def test_one_slow_first_pass_never_drops_the_self_contained_layout(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A burst of other work over the panels' first pass (5x slower) does not drop them as
-    hopeless: they are a layout's only candidate, so one disturbed pass would decide the layout
-    of the weight, and with it the kernel, for every row count. Their later passes count, as
-    anyone's do."""
-    w = weight()
-    if "panel" not in cpu_linear.available(w, w.dtype):
-        pytest.skip("no CPU kernels here")
+def _scripted_passes(
+    monkeypatch: pytest.MonkeyPatch, costs: dict[str, tuple[float, float]]
+) -> Callable[[], float]:
+    """The candidates' runs replaced: name -> (seconds a pass, seconds of its first timed pass)
+    on a fake clock, which is returned for measure."""
     now = [0.0]
     seen: dict[tuple[str, int], int] = {}
 
@@ -383,11 +378,40 @@ def test_one_slow_first_pass_never_drops_the_self_contained_layout(
 
         return run
 
-    monkeypatch.setitem(cpu_linear._RUN, "gemv", fake("gemv", 1.0, 1.0))
-    monkeypatch.setitem(cpu_linear._RUN, "panel", fake("panel", 0.5, 5.0))
-    timings = cpu_linear.measure([w], w.dtype, None, ["gemv", "panel"], clock=lambda: now[0])
+    for name, (cost, first) in costs.items():
+        monkeypatch.setitem(cpu_linear._RUN, name, fake(name, cost, first))
+    return lambda: now[0]
+
+
+def test_one_slow_first_pass_never_drops_the_self_contained_layout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A burst of other work over the panels' first pass (5x slower) does not drop them as
+    hopeless: they are a layout's only candidate, so one disturbed pass would decide the layout
+    of the weight, and with it the kernel, for every row count. Their later passes count, as
+    anyone's do."""
+    w = weight()
+    if "panel" not in cpu_linear.available(w, w.dtype):
+        pytest.skip("no CPU kernels here")
+    clock = _scripted_passes(monkeypatch, {"gemv": (1.0, 1.0), "panel": (0.5, 5.0)})
+    timings = cpu_linear.measure([w], w.dtype, None, ["gemv", "panel"], clock=clock)
     assert timings["panel"] == [0.5] * len(BUCKETS) and timings["gemv"] == [1.0] * len(BUCKETS)
     assert kernel_choice.single_layout(timings) == ("panel",) * len(BUCKETS)
+
+
+def test_one_disturbed_pass_does_not_drop_the_fastest_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A burst of other work over a kernel's first timing pass (10x its time, 5x the leader's)
+    does not cost it the bucket: it is dropped only when still far behind after
+    kernel_choice.DROP_AFTER passes, so its undisturbed second pass counts and it is picked."""
+    w = weight()
+    if "gemv" not in cpu_linear.available(w, w.dtype):
+        pytest.skip("no CPU kernels here")
+    clock = _scripted_passes(monkeypatch, {"gemv": (0.5, 5.0), "torch": (1.0, 1.0)})
+    timings = cpu_linear.measure([w], w.dtype, None, ["gemv", "torch"], clock=clock)
+    assert timings["gemv"] == [0.5] * len(BUCKETS) and timings["torch"] == [1.0] * len(BUCKETS)
+    assert kernel_choice.pick(timings) == ("gemv",) * len(BUCKETS)
 
 
 def test_a_timing_slice_keeps_columns_for_every_thread() -> None:
