@@ -30,6 +30,8 @@ QUANTIZATIONS = ("int8", "int4", "fp8")
 # --lm-head-quantization: the LM head's (and a tied embedding's) format; auto: int8 per channel
 # under --quantization, else as the checkpoint has it.
 LM_HEAD_QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
+# --kv-cache-dtype: what the KV cache holds (auto: the model's dtype; fp8 = fp8_e4m3).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # --speculative-algorithm (SGLang's flag names): where draft tokens come from.
 SPECULATIVE_ALGORITHMS = ("ngram", "eagle3")
 # Multi-node: the shared secret, when --node-secret-file is not given (never a flag: a command
@@ -71,6 +73,14 @@ class EngineArgs:
         "checkpoint has it otherwise; none keeps it in the float dtype; int8, int4 or fp8 (e4m3, "
         "one scale per row) quantize it at load in any checkpoint",
         LM_HEAD_QUANTIZATIONS,
+    )
+    kv_cache_dtype: str = _f(
+        "auto",
+        "what the KV cache holds: auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3, "
+        "each value rounded to the nearest, no scales, as vLLM's and SGLang's fp8 caches "
+        "without calibration): half a bf16 cache's bytes, so twice the tokens fit and a decode "
+        "step's attention reads half as much; attention computes in the model's dtype",
+        KV_CACHE_DTYPES,
     )
     device: str = _f("auto", "cpu, cuda or auto (cuda when available)", DEVICES)
     num_pages: int | None = _f(None, "KV cache pages; default derived from free memory")

@@ -16,7 +16,7 @@ from minisgl import heap
 from minisgl.config import EngineArgs
 from minisgl.engine.cuda_graph import DecodeGraphs, graphs_wanted, is_graph_decode
 from minisgl.engine.memory import agree_num_pages, default_num_pages
-from minisgl.kvcache.kv_pool import KVPool
+from minisgl.kvcache.kv_pool import KVPool, cache_dtype
 from minisgl.layers import cpu_kernels
 from minisgl.layers.attention import create_attention_backend, resolve_backend_name
 from minisgl.layers.attention.base import BatchLayout
@@ -134,8 +134,9 @@ class ModelRunner:
         )
         num_kv_heads = max(1, config.num_key_value_heads // tp_size)
         num_heads = config.num_attention_heads // tp_size
+        held = cache_dtype(args.kv_cache_dtype, self.dtype)
         bytes_per_page = KVPool.bytes_per_page(
-            config.num_hidden_layers, self.page_size, num_kv_heads, config.head_dim, self.dtype
+            config.num_hidden_layers, self.page_size, num_kv_heads, config.head_dim, held
         )
         self.num_pages = args.num_pages or agree_num_pages(
             default_num_pages(
@@ -159,6 +160,7 @@ class ModelRunner:
             config.head_dim,
             self.dtype,
             self.device,
+            cache_dtype=held,
         )
         self.attn = create_attention_backend(
             args.attention_backend,
@@ -173,7 +175,7 @@ class ModelRunner:
             self.num_pages,
             self.page_size,
             self.num_pages * bytes_per_page / 2**20,
-            self.dtype,
+            held,
             self.device,
         )
         self.decode_graphs: DecodeGraphs | None = None

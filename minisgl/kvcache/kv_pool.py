@@ -3,6 +3,12 @@
 Slot arithmetic (shared by every attention backend): the token at position p of a request whose
 page table is pt lives in slot pt[p // page_size] * page_size + p % page_size. Which pages a
 request owns is the allocator's business (page_allocator.py); this class only holds memory.
+
+The buffers hold the model's dtype, or with --kv-cache-dtype fp8 float8 e4m3 (half a bf16
+cache's bytes: twice the tokens in the same memory, half the bytes a decode step's attention
+reads), as vLLM's and SGLang's fp8 caches without calibrated scales: each value rounded to the
+nearest e4m3, clamped to its largest magnitude (448). Attention reads such a cache back in the
+model's dtype (`dequantize`, or a kernel that converts as it reads).
 """
 
 from __future__ import annotations
@@ -11,6 +17,21 @@ import torch
 
 from minisgl import hugepages
 from minisgl.layers import cpu_kernels
+
+# --kv-cache-dtype's names -> the buffers' dtype (auto: the model's).
+FP8 = torch.float8_e4m3fn
+CACHE_DTYPES = {"fp8": FP8, "fp8_e4m3": FP8}
+FP8_MAX = 448.0
+
+
+def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    return model_dtype if name == "auto" else CACHE_DTYPES[name]
+
+
+def to_fp8(t: torch.Tensor) -> torch.Tensor:
+    """Each value rounded to the nearest e4m3 (ties to even), clamped to +-448: a cast alone
+    turns a larger magnitude into NaN on some devices."""
+    return t.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 class KVPool:
@@ -23,31 +44,52 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads  # this rank's share
         self.head_dim = head_dim
-        self.dtype = dtype
+        self.dtype = dtype  # the model's: what attention computes in
+        self.cache_dtype = cache_dtype or dtype  # what the buffers hold
         self.device = torch.device(device)
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         # Zeroed, not empty: a padded gather may read a never-written slot (it is masked out,
         # but NaN garbage times a zero weight would still poison the sum). On the CPU on huge
         # pages: decode attention streams every layer's buffers each step.
-        self.k_buffers = [hugepages.zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.v_buffers = [hugepages.zeros(shape, dtype, device) for _ in range(num_layers)]
+        held = self.cache_dtype
+        self.k_buffers = [hugepages.zeros(shape, held, device) for _ in range(num_layers)]
+        self.v_buffers = [hugepages.zeros(shape, held, device) for _ in range(num_layers)]
+
+    @property
+    def fp8(self) -> bool:
+        return self.cache_dtype == FP8
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Layer `layer_id`'s K and V rows at `slots` [T] = k, v [T, Hkv, D]. On CPU one pass
         of row copies from where k and v lie (views of the fused qkv output; index_copy_ from
         such strided views goes element by element: ~3% of a CPU prefill step)."""
         k_buf, v_buf = self.k_buffers[layer_id], self.v_buffers[layer_id]
+        if self.fp8:  # index_copy_ has no float8 kernels: the same bytes as uint8
+            k_buf.view(torch.uint8).index_copy_(0, slots, to_fp8(k).view(torch.uint8))
+            v_buf.view(torch.uint8).index_copy_(0, slots, to_fp8(v).view(torch.uint8))
+            return
         if cpu_kernels.kv_store_supported(k_buf, k, v):
             cpu_kernels.kv_store(k_buf, v_buf, slots, k, v)
             return
         k_buf.index_copy_(0, slots, k)
         v_buf.index_copy_(0, slots, v)
+
+    def dequantize(self, t: torch.Tensor) -> torch.Tensor:
+        """Rows read from the buffers, in the model's dtype."""
+        return t.to(self.dtype) if t.dtype != self.dtype else t
+
+    def round_trip(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as the cache gives it back: what attention over this step's own new rows reads
+        where it takes them from the step rather than from the buffers, so that every query
+        sees the same keys and values whichever way they reach it."""
+        return self.dequantize(to_fp8(t)) if self.fp8 else t
 
     @property
     def num_slots(self) -> int:

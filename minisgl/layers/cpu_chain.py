@@ -210,11 +210,12 @@ class Chain:
         the new k are the heads of `qk` [B, Hq + Hkv, D], the new v the last Hkv heads of
         `qkv` [B, (Hq + 2 Hkv) * D]."""
         hq, hkv, d = heads
+        held = (self.dtype, torch.float8_e4m3fn)  # an fp8 pool: the new rows rounded into it
         for pool in (k_pool, v_pool):
-            if pool.dtype != self.dtype or not pool.is_contiguous() or pool.shape[1:] != (hkv, d):
+            if pool.dtype not in held or not pool.is_contiguous() or pool.shape[1:] != (hkv, d):
                 raise Unsupported("a KV pool in another dtype or layout")
         size = qk.element_size()
-        fn = self.lib.attn_bf16 if k_pool.dtype == torch.bfloat16 else self.lib.attn_f32
+        fn = cpu_kernels.attention_kernel(self.lib, k_pool.dtype)
         self._emit(
             OP_ATTN,
             fn,

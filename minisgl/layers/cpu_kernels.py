@@ -80,10 +80,11 @@ class _Lib:
         self.bf16, self.f32 = lib.gemv_bf16, lib.gemv_f32
         attn_args: list[Any] = [ptr, i64, ctypes.c_int] + [ptr] * 4 + [i64, ptr, ctypes.c_int]
         attn_args += [i64, i64, i64, i64, ctypes.c_float, ptr, i64, ptr, i64, ptr]
-        for fn in (lib.decode_attn_bf16, lib.decode_attn_f32):
+        for fn in (lib.decode_attn_bf16, lib.decode_attn_f32, lib.decode_attn_e4m3):
             fn.argtypes = attn_args
             fn.restype = None
         self.attn_bf16, self.attn_f32 = lib.decode_attn_bf16, lib.decode_attn_f32
+        self.attn_e4m3 = lib.decode_attn_e4m3
         # Its bf16 passes on 16 lanes (csrc/attention.c; 1 = on): q.k on VDPBF16PS, the
         # values' sums (the same bits as 8 lanes). Switches for tests and benchmarks.
         self.attn_dpbf16: Any = _global(lib, "attn_dpbf16", ctypes.c_int)
@@ -966,9 +967,10 @@ def decode_attention(
         q = q.contiguous()
     q_bf16 = q.dtype == torch.bfloat16
     out = torch.empty(b, hq * d, dtype=q.dtype)
-    fn = lib.attn_bf16 if k_pool.dtype == torch.bfloat16 else lib.attn_f32
+    fn = attention_kernel(lib, k_pool.dtype)
     k_new, v_new, new_slots = new if new is not None else (None, None, None)
-    size = k_pool.element_size()
+    size = k_new.element_size() if k_new is not None else 0
+    assert k_new is None or k_pool.dtype != _FP8 or k_new.dtype == q.dtype  # rounded as q's
     fn(
         q.data_ptr(),
         q.stride(0),
@@ -994,11 +996,25 @@ def decode_attention(
     return out
 
 
+# The pools decode_attention reads: the model's float dtypes, and fp8 e4m3 (--kv-cache-dtype).
+_FP8 = torch.float8_e4m3fn
+_POOL_DTYPES = (torch.bfloat16, torch.float32, _FP8)
+
+
+def attention_kernel(lib: Any, pool_dtype: torch.dtype) -> Any:
+    """The decode attention function of `lib` (_Lib) for pools of this dtype."""
+    if pool_dtype == _FP8:
+        return lib.attn_e4m3
+    return lib.attn_bf16 if pool_dtype == torch.bfloat16 else lib.attn_f32
+
+
 def can_write_new(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether decode_attention can store these new rows ([B, Hkv, D], any token stride) into
-    `pool`'s layout itself: the pool's dtype, each token's heads packed."""
-    return all(
-        t.dtype == pool.dtype and t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+    `pool`'s layout itself: the pool's dtype (an fp8 pool: bf16 or fp32 rows, rounded as they
+    are stored, the query's dtype), each token's heads packed."""
+    kinds = _FLOATS if pool.dtype == _FP8 else (pool.dtype,)
+    return k.dtype == v.dtype and all(
+        t.dtype in kinds and t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
         for t in (k, v)
     )
 
@@ -1009,7 +1025,7 @@ def supports_decode_attention(pool: torch.Tensor, num_heads: int = 1) -> bool:
     return (
         pool.device.type == "cpu"
         and num_heads // max(pool.shape[1], 1) <= 64
-        and pool.dtype in (torch.bfloat16, torch.float32)
+        and pool.dtype in _POOL_DTYPES
         and pool.shape[-1] % 8 == 0
         and pool.shape[-1] <= 1024
         and pool.is_contiguous()
@@ -1112,6 +1128,7 @@ def kv_store_supported(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
         and pool.is_contiguous()
         and k.shape[1:] == pool.shape[1:]
         and v.shape[1:] == pool.shape[1:]
+        and k.dtype == pool.dtype
         and can_write_new(pool, k, v)
         and load() is not None
     )

@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_model import Runner, load, prompts, write_hf_model
 
+from minisgl.kvcache.kv_pool import FP8
 from minisgl.layers import cpu_chain, cpu_kernels
 from minisgl.layers.kernel_choice import BUCKETS
 from minisgl.models.config import ModelConfig
@@ -29,16 +30,27 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, head_dim=32)
 SCHEDULE = [[3, 0], [1, 70], [1, 3], [1, 1], [0, 1], [0, 1]]
 
 
-def _run(path: Path, dtype: torch.dtype, quantization: str | None, **kw: str) -> tuple[list, dict]:
-    got, chains, _ = _run_model(path, dtype, quantization, **kw)
+def _run(
+    path: Path,
+    dtype: torch.dtype,
+    quantization: str | None,
+    cache_dtype: torch.dtype | None = None,
+    **kw: str,
+) -> tuple[list, dict]:
+    got, chains, _ = _run_model(path, dtype, quantization, cache_dtype, **kw)
     return got, chains
 
 
 def _run_model(
-    path: Path, dtype: torch.dtype, quantization: str | None, **kw: str
+    path: Path,
+    dtype: torch.dtype,
+    quantization: str | None,
+    cache_dtype: torch.dtype | None = None,
+    **kw: str,
 ) -> tuple[list, dict, Any]:
     model = load(path, dtype, quantization=quantization, cpu_kernel_tuning="off", **kw)
-    got = Runner(model, ModelConfig.from_dir(path), dtype).run(prompts([6, 76]), SCHEDULE)
+    runner = Runner(model, ModelConfig.from_dir(path), dtype, cache_dtype=cache_dtype)
+    got = runner.run(prompts([6, 76]), SCHEDULE)
     return got, model.__dict__.get("_cpu_chains", {}), model
 
 
@@ -79,6 +91,28 @@ def test_chain_equals_layer_by_layer(
         assert model.model.embed_tokens.panels is not None  # the case above is met
     for a, b in zip(chained, plain, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_an_fp8_cache_runs_in_the_chain(
+    tmp_path: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--kv-cache-dtype fp8: the chain's attention stores the step's rows rounded to e4m3 and
+    reads the cache as e4m3, the same bits as the layers run one by one (whose prefills round
+    their own rows in torch); and the cache changes the results (the fixture's keys and values
+    are not all e4m3 values already)."""
+    write_hf_model(tmp_path, **SHAPE)
+    chained, chains, _ = _run_model(tmp_path, dtype, None, FP8)
+    assert sorted(rows for rows, *_ in chains) == [1, 2, 3, 4]
+    assert all(c is not None for c in chains.values())
+    float_cache, _, _ = _run_model(tmp_path, dtype, None)
+    monkeypatch.setenv("MINISGL_CPU_DECODE_CHAIN", "0")
+    plain, none = _run(tmp_path, dtype, None, cache_dtype=FP8)
+    assert not any(none.values())
+    for a, b in zip(chained, plain, strict=True):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(a, b) for a, b in zip(chained, float_cache, strict=True))
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not build here")

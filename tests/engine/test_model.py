@@ -81,12 +81,17 @@ class Runner:
     """A minimal engine: requests with page tables drawn at random from a shuffled pool."""
 
     def __init__(
-        self, model: Qwen3ForCausalLM, config: ModelConfig, dtype: torch.dtype, tp_size: int = 1
+        self,
+        model: Qwen3ForCausalLM,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        tp_size: int = 1,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         heads, kv_heads = 4 // tp_size, 2 // tp_size
         self.pool = KVPool(
-            config.num_hidden_layers, 64, PAGE, kv_heads, config.head_dim, dtype, "cpu"
+            config.num_hidden_layers, 64, PAGE, kv_heads, config.head_dim, dtype, "cpu", cache_dtype
         )
         self.attn = create_attention_backend(
             "torch", self.pool, heads, kv_heads, config.head_dim, config.head_dim**-0.5

@@ -79,7 +79,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             causal=True,
             sm_scale=self.scale,
             q_data_type=self.kv_pool.dtype,
-            kv_data_type=self.kv_pool.dtype,
+            kv_data_type=self.kv_pool.cache_dtype,
         )
         return FlashInferMetadata(out_loc=upload(plan.out_loc, self.device))
 
@@ -120,7 +120,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             layout.page_size,
             sm_scale=self.scale,
             q_data_type=self.kv_pool.dtype,
-            kv_data_type=self.kv_pool.dtype,
+            kv_data_type=self.kv_pool.cache_dtype,
         )
         meta.out_loc.copy_(torch.from_numpy(plan.out_loc))
         return meta
@@ -134,8 +134,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         assert isinstance(meta, FlashInferMetadata)
-        self.kv_pool.k_buffers[layer_id].index_copy_(0, meta.out_loc, k)
-        self.kv_pool.v_buffers[layer_id].index_copy_(0, meta.out_loc, v)
+        self.kv_pool.store(layer_id, meta.out_loc, k, v)
         wrapper = meta.wrapper if isinstance(meta, FlashInferDecodeMetadata) else self.wrapper
         o = wrapper.run(q.contiguous(), self.caches[layer_id])
         return o.reshape(q.shape[0], self.num_heads * self.head_dim)

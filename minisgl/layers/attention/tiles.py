@@ -76,8 +76,8 @@ def attend_blocked(
     tiles: list[Tile],
     scale: float,
 ) -> torch.Tensor:
-    """qg [G, Q, Hq, D]; k/v_buf [slots, Hkv, D]; k_slots [G, K]; lo/hi [G, Q] -> [G, Q, Hq * D]
-    in qg's dtype."""
+    """qg [G, Q, Hq, D]; k/v_buf [slots, Hkv, D] (any float dtype: an fp8 cache's rows are
+    widened as they are read); k_slots [G, K]; lo/hi [G, Q] -> [G, Q, Hq * D] in qg's dtype."""
     g, num_q, hq, d = qg.shape
     hkv = k_buf.shape[1]
     grp = hq // hkv

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -488,7 +488,7 @@ class TorchAttentionBackend(AttentionBackend):
             if grp.prefill_plan is not None:  # the prompts' rows of `out`, in place
                 if out is None:
                     out = q.new_empty(meta.num_tokens, width)
-                if cpu_prefill.attend(q, k, v, k_buf, v_buf, grp.prefill_plan, out, self.scale):
+                if self._prefill(q, k, v, k_buf, v_buf, grp.prefill_plan, out):
                     continue
                 assert grp.fallback is not None
                 meta.groups[i] = grp = grp.fallback()  # for the other layers too
@@ -502,6 +502,28 @@ class TorchAttentionBackend(AttentionBackend):
             out[grp.out_rows] = o
         assert out is not None
         return out
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        plan: cpu_prefill.Plan,
+        out: torch.Tensor,
+    ) -> bool:
+        """cpu_prefill.attend; over an fp8 cache (the kernel reads bf16) with this step's rows
+        and the cached prefixes' rows as the cache gives them back, the prefixes gathered."""
+        if self.kv_pool.fp8:
+            k, v = self.kv_pool.round_trip(k), self.kv_pool.round_trip(v)
+            if plan.slots is None:  # no prefix: the kernel never reads the pools
+                k_buf, v_buf = k, v
+            else:
+                k_buf = self.kv_pool.dequantize(k_buf.index_select(0, plan.slots))
+                v_buf = self.kv_pool.dequantize(v_buf.index_select(0, plan.slots))
+                plan = replace(plan, slots=torch.arange(len(plan.slots)))
+        return cpu_prefill.attend(q, k, v, k_buf, v_buf, plan, out, self.scale)
 
     def decode_chain_inputs(
         self, meta: AttentionMetadata
@@ -579,8 +601,9 @@ class TorchAttentionBackend(AttentionBackend):
             qg = q[c.q_rows]  # [G, Q, Hq, D]
         if c.k_slots is None:  # fresh prompts: their own K/V rows, as they lie in the step
             rows = slice(c.start, c.start + g * qn)
-            kf = k[rows].view(g, qn, hkv, d).transpose(1, 2)
-            vf = v[rows].view(g, qn, hkv, d).transpose(1, 2)
+            # as the cache keeps them (fp8: rounded), as every later query reads them
+            kf = self.kv_pool.round_trip(k[rows]).view(g, qn, hkv, d).transpose(1, 2)
+            vf = self.kv_pool.round_trip(v[rows]).view(g, qn, hkv, d).transpose(1, 2)
             o = self._sdpa(qg.transpose(1, 2), kf, vf, None, True)
             return o.transpose(1, 2).reshape(g * qn, hq * d)
         if c.blocked:
@@ -589,8 +612,10 @@ class TorchAttentionBackend(AttentionBackend):
             return o.view(g * qn, hq * d)
         # The call's keys once ([G, Hkv, K, D] views), each tile attending to a slice of them.
         flat = c.k_slots.reshape(-1)
-        kg = k_buf.index_select(0, flat).view(g, -1, self.num_kv_heads, d).transpose(1, 2)
-        vg = v_buf.index_select(0, flat).view(g, -1, self.num_kv_heads, d).transpose(1, 2)
+        kg = self.kv_pool.dequantize(k_buf.index_select(0, flat))
+        vg = self.kv_pool.dequantize(v_buf.index_select(0, flat))
+        kg = kg.view(g, -1, self.num_kv_heads, d).transpose(1, 2)
+        vg = vg.view(g, -1, self.num_kv_heads, d).transpose(1, 2)
         if not c.tiles:
             o = self._sdpa(qg.transpose(1, 2), kg, vg, None, c.causal)
             return o.transpose(1, 2).reshape(g * qn, hq * d)

@@ -63,6 +63,24 @@ static inline void load16_f32(const float* p, __m256* lo, __m256* hi) {
     *lo = _mm256_loadu_ps(p);
     *hi = _mm256_loadu_ps(p + 8);
 }
+/* fp8 e4m3 pools (--kv-cache-dtype fp8): 8 codes (the low 8 bytes of b) as fp32 in order. A
+   code's exponent and mantissa bits moved up 7 make an fp16 of the same mantissa whose
+   exponent reads 8 less (e4m3's bias is 7, fp16's 15; subnormals map to subnormals), its sign
+   goes to bit 15; F16C widens it, exactly, and 256 restores the scale. */
+static inline __m256 e4m3x8(__m128i b) {
+    __m128i h = _mm_cvtepu8_epi16(b);
+    __m128i mag = _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7);
+    __m128i sign = _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8);
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(mag, sign)), _mm256_set1_ps(256.f));
+}
+static inline void load16_e4m3(const uint8_t* p, __m256* lo, __m256* hi) {
+    __m128i b = _mm_loadu_si128((const __m128i*)p);
+    *lo = e4m3x8(b);
+    *hi = e4m3x8(_mm_srli_si128(b, 8));
+}
+static inline __m256 load8_e4m3(const uint8_t* p) {
+    return e4m3x8(_mm_loadl_epi64((const __m128i*)p));
+}
 /* Where value s of a head's stored order sits in the head: per 16 (all but a tail of 8), the
    even then the odd where `perm` (bf16 keys), else in order. */
 static inline int64_t perm_index(int64_t s, int64_t D, int perm) {
@@ -370,7 +388,11 @@ void NAME(const void* q, int64_t q_stride, int q_bf16, KT* kp, KT* vp,          
           const KT* k_new, int64_t k_stride, const KT* v_new, int64_t v_stride,              \
           const int64_t* new_slots) {                                                       \
     int64_t chunk, T, *first, *owner, *done, row_bytes = Hkv * D * (int64_t)sizeof(KT);     \
-    if (k_new) write_new(kp, vp, k_new, k_stride, v_new, v_stride, new_slots, B, row_bytes); \
+    if (k_new && sizeof(KT) == 1) /* an fp8 pool: new rows in q's dtype, rounded here */    \
+        write_new_e4m3((uint8_t*)kp, (uint8_t*)vp, k_new, k_stride, v_new, v_stride,         \
+                       new_slots, B, Hkv * D, q_bf16);                                      \
+    else if (k_new)                                                                         \
+        write_new(kp, vp, k_new, k_stride, v_new, v_stride, new_slots, B, row_bytes);       \
     float* part = plan_chunks(lens, B, Hq, D, &chunk, &T, &first, &owner, &done);           \
     if (!part) return;                                                                      \
     int64_t stride = Hq * (D + 2);                                                          \
@@ -418,6 +440,37 @@ static void write_new(void* kp, void* vp, const void* k_new, int64_t k_stride, c
         __builtin_memcpy((char*)vp + new_slots[b] * row_bytes, (const char*)v_new + b * v_stride,
                          (size_t)row_bytes);
     }
+}
+
+/* x rounded to the nearest e4m3 (ties to even), its magnitude clamped to 448: the bits torch's
+   clamp then cast to float8_e4m3fn give (kv_pool.to_fp8), which stores the other steps' rows. */
+static inline uint8_t f32_to_e4m3(float x) {
+    uint32_t u;
+    __builtin_memcpy(&u, &x, 4);
+    uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    float a = fabsf(x);
+    if (!(a < 448.f)) return sign | 0x7E;
+    if (a < 0.015625f) /* below the least normal, 2^-6: multiples of 2^-9 (8 of them is 2^-6) */
+        return sign | (uint8_t)nearbyintf(a * 512.f);
+    __builtin_memcpy(&u, &a, 4);
+    u += 0x7FFFF + ((u >> 20) & 1); /* round the 23-bit mantissa to 3 bits, ties to even */
+    uint32_t e = (u >> 23) - 120, m = (u >> 20) & 7; /* exponent bias 127 -> 7 */
+    return sign | (uint8_t)(e << 3 | m); /* a < 448 rounds to 448 (e 15, m 6) at most */
+}
+
+/* write_new for an fp8 pool: each of a row's `row` values (bf16 or fp32, `src_bf16`) rounded. */
+static void write_new_e4m3(uint8_t* kp, uint8_t* vp, const void* k_new, int64_t k_stride,
+                           const void* v_new, int64_t v_stride, const int64_t* new_slots,
+                           int64_t B, int64_t row, int src_bf16) {
+    for (int64_t b = 0; b < B; b++)
+        for (int kv = 0; kv < 2; kv++) {
+            const char* src = kv ? (const char*)v_new + b * v_stride
+                                 : (const char*)k_new + b * k_stride;
+            uint8_t* dst = (kv ? vp : kp) + new_slots[b] * row;
+            for (int64_t e = 0; e < row; e++)
+                dst[e] = f32_to_e4m3(src_bf16 ? bf16_to_f32(((const uint16_t*)src)[e])
+                                              : ((const float*)src)[e]);
+        }
 }
 
 /* One head of q (D values) to fp32 in the stored order. */
@@ -562,6 +615,7 @@ static void merge_request(const float* part, const int64_t* first, int64_t b, in
 
 ATTN(decode_attn_bf16, uint16_t, load16_bf16, load_bf16, 1)
 ATTN(decode_attn_f32, float, load16_f32, load_f32, 0)
+ATTN(decode_attn_e4m3, uint8_t, load16_e4m3, load8_e4m3, 0)
 
 /* Causal attention of a prefill step's prompts, straight from the step's q/k/v rows (views of
    the qkv projection: rows `q_stride`, `k_stride`, `v_stride` elements apart, a row's heads
