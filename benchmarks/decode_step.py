@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         help="int8|int4|fp8, or several comma-separated ('none' for the float model): each "
         "measured on the same fixture in one run, side by side; FORMAT:HEAD gives that one "
         "its own LM head format (e.g. int4:int4 beside int4, whose head is int8), and a /x8 "
-        "suffix runs it with --cpu-quantized-activations int8 (e.g. int8,int8/x8,int4,int4/x8)",
+        "suffix runs it with --cpu-quantized-activations int8 (e.g. int8,int8/x8,int4,int4/x8), "
+        "and an @KV suffix with --kv-cache-dtype KV (e.g. none,none@fp8,int4@fp8)",
     )
     ap.add_argument(
         "--lm-head-quantization",
@@ -273,7 +274,8 @@ def _build(
 ) -> tuple[ModelRunner, dict[str, tuple[ForwardInput, int, float, float]], int, int]:
     """The runner for one weight format, its cases (name -> input, tokens, bytes a step must
     read, FLOPs), its matmul parameters and their bytes. `fmt`: --quantization's entry,
-    FORMAT or FORMAT:HEAD."""
+    FORMAT[:HEAD][/x8][@KV]."""
+    fmt, _, kv_cache = fmt.partition("@")
     x8 = fmt.endswith("/x8")
     quantization, _, head = fmt.removesuffix("/x8").partition(":")
     eargs = EngineArgs(
@@ -287,12 +289,13 @@ def _build(
         quantization=quantization if quantization not in ("", "none") else None,
         lm_head_quantization=head or args.lm_head_quantization,
         cpu_quantized_activations="int8" if x8 else "int16",
+        kv_cache_dtype=kv_cache or "auto",
     )
     runner = ModelRunner(eargs, model, config, max_seq_len=4096)
     params, weight_bytes = linear_weights(runner.model)
     kv_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim
     kv_token *= runner.kv_pool.k_buffers[0].element_size()
-    one = decode_bytes_per_token(runner.model, args.context, runner.dtype)
+    one = decode_bytes_per_token(runner.model, args.context, runner.kv_pool.cache_dtype)
     # B=1 reads only what one token touches (a mixture of experts: its k routed experts), more
     # rows are counted as all the weights.
     cases: dict[str, tuple[ForwardInput, int, float, float]] = {}

@@ -46,17 +46,20 @@ def run_minisgl(
     model: str, dtype: str, device: str, prompts, out_len: int, quantization: str | None = None
 ) -> tuple[float, float]:
     """`quantization`: a --quantization format, with a /x8 suffix for
-    --cpu-quantized-activations int8."""
+    --cpu-quantized-activations int8 and an @KV suffix for --kv-cache-dtype KV."""
     from minisgl import LLM, SamplingParams
 
-    x8 = quantization is not None and quantization.endswith("/x8")
+    quantization, _, kv_cache = (quantization or "").partition("@")
+    x8 = quantization.endswith("/x8")
+    weights = quantization.removesuffix("/x8")
     llm = LLM(
         model,
         dtype=dtype,
         device=device,
         max_seq_len=2048,
-        quantization=quantization.removesuffix("/x8") if quantization else None,
+        quantization=weights if weights not in ("", "none") else None,
         cpu_quantized_activations="int8" if x8 else "int16",
+        kv_cache_dtype=kv_cache or "auto",
     )
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     llm.generate([prompts[0][:16]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
@@ -162,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         default="none",
         help="comma-separated --quantization formats for minisgl (int8, int4, fp8; none: the "
         "float model), each run on the same workload; a /x8 suffix adds "
-        "--cpu-quantized-activations int8 (e.g. none,int4,int4/x8)",
+        "--cpu-quantized-activations int8 (e.g. none,int4,int4/x8), an @KV suffix "
+        "--kv-cache-dtype KV (e.g. none,none@fp8,int4@fp8)",
     )
     ap.add_argument(
         "--no-transformers", action="store_true", help="minisgl only (no transformers peer)"

@@ -66,30 +66,34 @@ class KVPool:
     def fp8(self) -> bool:
         return self.cache_dtype == FP8
 
-    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Layer `layer_id`'s K and V rows at `slots` [T] = k, v [T, Hkv, D]. On CPU one pass
-        of row copies from where k and v lie (views of the fused qkv output; index_copy_ from
-        such strided views goes element by element: ~3% of a CPU prefill step)."""
+    def store(
+        self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_id`'s K and V rows at `slots` [T] = k, v [T, Hkv, D]. Returns them as
+        the cache gives them back (k and v themselves, or an fp8 cache's rounded values): what
+        attention over this step's own rows must read where it takes them from the step rather
+        than from the buffers, so that every query sees the same keys and values. On CPU one
+        pass of row copies (or roundings) from where k and v lie (views of the fused qkv
+        output; index_copy_ from such strided views goes element by element: ~3% of a CPU
+        prefill step)."""
         k_buf, v_buf = self.k_buffers[layer_id], self.v_buffers[layer_id]
-        if self.fp8:  # index_copy_ has no float8 kernels: the same bytes as uint8
-            k_buf.view(torch.uint8).index_copy_(0, slots, to_fp8(k).view(torch.uint8))
-            v_buf.view(torch.uint8).index_copy_(0, slots, to_fp8(v).view(torch.uint8))
-            return
+        if self.fp8:
+            if cpu_kernels.kv_store_supported(k_buf, k, v):
+                return cpu_kernels.kv_store_fp8(k_buf, v_buf, slots, k, v)
+            kq, vq = to_fp8(k), to_fp8(v)  # index_copy_ has no float8 kernels: the bytes
+            k_buf.view(torch.uint8).index_copy_(0, slots, kq.view(torch.uint8))
+            v_buf.view(torch.uint8).index_copy_(0, slots, vq.view(torch.uint8))
+            return self.dequantize(kq), self.dequantize(vq)
         if cpu_kernels.kv_store_supported(k_buf, k, v):
             cpu_kernels.kv_store(k_buf, v_buf, slots, k, v)
-            return
-        k_buf.index_copy_(0, slots, k)
-        v_buf.index_copy_(0, slots, v)
+        else:
+            k_buf.index_copy_(0, slots, k)
+            v_buf.index_copy_(0, slots, v)
+        return k, v
 
     def dequantize(self, t: torch.Tensor) -> torch.Tensor:
         """Rows read from the buffers, in the model's dtype."""
         return t.to(self.dtype) if t.dtype != self.dtype else t
-
-    def round_trip(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` as the cache gives it back: what attention over this step's own new rows reads
-        where it takes them from the step rather than from the buffers, so that every query
-        sees the same keys and values whichever way they reach it."""
-        return self.dequantize(to_fp8(t)) if self.fp8 else t
 
     @property
     def num_slots(self) -> int:

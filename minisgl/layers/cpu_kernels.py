@@ -118,6 +118,10 @@ class _Lib:
         lib.kv_store.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64]
         lib.kv_store.restype = i64
         self.kv_store = lib.kv_store
+        lib.kv_store_e4m3.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64]
+        lib.kv_store_e4m3.argtypes += [ctypes.c_int, ptr, ptr]
+        lib.kv_store_e4m3.restype = i64
+        self.kv_store_e4m3 = lib.kv_store_e4m3
         lib.rows_argmax.argtypes = [ptr, i64, i64, ptr, ptr]
         lib.rows_argmax.restype = None
         self.rows_argmax = lib.rows_argmax
@@ -1121,17 +1125,53 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def kv_store_supported(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether kv_store can write these rows ([T, Hkv, D], any token stride) into `pool`
-    [S, Hkv, D]: on CPU, the pool's dtype, each token's heads packed, the pool contiguous."""
+    """Whether kv_store (kv_store_fp8 for an fp8 pool) can write these rows ([T, Hkv, D], any
+    token stride) into `pool` [S, Hkv, D]: on CPU, the pool's dtype (an fp8 pool: bf16 or fp32
+    rows), each token's heads packed, the pool contiguous."""
     return (
         pool.device.type == "cpu"
         and pool.is_contiguous()
         and k.shape[1:] == pool.shape[1:]
         and v.shape[1:] == pool.shape[1:]
-        and k.dtype == pool.dtype
         and can_write_new(pool, k, v)
         and load() is not None
     )
+
+
+def kv_store_fp8(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_store into fp8 e4m3 pools (see kv_store_supported): each value rounded as
+    kv_pool.to_fp8 rounds it. Returns the values stored, in k's dtype ([T, Hkv, D]): what the
+    pools give back."""
+    lib = load()
+    assert lib is not None and k_pool.dtype == _FP8 and k.dtype == v.dtype in _FLOATS
+    slots = slots.to(torch.int64).contiguous()
+    t, size = k.shape[0], k.element_size()
+    assert slots.numel() == t == v.shape[0]
+    k_back, v_back = torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)
+    bad = lib.kv_store_e4m3(
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        k_pool.shape[0],
+        slots.data_ptr(),
+        k.data_ptr(),
+        k.stride(0) * size,
+        v.data_ptr(),
+        v.stride(0) * size,
+        t,
+        k_pool[0].numel(),
+        int(k.dtype == torch.bfloat16),
+        k_back.data_ptr(),
+        v_back.data_ptr(),
+    )
+    if bad >= 0:
+        raise IndexError(f"KV slot {int(slots[bad])} outside the pool of {k_pool.shape[0]}")
+    return k_back, v_back
 
 
 def kv_store(

@@ -118,14 +118,29 @@ def test_an_fp8_page_costs_half_a_bf16_page() -> None:
     assert pool.dtype == torch.bfloat16  # what attention computes in
 
 
-def test_the_store_rounds_to_nearest_and_clamps() -> None:
-    pool = KVPool(1, 2, 16, 1, 8, torch.float32, "cpu", cache_dtype=FP8)
-    k = torch.tensor([[[0.0, 1.0, 1.0625, 1.1875, 500.0, -1e6, 2.0**-10, 3 * 2.0**-11]]])
-    pool.store(0, torch.tensor([5]), k, -k)
-    got = pool.k_buffers[0][5, 0].float()
-    want = torch.tensor([0.0, 1.0, 1.0, 1.25, 448.0, -448.0, 0.0, 2.0**-9])
-    assert torch.equal(got, want) and torch.equal(pool.v_buffers[0][5, 0].float(), -want)
-    assert torch.equal(pool.round_trip(k), to_fp8(k).float())
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_store_rounds_to_nearest_and_clamps(
+    path: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ties to even, subnormals, magnitudes past 448; the store gives back what it stored (what
+    attention over the step's own rows reads), in the rows' dtype."""
+    from minisgl.layers import cpu_kernels
+
+    if path == "torch":
+        monkeypatch.setattr(cpu_kernels, "kv_store_supported", lambda *a: False)
+    elif cpu_kernels.load() is None:
+        pytest.skip("the CPU kernels do not build here")
+    pool = KVPool(1, 2, 16, 1, 9, dtype, "cpu", cache_dtype=FP8)
+    k = torch.tensor([[[0.0, 1.0, 1.0625, 1.1875, 500.0, -1e6, 2.0**-10, 3 * 2.0**-11, -3.3]]])
+    k = k.to(dtype)
+    k_back, v_back = pool.store(0, torch.tensor([5]), k, -k)
+    want = torch.tensor([0.0, 1.0, 1.0, 1.25, 448.0, -448.0, 0.0, 2.0**-9, -3.25])
+    assert torch.equal(pool.k_buffers[0][5, 0].float(), want)
+    assert torch.equal(pool.v_buffers[0][5, 0].float(), -want)
+    assert k_back.dtype == dtype and torch.equal(k_back.float()[0, 0], want)
+    assert torch.equal(v_back.float()[0, 0], -want)
+    assert torch.equal(to_fp8(k).float()[0, 0], want)
 
 
 @pytest.mark.parametrize("prefix", [0, 40])

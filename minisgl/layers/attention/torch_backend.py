@@ -480,8 +480,8 @@ class TorchAttentionBackend(AttentionBackend):
         v_buf = self.kv_pool.v_buffers[layer_id]
         # A plain decode step on CPU: the kernel stores the new rows itself.
         new = (k, v, meta.out_loc) if self._decode_in_place(meta, k_buf, k, v) else None
-        if new is None:
-            self.kv_pool.store(layer_id, meta.out_loc, k, v)
+        if new is None:  # from here on k and v as the cache gives them back (fp8: rounded)
+            k, v = self.kv_pool.store(layer_id, meta.out_loc, k, v)
         width = self.num_heads * self.head_dim
         out: torch.Tensor | None = None
         for i, grp in enumerate(meta.groups):
@@ -513,10 +513,9 @@ class TorchAttentionBackend(AttentionBackend):
         plan: cpu_prefill.Plan,
         out: torch.Tensor,
     ) -> bool:
-        """cpu_prefill.attend; over an fp8 cache (the kernel reads bf16) with this step's rows
-        and the cached prefixes' rows as the cache gives them back, the prefixes gathered."""
+        """cpu_prefill.attend; over an fp8 cache (the kernel reads bf16) with the cached
+        prefixes' rows as the cache gives them back, gathered (k and v are already)."""
         if self.kv_pool.fp8:
-            k, v = self.kv_pool.round_trip(k), self.kv_pool.round_trip(v)
             if plan.slots is None:  # no prefix: the kernel never reads the pools
                 k_buf, v_buf = k, v
             else:
@@ -601,9 +600,8 @@ class TorchAttentionBackend(AttentionBackend):
             qg = q[c.q_rows]  # [G, Q, Hq, D]
         if c.k_slots is None:  # fresh prompts: their own K/V rows, as they lie in the step
             rows = slice(c.start, c.start + g * qn)
-            # as the cache keeps them (fp8: rounded), as every later query reads them
-            kf = self.kv_pool.round_trip(k[rows]).view(g, qn, hkv, d).transpose(1, 2)
-            vf = self.kv_pool.round_trip(v[rows]).view(g, qn, hkv, d).transpose(1, 2)
+            kf = k[rows].view(g, qn, hkv, d).transpose(1, 2)
+            vf = v[rows].view(g, qn, hkv, d).transpose(1, 2)
             o = self._sdpa(qg.transpose(1, 2), kf, vf, None, True)
             return o.transpose(1, 2).reshape(g * qn, hq * d)
         if c.blocked:

@@ -1,4 +1,5 @@
 #include "common.h"
+#include "fp8.h"
 
 /* The largest of 8 lanes (none NaN: as the loop that fills them, NaN lanes keep -inf). */
 static inline float hmax(__m256 v) {
@@ -68,10 +69,9 @@ static inline void load16_f32(const float* p, __m256* lo, __m256* hi) {
    exponent reads 8 less (e4m3's bias is 7, fp16's 15; subnormals map to subnormals), its sign
    goes to bit 15; F16C widens it, exactly, and 256 restores the scale. */
 static inline __m256 e4m3x8(__m128i b) {
-    __m128i h = _mm_cvtepu8_epi16(b);
-    __m128i mag = _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7);
-    __m128i sign = _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8);
-    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(mag, sign)), _mm256_set1_ps(256.f));
+    __m128i t = _mm_slli_epi16(_mm_cvtepu8_epi16(b), 7); /* the sign lands on bit 14: */
+    __m128i h = _mm_add_epi16(t, _mm_and_si128(t, _mm_set1_epi16(0x4000))); /* carried to 15 */
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
 }
 static inline void load16_e4m3(const uint8_t* p, __m256* lo, __m256* hi) {
     __m128i b = _mm_loadu_si128((const __m128i*)p);
@@ -286,6 +286,116 @@ static void values_512(const uint16_t* kp, const uint16_t* vp, const int64_t* sl
 }
 #endif
 
+int attn_e4m3_512 = 1;
+#if defined(__AVX512F__)
+/* 16 e4m3 codes as fp32 times 2^-8: e4m3x8's fp16 reading without its multiply (the passes
+   below fold 256 into the scores' scale and the values' weights, exactly: a power of two). */
+static inline __m512 e4m3x16_low(const uint8_t* p) {
+    __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)), 7);
+    __m256i h = _mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000)));
+    return _mm512_cvtph_ps(h);
+}
+
+/* The keys' pass of a chunk for e4m3 keys (--kv-cache-dtype fp8), D % 16 == 0, on 16 lanes:
+   the 8-lane path's products of the widened keys and the fp32 query (qb, in order), 16 codes
+   a load, two query heads per widened key. Loads, prefetches and order as that path's. */
+static void keys_e4m3(const float* qb, const uint8_t* kp, const uint8_t* vp, const int64_t* sl,
+                      int64_t n, int64_t Hq, int64_t Hkv, int64_t D, float scale, float* sc) {
+    int64_t group = Hq / Hkv, row = Hkv * D, n4 = (n + 3) & ~(int64_t)3;
+    __m128 s4 = _mm_set1_ps(scale * 256.f);
+    for (int64_t i = 0; i < n; i += 4) {
+        const uint8_t *kr[4], *ahead[4];
+        FOUR_KEY_ROWS(kr, ahead, block);
+        for (int64_t hk = 0; hk < Hkv; hk++) {
+            HEAD_LINES(pfl, ahead, block, hk);
+            for (int64_t g0 = 0; g0 < group; g0 += 2) {
+                int64_t ha = hk * group + g0, hb = g0 + 1 < group ? ha + 1 : ha;
+                const float* qa = qb + ha * D;
+                const float* qw = qb + hb * D;
+                __m512 a[4], b[4];
+                for (int j = 0; j < 4; j++) a[j] = b[j] = _mm512_setzero_ps();
+                for (int64_t d = 0; d < D; d += 16) {
+                    __m512 xa = _mm512_loadu_ps(qa + d), xb = _mm512_loadu_ps(qw + d);
+                    for (int j = 0; j < 4; j++) {
+                        if (g0 == 0 && pfl[j] && (d & 63) == 0)
+                            _mm_prefetch(pfl[j] + d, _MM_HINT_T1);
+                        __m512 k = e4m3x16_low(kr[j] + hk * D + d);
+                        a[j] = _mm512_fmadd_ps(k, xa, a[j]);
+                        b[j] = _mm512_fmadd_ps(k, xb, b[j]);
+                    }
+                }
+                __m256 ra[4], rb[4];
+                for (int j = 0; j < 4; j++) {
+                    ra[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]),
+                                          _mm512_extractf32x8_ps(a[j], 1));
+                    rb[j] = _mm256_add_ps(_mm512_castps512_ps256(b[j]),
+                                          _mm512_extractf32x8_ps(b[j], 1));
+                }
+                _mm_storeu_ps(sc + hb * n4 + i, _mm_mul_ps(hsum4(rb[0], rb[1], rb[2], rb[3]), s4));
+                _mm_storeu_ps(sc + ha * n4 + i, _mm_mul_ps(hsum4(ra[0], ra[1], ra[2], ra[3]), s4));
+            }
+        }
+    }
+}
+
+/* The values' pass of a chunk for e4m3 values, D % 16 == 0, on 16 lanes: po [Hq, D] (zeroed,
+   in order) += p * v, each widened value used by two query heads. */
+static void values_e4m3(const uint8_t* kp, const uint8_t* vp, const int64_t* sl, int64_t n,
+                        const int64_t* nsl, int64_t nn, int64_t Hq, int64_t Hkv, int64_t D,
+                        const float* sc, float* po) {
+    int64_t group = Hq / Hkv, row = Hkv * D, n4 = (n + 3) & ~(int64_t)3;
+    for (int64_t i = 0; i < n; i += 4) {
+        const uint8_t *vr[4], *ahead[4];
+        FOUR_VALUE_ROWS(vr, ahead, block);
+        for (int64_t hk = 0; hk < Hkv; hk++) {
+            HEAD_LINES(pfl, ahead, block, hk);
+            for (int64_t g0 = 0; g0 < group; g0 += 2) {
+                int64_t ha = hk * group + g0;
+                int two = g0 + 1 < group;
+                const float* pa = sc + ha * n4 + i;
+                const float* pb = two ? pa + n4 : pa; /* padded keys weigh 0 */
+                __m512 wa[4], wb[4];
+                for (int j = 0; j < 4; j++) {
+                    wa[j] = _mm512_set1_ps(pa[j] * 256.f);
+                    wb[j] = _mm512_set1_ps(pb[j] * 256.f);
+                }
+                float* oa = po + ha * D;
+                float* ob = two ? oa + D : 0;
+                for (int64_t d = 0; d < D; d += 16) {
+                    __m512 v[4];
+                    for (int j = 0; j < 4; j++) {
+                        if (g0 == 0 && pfl[j] && (d & 63) == 0)
+                            _mm_prefetch(pfl[j] + d, _MM_HINT_T1);
+                        v[j] = e4m3x16_low(vr[j] + hk * D + d);
+                    }
+                    __m512 x = _mm512_loadu_ps(oa + d);
+                    for (int j = 0; j < 4; j++) x = _mm512_fmadd_ps(wa[j], v[j], x);
+                    _mm512_storeu_ps(oa + d, x);
+                    if (!ob) continue;
+                    x = _mm512_loadu_ps(ob + d);
+                    for (int j = 0; j < 4; j++) x = _mm512_fmadd_ps(wb[j], v[j], x);
+                    _mm512_storeu_ps(ob + d, x);
+                }
+            }
+        }
+    }
+}
+#define HAVE_E4M3_512 1
+#else
+#define HAVE_E4M3_512 0
+static void keys_e4m3(const float* qb, const uint8_t* kp, const uint8_t* vp, const int64_t* sl,
+                      int64_t n, int64_t Hq, int64_t Hkv, int64_t D, float scale, float* sc) {
+    (void)qb, (void)kp, (void)vp, (void)sl, (void)n, (void)Hq, (void)Hkv, (void)D, (void)scale;
+    (void)sc;
+}
+static void values_e4m3(const uint8_t* kp, const uint8_t* vp, const int64_t* sl, int64_t n,
+                        const int64_t* nsl, int64_t nn, int64_t Hq, int64_t Hkv, int64_t D,
+                        const float* sc, float* po) {
+    (void)kp, (void)vp, (void)sl, (void)n, (void)nsl, (void)nn, (void)Hq, (void)Hkv, (void)D;
+    (void)sc, (void)po;
+}
+#endif
+
 /* LOAD16: 16 keys' values as two fp32 vectors in the stored order; LOAD8: 8 in order (the
    tail of a head); PERM: whether LOAD16 reorders. */
 #define ATTN(NAME, KT, LOAD16, LOAD8, PERM)                                                   \
@@ -297,10 +407,14 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
     float* pm = po + Hq * D;                                                                \
     float* pl = pm + Hq;                                                                    \
     __m128 s4 = _mm_set1_ps(scale);                                                         \
+    /* e4m3 keys and values: both passes on 16 lanes where the build has them */           \
+    int e16 = HAVE_E4M3_512 && attn_e4m3_512 && sizeof(KT) == 1 && D % 16 == 0;             \
     if (qh)                                                                                 \
         keys_dpbf16(qh, (const uint16_t*)kp, (const uint16_t*)vp, sl, n, Hq, Hkv, D, scale, \
                     sc);                                                                    \
-    for (int64_t i = 0; i < (qh ? 0 : n); i += 4) {                                         \
+    if (e16)                                                                                \
+        keys_e4m3(qb, (const uint8_t*)kp, (const uint8_t*)vp, sl, n, Hq, Hkv, D, scale, sc); \
+    for (int64_t i = 0; i < (qh || e16 ? 0 : n); i += 4) {                                  \
         const KT *kr[4], *ahead[4];                                                         \
         FOUR_KEY_ROWS(kr, ahead, block);                                                    \
         for (int64_t hk = 0; hk < Hkv; hk++) {                                              \
@@ -343,7 +457,10 @@ static void NAME##_chunk(const float* qb, const KT* kp, const KT* vp, const int6
     if (v512)                                                                               \
         values_512((const uint16_t*)kp, (const uint16_t*)vp, sl, n, nsl, nn, Hq, Hkv, D, sc, \
                    po);                                                                     \
-    for (int64_t i = 0; i < (v512 ? 0 : n); i += 4) {                                       \
+    if (e16)                                                                                \
+        values_e4m3((const uint8_t*)kp, (const uint8_t*)vp, sl, n, nsl, nn, Hq, Hkv, D, sc, \
+                    po);                                                                    \
+    for (int64_t i = 0; i < (v512 || e16 ? 0 : n); i += 4) {                                \
         const KT *vr[4], *ahead[4];                                                         \
         FOUR_VALUE_ROWS(vr, ahead, block);                                                  \
         for (int64_t hk = 0; hk < Hkv; hk++) {                                              \
@@ -442,22 +559,6 @@ static void write_new(void* kp, void* vp, const void* k_new, int64_t k_stride, c
     }
 }
 
-/* x rounded to the nearest e4m3 (ties to even), its magnitude clamped to 448: the bits torch's
-   clamp then cast to float8_e4m3fn give (kv_pool.to_fp8), which stores the other steps' rows. */
-static inline uint8_t f32_to_e4m3(float x) {
-    uint32_t u;
-    __builtin_memcpy(&u, &x, 4);
-    uint8_t sign = (uint8_t)((u >> 24) & 0x80);
-    float a = fabsf(x);
-    if (!(a < 448.f)) return sign | 0x7E;
-    if (a < 0.015625f) /* below the least normal, 2^-6: multiples of 2^-9 (8 of them is 2^-6) */
-        return sign | (uint8_t)nearbyintf(a * 512.f);
-    __builtin_memcpy(&u, &a, 4);
-    u += 0x7FFFF + ((u >> 20) & 1); /* round the 23-bit mantissa to 3 bits, ties to even */
-    uint32_t e = (u >> 23) - 120, m = (u >> 20) & 7; /* exponent bias 127 -> 7 */
-    return sign | (uint8_t)(e << 3 | m); /* a < 448 rounds to 448 (e 15, m 6) at most */
-}
-
 /* write_new for an fp8 pool: each of a row's `row` values (bf16 or fp32, `src_bf16`) rounded. */
 static void write_new_e4m3(uint8_t* kp, uint8_t* vp, const void* k_new, int64_t k_stride,
                            const void* v_new, int64_t v_stride, const int64_t* new_slots,
@@ -466,10 +567,7 @@ static void write_new_e4m3(uint8_t* kp, uint8_t* vp, const void* k_new, int64_t 
         for (int kv = 0; kv < 2; kv++) {
             const char* src = kv ? (const char*)v_new + b * v_stride
                                  : (const char*)k_new + b * k_stride;
-            uint8_t* dst = (kv ? vp : kp) + new_slots[b] * row;
-            for (int64_t e = 0; e < row; e++)
-                dst[e] = f32_to_e4m3(src_bf16 ? bf16_to_f32(((const uint16_t*)src)[e])
-                                              : ((const float*)src)[e]);
+            e4m3_row(src, src_bf16, row, (kv ? vp : kp) + new_slots[b] * row, 0);
         }
 }
 

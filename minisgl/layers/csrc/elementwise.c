@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "fp8.h"
 
 int64_t norm_parallel_min = INT64_MAX, silu_parallel_min = INT64_MAX;
 
@@ -325,6 +326,26 @@ int64_t kv_store(char* k_pool, char* v_pool, int64_t num_slots, const int64_t* s
     for (int64_t t = 0; t < T; t++) {
         memcpy(k_pool + slots[t] * row_bytes, k + t * k_stride, (size_t)row_bytes);
         memcpy(v_pool + slots[t] * row_bytes, v + t * v_stride, (size_t)row_bytes);
+    }
+    return -1;
+}
+
+/* kv_store for an fp8 pool (--kv-cache-dtype fp8): the rows (row values each, bf16 or fp32 as
+   src_bf16 says) rounded to e4m3 as they are stored (fp8.h); k_back and v_back (T x row
+   values in the rows' dtype, or NULL): the values stored, which attention over this step's own
+   rows reads (as every later step reads them from the pool). */
+int64_t kv_store_e4m3(uint8_t* k_pool, uint8_t* v_pool, int64_t num_slots, const int64_t* slots,
+                      const char* k, int64_t k_stride, const char* v, int64_t v_stride, int64_t T,
+                      int64_t row, int src_bf16, char* k_back, char* v_back) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return t;
+    int64_t size = src_bf16 ? 2 : 4;
+    #pragma omp parallel for schedule(static) if (2 * T * row * size >= KV_SPLIT_BYTES)
+    for (int64_t t = 0; t < T; t++) {
+        e4m3_row(k + t * k_stride, src_bf16, row, k_pool + slots[t] * row,
+                 k_back ? k_back + t * row * size : 0);
+        e4m3_row(v + t * v_stride, src_bf16, row, v_pool + slots[t] * row,
+                 v_back ? v_back + t * row * size : 0);
     }
     return -1;
 }
