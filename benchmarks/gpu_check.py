@@ -11,6 +11,8 @@ printed PASS, FAIL or SKIP with its reason (the exit status is 1 if any failed):
   backends   the flashinfer and torch attention backends agree
   graphs     decode replayed as CUDA graphs equals eager decode, and graphs did replay
   long       a 16k-token prompt (chunked prefill) on each backend agrees with transformers
+  kv-fp8     --kv-cache-dtype fp8 on each backend agrees with transformers whose cache rounds
+             keys and values to e4m3 the same way
   served     `python -m minisgl` on the device: ready, a chat completion, a streamed one, n=2
              with logprobs, /metrics, and a clean exit on SIGTERM
   quant      checkpoints in Qwen's published formats (FP8 blocks, AWQ, GPTQ 8-bit; a Qwen3-MoE
@@ -141,10 +143,22 @@ def engine_run(llm: LLM, prompts: list[list[int]], max_tokens: int, spread: floa
 
 
 def hf_runs(
-    model_dir: Path, cases: list[tuple[list[list[int]], int]], dtype: torch.dtype, device: str
+    model_dir: Path,
+    cases: list[tuple[list[list[int]], int]],
+    dtype: torch.dtype,
+    device: str,
+    fp8_cache: bool = False,
 ) -> list[Run]:
-    """transformers' greedy runs of each (prompts, max_tokens) case, the model loaded once."""
-    from transformers import AutoModelForCausalLM
+    """transformers' greedy runs of each (prompts, max_tokens) case, the model loaded once;
+    `fp8_cache`: its cache rounds keys and values to e4m3 as --kv-cache-dtype fp8 does."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        return t.clamp(-448, 448).to(torch.float8_e4m3fn).to(t.dtype)
+
+    class Fp8Cache(DynamicCache):
+        def update(self, k, v, layer_idx, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            return super().update(rounded(k), rounded(v), layer_idx, *args, **kwargs)
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     runs = []
@@ -160,6 +174,7 @@ def hf_runs(
                     output_scores=True,
                     return_dict_in_generate=True,
                     pad_token_id=0,
+                    cache=Fp8Cache(config=model.config) if fp8_cache else None,
                 )
                 tokens.append(out.sequences[0, len(p) :].tolist())
                 gaps = []
@@ -288,6 +303,31 @@ def correctness(report: Report, model: Path, setup: Setup) -> None:
         report.run(
             "backends",
             lambda: compare(runs["torch"], runs["flashinfer"].tokens, setup.margin, "fi vs torch"),
+        )
+
+
+def fp8_cache(report: Report, model: Path, setup: Setup) -> None:
+    """--kv-cache-dtype fp8 on each backend against transformers whose cache rounds its keys and
+    values to e4m3 the same way."""
+    ps = prompts(setup.lengths, seed=3)
+    pages = sum(setup.lengths) // PAGE + 64 * len(setup.lengths) + 64
+    (hf,) = hf_runs(
+        model, [(ps, setup.max_tokens)], getattr(torch, setup.dtype), setup.device, True
+    )
+    for backend in ["torch"] + ([] if setup.flashinfer else ["flashinfer"]):
+        llm = make_llm(
+            model, setup, pages, max(setup.lengths) + setup.max_tokens + 16, 4096,
+            attention_backend=backend, kv_cache_dtype="fp8",
+        )  # fmt: skip
+        try:
+            run = engine_run(llm, ps, setup.max_tokens, hf.spread)
+        finally:
+            llm.shutdown()
+            del llm
+            free_memory()
+        report.run(
+            f"kv-fp8[{backend}]",
+            lambda r=run, b=backend: compare(hf, r.tokens, setup.margin, f"{b}, fp8 KV cache"),
         )
 
 
@@ -678,6 +718,7 @@ def main(argv: list[str] | None = None) -> int:
         if not setup.flashinfer:
             print("flashinfer compiles its kernels on first use unless its JIT cache is installed")
         report.section("correctness", lambda: correctness(report, model, setup))
+        report.section("kv-fp8", lambda: fp8_cache(report, model, setup))
         report.run("served", lambda: served(model, setup))
         report.section("quant", lambda: quantized(report, root, setup, quick=not cuda))
         if not cuda:

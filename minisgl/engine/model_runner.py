@@ -16,7 +16,7 @@ from minisgl import heap
 from minisgl.config import EngineArgs
 from minisgl.engine.cuda_graph import DecodeGraphs, graphs_wanted, is_graph_decode
 from minisgl.engine.memory import agree_num_pages, default_num_pages
-from minisgl.kvcache.kv_pool import KVPool, cache_dtype
+from minisgl.kvcache.kv_pool import KVPool, cache_dtype, kv_cache_name
 from minisgl.layers import cpu_kernels
 from minisgl.layers.attention import create_attention_backend, resolve_backend_name
 from minisgl.layers.attention.base import BatchLayout
@@ -175,7 +175,7 @@ class ModelRunner:
             self.num_pages,
             self.page_size,
             self.num_pages * bytes_per_page / 2**20,
-            held,
+            kv_cache_name(held),
             self.device,
         )
         self.decode_graphs: DecodeGraphs | None = None

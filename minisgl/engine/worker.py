@@ -334,6 +334,7 @@ def run_scheduler_worker(
         # resource tracker then reports as leaked when this worker leaves via os._exit.
         tqdm.set_lock(threading.RLock())
         engine = create_engine(args)  # with tp_size > 1, rank 0 of the group
+        from minisgl.kvcache.kv_pool import kv_cache_name
         from minisgl.quant.loading import weights_info
 
         # The weights' format and bytes, for /metrics' model info (rank 0's, under TP).
@@ -342,6 +343,7 @@ def run_scheduler_worker(
             local.runner.model, local.model_config, args.quantization, args.lm_head_quantization
         )
         model_info["dtype"] = str(local.runner.dtype).removeprefix("torch.")
+        model_info["kv_cache"] = kv_cache_name(local.runner.kv_pool.cache_dtype)
         inbox: PullQueue[Any] = PullQueue(ctx, endpoints.scheduler, tokenizer_to_scheduler.KINDS)
         to_detok: PushQueue[Any] = PushQueue(
             ctx, endpoints.detokenizer, scheduler_to_detokenizer.KINDS

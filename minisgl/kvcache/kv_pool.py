@@ -28,6 +28,11 @@ def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else CACHE_DTYPES[name]
 
 
+def kv_cache_name(dtype: torch.dtype) -> str:
+    """What a cache of `dtype` holds, as /metrics' model info and the log name it."""
+    return "fp8_e4m3" if dtype == FP8 else str(dtype).removeprefix("torch.")
+
+
 def to_fp8(t: torch.Tensor) -> torch.Tensor:
     """Each value rounded to the nearest e4m3 (ties to even), clamped to +-448: a cast alone
     turns a larger magnitude into NaN on some devices."""

@@ -89,6 +89,8 @@ class _Lib:
         # values' sums (the same bits as 8 lanes). Switches for tests and benchmarks.
         self.attn_dpbf16: Any = _global(lib, "attn_dpbf16", ctypes.c_int)
         self.attn_v512: Any = _global(lib, "attn_v512", ctypes.c_int)
+        # e4m3 pools' passes on 16 lanes.
+        self.attn_e4m3_512: Any = _global(lib, "attn_e4m3_512", ctypes.c_int)
         lib.gemm.argtypes = [ptr, ptr, ctypes.c_int, ptr, i64, i64, i64, ctypes.c_int]
         lib.gemm.restype = None
         self.gemm = lib.gemm

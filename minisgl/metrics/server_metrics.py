@@ -110,8 +110,9 @@ class ServerMetrics:
             names.MODEL_INFO,
             "1, with the layers' quantization format (none: unquantized), the model dtype, the "
             "LM head's format (none: float) and whether 4-bit weights round their input to 8 "
-            "bits (activations: int8) or not (exact).",
-            [_LABEL, "quantization", "dtype", "lm_head", "activations"],
+            "bits (activations: int8) or not (exact), and what the KV cache holds (kv_cache: the "
+            "model dtype, or fp8_e4m3).",
+            [_LABEL, "quantization", "dtype", "lm_head", "activations", "kv_cache"],
             registry=reg,
         )
         self._weight_bytes = Gauge(
@@ -151,9 +152,11 @@ class ServerMetrics:
         *,
         lm_head: str = "none",
         activations: str = "exact",
+        kv_cache: str = "",
     ) -> None:
         """What the scheduler loaded, as it reported at start (once)."""
-        self._model_info.labels(self.model_name, quantization, dtype, lm_head, activations).set(1)
+        labels = (quantization, dtype, lm_head, activations, kv_cache or dtype)
+        self._model_info.labels(self.model_name, *labels).set(1)
         self._weight_bytes.set(weight_bytes)
 
     def request_finished(

@@ -291,6 +291,7 @@ class Launcher(Hooks):
                 sched.get("weight_bytes", 0),
                 lm_head=sched.get("lm_head", "none"),
                 activations=sched.get("activations", "exact"),
+                kv_cache=sched.get("kv_cache", ""),
             )
             manager = RequestManager(self.endpoints, metrics)
             self.ctx = ServerContext(

@@ -77,7 +77,7 @@ def test_int8_activations_round_8_bit_weights_where_vnni_takes_them(quant_model_
 
 def test_the_info_gauge_carries_the_labels() -> None:
     m = ServerMetrics("m")
-    m.set_model("none", "bfloat16", 10, lm_head="int8", activations="exact")
+    m.set_model("none", "bfloat16", 10, lm_head="int8", activations="exact", kv_cache="fp8_e4m3")
     (sample,) = parse(m.render()[0])[n.MODEL_INFO][1]
     assert sample.value == 1
     assert sample.labels == {
@@ -86,4 +86,5 @@ def test_the_info_gauge_carries_the_labels() -> None:
         "dtype": "bfloat16",
         "lm_head": "int8",
         "activations": "exact",
+        "kv_cache": "fp8_e4m3",
     }

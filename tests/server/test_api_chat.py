@@ -206,6 +206,7 @@ def test_metrics_say_the_weights_format_and_bytes(
     info = samples["minisgl_model_info"]
     assert info.value == 1 and info.labels["quantization"] == "none"
     assert (info.labels["lm_head"], info.labels["activations"]) == ("none", "exact")
+    assert info.labels["kv_cache"] == info.labels["dtype"]  # the default: the model's dtype
     size = {"float32": 4, "bfloat16": 2, "float16": 2}[info.labels["dtype"]]
     numel = 0
     for f in sorted(tiny_model_dir.glob("*.safetensors")):

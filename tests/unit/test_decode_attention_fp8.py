@@ -28,9 +28,18 @@ def _reference(q, k8, v8, slots, lens) -> torch.Tensor:  # noqa: ANN001
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("heads", [(16, 8, 128), (4, 2, 64), (8, 8, 72), (16, 2, 128)])
+# Head dims: multiples of 16 on 16 lanes in the AVX-512 build, 72 on 8
+@pytest.mark.parametrize("heads", [(16, 8, 128), (4, 2, 64), (8, 8, 72), (16, 2, 128), (6, 2, 80)])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_matches_attention_over_the_widened_pool(heads: tuple[int, int, int], q_dtype) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("path", ["default", "8-lane"])
+def test_matches_attention_over_the_widened_pool(
+    heads: tuple[int, int, int], q_dtype: torch.dtype, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each way the kernel widens the codes (the switch turns the 16-lane passes off)."""
+    lib = cpu_kernels._loaded()
+    assert lib is not None
+    if lib.attn_e4m3_512 is not None:
+        monkeypatch.setattr(lib.attn_e4m3_512, "value", int(path == "default"))
     hq, hkv, d = heads
     gen = torch.Generator().manual_seed(hq * d)
     k8, v8 = (to_fp8(torch.randn(400, hkv, d, generator=gen) * 3) for _ in range(2))

@@ -24,6 +24,7 @@ def test_gpu_check_runs_its_cpu_parts_and_names_the_skipped(
     out = capsys.readouterr().out
     assert "PASS parity[torch]: " in out  # greedy tokens equal transformers'
     assert "PASS long[torch]: " in out  # the long prompt, chunked
+    assert "PASS kv-fp8[torch]: " in out  # an fp8 KV cache against a rounding transformers
     assert "PASS served: " in out  # python -m minisgl, its requests, a clean exit
     # Published quantized layouts (dense FP8 blocks, a MoE in GPTQ-Int4) against transformers
     # on their dequantized twins, in chunks and again from the prefix cache

@@ -286,6 +286,7 @@ static void values_512(const uint16_t* kp, const uint16_t* vp, const int64_t* sl
 }
 #endif
 
+/* A switch for tests and benchmarks (1 = on): e4m3 pools' passes on 16 lanes. */
 int attn_e4m3_512 = 1;
 #if defined(__AVX512F__)
 /* 16 e4m3 codes as fp32 times 2^-8: e4m3x8's fp16 reading without its multiply (the passes
