@@ -170,3 +170,24 @@ def test_a_bf16_prefill_attends_to_rows_as_the_cache_gives_them_back(prefix: int
         q[prefix:].float().transpose(0, 1), kr, vr, attn_mask=mask, scale=d**-0.5
     )
     torch.testing.assert_close(got, want.transpose(0, 1).reshape(new, hq * d), atol=0.05, rtol=0.02)
+
+
+def test_speculative_decoding_and_two_ranks_keep_the_tokens(model_dir: str) -> None:
+    """Drafts verified over the fp8 cache (several rows a request through its rows path), and
+    two tensor-parallel ranks each with its half of the heads' cache: the same tokens."""
+    base = _prompts([40], seed=5)[0]
+    prompts = [base * 3, _prompts([70], seed=6)[0]]  # the first repeats: ngram drafts hit
+    params = SamplingParams(temperature=0, max_tokens=16)
+
+    def tokens(**kw: object) -> list[list[int]]:
+        llm = LLM(
+            model_dir, dtype="float32", device="cpu", num_pages=128, kv_cache_dtype="fp8", **kw
+        )
+        try:
+            return [o.token_ids for o in llm.generate(prompts, params)]
+        finally:
+            llm.shutdown()
+
+    want = tokens()
+    assert tokens(speculative_algorithm="ngram") == want
+    assert tokens(tp_size=2) == want
