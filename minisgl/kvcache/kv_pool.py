@@ -33,6 +33,14 @@ def kv_cache_name(dtype: torch.dtype) -> str:
     return "fp8_e4m3" if dtype == FP8 else str(dtype).removeprefix("torch.")
 
 
+def gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows `slots` of a K or V buffer, as held (an fp8 cache's gathered as bytes: index
+    kernels lack float8 on some devices)."""
+    if buf.dtype == FP8:
+        return buf.view(torch.uint8).index_select(0, slots).view(FP8)
+    return buf.index_select(0, slots)
+
+
 def to_fp8(t: torch.Tensor) -> torch.Tensor:
     """Each value rounded to the nearest e4m3 (ties to even), clamped to +-448: a cast alone
     turns a larger magnitude into NaN on some devices."""
@@ -99,6 +107,10 @@ class KVPool:
     def dequantize(self, t: torch.Tensor) -> torch.Tensor:
         """Rows read from the buffers, in the model's dtype."""
         return t.to(self.dtype) if t.dtype != self.dtype else t
+
+    def read(self, buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Rows `slots` of one of the buffers, in the model's dtype."""
+        return self.dequantize(gather(buf, slots))
 
     @property
     def num_slots(self) -> int:

@@ -191,3 +191,24 @@ def test_speculative_decoding_and_two_ranks_keep_the_tokens(model_dir: str) -> N
     want = tokens()
     assert tokens(speculative_algorithm="ngram") == want
     assert tokens(tp_size=2) == want
+
+
+def test_the_blocked_attention_reads_an_fp8_cache_widened() -> None:
+    """The torch backend's tiled attention (CUDA's masked calls) over an fp8 cache: the same
+    as over its values widened to float32 beforehand."""
+    import numpy as np
+
+    from minisgl.layers.attention.tiles import attend_blocked, plan_tiles
+
+    gen = torch.Generator().manual_seed(7)
+    g, num_q, hq, hkv, d, keys = 2, 5, 4, 2, 16, 40
+    k8, v8 = (to_fp8(torch.randn(64, hkv, d, generator=gen) * 3) for _ in range(2))
+    qg = torch.randn(g, num_q, hq, d, generator=gen)
+    k_slots = torch.stack([torch.randperm(64, generator=gen)[:keys] for _ in range(g)])
+    hi = np.array([[keys - num_q + i for i in range(num_q)]] * g)  # causal over the prompt
+    lo = np.zeros_like(hi)
+    tiles = plan_tiles(lo, hi, 3, 16)
+    lo_t, hi_t = torch.from_numpy(lo), torch.from_numpy(hi)
+    got = attend_blocked(qg, k8, v8, k_slots, lo_t, hi_t, tiles, d**-0.5)
+    want = attend_blocked(qg, k8.float(), v8.float(), k_slots, lo_t, hi_t, tiles, d**-0.5)
+    torch.testing.assert_close(got, want)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from minisgl.kvcache.kv_pool import gather
+
 
 @dataclass
 class Tile:
@@ -95,8 +97,8 @@ def attend_blocked(
         for k0, k1, masked in t.blocks:
             b = k1 - k0
             slots = k_slots[:, k0:k1].reshape(-1)
-            kb = k_buf.index_select(0, slots).view(g, b, hkv, d).permute(0, 2, 3, 1)
-            vb = v_buf.index_select(0, slots).view(g, b, hkv, d).permute(0, 2, 1, 3)
+            kb = gather(k_buf, slots).float().view(g, b, hkv, d).permute(0, 2, 3, 1)
+            vb = gather(v_buf, slots).float().view(g, b, hkv, d).permute(0, 2, 1, 3)
             s = torch.bmm(qt, kb.reshape(g * hkv, d, b).float())  # [G * Hkv, rows, B]
             if masked:
                 hide = hidden_keys(tlo, thi, k0, k1)[:, None, None]  # [G, 1, 1, Tq, B]

@@ -519,8 +519,8 @@ class TorchAttentionBackend(AttentionBackend):
             if plan.slots is None:  # no prefix: the kernel never reads the pools
                 k_buf, v_buf = k, v
             else:
-                k_buf = self.kv_pool.dequantize(k_buf.index_select(0, plan.slots))
-                v_buf = self.kv_pool.dequantize(v_buf.index_select(0, plan.slots))
+                k_buf = self.kv_pool.read(k_buf, plan.slots)
+                v_buf = self.kv_pool.read(v_buf, plan.slots)
                 plan = replace(plan, slots=torch.arange(len(plan.slots)))
         return cpu_prefill.attend(q, k, v, k_buf, v_buf, plan, out, self.scale)
 
@@ -610,8 +610,8 @@ class TorchAttentionBackend(AttentionBackend):
             return o.view(g * qn, hq * d)
         # The call's keys once ([G, Hkv, K, D] views), each tile attending to a slice of them.
         flat = c.k_slots.reshape(-1)
-        kg = self.kv_pool.dequantize(k_buf.index_select(0, flat))
-        vg = self.kv_pool.dequantize(v_buf.index_select(0, flat))
+        kg = self.kv_pool.read(k_buf, flat)
+        vg = self.kv_pool.read(v_buf, flat)
         kg = kg.view(g, -1, self.num_kv_heads, d).transpose(1, 2)
         vg = vg.view(g, -1, self.num_kv_heads, d).transpose(1, 2)
         if not c.tiles:
