@@ -1152,27 +1152,10 @@ def kv_store_fp8(
     pools give back."""
     lib = load()
     assert lib is not None and k_pool.dtype == _FP8 and k.dtype == v.dtype in _FLOATS
-    slots = slots.to(torch.int64).contiguous()
-    t, size = k.shape[0], k.element_size()
-    assert slots.numel() == t == v.shape[0]
     k_back, v_back = torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)
-    bad = lib.kv_store_e4m3(
-        k_pool.data_ptr(),
-        v_pool.data_ptr(),
-        k_pool.shape[0],
-        slots.data_ptr(),
-        k.data_ptr(),
-        k.stride(0) * size,
-        v.data_ptr(),
-        v.stride(0) * size,
-        t,
-        k_pool[0].numel(),
-        int(k.dtype == torch.bfloat16),
-        k_back.data_ptr(),
-        v_back.data_ptr(),
-    )
-    if bad >= 0:
-        raise IndexError(f"KV slot {int(slots[bad])} outside the pool of {k_pool.shape[0]}")
+    bf16 = int(k.dtype == torch.bfloat16)
+    tail = (k_pool[0].numel(), bf16, k_back.data_ptr(), v_back.data_ptr())
+    _store_rows(lib.kv_store_e4m3, k_pool, v_pool, slots, k, v, tail)
     return k_back, v_back
 
 
@@ -1189,21 +1172,25 @@ def kv_store(
     nothing stored."""
     lib = load()
     assert lib is not None
+    _store_rows(lib.kv_store, k_pool, v_pool, slots, k, v, (k_pool[0].numel() * k.element_size(),))
+
+
+def _store_rows(
+    fn: Any,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tail: tuple[int, ...],
+) -> None:
+    """One of csrc/elementwise.c's KV stores: the pools, the slots, the rows where they lie,
+    then the store's own `tail` arguments; IndexError for a slot outside the pool."""
     slots = slots.to(torch.int64).contiguous()
     t, size = k.shape[0], k.element_size()
     assert slots.numel() == t == v.shape[0]
-    bad = lib.kv_store(
-        k_pool.data_ptr(),
-        v_pool.data_ptr(),
-        k_pool.shape[0],
-        slots.data_ptr(),
-        k.data_ptr(),
-        k.stride(0) * size,
-        v.data_ptr(),
-        v.stride(0) * size,
-        t,
-        k_pool[0].numel() * size,
-    )
+    rows = (k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size, t)
+    bad = fn(k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], slots.data_ptr(), *rows, *tail)
     if bad >= 0:
         raise IndexError(f"KV slot {int(slots[bad])} outside the pool of {k_pool.shape[0]}")
 

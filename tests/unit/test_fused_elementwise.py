@@ -229,12 +229,15 @@ def test_kv_store_writes_what_index_copy_writes(dtype: torch.dtype, t: int) -> N
     assert not pool.k_buffers[0].any()  # the other layer untouched
 
 
-def test_kv_store_refuses_a_slot_outside_the_pool_and_stores_nothing() -> None:
-    pool = KVPool(1, 2, 16, 2, 64, torch.bfloat16, "cpu")
+@pytest.mark.parametrize("cache", [None, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_kv_store_refuses_a_slot_outside_the_pool_and_stores_nothing(cache) -> None:  # noqa: ANN001
+    pool = KVPool(1, 2, 16, 2, 64, torch.bfloat16, "cpu", cache_dtype=cache)
     k, v = torch.ones(3, 2, 64).bfloat16(), torch.ones(3, 2, 64).bfloat16()
+    assert cpu_kernels.kv_store_supported(pool.k_buffers[0], k, v)
     with pytest.raises(IndexError):
         pool.store(0, torch.tensor([0, 5, 32]), k, v)
-    assert not pool.k_buffers[0].any() and not pool.v_buffers[0].any()
+    held = (b.view(torch.uint8) for b in (pool.k_buffers[0], pool.v_buffers[0]))
+    assert not any(b.any() for b in held)
 
 
 def test_kv_store_falls_back_to_index_copy_for_rows_it_cannot_take() -> None:

@@ -156,6 +156,21 @@ static inline void add_values8(float* acc, const __m256 w[4], const __m256 v[4])
     if (g0 == 0 && PFL[j] && ((d) * (int64_t)(SIZE) & 63) == 0)                              \
     _mm_prefetch(PFL[j] + (d) * (SIZE), _MM_HINT_T1)
 
+#if defined(__AVX512F__)
+/* The 16-lane keys' passes' end: 4 keys' sums for two query heads (a: head ha, b: hb, which
+   may be ha), scaled, to the scores. b's first: where hb is ha, a's are the ones kept. */
+static inline void store_scores16(const __m512 a[4], const __m512 b[4], __m128 scale, float* sa,
+                                  float* sb) {
+    __m256 ra[4], rb[4];
+    for (int j = 0; j < 4; j++) {
+        ra[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]), _mm512_extractf32x8_ps(a[j], 1));
+        rb[j] = _mm256_add_ps(_mm512_castps512_ps256(b[j]), _mm512_extractf32x8_ps(b[j], 1));
+    }
+    _mm_storeu_ps(sb, _mm_mul_ps(hsum4(rb[0], rb[1], rb[2], rb[3]), scale));
+    _mm_storeu_ps(sa, _mm_mul_ps(hsum4(ra[0], ra[1], ra[2], ra[3]), scale));
+}
+#endif
+
 int attn_dpbf16 = 1;
 #if defined(__AVX512BF16__)
 /* The keys' pass of a chunk (scores sc[h * n4 + i], scaled) for bf16 keys and a bf16 query qh
@@ -190,15 +205,7 @@ static void keys_dpbf16(const uint16_t* qh, const uint16_t* kp, const uint16_t* 
                         b[j] = _mm512_dpbf16_ps(b[j], xb, k);
                     }
                 }
-                __m256 ra[4], rb[4];
-                for (int j = 0; j < 4; j++) {
-                    ra[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]),
-                                          _mm512_extractf32x8_ps(a[j], 1));
-                    rb[j] = _mm256_add_ps(_mm512_castps512_ps256(b[j]),
-                                          _mm512_extractf32x8_ps(b[j], 1));
-                }
-                _mm_storeu_ps(sc + hb * n4 + i, _mm_mul_ps(hsum4(rb[0], rb[1], rb[2], rb[3]), s4));
-                _mm_storeu_ps(sc + ha * n4 + i, _mm_mul_ps(hsum4(ra[0], ra[1], ra[2], ra[3]), s4));
+                store_scores16(a, b, s4, sc + ha * n4 + i, sc + hb * n4 + i);
             }
         }
     }
@@ -325,15 +332,7 @@ static void keys_e4m3(const float* qb, const uint8_t* kp, const uint8_t* vp, con
                         b[j] = _mm512_fmadd_ps(k, xb, b[j]);
                     }
                 }
-                __m256 ra[4], rb[4];
-                for (int j = 0; j < 4; j++) {
-                    ra[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]),
-                                          _mm512_extractf32x8_ps(a[j], 1));
-                    rb[j] = _mm256_add_ps(_mm512_castps512_ps256(b[j]),
-                                          _mm512_extractf32x8_ps(b[j], 1));
-                }
-                _mm_storeu_ps(sc + hb * n4 + i, _mm_mul_ps(hsum4(rb[0], rb[1], rb[2], rb[3]), s4));
-                _mm_storeu_ps(sc + ha * n4 + i, _mm_mul_ps(hsum4(ra[0], ra[1], ra[2], ra[3]), s4));
+                store_scores16(a, b, s4, sc + ha * n4 + i, sc + hb * n4 + i);
             }
         }
     }
