@@ -114,6 +114,7 @@ class ModelRunner:
         self.page_size = args.page_size
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, config, self.device)
+        held = cache_dtype(args.kv_cache_dtype, self.dtype)  # a bad name stops us before loading
         self.model = load_model(
             model_path,
             config,
@@ -134,7 +135,6 @@ class ModelRunner:
         )
         num_kv_heads = max(1, config.num_key_value_heads // tp_size)
         num_heads = config.num_attention_heads // tp_size
-        held = cache_dtype(args.kv_cache_dtype, self.dtype)
         bytes_per_page = KVPool.bytes_per_page(
             config.num_hidden_layers, self.page_size, num_kv_heads, config.head_dim, held
         )

@@ -25,7 +25,14 @@ FP8_MAX = 448.0
 
 
 def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    return model_dtype if name == "auto" else CACHE_DTYPES[name]
+    """--kv-cache-dtype's buffers' dtype; ValueError naming the choices for another name."""
+    if name == "auto":
+        return model_dtype
+    if name not in CACHE_DTYPES:
+        raise ValueError(
+            f"unknown KV cache dtype {name!r}; choose from auto, {', '.join(CACHE_DTYPES)}"
+        )
+    return CACHE_DTYPES[name]
 
 
 def kv_cache_name(dtype: torch.dtype) -> str:

@@ -212,3 +212,15 @@ def test_the_blocked_attention_reads_an_fp8_cache_widened() -> None:
     got = attend_blocked(qg, k8, v8, k_slots, lo_t, hi_t, tiles, d**-0.5)
     want = attend_blocked(qg, k8.float(), v8.float(), k_slots, lo_t, hi_t, tiles, d**-0.5)
     torch.testing.assert_close(got, want)
+
+
+def test_an_unknown_cache_dtype_is_refused_before_the_weights_load(model_dir: str) -> None:
+    from minisgl.engine import model_runner
+
+    def no_load(*a: object, **k: object) -> None:
+        raise AssertionError("weights loaded before the KV cache dtype was checked")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model_runner, "load_model", no_load)
+        with pytest.raises(ValueError, match="choose from auto, fp8, fp8_e4m3"):
+            LLM(model_dir, device="cpu", kv_cache_dtype="fp8_e5m2")
