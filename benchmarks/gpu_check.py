@@ -151,14 +151,9 @@ def hf_runs(
 ) -> list[Run]:
     """transformers' greedy runs of each (prompts, max_tokens) case, the model loaded once;
     `fp8_cache`: its cache rounds keys and values to e4m3 as --kv-cache-dtype fp8 does."""
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import AutoModelForCausalLM
 
-    def rounded(t: torch.Tensor) -> torch.Tensor:
-        return t.clamp(-448, 448).to(torch.float8_e4m3fn).to(t.dtype)
-
-    class Fp8Cache(DynamicCache):
-        def update(self, k, v, layer_idx, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-            return super().update(rounded(k), rounded(v), layer_idx, *args, **kwargs)
+    from minisgl.testing.fp8_reference import rounding_cache
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     runs = []
@@ -174,7 +169,7 @@ def hf_runs(
                     output_scores=True,
                     return_dict_in_generate=True,
                     pad_token_id=0,
-                    cache=Fp8Cache(config=model.config) if fp8_cache else None,
+                    cache=rounding_cache(model.config) if fp8_cache else None,
                 )
                 tokens.append(out.sequences[0, len(p) :].tolist())
                 gaps = []

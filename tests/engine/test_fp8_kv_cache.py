@@ -15,12 +15,9 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.kvcache.kv_pool import FP8, KVPool, to_fp8
+from minisgl.testing.fp8_reference import rounded, rounding_cache
 
 MAX_TOKENS = 10
-
-
-def _rounded(t: torch.Tensor) -> torch.Tensor:
-    return t.clamp(-448, 448).to(torch.float8_e4m3fn).to(t.dtype)
 
 
 @lru_cache(maxsize=2)
@@ -33,14 +30,8 @@ def _hf(model_dir: str):  # noqa: ANN202
 def hf_greedy(model_dir: str, prompt: list[int], fp8: bool) -> list[int]:
     """transformers' greedy tokens, its cache rounding K and V to e4m3 where `fp8` (every
     attention then reads them rounded, the prompt's own too)."""
-    from transformers import DynamicCache
-
-    class Fp8Cache(DynamicCache):
-        def update(self, k, v, layer_idx, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-            return super().update(_rounded(k), _rounded(v), layer_idx, *args, **kwargs)
-
     model = _hf(model_dir)
-    cache = Fp8Cache(config=model.config) if fp8 else None
+    cache = rounding_cache(model.config) if fp8 else None
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt]),
@@ -164,7 +155,7 @@ def test_a_bf16_prefill_attends_to_rows_as_the_cache_gives_them_back(prefix: int
         attn.forward(q[:prefix], k[:prefix], v[:prefix], 0, meta)
     meta = attn.prepare(BatchLayout(16, [prefix], [new], [pages]))
     got = attn.forward(q[prefix:], k[prefix:], v[prefix:], 0, meta).float()
-    kr, vr = (_rounded(t.float()).repeat_interleave(hq // hkv, 1).transpose(0, 1) for t in (k, v))
+    kr, vr = (rounded(t.float()).repeat_interleave(hq // hkv, 1).transpose(0, 1) for t in (k, v))
     mask = torch.ones(new, prefix + new, dtype=torch.bool).tril(prefix)
     want = torch.nn.functional.scaled_dot_product_attention(
         q[prefix:].float().transpose(0, 1), kr, vr, attn_mask=mask, scale=d**-0.5

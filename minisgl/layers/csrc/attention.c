@@ -64,14 +64,9 @@ static inline void load16_f32(const float* p, __m256* lo, __m256* hi) {
     *lo = _mm256_loadu_ps(p);
     *hi = _mm256_loadu_ps(p + 8);
 }
-/* fp8 e4m3 pools (--kv-cache-dtype fp8): 8 codes (the low 8 bytes of b) as fp32 in order. A
-   code's exponent and mantissa bits moved up 7 make an fp16 of the same mantissa whose
-   exponent reads 8 less (e4m3's bias is 7, fp16's 15; subnormals map to subnormals), its sign
-   goes to bit 15; F16C widens it, exactly, and 256 restores the scale. */
+/* fp8 e4m3 pools (--kv-cache-dtype fp8): 8 codes (the low 8 bytes of b) as fp32 in order. */
 static inline __m256 e4m3x8(__m128i b) {
-    __m128i t = _mm_slli_epi16(_mm_cvtepu8_epi16(b), 7); /* the sign lands on bit 14: */
-    __m128i h = _mm_add_epi16(t, _mm_and_si128(t, _mm_set1_epi16(0x4000))); /* carried to 15 */
-    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+    return _mm256_mul_ps(e4m3x8_low(b), _mm256_set1_ps(256.f)); /* 256: exact, a power of two */
 }
 static inline void load16_e4m3(const uint8_t* p, __m256* lo, __m256* hi) {
     __m128i b = _mm_loadu_si128((const __m128i*)p);
@@ -293,17 +288,11 @@ static void values_512(const uint16_t* kp, const uint16_t* vp, const int64_t* sl
 }
 #endif
 
-/* A switch for tests and benchmarks (1 = on): e4m3 pools' passes on 16 lanes. */
+/* A switch for tests and benchmarks (1 = on): e4m3 pools' passes on 16 lanes. They widen the
+   codes to their values times 2^-8 (fp8.h) and fold the 256 into the scores' scale and the
+   values' weights (exact: a power of two). */
 int attn_e4m3_512 = 1;
 #if defined(__AVX512F__)
-/* 16 e4m3 codes as fp32 times 2^-8: e4m3x8's fp16 reading without its multiply (the passes
-   below fold 256 into the scores' scale and the values' weights, exactly: a power of two). */
-static inline __m512 e4m3x16_low(const uint8_t* p) {
-    __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)), 7);
-    __m256i h = _mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000)));
-    return _mm512_cvtph_ps(h);
-}
-
 /* The keys' pass of a chunk for e4m3 keys (--kv-cache-dtype fp8), D % 16 == 0, on 16 lanes:
    the 8-lane path's products of the widened keys and the fp32 query (qb, in order), 16 codes
    a load, two query heads per widened key. Loads, prefetches and order as that path's. */

@@ -1,8 +1,28 @@
-/* Rounding to fp8 e4m3 for the KV cache (--kv-cache-dtype fp8; kv_pool.to_fp8): each value to
-   the nearest e4m3, ties to even, its magnitude clamped to 448 (e4m3's largest), no scale: the
-   bits torch's clamp then cast to float8_e4m3fn give. */
+/* fp8 e4m3 codes, both ways. Widening (fp8 weights' and the KV cache's reads): a code's value
+   times 2^-8 in registers, exactly. Rounding (the KV cache's stores: --kv-cache-dtype fp8;
+   kv_pool.to_fp8): each value to the nearest e4m3, ties to even, its magnitude clamped to 448
+   (e4m3's largest), no scale: the bits torch's clamp then cast to float8_e4m3fn give. */
 #pragma once
 #include "common.h"
+
+/* 8 e4m3 codes (the low 8 bytes of v) -> their values times 2^-8 as fp32: each code moved to
+   the high byte of a 16-bit lane and down one bit, its sign restored to bit 15, reads as an
+   fp16 of the same mantissa whose exponent is 8 less (e4m3's bias 7, fp16's 15; subnormals map
+   to subnormals); F16C widens it exactly. */
+static inline __m256 e4m3x8_low(__m128i v) {
+    __m128i h = _mm_unpacklo_epi8(_mm_setzero_si128(), v);
+    h = _mm_and_si128(_mm_srai_epi16(h, 1), _mm_set1_epi16((short)0xBFFF));
+    return _mm256_cvtph_ps(h);
+}
+
+#if defined(__AVX512F__)
+/* The same for 16 codes at p. */
+static inline __m512 e4m3x16_low(const uint8_t* p) {
+    __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)), 8);
+    h = _mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16((short)0xBFFF));
+    return _mm512_cvtph_ps(h);
+}
+#endif
 
 /* One value (scalar: the tails). */
 static inline uint8_t f32_to_e4m3(float x) {

@@ -19,20 +19,13 @@
    folded into the scale, as in qgemv.c); products and sums in fp32.
    Groups are contiguous runs of gs input features (gs % 32 == 0, K % gs == 0). */
 #include "common.h"
+#include "fp8.h"
 
 enum { QD_U8 = 0, QD_U4 = 1, QD_FP8 = 2 };
 
 #define QKC 256   /* k per tile pass: the chunk of the segment the tiles keep in L1 (16 KB) */
 #define QSEG 2048 /* k per dequantized segment: 16 x QSEG fp32 = 128 KB, within L2 */
 #define QMB 120   /* input rows per pass over a chunk: their sums wait in `acc` between */
-
-/* 8 e4m3 bytes (the low 8 of v) -> their values times 2^-8 as fp32 (sign kept, exponent and
-   mantissa moved down one bit into an fp16: exact, subnormals included). */
-static inline __m256 qd_fp8x8(__m128i v) {
-    __m128i h = _mm_unpacklo_epi8(_mm_setzero_si128(), v);
-    h = _mm_and_si128(_mm_srai_epi16(h, 1), _mm_set1_epi16((short)0xBFFF));
-    return _mm256_cvtph_ps(h);
-}
 
 /* Row n's features [k0, k0 + kc) dequantized into out[0..kc) (fp32, row-major). */
 static inline __attribute__((always_inline)) void dequant_row(
@@ -44,8 +37,8 @@ static inline __attribute__((always_inline)) void dequant_row(
         __m256 w0, w1;
         if (kind == QD_FP8) {
             __m128i v = _mm_loadu_si128((const __m128i*)(c + k));
-            w0 = _mm256_mul_ps(qd_fp8x8(v), s);
-            w1 = _mm256_mul_ps(qd_fp8x8(_mm_unpackhi_epi64(v, v)), s);
+            w0 = _mm256_mul_ps(e4m3x8_low(v), s);
+            w1 = _mm256_mul_ps(e4m3x8_low(_mm_unpackhi_epi64(v, v)), s);
         } else {
             __m128i both;
             if (kind == QD_U8) {

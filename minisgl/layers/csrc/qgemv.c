@@ -65,6 +65,7 @@
    AVX512-VNNI (VPDPWSSD, the AVX-512 build) fuses a VPMADDWD and its VPADDD. x is quantized
    (converted) row by row inside the same parallel region, so a call wakes the threads once. */
 #include "common.h"
+#include "fp8.h"
 
 #include <cpuid.h>
 
@@ -367,13 +368,6 @@ static inline __attribute__((always_inline)) void extract(int kind, const uint8_
         e[2] = _mm256_and_si256(_mm256_srli_epi16(v, 8), m4);
         e[3] = _mm256_srli_epi16(v, 12);
     }
-}
-
-/* 8 e4m3 bytes -> their values times 2^-8 as fp32 (see the top). */
-static inline __m256 fp8x8(__m128i bytes_lo8) {
-    __m128i h = _mm_unpacklo_epi8(_mm_setzero_si128(), bytes_lo8); /* byte << 8 per lane */
-    h = _mm_and_si128(_mm_srai_epi16(h, 1), _mm_set1_epi16((short)0xBFFF));
-    return _mm256_cvtph_ps(h);
 }
 
 /* 32 e4m3 bytes -> four vectors of 8 fp32: their values times 2^-120, exactly (subnormals
@@ -2389,8 +2383,8 @@ static inline __attribute__((always_inline)) void dequant_kind(
                 __m256 w0, w1;
                 if (kind == Q_FP8) {
                     __m128i v = _mm_loadu_si128((const __m128i*)(c + k));
-                    w0 = fp8x8(v);
-                    w1 = fp8x8(_mm_unpackhi_epi64(v, v));
+                    w0 = e4m3x8_low(v);
+                    w1 = e4m3x8_low(_mm_unpackhi_epi64(v, v));
                 } else if (kind == Q_U8) {
                     __m128i v = _mm_loadu_si128((const __m128i*)(c + k));
                     w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
