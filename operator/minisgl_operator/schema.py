@@ -18,6 +18,7 @@ from typing import Any
 
 from minisgl.config import (
     DTYPES,
+    KV_CACHE_DTYPES,
     LM_HEAD_QUANTIZATIONS,
     QUANTIZATIONS,
     SPECULATIVE_ALGORITHMS,
@@ -289,6 +290,11 @@ ENGINE = obj(
             string("", enum=list(LM_HEAD_QUANTIZATIONS)),
             "See docs/models.md.",
         ),
+        "kvCacheDtype": engine_flag(
+            "kv_cache_dtype",
+            string("", enum=list(KV_CACHE_DTYPES)),
+            "See docs/serving.md.",
+        ),
         "tensorParallelSize": engine_flag(
             "tp_size",
             integer("", minimum=1, default=ServerArgs.tp_size),
@@ -318,7 +324,7 @@ ENGINE = obj(
             "More `python -m minisgl` flags, appended to the command line, e.g. "
             '["--max-prefill-tokens", "8192"]. Full flag names only (no abbreviations); flags '
             "that have a field here (model, served name, host, port, device, dtype, quantization, "
-            "LM head quantization, TP "
+            "LM head quantization, KV cache dtype, TP "
             "size, pages, context, running requests, shutdown timeout, speculative algorithm, "
             "draft tokens and draft model) must be set through it. A "
             "flag the server rejects makes the ModelServer Degraded (InvalidSpec).",

@@ -34,10 +34,6 @@ DEFAULT_SCALE_UP_STABILIZATION_S: int = SPEC.at("autoscaling.scaleUpStabilizatio
 DEFAULT_SCALE_DOWN_STABILIZATION_S: int = SPEC.at(
     "autoscaling.scaleDownStabilizationSeconds"
 ).default
-DTYPES = SPEC.at("engine.dtype").enum
-QUANTIZATIONS = SPEC.at("engine.quantization").enum
-LM_HEAD_QUANTIZATIONS = SPEC.at("engine.lmHeadQuantization").enum
-SPECULATIVE_ALGORITHMS = SPEC.at("engine.speculative.algorithm").enum
 
 _TOLERATION_EFFECTS = (None, "", *TOLERATION_EFFECTS)
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -61,6 +57,7 @@ class EngineSpec:
     dtype: str | None = None
     quantization: str | None = None
     lm_head_quantization: str | None = None
+    kv_cache_dtype: str | None = None
     tensor_parallel_size: int = DEFAULT_TP_SIZE
     nodes: int = DEFAULT_NODES
     num_pages: int | None = None
@@ -221,6 +218,15 @@ def _str(d: Mapping[str, Any], path: str) -> str | None:
     return value
 
 
+def _choice(d: Mapping[str, Any], path: str) -> str | None:
+    """A string field the schema gives choices for (its enum), checked against them."""
+    value = _str(d, path)
+    choices = SPEC.at(path).enum
+    if value is not None and value not in choices:
+        raise SpecError(f"{path} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
 def _quantity(d: Mapping[str, Any], path: str) -> str | None:
     value = _str(d, path)
     if value is not None and not re.fullmatch(QUANTITY_PATTERN, value):
@@ -271,14 +277,9 @@ def _list_of_objects(d: Mapping[str, Any], key: str) -> tuple[dict[str, Any], ..
 def _speculative(raw: Mapping[str, Any] | None) -> SpeculativeSpec | None:
     if raw is None:
         return None
-    algorithm = _str(raw, "engine.speculative.algorithm")
+    algorithm = _choice(raw, "engine.speculative.algorithm")
     if algorithm is None:
         raise SpecError("engine.speculative.algorithm is required")
-    if algorithm not in SPECULATIVE_ALGORITHMS:
-        raise SpecError(
-            f"engine.speculative.algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, "
-            f"got {algorithm!r}"
-        )
     draft = _str(raw, "engine.speculative.draftModelPath")
     if algorithm == "eagle3" and draft is None:
         raise SpecError("engine.speculative.draftModelPath is required with algorithm eagle3")
@@ -292,20 +293,6 @@ def _speculative(raw: Mapping[str, Any] | None) -> SpeculativeSpec | None:
 
 
 def _engine(raw: Mapping[str, Any]) -> EngineSpec:
-    dtype = _str(raw, "engine.dtype")
-    if dtype is not None and dtype not in DTYPES:
-        raise SpecError(f"engine.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    quantization = _str(raw, "engine.quantization")
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        raise SpecError(
-            f"engine.quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
-        )
-    lm_head = _str(raw, "engine.lmHeadQuantization")
-    if lm_head is not None and lm_head not in LM_HEAD_QUANTIZATIONS:
-        raise SpecError(
-            f"engine.lmHeadQuantization must be one of {', '.join(LM_HEAD_QUANTIZATIONS)}, "
-            f"got {lm_head!r}"
-        )
     extra = raw.get("extraArgs") or []
     if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
         raise SpecError("engine.extraArgs must be a list of strings")
@@ -317,9 +304,10 @@ def _engine(raw: Mapping[str, Any]) -> EngineSpec:
             "every pod runs the same number of ranks"
         )
     return EngineSpec(
-        dtype=dtype,
-        quantization=quantization,
-        lm_head_quantization=lm_head,
+        dtype=_choice(raw, "engine.dtype"),
+        quantization=_choice(raw, "engine.quantization"),
+        lm_head_quantization=_choice(raw, "engine.lmHeadQuantization"),
+        kv_cache_dtype=_choice(raw, "engine.kvCacheDtype"),
         tensor_parallel_size=tp,
         nodes=nodes,
         num_pages=_int(raw, "engine.numPages"),
