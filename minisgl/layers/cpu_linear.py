@@ -465,6 +465,25 @@ def _pass_tensors(group: Sequence[torch.Tensor], packed: Sequence[Any]) -> list[
     return list(group) + [t for t in copies if isinstance(t, torch.Tensor)]
 
 
+def _timed_pass(
+    kernel: tuple[Callable[..., torch.Tensor], list[Any]],
+    evict: Callable[[], object] | None,
+    group: Sequence[torch.Tensor],
+    x: torch.Tensor,
+    out_dtype: torch.dtype | None,
+    clock: Callable[[], float],
+) -> float:
+    """Seconds of one pass of a candidate (its run and its copies of `group`) over the group,
+    its tensors evicted first."""
+    run, packed = kernel
+    if evict is not None:
+        evict()
+    t0 = clock()
+    for w, p in zip(group, packed):
+        run(x, w, p, out_dtype)
+    return clock() - t0
+
+
 def measure(
     weights: Sequence[torch.Tensor],
     x_dtype: torch.dtype,
@@ -476,10 +495,11 @@ def measure(
     """Seconds per pass for each candidate (in CANDIDATES' order) and bucket; None: cannot
     run here. The candidates take turns pass by pass and each keeps its best, so a burst of
     other work on the machine hits them all alike; one far behind after kernel_choice.DROP_AFTER
-    passes is not run again (except the panels, SELF_CONTAINED). The best pass counts (other
-    work only ever adds time). Every pass reads its
-    weights from memory (_timing_set, _cooler), as a step does. `spreads` collects each
-    repeated candidate's slowest pass over its fastest."""
+    passes is not run again (except the panels, SELF_CONTAINED), and the leader and those
+    within reach of it take more passes in turn (kernel_choice.contenders). The best pass
+    counts (other work only ever adds time). Every pass reads its weights from memory
+    (_timing_set, _cooler), as a step does. `spreads` collects each repeated candidate's
+    slowest pass over its fastest."""
     timings: dict[str, list[float | None]] = {name: [] for name in CANDIDATES}
     packs: dict[tuple[str, int, int], Any] = {}
     for rows in TIMED_ROWS:
@@ -501,13 +521,8 @@ def measure(
         worst = {name: 0.0 for name in live}
         for rep in range(_MAX_REPEATS):
             improved = False
-            for name, (run, packed) in live.items():
-                if (evict := cool[name]) is not None:
-                    evict()
-                t0 = clock()
-                for w, p in zip(group, packed):
-                    run(x, w, p, out_dtype)
-                t = clock() - t0
+            for name in live:
+                t = _timed_pass(live[name], cool[name], group, x, out_dtype, clock)
                 improved |= t < 0.98 * best[name]
                 best[name] = min(best[name], t)
                 worst[name] = max(worst[name], t)
@@ -519,6 +534,11 @@ def measure(
                 live = {n: v for n, v in live.items() if best[n] <= behind or n == SELF_CONTAINED}
             elif rep + 1 >= _MIN_REPEATS and not improved:
                 break
+        again = kernel_choice.contenders({n: best[n] for n in live})
+        for _ in range(kernel_choice.CONFIRM_REPEATS if len(again) > 1 else 0):
+            for name in again:
+                t = _timed_pass(live[name], cool[name], group, x, out_dtype, clock)
+                best[name] = min(best[name], t)
         for name in CANDIDATES:
             timings[name].append(best.get(name))
         if spreads is not None:

@@ -118,14 +118,35 @@ DROP_AFTER = 2
 DROP_BEHIND = 3.0
 
 
+# After the passes, a near tie is timed again rather than decided by the passes a burst of other
+# work may have fallen on: the leader and every candidate within CONFIRM_WITHIN of its best
+# (and the bucket's default, where the chooser has one and it is not the leader) take
+# CONFIRM_REPEATS more passes in turn (both choosers). On the Xeon of docs/performance.md an
+# 8-bit 6144x1024 kept amx_vpanel at 65-512 rows from one such run (amx_bf16_vpanel is 1.1x
+# faster there), and a 512-token int8 prefill ran 0.90x bf16's rate instead of 0.95x.
+CONFIRM_WITHIN = 0.2
+CONFIRM_REPEATS = 3
+
+
+def contenders(best: Mapping[str, float], default: str | None = None) -> list[str]:
+    """Who takes the confirming passes (CONFIRM_WITHIN): the leader first, then the others
+    within reach of it, then `default` if it is neither; [leader] alone: nothing to confirm."""
+    leader = min(best, key=best.__getitem__)
+    reach = (1 + CONFIRM_WITHIN) * best[leader]
+    out = [leader] + [n for n in best if n != leader and best[n] <= reach]
+    if default is not None and default in best and default not in out:
+        out.append(default)
+    return out
+
+
 def policy(candidates: Sequence[str]) -> str:
     """What the cached timings cover, for the cache key: new candidates re-measure, as do
-    timings taken under another drop rule. (Margins and the copy allowance only turn timings
+    timings taken under another drop or confirm rule. (Margins and the copy allowance only turn timings
     into picks, at every start.)"""
     rows = ",".join(map(str, TIMED_ROWS))
     return (
         f"{','.join(candidates)};timings at {rows} rows;weights flushed from the caches"
-        f";drop after {DROP_AFTER}"
+        f";drop after {DROP_AFTER};confirm {CONFIRM_REPEATS} within {CONFIRM_WITHIN}"
     )
 
 

@@ -105,10 +105,6 @@ _RUN.update({name: cpu_vpanel.on_copy(run) for name, run in _PACKED_RUN.items()}
 _COLD_BYTES = 48 << 20
 _PASS_FLOPS = 4e8
 _MIN_REPEATS, _MAX_REPEATS = 3, 8
-# Passes more of the leader and the default, in turn, where they differ: a burst of other work
-# over the default's first passes made a leader of a kernel 1.2x slower (an AVX2 EPYC VM's int4
-# prefill: qgemv over dequant_panel at 65-512 rows, 0.89x bf16's prefill rate).
-_CONFIRM_REPEATS = 3
 _MEMO: dict[tuple[str, ShapeKey, MachineKey, bool], tuple[tuple[str, ...], str]] = {}
 
 
@@ -267,7 +263,7 @@ def machine_key() -> MachineKey:
     model, flags = cpu_build.cpu_info()
     kernels = cpu_kernels.build_id() or "none"
     # "keeps": measure keeps vnni_panel and the best row-major candidate in every bucket
-    rules = f"quant:{kernel_choice.policy(CANDIDATES)};confirm {_CONFIRM_REPEATS};keeps"
+    rules = f"quant:{kernel_choice.policy(CANDIDATES)};keeps"
     if cpu_kernels.quantized_activations() == "int8":  # integer decode timings differ
         rules += ":x8"
     return MachineKey.of(model, flags, torch.__version__, torch.get_num_threads(), kernels, rules)
@@ -348,6 +344,17 @@ def _pass_tensors(group: Sequence[QTensor], name: str) -> list[torch.Tensor]:
     return [t for w in ws for t in streamed(w)]
 
 
+def _timed_pass(
+    name: str, group: Sequence[QTensor], x: torch.Tensor, clock: Callable[[], float]
+) -> float:
+    """Seconds of one pass of candidate `name` over the group, its tensors flushed first."""
+    cpu_kernels.flush(_pass_tensors(group, name))
+    t0 = clock()
+    for w in group:
+        _RUN[name](x, w)
+    return clock() - t0
+
+
 def measure(
     weights: Sequence[QTensor],
     x_dtype: torch.dtype,
@@ -359,9 +366,9 @@ def measure(
     """Seconds per pass for each candidate and bucket (interleaved passes, the best counts;
     one more than DROP_BEHIND x behind the leader after DROP_AFTER passes (kernel_choice) is
     dropped: None, never vnni_panel).
-    Where the leader is not the bucket's default (`defaults`, the untuned picks), the two get
-    _CONFIRM_REPEATS more passes in turn before the bests are final. Only `names` run (the
-    others: None)."""
+    The leader, the candidates near it and the bucket's default (`defaults`, the untuned
+    picks) get more passes in turn before the bests are final (kernel_choice.contenders). Only
+    `names` run (the others: None)."""
     timings: dict[str, list[float | None]] = {name: [] for name in CANDIDATES}
     for b, rows in enumerate(TIMED_ROWS):
         group = _timing_set(weights, rows)
@@ -376,11 +383,7 @@ def measure(
         for rep in range(_MAX_REPEATS):
             improved = False
             for name in live:
-                cpu_kernels.flush(_pass_tensors(group, name))
-                t0 = clock()
-                for w in group:
-                    _RUN[name](x, w)
-                t = clock() - t0
+                t = _timed_pass(name, group, x, clock)
                 improved |= t < 0.98 * best[name]
                 best[name], worst[name] = min(best[name], t), max(worst[name], t)
             if rep + 1 == kernel_choice.DROP_AFTER:
@@ -397,15 +400,15 @@ def measure(
                 live = [n for n in live if best[n] <= behind or n in (PACKED, rows_lead)]
             elif rep + 1 >= _MIN_REPEATS and not improved:
                 break
-        leader = min(live, key=lambda n: best[n])
-        if defaults is not None and defaults[b] in live and defaults[b] != leader:
-            for _ in range(_CONFIRM_REPEATS):
-                for name in (defaults[b], leader):
-                    cpu_kernels.flush(_pass_tensors(group, name))
-                    t0 = clock()
-                    for w in group:
-                        _RUN[name](x, w)
-                    best[name] = min(best[name], clock() - t0)
+        # The default in the confirming passes too: a burst of other work over its first
+        # passes made a leader of a kernel 1.2x slower (an AVX2 EPYC VM's int4 prefill: qgemv
+        # over dequant_panel at 65-512 rows, 0.89x bf16's prefill rate).
+        again = kernel_choice.contenders(
+            {n: best[n] for n in live}, defaults[b] if defaults is not None else None
+        )
+        for _ in range(kernel_choice.CONFIRM_REPEATS if len(again) > 1 else 0):
+            for name in again:
+                best[name] = min(best[name], _timed_pass(name, group, x, clock))
         for name in CANDIDATES:
             timings[name].append(best[name] if name in live else None)
         if spreads is not None:

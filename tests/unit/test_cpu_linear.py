@@ -363,17 +363,17 @@ def test_a_flush_keeps_the_values() -> None:
 
 
 def _scripted_passes(
-    monkeypatch: pytest.MonkeyPatch, costs: dict[str, tuple[float, float]]
+    monkeypatch: pytest.MonkeyPatch, costs: dict[str, tuple[float, float]], disturbed: int = 1
 ) -> Callable[[], float]:
-    """The candidates' runs replaced: name -> (seconds a pass, seconds of its first timed pass)
-    on a fake clock, which is returned for measure."""
+    """The candidates' runs replaced: name -> (seconds a pass, seconds of each of its first
+    `disturbed` timed passes) on a fake clock, which is returned for measure."""
     now = [0.0]
     seen: dict[tuple[str, int], int] = {}
 
     def fake(name: str, cost: float, first: float):  # noqa: ANN202
         def run(x, w, p, o):  # noqa: ANN001, ANN202
             calls = seen[(name, x.shape[0])] = seen.get((name, x.shape[0]), 0) + 1
-            now[0] += first if calls == 2 else cost  # call 1 is the warm-up
+            now[0] += first if 2 <= calls <= 1 + disturbed else cost  # call 1: the warm-up
             return torch.empty(x.shape[0], w.shape[0])
 
         return run
@@ -411,6 +411,23 @@ def test_one_disturbed_pass_does_not_drop_the_fastest_kernel(
     clock = _scripted_passes(monkeypatch, {"gemv": (0.5, 5.0), "torch": (1.0, 1.0)})
     timings = cpu_linear.measure([w], w.dtype, None, ["gemv", "torch"], clock=clock)
     assert timings["gemv"] == [0.5] * len(BUCKETS) and timings["torch"] == [1.0] * len(BUCKETS)
+    assert kernel_choice.pick(timings) == ("gemv",) * len(BUCKETS)
+
+
+def test_a_near_tie_is_timed_again_before_it_is_decided(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Other work over every one of a kernel's first passes (1.1x the other's time where it is
+    truly 0.9x) leaves it within kernel_choice.CONFIRM_WITHIN of the leader: both take more
+    passes in turn, and the faster is picked. Before, the passes' bests decided at once and
+    the slower kernel kept every bucket."""
+    w = weight()
+    if "gemv" not in cpu_linear.available(w, w.dtype):
+        pytest.skip("no CPU kernels here")
+    costs = {"gemv": (0.9, 1.1), "torch": (1.0, 1.0)}
+    clock = _scripted_passes(monkeypatch, costs, disturbed=cpu_linear._MIN_REPEATS)
+    timings = cpu_linear.measure([w], w.dtype, None, ["gemv", "torch"], clock=clock)
+    assert timings["gemv"] == pytest.approx([0.9] * len(BUCKETS))
     assert kernel_choice.pick(timings) == ("gemv",) * len(BUCKETS)
 
 

@@ -243,3 +243,11 @@ def test_other_processes_cpu_time_is_seen() -> None:
         for b in burners:
             b.kill()
             b.wait()
+
+
+def test_contenders_are_the_leader_those_within_reach_and_the_default() -> None:
+    best = {"a": 1.0, "b": 1.0 + kc.CONFIRM_WITHIN, "c": 1.5, "d": 0.9}
+    assert kc.contenders(best) == ["d", "a"]  # b: 1.2 > 0.9 * 1.2
+    assert kc.contenders(best, default="c") == ["d", "a", "c"]
+    assert kc.contenders(best, default="a") == ["d", "a"]
+    assert kc.contenders({"a": 1.0, "b": 2.0}) == ["a"]  # nothing to confirm
