@@ -117,6 +117,30 @@ def test_each_form_matches_sdpa_at_one_and_two_threads(case: str, d: int) -> Non
         assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_amx_items_of_two_query_blocks_give_one_block_s_bits(case: str) -> None:
+    """On AMX an item multiplies two 16-row query blocks at once (each key and value tile
+    loaded once for both): the same products in the same order as a block at a time, so the
+    same bits, whatever the blocks' lengths (a last block alone, prompts off the tiles,
+    cached prefixes)."""
+    if cpu_prefill.form() < 2:
+        pytest.skip("no AMX tiles here: the VDPBF16PS form takes a block at a time")
+    lens, pres = CASES[case]
+    for d in (64, 128):
+        tensors, plan, _ = _problem(d, lens, pres, seed=3 * d + len(lens))
+        switch = cpu_prefill.pairs()
+        assert switch is not None and switch.value == 1
+        got = {}
+        try:
+            for pairs in (1, 0):
+                switch.value = pairs
+                got[pairs] = torch.zeros(sum(lens), HQ * d, dtype=torch.bfloat16)
+                assert cpu_prefill.attend(*tensors, plan, got[pairs], d**-0.5)
+        finally:
+            switch.value = 1
+        assert torch.equal(got[1], got[0])
+
+
 def test_the_switch_turns_the_kernel_off() -> None:
     """prefill_attn_pick 0 (benchmarks' "before"): refused, nothing written."""
     if not _forms_here():

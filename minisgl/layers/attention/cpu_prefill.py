@@ -50,6 +50,13 @@ def pick() -> ctypes.c_int | None:
     return None if lib is None else ctypes.c_int.in_dll(lib, "prefill_attn_pick")
 
 
+def pairs() -> ctypes.c_int | None:
+    """The AMX form's switch for tests: 1 (the default) an item takes two 16-row query blocks
+    at once, 0 one; the bits are the same."""
+    lib = _lib()
+    return None if lib is None else ctypes.c_int.in_dll(lib, "prefill_attn_pairs")
+
+
 @cache
 def _kernel() -> Any:
     """The C entry point, or None where the kernels or either form are not available."""

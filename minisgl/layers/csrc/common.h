@@ -65,6 +65,23 @@ static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(y, fx);
 }
 
+/* 2^t on 16 lanes for t <= 0 (below -126 taken as -126, so the result stays a normal float):
+   2^round(t) (VSCALEFPS) times 2^f, f in [-0.5, 0.5], by a degree-5 polynomial (Chebyshev
+   fit; relative error < 2.5e-7 in fp32, exp16's accuracy). Where the caller scales by log2(e)
+   beforehand it is an exp in 10 ops against exp16's 15. */
+static inline __attribute__((always_inline)) __m512 exp2_16(__m512 t) {
+    t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 y = _mm512_set1_ps(1.3400433e-3f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6760374e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5503272e-2f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022107e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0000001f));
+    return _mm512_scalef_ps(y, n);
+}
+
 /* r[i] dword j -> r[j] dword i (16 x 16 dwords). */
 static inline __attribute__((always_inline)) void transpose16(__m512i* r) {
     __m512i t[16];
