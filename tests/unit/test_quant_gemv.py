@@ -670,13 +670,13 @@ def test_picks_are_timed_again_at_another_thread_count(
     assert timed == [threads, other]  # once per thread count; then from memory
 
 
-def test_a_kernel_near_the_leader_is_timed_again_before_it_loses_the_bucket(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The default leads (7 s a pass) while the truly faster kernel (6 s) has every one of its
-    first passes in a burst of other work (8 s): within kernel_choice.CONFIRM_WITHIN of the
-    leader, it takes more passes in turn with it and is picked. Before, only a default that
-    was not the leader was timed again, and the slower default kept the bucket."""
+def _scripted_quant_kernels(
+    monkeypatch: pytest.MonkeyPatch, burst: float
+) -> tuple[Callable[[], float], dict[str, int]]:
+    """cpu_choice's candidates on a fake clock (returned, with each one's call count):
+    dequant_panel 6 s a pass but `burst` s over its warm-up and first 3 passes (other work on
+    the machine), qgemv 7 s throughout, every other 100 s. The counts are shared by every row
+    count's passes, so only the first row count's are in the burst."""
     from minisgl.quant import cpu_choice
 
     now = [0.0]
@@ -686,7 +686,7 @@ def test_a_kernel_near_the_leader_is_timed_again_before_it_loses_the_bucket(
         def run(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> None:
             passes[name] = passes.get(name, 0) + 1
             if name == "dequant_panel":
-                now[0] += 8.0 if passes[name] <= 4 else 6.0  # warm-up + 3 passes in a burst
+                now[0] += burst if passes[name] <= 4 else 6.0
             else:
                 now[0] += 7.0 if name == "qgemv" else 100.0
 
@@ -694,9 +694,22 @@ def test_a_kernel_near_the_leader_is_timed_again_before_it_loses_the_bucket(
 
     for name in cpu_choice.CANDIDATES:
         monkeypatch.setitem(cpu_choice._RUN, name, scripted(name))
+    return lambda: now[0], passes
+
+
+def test_a_kernel_near_the_leader_is_timed_again_before_it_loses_the_bucket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The default leads (7 s a pass) while the truly faster kernel (6 s) has every one of its
+    first passes in a burst of other work (8 s): within kernel_choice.CONFIRM_WITHIN of the
+    leader, it takes more passes in turn with it and is picked. Before, only a default that
+    was not the leader was timed again, and the slower default kept the bucket."""
+    from minisgl.quant import cpu_choice
+
+    clock, _ = _scripted_quant_kernels(monkeypatch, burst=8.0)
     defaults = ("qgemv",) * len(kernel_choice.BUCKETS)
     timings = cpu_choice.measure(
-        [_weights()["int4"]], torch.float32, clock=lambda: now[0], defaults=defaults
+        [_weights()["int4"]], torch.float32, clock=clock, defaults=defaults
     )
     # every row count's passes share the script's counter: only the first is a burst
     assert timings["dequant_panel"][0] == 6.0
@@ -712,26 +725,12 @@ def test_a_burst_over_the_defaults_first_passes_does_not_pick_a_slower_kernel(
     before, the slower kernel was picked."""
     from minisgl.quant import cpu_choice
 
-    now = [0.0]
-    passes: dict[str, int] = {}
-
-    def scripted(name: str) -> Callable[..., None]:
-        def run(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> None:
-            passes[name] = passes.get(name, 0) + 1
-            if name == "dequant_panel":
-                now[0] += 10.0 if passes[name] <= 4 else 6.0  # warm-up + 3 passes in a burst
-            else:
-                now[0] += 7.0 if name == "qgemv" else 100.0
-
-        return run
-
-    for name in cpu_choice.CANDIDATES:
-        monkeypatch.setitem(cpu_choice._RUN, name, scripted(name))
+    clock, passes = _scripted_quant_kernels(monkeypatch, burst=10.0)
     defaults = ("dequant_panel",) * len(kernel_choice.BUCKETS)
     ws = [_weights()["int4"]]
     for confirm, want in ((0, "qgemv"), (kernel_choice.CONFIRM_REPEATS, "dequant_panel")):
         monkeypatch.setattr(kernel_choice, "CONFIRM_REPEATS", confirm)
         passes.clear()
-        timings = cpu_choice.measure(ws, torch.float32, clock=lambda: now[0], defaults=defaults)
+        timings = cpu_choice.measure(ws, torch.float32, clock=clock, defaults=defaults)
         # every row count's passes share the script's counter: only the first is a burst
         assert kernel_choice.pick(timings, defaults)[0] == want, confirm

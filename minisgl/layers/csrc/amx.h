@@ -67,6 +67,14 @@ static inline void amx_config(const AmxConfig* c) { _tile_loadconfig(c); }
    tile state through context switches, and the next user's configuration starts clean. */
 static inline void amx_release(void) { _tile_release(); }
 
+/* Tiles 0-3 (a kernel's four C tiles) zeroed: tile numbers are immediates. */
+static inline void amx_zero_tiles_0_3(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
 #else
 static inline int amx_ready(void) { return 0; }
 #endif

@@ -895,10 +895,7 @@ static void values_amx(const uint16_t* p, int64_t sp_len, const uint32_t* vp, in
                        int64_t D, float* obuf) {
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
         const int64_t c0 = d0 / 16;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        amx_zero_tiles_0_3();
         for (int64_t kb = 0; kb < nk32 / 32; kb++) {
             const uint32_t* b = vp + kb * (D / 16) * TILE_U32 + c0 * TILE_U32;
             _tile_loadd(4, p + kb * 32, sp_len * 2);
@@ -930,10 +927,7 @@ static void scores_amx2(const uint16_t* qbuf, const uint32_t* kp, int64_t nkb, i
     for (int64_t kb = 0; kb < nkb; kb += 2) {
         const uint32_t* b0 = kp + kb * nc * TILE_U32;
         int two = kb + 1 < nkb;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        amx_zero_tiles_0_3();
         for (int64_t c = 0; c < nc; c++) {
             _tile_loadd(6, b0 + c * TILE_U32, 64);
             _tile_loadd(4, qbuf + 32 * c, D * 2);
@@ -963,10 +957,7 @@ static void values_amx2(const uint16_t* p, int64_t sp_len, const uint32_t* vp, i
     const uint16_t* p1 = p + 16 * sp_len;
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
         const int64_t c0 = d0 / 16;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        amx_zero_tiles_0_3();
         for (int64_t kb = 0; kb < nk32 / 32; kb++) {
             const uint32_t* b = vp + kb * (D / 16) * TILE_U32 + c0 * TILE_U32;
             _tile_loadd(4, p + kb * 32, sp_len * 2);
