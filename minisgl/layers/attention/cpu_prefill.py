@@ -43,18 +43,22 @@ def form() -> int:
     return int(lib.prefill_attn_form()) if lib is not None else 0
 
 
+def _switch(name: str) -> ctypes.c_int | None:
+    """A global int of the kernel's build (None: no build loaded)."""
+    lib = _lib()
+    return None if lib is None else ctypes.c_int.in_dll(lib, name)
+
+
 def pick() -> ctypes.c_int | None:
     """The kernel's switch for tests and benchmarks: the most capable form a call may take
     (2 AMX, 1 VDPBF16PS, 0 none: attend returns False)."""
-    lib = _lib()
-    return None if lib is None else ctypes.c_int.in_dll(lib, "prefill_attn_pick")
+    return _switch("prefill_attn_pick")
 
 
 def pairs() -> ctypes.c_int | None:
     """The AMX form's switch for tests: 1 (the default) an item takes two 16-row query blocks
     at once, 0 one; the bits are the same."""
-    lib = _lib()
-    return None if lib is None else ctypes.c_int.in_dll(lib, "prefill_attn_pairs")
+    return _switch("prefill_attn_pairs")
 
 
 @cache

@@ -140,13 +140,8 @@ static inline void dot2x1(const uint16_t* a, int64_t K, const uint32_t* b0, int6
     }
 }
 
-/* The C tiles (0-3): zeroed before a pass over K, stored to cbuf (4 x 256 floats) after. */
-static inline void c_tiles_zero(void) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-}
+/* The C tiles (0-3): zeroed before a pass over K (amx.h amx_zero_tiles_0_3), stored to cbuf
+   (4 x 256 floats) after. */
 static inline void c_tiles_store(float* cbuf) {
     _tile_stored(0, cbuf, 64);
     _tile_stored(1, cbuf + 256, 64);
@@ -190,7 +185,7 @@ static void block_halves(const uint16_t* a, const uint32_t* xp, int64_t M, int64
     Ahead pf = {next, next ? ROWS * K * 2 / 64 : 0, 2 * kblocks, 0, 0};
     for (int h = 0; h < 2; h++) {
         int ncols = N - n0 - 16 * h < 16 ? (int)(N - n0 - 16 * h) : 16;
-        c_tiles_zero();
+        amx_zero_tiles_0_3();
         dot1xn(a + 16 * h * K, K, xp, tile, (int)mtiles, kblocks, &pf);
         c_tiles_store(cbuf);
         for (int t = 0; t < mtiles && ncols > 0; t++) {
@@ -211,7 +206,7 @@ static void block(const uint16_t* a, const uint32_t* xp, int64_t M, int64_t N, i
     Ahead pf = {next, next ? ROWS * K * 2 / 64 : 0, passes * kblocks, 0, 0};
     for (int64_t mt = 0; mt < mtiles; mt += 2) {
         int two = mt + 1 < mtiles;
-        c_tiles_zero();
+        amx_zero_tiles_0_3();
         if (two)
             dot2x2(a, K, xp + mt * tile, xp + (mt + 1) * tile, kblocks, &pf, near);
         else
