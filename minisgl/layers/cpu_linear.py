@@ -48,6 +48,7 @@ import os
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -448,14 +449,56 @@ def _cooler(tensors: Sequence[torch.Tensor]) -> Callable[[], object] | None:
     weights stream in during the FMAs, a warm set hides that cost): their lines flushed out of
     every cache level (cpu_kernels.flush), whatever the size of the last-level cache: a pass
     over 48 MB ran from a Xeon VM's 480 MB L3 at ~1.9x a step's rate and ranked the kernels by
-    their arithmetic. Without the kernels, where the set is smaller than _COLD_BYTES, a read of
-    _COLD_BYTES of other memory (last-level caches of up to ~32 MB); None: nothing to do."""
-    if cpu_kernels.load() is not None:
+    their arithmetic. oneDNN's reordered weight has no address to flush (an opaque tensor):
+    before its passes, a read of other memory larger than the last-level cache (_evict_bytes).
+    Without the kernels, where the set is smaller than _COLD_BYTES, a read of _COLD_BYTES of
+    other memory (last-level caches of up to ~32 MB); None: nothing to do."""
+    plain = [t for t in tensors if t.layout == torch.strided]
+    opaque = len(plain) < len(tensors)
+    lib = cpu_kernels.load()
+    if lib is not None and not opaque:
         return lambda: cpu_kernels.flush(tensors)
-    if sum(t.numel() * t.element_size() for t in tensors) >= _COLD_BYTES:
+    size = _evict_bytes() if opaque else _COLD_BYTES
+    if not opaque and sum(t.numel() * t.element_size() for t in tensors) >= size:
         return None
-    buf = torch.ones(_COLD_BYTES // 4)
-    return lambda: float(buf.sum())
+    buf = _other_memory(size)
+    if lib is None:
+        return lambda: float(buf.sum())
+    return lambda: (cpu_kernels.flush(plain), lib.stream_read(buf.data_ptr(), buf.numel()))
+
+
+def _last_level_cache() -> int:
+    """Bytes of the largest cache Linux reports for CPU 0 (0: none reported)."""
+    sizes = [0]
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = entry.read_text().strip().upper()
+            unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * unit)
+        except (OSError, ValueError):
+            continue
+    return max(sizes)
+
+
+def _evict_bytes() -> int:
+    """Other memory read to push a tensor that cannot be flushed out of the caches: a quarter
+    more than the last-level cache. On a Xeon VM (480 MB L3), oneDNN's 32-row matmul on its
+    6144x1024 bf16 copy after a flush of the original weight (its copy left in L3) ran 1.07-1.37x
+    our AMX kernel's speed, after a read of 600 MB 0.60-0.70x; in a B=32 decode step it took
+    26.9 ms against AMX's 15.5, where the warm timing had made it the pick for 9-512 rows."""
+    return max(_COLD_BYTES, _last_level_cache() * 5 // 4)
+
+
+# The other memory of _cooler's reads by size, shared by the candidates' coolers while a
+# measure() runs (up to a last-level cache and a quarter: freed when it ends).
+_OTHER: dict[int, torch.Tensor] = {}
+
+
+def _other_memory(size: int) -> torch.Tensor:
+    if size not in _OTHER:
+        # its own mapping, unmapped when dropped; written, so its pages are distinct memory
+        _OTHER[size] = hugepages.empty(size // 4, dtype=torch.float32).fill_(1.0)
+    return _OTHER[size]
 
 
 def _pass_tensors(group: Sequence[torch.Tensor], packed: Sequence[Any]) -> list[torch.Tensor]:
@@ -500,6 +543,20 @@ def measure(
     counts (other work only ever adds time). Every pass reads its weights from memory
     (_timing_set, _cooler), as a step does. `spreads` collects each repeated candidate's
     slowest pass over its fastest."""
+    try:
+        return _measure(weights, x_dtype, out_dtype, avail, clock, spreads)
+    finally:
+        _OTHER.clear()
+
+
+def _measure(
+    weights: Sequence[torch.Tensor],
+    x_dtype: torch.dtype,
+    out_dtype: torch.dtype | None,
+    avail: Sequence[str],
+    clock: Callable[[], float],
+    spreads: list[float] | None,
+) -> dict[str, list[float | None]]:
     timings: dict[str, list[float | None]] = {name: [] for name in CANDIDATES}
     packs: dict[tuple[str, int, int], Any] = {}
     for rows in TIMED_ROWS:

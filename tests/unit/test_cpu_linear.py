@@ -352,6 +352,61 @@ def test_each_timed_pass_reads_its_weights_from_memory(monkeypatch: pytest.Monke
     assert cpu_linear._cooler([big]) is None and cpu_linear._cooler([big[:16]]) is not None
 
 
+def test_a_copy_without_an_address_is_pushed_out_by_reading_other_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """oneDNN's reordered weight is an opaque tensor (no address to flush): a pass that reads
+    one is preceded by a read of other memory a quarter larger than the last-level cache, the
+    strided tensors beside it still flushed. Before, the flush was given the opaque tensor,
+    which it skipped: oneDNN's copy was timed from a large L3 (a Xeon VM's 480 MB) and picked
+    for decode batches where it ran 0.6x our AMX kernel's speed."""
+    w = weight(torch.float32)
+    opaque = w.to_mkldnn()
+    monkeypatch.setattr(cpu_linear, "_last_level_cache", lambda: 64 << 20, raising=False)
+    lib = cpu_kernels.load()
+    reads: list[int] = []
+    if lib is not None:
+        passes = Passes(monkeypatch)
+        read = lib.stream_read
+        monkeypatch.setattr(lib, "stream_read", lambda p, n: reads.append(n * 4) or read(p, n))
+        cool = cpu_linear._cooler([w, opaque])
+        assert cool is not None
+        cool()
+        assert passes.flushed() == [{w.data_ptr()}] and reads == [80 << 20]
+        cpu_linear._cooler([w])()  # all strided: a flush, no read
+        assert len(passes.flushed()) == 2 and len(reads) == 1
+    else:  # without the kernels: a sum over the other memory
+        sums: list[int] = []
+        total = torch.Tensor.sum
+        monkeypatch.setattr(torch.Tensor, "sum", lambda t: sums.append(t.numel() * 4) or total(t))
+        cool = cpu_linear._cooler([w, opaque])
+        assert cool is not None
+        cool()
+        assert sums == [80 << 20]
+    cpu_linear._OTHER.clear()
+
+
+def test_the_other_memory_is_freed_after_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chooser's read of other memory (up to a last-level cache and a quarter) is not kept
+    once the timings are taken: it would add to the scheduler's resident memory."""
+    monkeypatch.setattr(cpu_linear, "_last_level_cache", lambda: 64 << 20, raising=False)
+    w = [weight(torch.float32) for _ in range(2)]
+    avail = cpu_linear.available(w[0], torch.float32)
+    opaque = w[0].to_mkldnn()
+    seen: list[int] = []
+    real = cpu_linear._cooler
+
+    def cooler(tensors):  # noqa: ANN001, ANN202
+        fn = real(list(tensors) + [opaque])
+        seen.append(len(cpu_linear._OTHER))
+        return fn
+
+    monkeypatch.setattr(cpu_linear, "_cooler", cooler)
+    cpu_linear.measure(w, torch.float32, None, avail)
+    assert seen and all(n == 1 for n in seen)  # one buffer, shared by the candidates
+    assert not cpu_linear._OTHER
+
+
 def test_a_flush_keeps_the_values() -> None:
     """cpu_kernels.flush drops cache lines, never their data (odd sizes and offsets too)."""
     if cpu_kernels.load() is None:
