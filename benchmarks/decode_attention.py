@@ -6,8 +6,9 @@ heads of Qwen3-0.6B by default, --layers layers' key and value pools on huge pag
 server's pool is), each request's keys on pages of --page-size slots in shuffled order (a pool
 that has served a while). "cold" walks every layer's pools in turn, as a decode step does (from
 memory where the layers' bytes exceed the caches: B=1 x 65 keys is 7.5 MB and does not);
-"cached" attends one layer's pools again and again. The peer, in the same run: torch's scaled_dot_product_attention over the requests'
-keys and values gathered from the pools (what the pure-PyTorch path costs). The read loop
+"cached" attends one layer's pools again and again. The peer, in the same run: torch's
+scaled_dot_product_attention over the requests' keys and values gathered from the pools (what
+the pure-PyTorch path costs). The read loop
 (roofline.py) gives the least time those bytes take from memory. Repeats take turns, so noise
 hits every case alike; the best and the median are printed.
 
