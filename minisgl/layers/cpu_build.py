@@ -132,7 +132,7 @@ def build(isa: str, flags: frozenset[str]) -> Path | None:
         lib = Path(tmp) / "kernels.so"
         error = _compile(cc, cflags, sources(isa), Path(tmp), lib)
         if error is not None:
-            logger.info("CPU kernels (%s) not built with %s: %s", isa, cc, error[-800:])
+            logger.warning("CPU kernels (%s) not built with %s: %s", isa, cc, error[-800:])
             return None
         os.replace(lib, out)  # atomic: concurrent builders (TP ranks) agree on one file
     logger.info(
@@ -141,10 +141,12 @@ def build(isa: str, flags: frozenset[str]) -> Path | None:
     return out
 
 
-def _compile(cc: str, cflags: list[str], srcs: list[Path], tmp: Path, lib: Path) -> str | None:
+def _compile(
+    cc: str, cflags: list[str], srcs: list[Path], tmp: Path, lib: Path, opt: str = "-O3"
+) -> str | None:
     """Each source to an object file, as many at once as there are CPUs (the first start of
     a machine waits for this), then one shared library; the compiler's error text, if any."""
-    base = [cc, "-O3", *cflags, "-fopenmp", "-fPIC", f"-I{CSRC}", "-c"]
+    base = [cc, opt, *cflags, "-fopenmp", "-fPIC", f"-I{CSRC}", "-c"]
     objects = [tmp / f"{src.stem}.o" for src in srcs]
     jobs = [[*base, str(src), "-o", str(obj)] for src, obj in zip(srcs, objects)]
     jobs.append([cc, "-shared", "-fopenmp", *map(str, objects), "-o", str(lib), "-lm"])

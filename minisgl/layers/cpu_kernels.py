@@ -278,6 +278,7 @@ def load() -> _Lib | None:
             isa, flags = _isa(), cpu_build.cpu_info()[1]
             path = cpu_build.build(isa, flags) if isa is not None else None
             if path is None and isa == "avx512":  # e.g. a compiler too old for AVX512-BF16
+                logger.warning("CPU kernels: the AVX-512 build failed, the AVX2 build runs")
                 path = cpu_build.build("avx2", flags)
             _LIB = _Lib(path) if path is not None else None
             _LIB_PATH = path
