@@ -15,9 +15,10 @@
 - panel: the same product for any M from bf16 weights repacked once into 16-column panels
   (csrc/panel.c): one contiguous stream per thread and a 6x16 register tile with no per-call
   conversion. Where it is measured fastest for every row count the panels replace the weight.
-  Where the CPU has AVX512-BF16 the build packs 32-column panels with K in pairs instead
-  (csrc/panel512.c): native bf16 dot products (bf16 x), register tiles of up to 8 rows x 32
-  columns, one layout for every row count (PanelWeight.pairs says which layout a copy is).
+  The AVX-512 build packs 32-column panels with K in pairs instead (csrc/panel512.c): native
+  bf16 dot products (bf16 x) where the CPU has AVX512-BF16, else 16-lane FMAs; register tiles
+  of up to 12 rows x 32 columns, one layout for every row count (PanelWeight.pairs says which
+  layout a copy is).
 - moe_decode: a mixture's expert MLPs at decode (bf16 experts) in one call: the chosen
   experts' GEMV blocks shared among the threads in one parallel region (csrc/moe.c), not two
   GEMV calls and a SiLU per expert, each a fork and join with a cold start of its prefetch.
@@ -100,7 +101,7 @@ class _Lib:
             fn.restype = None
         self.panel_pack, self.panel = lib.panel_pack_bf16, lib.panel_bf16
         # The layout panel_pack_bf16 writes: 0 (panel.c) [K][16] with the lanes interleaved,
-        # 1 (panel512.c, AVX512-BF16) [K/2][32][2]: K in pairs, VDPBF16PS's layout.
+        # 1 (panel512.c, AVX-512) [K/2][32][2]: K in pairs, VDPBF16PS's layout.
         self.panel_layout = ctypes.c_int.in_dll(lib, "panel_layout").value
         # panel512.c's prefetch distance (bytes) and cache (1: L2), for the benchmarks.
         self.panel512_pf_ahead: Any = _global(lib, "panel512_pf_ahead", ctypes.c_int64)
@@ -772,7 +773,7 @@ def amx(
 class PanelWeight:
     """A bf16 weight [n, k] repacked for `panel`: `data` [ceil(n / width), k, width], in the
     layout of the build (`pairs`): 16-column panels [k][16] with the lanes interleaved
-    (panel.c), or on AVX512-BF16 32-column panels whose k runs in pairs, [k / 2][32][2]
+    (panel.c), or on AVX-512 32-column panels whose k runs in pairs, [k / 2][32][2]
     (panel512.c; `data` views them as [k][32])."""
 
     data: torch.Tensor

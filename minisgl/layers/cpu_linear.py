@@ -10,9 +10,10 @@ the candidates
 - "amx": our AMX matmul (bf16 tiles, any row count, the weight as loaded: csrc/amx.c);
 - "gemm": our blocked GEMM (fp32 compute from bf16 or fp32 weights, no weight copy);
 - "torch": plain F.linear (MKL for fp32);
-- "panel": our matmul from bf16 weights repacked into panels (any row count): 16-column panels
-  and fp32 FMAs (csrc/panel.c), or where the CPU has AVX512-BF16, 32-column panels with K in
-  pairs and native bf16 dot products for bf16 x (csrc/panel512.c);
+- "panel": our matmul from bf16 weights repacked into panels (any row count): on AVX2,
+  16-column panels and fp32 FMAs (csrc/panel.c); on AVX-512, 32-column panels with K in pairs
+  (csrc/panel512.c), native bf16 dot products for bf16 x where the CPU has AVX512-BF16, else
+  16-lane fp32 FMAs;
 - "onednn": oneDNN with the weight reordered once into its blocked layout;
 are timed per distinct weight shape and dtype for each row-count bucket at start-up, and a
 layer then dispatches on its input's row count with a list lookup.
@@ -28,7 +29,7 @@ what they would have bought.
 Tuning modes (EngineArgs.cpu_kernel_tuning): "cached" (default: measure shapes the on-disk
 cache lacks), "full" (measure all again), "off" (no timing: GEMV up to 16 rows, then our
 GEMM; oneDNN instead where the CPU multiplies bf16 natively and copies are allowed; where AMX
-runs, AMX from 2 rows on; on AVX512-BF16 without AMX, bf16 weights on panel512.c's panels for
+runs, AMX from 2 rows on; on AVX-512 without AMX, bf16 weights on panel512.c's panels for
 every row count).
 Switches: MINISGL_CPU_PREPACK=0: plain F.linear everywhere; MINISGL_CPU_KERNELS=0: no C
 kernels; MINISGL_CPU_ONEDNN_GEMM=0: never a oneDNN copy; MINISGL_CPU_AMX=0: no AMX candidate;
@@ -224,10 +225,11 @@ def default_picks(avail: Sequence[str], weight_dtype: torch.dtype) -> tuple[str,
     was tuned on an AVX2 machine; where AMX runs, AMX from 2 rows on (measured on a Xeon with
     AMX: ahead of every other candidate there, and it needs no weight copy), and one row on the
     AVX-512 GEMV (there 1.25-1.35x the AVX2 one's rate, one thread, cold weights); where the
-    panels are panel512.c's (AVX512-BF16 without AMX), the panels for every row count: one
+    panels are panel512.c's (AVX-512 without AMX), the panels for every row count: one
     layout, the original weight dropped (measured on a 2-core AMD EPYC Zen 4, one thread, cold
     bf16 weights: 1.5-1.6x the AVX-512 GEMV's rate at 1 row, 1.3-1.8x at 8, 1.2-1.4x at 32,
-    level with oneDNN at 320)."""
+    level with oneDNN at 320; on a Xeon without AVX512-BF16, measured, the chooser's pick at
+    every row count of the 0.6B shapes)."""
     if "amx" in avail:
         one = "gemv512" if "gemv512" in avail else "gemv"
         return tuple(one if last == 1 else "amx" for _, last in BUCKETS)

@@ -48,10 +48,10 @@ def test_matmul_matches_reference(wdtype: torch.dtype, rows: int) -> None:
 @pytest.mark.parametrize("rows", [*range(1, 18), 21, 23, 31, 64, 96, 100, 161, 320])
 @pytest.mark.parametrize("k", [96, 544, 2080])  # chunks: one short; panel.c's and panel512.c's
 def test_panel_matmul_matches_reference(rows: int, k: int) -> None:
-    """bf16 weights repacked into the build's panels (panel.c: 16 columns, row tiles of 1-6,
-    a converted chunk from 17 rows, passes of 96; panel512.c on AVX512-BF16: 32 columns with K
-    in pairs, one tile of up to 12 bf16 rows or 6 fp32 rows, else K in chunks of 2048 under
-    tiles of up to 8 or 6 rows, passes of 160),
+    """bf16 weights repacked into the build's panels (panel.c, AVX2: 16 columns, row tiles of
+    1-6, a converted chunk from 17 rows, passes of 96; panel512.c, AVX-512: 32 columns with K
+    in pairs, one tile of up to 12 rows, else K in chunks of 2048 under tiles of up to 8 rows,
+    passes of 160; bf16 x widened to fp32 where the CPU lacks AVX512-BF16),
     N not a multiple of either panel width; bf16 x (on panel512.c exact bf16 products summed
     in fp32, as VDPBF16PS does) or fp32 x, either output, against the product in float64 of
     the same values: fp32 sums, only their order differs."""
@@ -111,33 +111,37 @@ def _own_build(tmp_path: Path, src: str, drop: frozenset[str]) -> ctypes.CDLL:
 @pytest.mark.skipif(
     cpu_build.pick_isa(cpu_build.cpu_info()[1]) != "avx512", reason="no AVX-512 on this CPU"
 )
-def test_panels_without_native_bf16_keep_their_own_layout(tmp_path: Path) -> None:
-    """The panel kernel's layout follows the build: on an AVX-512 CPU without AVX512-BF16
-    (compiled here without it) panel512.c has no entry points and panel.c's 16-column panels
-    serve, and the embedding lookup reads its rows from that layout; with AVX512-BF16,
-    panel512.c's pairs."""
-    lib = _own_build(tmp_path, "panel.c", frozenset({"avx512_bf16"}))
-    assert ctypes.c_int.in_dll(lib, "panel_layout").value == 0
-    empty = _own_build(tmp_path, "panel512.c", frozenset({"avx512_bf16"}))
-    assert not hasattr(empty, "panel_bf16")
+def test_avx512_panels_without_native_bf16_run_fma_tiles_on_the_pairs_layout(
+    tmp_path: Path,
+) -> None:
+    """On an AVX-512 CPU without AVX512-BF16 (compiled here without it) panel512.c serves on its
+    own layout (32 columns, K in pairs) with bf16 x widened to fp32 for 16-lane FMAs, and
+    panel.c's 8-lane tiles are not in the build (before, they were: half the FMA width); the
+    embedding lookup reads its rows from the pairs. Row counts: the split tiles (1-3), the
+    wide ones (4-12), K in chunks (13, 20), two passes (161)."""
+    assert not hasattr(_own_build(tmp_path, "panel.c", frozenset()), "panel_bf16")
+    lib = _own_build(tmp_path, "panel512.c", frozenset({"avx512_bf16"}))
+    assert ctypes.c_int.in_dll(lib, "panel_layout").value == 1
     lib.panel_pack_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 2
     lib.panel_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     torch.manual_seed(0)
-    n, k = 37, 96
+    n, k = 37, 2080
     w = torch.randn(n, k).bfloat16()
-    data = torch.empty(3, k, 16, dtype=torch.bfloat16)
+    data = torch.empty(2, k, 32, dtype=torch.bfloat16)
     lib.panel_pack_bf16(w.data_ptr(), data.data_ptr(), n, k)
-    ids = torch.tensor([0, 7, 8, 15, 16, 36])
-    assert torch.equal(cpu_kernels.panel_rows(cpu_kernels.PanelWeight(data, n), ids), w[ids])
-    for rows in (1, 7, 20):
-        x = torch.randn(rows, k).bfloat16()
-        y = torch.empty(rows, n)
-        lib.panel_bf16(x.data_ptr(), data.data_ptr(), y.data_ptr(), rows, n, k, 0, 1)
-        ref = F.linear(x.double(), w.double())
-        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
-    if "avx512_bf16" in cpu_build.cpu_info()[1]:
-        native = _own_build(tmp_path, "panel512.c", frozenset())
-        assert ctypes.c_int.in_dll(native, "panel_layout").value == 1
+    ids = torch.tensor([0, 7, 8, 15, 16, 31, 32, 36])
+    packed = cpu_kernels.PanelWeight(data, n, pairs=True)
+    assert torch.equal(cpu_kernels.panel_rows(packed, ids), w[ids])
+    for rows in (1, 2, 3, 4, 7, 12, 13, 20, 161):
+        x = torch.randn(rows, k)
+        for xin in (x, x.bfloat16()):
+            ref = F.linear(xin.double(), w.double())
+            y, yb = torch.empty(rows, n), torch.empty(rows, n, dtype=torch.bfloat16)
+            x_bf16 = int(xin.dtype == torch.bfloat16)
+            lib.panel_bf16(xin.data_ptr(), data.data_ptr(), y.data_ptr(), rows, n, k, 0, x_bf16)
+            lib.panel_bf16(xin.data_ptr(), data.data_ptr(), yb.data_ptr(), rows, n, k, 1, x_bf16)
+            torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4 * k / 512)
+            assert torch.equal(yb, y.bfloat16())  # rounded to the nearest, ties to even
 
 
 def test_panel_prefetch_switches_change_no_result() -> None:

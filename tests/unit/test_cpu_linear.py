@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl.layers import cpu_build, cpu_kernels, cpu_linear, kernel_choice
+from minisgl.layers import cpu_kernels, cpu_linear, kernel_choice
 from minisgl.layers.kernel_choice import BUCKETS, LAYOUT, TIMED_ROWS
 from minisgl.testing.flushes import Passes
 
@@ -165,7 +165,7 @@ def test_off_never_measures(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def row_defaults(w: torch.Tensor) -> tuple[str, ...]:
-    """The untimed picks a layer runs by default (one layout, no copy): on AVX512-BF16 without
+    """The untimed picks a layer runs by default (one layout, no copy): on AVX-512 without
     AMX, panel512.c's panels for every row count (a bf16 weight); elsewhere the defaults among
     the candidates on the weight as loaded (where the CPU multiplies bf16 natively without
     AMX, the defaults would name oneDNN, whose copy is not allowed by default)."""
@@ -176,13 +176,13 @@ def row_defaults(w: torch.Tensor) -> tuple[str, ...]:
 
 
 @pytest.mark.parametrize("pairs", [True, False])
-def test_untimed_defaults_on_native_bf16_panels_keep_one_copy(
+def test_untimed_defaults_on_pairs_panels_keep_one_copy(
     monkeypatch: pytest.MonkeyPatch, pairs: bool
 ) -> None:
-    """Tuning "off" where the panels are panel512.c's (AVX512-BF16, no AMX): every row count of
+    """Tuning "off" where the panels are panel512.c's (AVX-512, no AMX): every row count of
     a bf16 weight on the panels, which are then the only copy of it (the layer's weight on the
     meta device), and a tied embedding can read its rows from them; with panel.c's panels (no
-    AVX512-BF16) the defaults stay on the weight as loaded. fp32 weights never go on panels."""
+    AVX-512) the defaults stay on the weight as loaded. fp32 weights never go on panels."""
     w = weight()
     if "panel" not in cpu_linear.available(w, w.dtype):
         pytest.skip("no CPU kernels here")
@@ -212,15 +212,14 @@ def test_untimed_defaults_on_native_bf16_panels_keep_one_copy(
         )
 
 
-def test_native_bf16_panels_exactly_where_the_cpu_has_avx512_bf16() -> None:
-    """panel512.c's layout is the panels' only on the AVX-512 build of a CPU with AVX512-BF16
-    (the running one's flags decide; MINISGL_CPU_ISA=avx2 or a CPU without them: panel.c's)."""
+def test_pairs_panels_exactly_on_the_avx512_build() -> None:
+    """panel512.c's layout is the panels' exactly on the AVX-512 build, with AVX512-BF16 or
+    without (MINISGL_CPU_ISA=avx2 or an AVX2 CPU: panel.c's)."""
     if cpu_kernels.load() is None:
         pytest.skip("no CPU kernels here")
-    flags = cpu_build.cpu_info()[1]
-    native = cpu_kernels.isa() == "avx512" and "avx512_bf16" in flags
-    assert cpu_kernels.panel_pairs() is native
-    assert cpu_kernels.panel_pack(weight()).pairs is native
+    wide = cpu_kernels.isa() == "avx512"
+    assert cpu_kernels.panel_pairs() is wide
+    assert cpu_kernels.panel_pack(weight()).pairs is wide
 
 
 def test_bad_mode_is_refused() -> None:

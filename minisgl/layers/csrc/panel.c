@@ -13,12 +13,12 @@
    keeps streaming while the FMAs run: measured on a 2-core Zen 3, 8 rows from memory 10-25%
    faster than the row-major GEMV, one row 3-15%). K % 16 == 0.
 
-   The AVX-512 build on a CPU with AVX512-BF16 compiles panel512.c instead: the same entry
-   points on 32-column panels with K in pairs (VDPBF16PS's layout). */
+   The AVX-512 build compiles panel512.c instead: the same entry points on 32-column panels
+   with K in pairs (VDPBF16PS's layout; 16-lane FMAs where the CPU lacks AVX512-BF16). */
 #include "common.h"
 #include "panel.h"
 
-#ifndef __AVX512BF16__
+#ifndef __AVX512F__
 
 /* The panels' layout, for the Python side (cpu_kernels.panel_rows): 0 = [K][16], lanes as
    panel_pack_bf16 orders them. */

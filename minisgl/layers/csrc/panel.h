@@ -1,4 +1,4 @@
-/* The 16-column bf16 panels' lane order (panel.c, builds without AVX512-BF16), shared with the
+/* The 16-column bf16 panels' lane order (panel.c, the AVX2 build), shared with the
    decode chain's lookup of a tied table's rows in them (chain.c): lane 2j holds column j, lane
    2j+1 column 8+j, so a shift and a mask split a 32-bit pair into the two columns' fp32. */
 #pragma once
