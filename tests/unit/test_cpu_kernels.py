@@ -146,9 +146,10 @@ def test_avx512_panels_without_native_bf16_run_fma_tiles_on_the_pairs_layout(
 
 def test_panel_prefetch_switches_change_no_result() -> None:
     """panel512.c's prefetch distances and caches (switches the benchmarks flip; one pair for
-    fewer than 7 rows, one for more) only move lines between caches: the same bits, whatever
-    they are, for bf16 and fp32 x, with the prefetch into L1, into L2 and none (past the end);
-    16 and 40 rows: the K-chunked passes, whose prefetch of the next chunk goes into L2."""
+    fewer than 7 rows, one for more, and whether fewer take the pair of more: start-up measures
+    that one) only move lines between caches: the same bits, whatever they are, for bf16 and
+    fp32 x, with the prefetch into L1, into L2 and none (past the end); 16 and 40 rows: the
+    K-chunked passes, whose prefetch of the next chunk goes into L2."""
     lib = cpu_kernels.load()
     if lib is None or lib.panel512_pf_ahead is None:  # panel.c's panels: no such switches
         return
@@ -160,6 +161,7 @@ def test_panel_prefetch_switches_change_no_result() -> None:
         lib.panel512_pf_l2,
         lib.panel512_pf_many_ahead,
         lib.panel512_pf_many_l2,
+        lib.panel512_few_rows_to_l2,
     )
     saved = [s.value for s in switches]
     for rows in (1, 2, 6, 7, 8, 9, 12, 16, 40):
@@ -169,13 +171,41 @@ def test_panel_prefetch_switches_change_no_result() -> None:
             ref = F.linear(x.double(), w.double())
             torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
             try:
-                for ahead, l2 in ((0, 0), (64, 1), (8192, 1), (1 << 16, 0), (1 << 40, 1)):
-                    for s, v in zip(switches, (ahead, l2, ahead, l2), strict=True):
+                settings = ((0, 0), (64, 1), (8192, 1), (1 << 16, 0), (1 << 40, 1))
+                for (ahead, l2), few in itertools.product(settings, (0, 1)):
+                    for s, v in zip(switches, (ahead, l2, ahead, 1 - l2, few), strict=True):
                         s.value = v
                     assert torch.equal(cpu_kernels.panel(x, packed, torch.float32), y)
             finally:
                 for s, v in zip(switches, saved, strict=True):
                     s.value = v
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_few_panel_rows_prefetch_into_l2_where_it_measured_faster(
+    monkeypatch: pytest.MonkeyPatch, faster: bool
+) -> None:
+    """Measured once per process on the running machine (where the chooser first offers the
+    panels): fewer than 7 rows prefetch as more rows do where 1 and 4 rows against cold panels
+    ran 3% faster that way, else as before."""
+    lib = cpu_kernels.load()
+    if lib is None or lib.panel512_few_rows_to_l2 is None:
+        pytest.skip("panel.c's panels (AVX2 build): no such switch")
+    time_by_switch(monkeypatch, cpu_kernels, "panel", lib.panel512_few_rows_to_l2, faster)
+    monkeypatch.setattr(cpu_kernels, "_PANEL_FEW_MEASURED", False)
+    monkeypatch.setattr(cpu_kernels, "_PANEL_FEW_SHAPE", (64, 2048))
+    monkeypatch.setattr(cpu_kernels, "_ROWS_IN_TURN_MEASURED", True)  # not timed here
+    monkeypatch.setattr(cpu_kernels, "_AMX_ROWS_MEASURED", True)
+    before = lib.panel512_few_rows_to_l2.value
+    try:
+        w = torch.randn(64, 256).bfloat16()
+        assert "panel" in cpu_linear.available(w, torch.bfloat16)
+        assert lib.panel512_few_rows_to_l2.value == int(faster)
+        lib.panel512_few_rows_to_l2.value = 1 - int(faster)
+        cpu_linear.available(w, torch.bfloat16)  # once per process: not measured again
+        assert lib.panel512_few_rows_to_l2.value == 1 - int(faster)
+    finally:
+        lib.panel512_few_rows_to_l2.value = before
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])

@@ -59,6 +59,11 @@ int64_t panel512_pf_ahead = 2048;
 int panel512_pf_l2 = 0;
 int64_t panel512_pf_many_ahead = 8192;
 int panel512_pf_many_l2 = 1;
+/* 1: fewer rows prefetch as PF_MANY rows do. Set at start-up by the faster on the running
+   machine (cpu_kernels.measure_panel_few_rows_to_l2): 2 KB into L1 was 1.04-1.4x faster at 1-2
+   rows on a 2-core Zen 4, 8 KB into L2 1.06-1.13x faster at 1-4 rows on a Xeon without
+   AVX512-BF16 (2 threads, cold weights). */
+int panel512_few_rows_to_l2 = 0;
 
 /* 16 columns x 16 pairs at a time through a dword transpose in registers (the 151936x1024
    LM head into touched memory, one thread of the Zen 4 below: 46 ms, against 99 ms for one
@@ -338,7 +343,8 @@ static void panel_rows(const void* x, int x_bf16, int64_t K, int64_t mb, const u
                        float* acc, const char* pf_end) {
     int64_t tiles = mb <= TR1 ? 1 : (mb + TR - 1) / TR;
     if (tiles == 1) { /* one tile over all of K, streaming */
-        int many = mb >= PF_MANY, l2 = many ? panel512_pf_many_l2 : panel512_pf_l2;
+        int many = mb >= PF_MANY || panel512_few_rows_to_l2;
+        int l2 = many ? panel512_pf_many_l2 : panel512_pf_l2;
         const char* pf = (const char*)pq + (many ? panel512_pf_many_ahead : panel512_pf_ahead);
         if (pf + K * 64 > pf_end) pf = 0;
         tile((int)mb, x, x_bf16, 0, K, K / 2, pq, acc, pf, l2);
