@@ -109,6 +109,8 @@ class _Lib:
         # The same for the one-tile passes of 7 rows and more.
         self.panel512_pf_many_ahead: Any = _global(lib, "panel512_pf_many_ahead", ctypes.c_int64)
         self.panel512_pf_many_l2: Any = _global(lib, "panel512_pf_many_l2", ctypes.c_int)
+        # 1: the chunked passes' prefetch of the next chunk spread over two tiles.
+        self.panel512_spread: Any = _global(lib, "panel512_spread", ctypes.c_int)
         # 1: fewer rows prefetch as 7 and more do; set by measure_panel_few_rows_to_l2.
         self.panel512_few_rows_to_l2: Any = _global(lib, "panel512_few_rows_to_l2", ctypes.c_int)
         norm_args: list[Any] = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, ctypes.c_float]

@@ -118,6 +118,7 @@ def test_long_rows_go_to_the_hardware_where_it_measured_faster(
     monkeypatch.setattr(cpu_kernels, "_AMX_ROWS_MEASURED", False)
     monkeypatch.setattr(cpu_kernels, "_AMX_ROWS_SHAPE", (64, 2048))
     monkeypatch.setattr(cpu_kernels, "_ROWS_IN_TURN_MEASURED", True)  # gemv512's: not timed here
+    monkeypatch.setattr(cpu_kernels, "_PANEL_FEW_MEASURED", True)  # the panels': neither
     before = lib.amx_rows_to_hardware.value
     try:
         w = torch.randn(64, 256).bfloat16()

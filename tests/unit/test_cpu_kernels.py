@@ -149,7 +149,7 @@ def test_panel_prefetch_switches_change_no_result() -> None:
     fewer than 7 rows, one for more, and whether fewer take the pair of more: start-up measures
     that one) only move lines between caches: the same bits, whatever they are, for bf16 and
     fp32 x, with the prefetch into L1, into L2 and none (past the end); 16 and 40 rows: the
-    K-chunked passes, whose prefetch of the next chunk goes into L2."""
+    K-chunked passes, whose prefetch of the next chunk goes into L2 (in one tile or two)."""
     lib = cpu_kernels.load()
     if lib is None or lib.panel512_pf_ahead is None:  # panel.c's panels: no such switches
         return
@@ -162,6 +162,7 @@ def test_panel_prefetch_switches_change_no_result() -> None:
         lib.panel512_pf_many_ahead,
         lib.panel512_pf_many_l2,
         lib.panel512_few_rows_to_l2,
+        lib.panel512_spread,
     )
     saved = [s.value for s in switches]
     for rows in (1, 2, 6, 7, 8, 9, 12, 16, 40):
@@ -173,7 +174,8 @@ def test_panel_prefetch_switches_change_no_result() -> None:
             try:
                 settings = ((0, 0), (64, 1), (8192, 1), (1 << 16, 0), (1 << 40, 1))
                 for (ahead, l2), few in itertools.product(settings, (0, 1)):
-                    for s, v in zip(switches, (ahead, l2, ahead, 1 - l2, few), strict=True):
+                    values = (ahead, l2, ahead, 1 - l2, few, few)
+                    for s, v in zip(switches, values, strict=True):
                         s.value = v
                     assert torch.equal(cpu_kernels.panel(x, packed, torch.float32), y)
             finally:
@@ -279,6 +281,7 @@ def test_avx512_gemv_reads_rows_in_turn_where_it_measured_faster(
     monkeypatch.setattr(cpu_kernels, "_ROWS_IN_TURN_MEASURED", False)
     monkeypatch.setattr(cpu_kernels, "_ROWS_IN_TURN_SHAPE", (512, 256))
     monkeypatch.setattr(cpu_kernels, "_AMX_ROWS_MEASURED", True)  # amx's: not timed here
+    monkeypatch.setattr(cpu_kernels, "_PANEL_FEW_MEASURED", True)  # the panels': neither
     before = lib.gemv512_rows_in_turn.value
     try:
         w = torch.randn(64, 256).bfloat16()

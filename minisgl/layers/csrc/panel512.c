@@ -29,7 +29,11 @@
      well as 2 KB into L1 at 1 row;
    - more rows walk K in chunks of KC (128 KB of a panel, held in L2) and pass tiles of up to
      TR rows, of near-equal sizes, over each chunk (the accumulators wait in a buffer between
-     chunks), the next chunk prefetched into L2 during the first tile, so the weights come
+     chunks), the next chunk prefetched into L2 during the first two tiles (a line a pair
+     each, panel512_spread; in the first tile alone, two lines a pair, the prefetches queued
+     behind the memory and held the tile's products up: on a Xeon without AVX512-BF16, 2
+     threads, cold weights, spread over two 1.06-1.27x faster at 13-32 rows, 1.0-1.05x at
+     64-320), so the weights come
      from memory once for up to MB rows. Measured on a 2-core AMD EPYC Zen 4, one thread, cold
      bf16 weights 4096x1024 / 1024x3072: chunks of 2048 k with an L2 prefetch one chunk ahead
      1.1-1.3x the rate of 256 k with an L1 prefetch two ahead at 9-32 rows (a 16 KB chunk and
@@ -64,6 +68,9 @@ int panel512_pf_many_l2 = 1;
    rows on a 2-core Zen 4, 8 KB into L2 1.06-1.13x faster at 1-4 rows on a Xeon without
    AVX512-BF16 (2 threads, cold weights). */
 int panel512_few_rows_to_l2 = 0;
+/* 1: a chunked pass's prefetch of the next chunk spread over its first two tiles (see the top);
+   0: all in the first tile. A switch for the benchmarks. */
+int panel512_spread = 1;
 
 /* 16 columns x 16 pairs at a time through a dword transpose in registers (the 151936x1024
    LM head into touched memory, one thread of the Zen 4 below: 46 ms, against 99 ms for one
@@ -95,9 +102,13 @@ void panel_pack_bf16(const uint16_t* w, uint16_t* p, int64_t N, int64_t K) {
     }
 }
 
+/* Pair j's prefetch in `mode` 1 (its two lines into L1), 2 (into L2) or 3 (line j into L2:
+   half the rate, for a chunk's next one spread over two tiles). */
 static inline __attribute__((always_inline)) void prefetch_pair(const char* pf, int64_t j,
-                                                              int l2) {
-    if (l2) {
+                                                              int mode) {
+    if (mode == 3) {
+        _mm_prefetch(pf + j * 64, _MM_HINT_T1);
+    } else if (mode == 2) {
         _mm_prefetch(pf + j * 128, _MM_HINT_T1);
         _mm_prefetch(pf + j * 128 + 64, _MM_HINT_T1);
     } else {
@@ -113,6 +124,7 @@ static inline __attribute__((always_inline)) void prefetch_pair(const char* pf, 
     static inline void NAME(const XT* x, int64_t ldx, int64_t np, const uint16_t* pw,        \
                             float* acc, const char* pf, int l2) {                            \
         if (!pf) NAME##_k(x, ldx, np, pw, acc, pf, 0);                                       \
+        else if (l2 == 2) NAME##_k(x, ldx, np, pw, acc, pf, 3);                              \
         else if (l2) NAME##_k(x, ldx, np, pw, acc, pf, 2);                                   \
         else NAME##_k(x, ldx, np, pw, acc, pf, 1);                                           \
     }
@@ -137,7 +149,7 @@ static inline __m512bh pair_of(const uint16_t* x) {
             a1[i] = _mm512_loadu_ps(acc + 32 * i + 16);                                      \
         }                                                                                    \
         _Pragma("GCC unroll 2") for (int64_t j = 0; j < np; j++) {                          \
-            if (mode) prefetch_pair(pf, j, mode == 2);                                       \
+            if (mode) prefetch_pair(pf, j, mode);                                       \
             __m512bh w0 = (__m512bh)_mm512_loadu_si512(pw + j * 64);                         \
             __m512bh w1 = (__m512bh)_mm512_loadu_si512(pw + j * 64 + 32);                    \
             _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) {                          \
@@ -177,8 +189,8 @@ BF_TILE(bf_tile3, 3)
             }                                                                                \
         for (int64_t j = 0; j < np; j += 2) {                                                \
             if (mode) {                                                                      \
-                prefetch_pair(pf, j, mode == 2);                                             \
-                prefetch_pair(pf, j + 1, mode == 2);                                         \
+                prefetch_pair(pf, j, mode);                                             \
+                prefetch_pair(pf, j + 1, mode);                                         \
             }                                                                                \
             for (int s = 0; s < 2; s++) {                                                    \
                 __m512bh w0 = (__m512bh)_mm512_loadu_si512(pw + (j + s) * 64);               \
@@ -233,7 +245,7 @@ static inline void bf_tile(int r, const uint16_t* x, int64_t ldx, int64_t np, co
             o0[i] = o1[i] = _mm512_setzero_ps();                                             \
         }                                                                                    \
         _Pragma("GCC unroll 2") for (int64_t j = 0; j < np; j++) {                          \
-            if (mode) prefetch_pair(pf, j, mode == 2);                                       \
+            if (mode) prefetch_pair(pf, j, mode);                                       \
             __m512i v0 = _mm512_loadu_si512(pw + j * 64);                                    \
             __m512i v1 = _mm512_loadu_si512(pw + j * 64 + 32);                               \
             __m512 we0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));                     \
@@ -273,7 +285,7 @@ F32_TILE(f32_tile1, 1)
             a1[i] = _mm512_loadu_ps(acc + 32 * i + 16);                                      \
         }                                                                                    \
         _Pragma("GCC unroll 2") for (int64_t j = 0; j < np; j++) {                          \
-            if (mode) prefetch_pair(pf, j, mode == 2);                                       \
+            if (mode) prefetch_pair(pf, j, mode);                                       \
             __m512i v0 = _mm512_loadu_si512(pw + j * 64);                                    \
             __m512i v1 = _mm512_loadu_si512(pw + j * 64 + 32);                               \
             __m512 we0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));                     \
@@ -359,7 +371,9 @@ static void panel_rows(const void* x, int x_bf16, int64_t K, int64_t mb, const u
         int64_t m = 0;
         for (int64_t t = 0; t < tiles; t++) {
             int r = (int)(base + (t < extra));
-            tile(r, x, x_bf16, m * K + k0, K, kc / 2, pw, acc + m * PW, t == 0 ? pf : 0, 1);
+            const char* at = panel512_spread && pf && t < 2 ? pf + t * kc * 32 : t == 0 ? pf : 0;
+            tile(r, x, x_bf16, m * K + k0, K, kc / 2, pw, acc + m * PW, at,
+                 panel512_spread ? 2 : 1);
             m += r;
         }
     }
