@@ -225,7 +225,7 @@ class _Lib:
         # AVX512-VNNI builds only; quant/cpu_vpanel.py): qgemv's arguments, and which weights
         # it takes (bits, N, K, group).
         # Its rows dequantized (qdequant's arguments): a packed tied table's lookups.
-        # fp8 codes too where the build has AVX512-BF16 and AVX512-VBMI (bf16 x only).
+        # fp8 codes too where the build has AVX512-VBMI (bf16 x only).
         self.qvpanel = _quant_kernels(lib, "qvpanel", ("u4", "u8", "fp8"), _QMM_ARGS)
         self.qvpanel_rows = _quant_kernels(lib, "qvpanel_rows", ("u4", "u8", "fp8"), _QROWS_ARGS)
         # The same panels of integer codes on AMX-INT8 tiles, the same bits (qvpanel.c's

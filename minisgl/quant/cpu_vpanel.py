@@ -2,8 +2,8 @@
 for every row count, reading one contiguous run of memory per panel. Integer codes on
 AVX512-VNNI: exact (x quantized per row to int16, as the decode GEMV does) or, under
 --cpu-quantized-activations int8, with x rounded to 8 bits as x8_panel rounds it. fp8 e4m3
-codes on AVX512-BF16 with AVX512-VBMI, against bf16 x only: each code looked up as its bf16
-value (exact) and multiplied with VDPBF16PS.
+codes on AVX512-VBMI, against bf16 x only: each code looked up as its bf16 value (exact) and
+multiplied with VDPBF16PS, or where the CPU lacks AVX512-BF16, split into fp32 for FMAs.
 
 The panels hold the same bytes as the row-major codes, reordered: codes [N/32, K/4, 32]
 dwords for 8-bit codes (four features of one row each), [N/32, K/8, 32] for 4-bit (eight),

@@ -803,11 +803,14 @@ void qvpanel_amx_u4(const void* x, int x_bf16, const uint8_t* codes, int64_t cst
 }
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#if defined(__AVX512VBMI__)
 /* fp8 e4m3 codes in 32-row panels, against bf16 x with VDPBF16PS (the bf16 panels' product,
    panel512.c), for any number of rows: the fp8 codes' one-row path (qgemv.c) spends 13
    instructions per 32 codes turning them into fp32; here a line of 64 codes becomes two
-   vectors of bf16 pairs in five (two byte lookups, a sign, two unpacks).
+   vectors of bf16 pairs in five (two byte lookups, a sign, two unpacks). On CPUs without
+   AVX512-BF16 (Ice Lake) x is widened to fp32 once per call and each pair splits into its two
+   fp32 weights by a shift and a mask for two FMAs (the same exact products; the sums in
+   another order than VDPBF16PS's): four more instructions a line.
 
    Layout (cpu_vpanel.pack): codes [N/32][K/2][32][2] bytes, a line is the 32 rows' codes of
    features 2q, 2q+1, the rows of each 16-byte lane of the line in the order the unpacks need
@@ -855,28 +858,59 @@ static inline __attribute__((always_inline)) void f8_line(const F8Tables* t, con
     w[1] = _mm512_unpackhi_epi8(lo, hi);
 }
 
-/* One panel against R rows of bf16 x (rows x_stride apart): fp32 results in out[r][32]. */
+#ifdef __AVX512BF16__
+typedef uint16_t F8X; /* x as the products take it: bf16 pairs */
+/* acc += the line's pairs (w) times x's pair at xk (features k, k + 1). */
+static inline __attribute__((always_inline)) __m512 f8_dot(__m512 acc, __m512i w, const F8X* xk) {
+    uint32_t pair;
+    memcpy(&pair, xk, sizeof pair);
+    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32((int)pair));
+}
+#else
+typedef float F8X; /* x widened to fp32 (qvpanel_fp8) */
+static inline __attribute__((always_inline)) __m512 f8_dot(__m512 acc, __m512i w, const F8X* xk) {
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(w, high));
+    acc = _mm512_fmadd_ps(we, _mm512_set1_ps(xk[0]), acc);
+    return _mm512_fmadd_ps(wo, _mm512_set1_ps(xk[1]), acc);
+}
+#endif
+
+/* One panel against R rows of x (rows x_stride apart): fp32 results in out[r][32]. `mode` 0:
+   the lines from the codes; 1: from the codes, kept in `lines` (two vectors a line) for the
+   panel's next tiles; 2: from `lines`, which a tile in mode 1 filled (the same pairs, so the
+   same bits, without five instructions a line per tile). */
 static inline __attribute__((always_inline)) void f8_tile(const F8Tables* t, const uint8_t* P,
-                                                          const float* S, const uint16_t* x,
+                                                          const float* S, const F8X* x,
                                                           int64_t x_stride, int64_t K,
-                                                          int64_t gs, const int R, float* out) {
+                                                          int64_t gs, const int R, float* out,
+                                                          __m512i* lines, const int mode) {
     for (int r = 0; r < 2 * R; r++) _mm512_storeu_ps(out + 16 * r, _mm512_setzero_ps());
+    const int row_pf = vp_row_prefetch; /* few rows: as vnni_panel's one row (measured) */
     for (int64_t g0 = 0; g0 < K; g0 += gs) {
         __m512 acc[F8_TILE][2];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         for (int64_t k = g0; k < g0 + gs; k += 2) {
-            const uint8_t* line = P + (k / 2) * 2 * VP_ROWS;
-            if (R >= VP_PF_ROWS) _mm_prefetch((const char*)line + VP_PF_BYTES, _MM_HINT_T0);
             __m512i w[2];
-            f8_line(t, line, w);
+            if (mode == 2) {
+                w[0] = _mm512_load_si512(lines + k);
+                w[1] = _mm512_load_si512(lines + k + 1);
+            } else {
+                const uint8_t* line = P + (k / 2) * 2 * VP_ROWS;
+                if (R >= VP_PF_ROWS) _mm_prefetch((const char*)line + VP_PF_BYTES, _MM_HINT_T0);
+                else if (row_pf) _mm_prefetch((const char*)line + VP_PF_BYTES, _MM_HINT_T1);
+                f8_line(t, line, w);
+                if (mode == 1) {
+                    _mm512_store_si512(lines + k, w[0]);
+                    _mm512_store_si512(lines + k + 1, w[1]);
+                }
+            }
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
-                uint32_t pair;
-                memcpy(&pair, x + r * x_stride + k, sizeof pair);
-                const __m512bh b = (__m512bh)_mm512_set1_epi32((int)pair);
-                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)w[0], b);
-                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)w[1], b);
+                acc[r][0] = f8_dot(acc[r][0], w[0], x + r * x_stride + k);
+                acc[r][1] = f8_dot(acc[r][1], w[1], x + r * x_stride + k);
             }
         }
         const int64_t g = g0 / gs;
@@ -892,18 +926,24 @@ static inline __attribute__((always_inline)) void f8_tile(const F8Tables* t, con
     }
 }
 
-static void f8_tile_any(const F8Tables* t, const uint8_t* P, const float* S, const uint16_t* x,
-                        int64_t x_stride, int64_t K, int64_t gs, int R, float* out) {
-    switch (R) {
-        case 1: f8_tile(t, P, S, x, x_stride, K, gs, 1, out); break;
-        case 2: f8_tile(t, P, S, x, x_stride, K, gs, 2, out); break;
-        case 3: f8_tile(t, P, S, x, x_stride, K, gs, 3, out); break;
-        case 4: f8_tile(t, P, S, x, x_stride, K, gs, 4, out); break;
-        case 5: f8_tile(t, P, S, x, x_stride, K, gs, 5, out); break;
-        case 6: f8_tile(t, P, S, x, x_stride, K, gs, 6, out); break;
-        case 7: f8_tile(t, P, S, x, x_stride, K, gs, 7, out); break;
-        default: f8_tile(t, P, S, x, x_stride, K, gs, 8, out); break;
+#define F8_ROWS(MODE)                                                                          \
+    switch (R) {                                                                               \
+        case 1: f8_tile(t, P, S, x, x_stride, K, gs, 1, out, lines, MODE); break;              \
+        case 2: f8_tile(t, P, S, x, x_stride, K, gs, 2, out, lines, MODE); break;              \
+        case 3: f8_tile(t, P, S, x, x_stride, K, gs, 3, out, lines, MODE); break;              \
+        case 4: f8_tile(t, P, S, x, x_stride, K, gs, 4, out, lines, MODE); break;              \
+        case 5: f8_tile(t, P, S, x, x_stride, K, gs, 5, out, lines, MODE); break;              \
+        case 6: f8_tile(t, P, S, x, x_stride, K, gs, 6, out, lines, MODE); break;              \
+        case 7: f8_tile(t, P, S, x, x_stride, K, gs, 7, out, lines, MODE); break;              \
+        default: f8_tile(t, P, S, x, x_stride, K, gs, 8, out, lines, MODE); break;             \
     }
+
+static void f8_tile_any(const F8Tables* t, const uint8_t* P, const float* S, const F8X* x,
+                        int64_t x_stride, int64_t K, int64_t gs, int R, float* out,
+                        __m512i* lines, int mode) {
+    if (mode == 2) F8_ROWS(2)
+    else if (mode == 1) F8_ROWS(1)
+    else F8_ROWS(0)
 }
 
 /* qgemv's arguments (the strides unused); x must be bf16 (x_bf16 = 1): the panels multiply
@@ -916,23 +956,40 @@ void qvpanel_fp8(const void* x, int x_bf16, const uint8_t* codes, int64_t cstrid
     F8Tables t = {_mm512_load_si512(f8_lo), _mm512_load_si512(f8_lo + 64),
                   _mm512_load_si512(f8_hi), _mm512_load_si512(f8_hi + 64)};
     const int64_t panels = N / VP_ROWS, G = K / gs;
+#ifdef __AVX512BF16__
+    const F8X* xs = (const F8X*)x;
+#else
+    F8X* xs = (F8X*)aligned_alloc(64, sizeof(F8X) * M * K); /* K % 32 == 0 */
+    for (int64_t i = 0; i < M * K; i += 16) _mm512_store_ps(xs + i, load16_x(x, 1, i));
+#endif
     Share shares[SHARE_MAX] __attribute__((aligned(64)));
     int parts = share_parts();
     shares_init(shares, parts, panels);
+    /* More than one tile of rows: a panel's lines made once, by its first tile (K / 2 lines of
+       128 bytes a thread), and read by the others. */
+    const int keep = M > F8_TILE;
     #pragma omp parallel
-    for (int64_t p; (p = share_next(shares, parts, omp_get_thread_num())) >= 0;) {
-        const uint8_t* P = codes + p * VP_ROWS * K;
-        const float* S = scales + p * G * VP_ROWS;
-        float out[F8_TILE * VP_ROWS] __attribute__((aligned(64)));
-        for (int64_t m0 = 0; m0 < M; m0 += F8_TILE) {
-            int R = M - m0 < F8_TILE ? (int)(M - m0) : F8_TILE;
-            f8_tile_any(&t, P, S, (const uint16_t*)x + m0 * K, K, K, gs, R, out);
-            for (int r = 0; r < R; r++)
-                for (int h = 0; h < 2; h++)
-                    vp_store(y, out_bf16, (m0 + r) * N + p * VP_ROWS + 16 * h,
-                             _mm512_loadu_ps(out + 32 * r + 16 * h));
+    {
+        __m512i* lines = keep ? (__m512i*)aligned_alloc(64, (size_t)K * 64) : 0;
+        for (int64_t p; (p = share_next(shares, parts, omp_get_thread_num())) >= 0;) {
+            const uint8_t* P = codes + p * VP_ROWS * K;
+            const float* S = scales + p * G * VP_ROWS;
+            float out[F8_TILE * VP_ROWS] __attribute__((aligned(64)));
+            for (int64_t m0 = 0; m0 < M; m0 += F8_TILE) {
+                int R = M - m0 < F8_TILE ? (int)(M - m0) : F8_TILE;
+                int mode = !lines ? 0 : m0 == 0 ? 1 : 2;
+                f8_tile_any(&t, P, S, xs + m0 * K, K, K, gs, R, out, lines, mode);
+                for (int r = 0; r < R; r++)
+                    for (int h = 0; h < 2; h++)
+                        vp_store(y, out_bf16, (m0 + r) * N + p * VP_ROWS + 16 * h,
+                                 _mm512_loadu_ps(out + 32 * r + 16 * h));
+            }
         }
+        free(lines);
     }
+#ifndef __AVX512BF16__
+    free(xs);
+#endif
 }
 
 /* Rows [start, end) of a packed fp8 weight as fp32 (code * scale, qdequant's values). */
