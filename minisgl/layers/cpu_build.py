@@ -96,6 +96,13 @@ def compile_flags(isa: str, flags: frozenset[str]) -> list[str]:
     return out
 
 
+def extensions(isa: str, flags: frozenset[str]) -> list[str]:
+    """The optional instruction sets the `isa` build uses on a CPU with these flags (its
+    compiler flags past the build's own, without "-m"): what the start-up log names."""
+    base = compile_flags(isa, frozenset())
+    return [f.removeprefix("-m") for f in compile_flags(isa, flags) if f not in base]
+
+
 def sources(isa: str) -> list[Path]:
     wide = ["gemv_avx512.c", "panel512.c", "qvnni.c", "qvpanel.c"] if isa == "avx512" else []
     names = list(COMMON_SOURCES) + wide

@@ -287,7 +287,11 @@ def load() -> _Lib | None:
                 path = cpu_build.build("avx2", flags)
             _LIB = _Lib(path) if path is not None else None
             _LIB_PATH = path
-            if _LIB is not None:
+            if _LIB is not None and path is not None:
+                built = path.stem.removeprefix("cpu-kernels-").split("-")[0]
+                extras = cpu_build.extensions(built, flags)
+                suffix = f" (with {' '.join(extras)})" if extras else ""
+                logger.info("CPU kernels: the %s build%s", built, suffix)
                 _set_split_points(_LIB)
         except OSError as e:
             logger.info("CPU kernels unavailable: %s", e)

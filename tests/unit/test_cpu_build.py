@@ -4,12 +4,13 @@ from the packaged sources into the cache and exports its kernels."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import shutil
 from pathlib import Path
 
 import pytest
 
-from minisgl.layers import cpu_build
+from minisgl.layers import cpu_build, cpu_kernels
 
 AVX2 = frozenset({"avx2", "fma", "sse4_2"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
@@ -82,6 +83,43 @@ def test_the_avx512_build_compiles_for_every_server_cpu(cpu: str, tmp_path: Path
         cc, cflags, cpu_build.sources("avx512"), tmp_path, tmp_path / "k.so", opt="-O0"
     )
     assert error is None, error[-2000:]
+
+
+def test_the_log_names_the_build_and_its_extensions() -> None:
+    """What start-up logs beside the build: the optional instruction sets it was compiled
+    with, so that a CPU running less than it has shows it."""
+    assert cpu_build.extensions("avx2", SERVER_CPUS["Sapphire Rapids"]) == []
+    assert cpu_build.extensions("avx512", SERVER_CPUS["Skylake-SP"]) == []
+    assert cpu_build.extensions(
+        "avx512", SERVER_CPUS["Ice Lake (and VMs that hide AVX512-BF16 and AMX)"]
+    ) == ["avx512vnni", "avx512vbmi"]
+    amx = cpu_build.extensions("avx512", SERVER_CPUS["Sapphire Rapids"])
+    assert {"avx512bf16", "amx-tile", "amx-bf16", "amx-int8"} <= set(amx)
+
+
+def test_a_failed_avx512_build_says_so_and_runs_the_avx2_one(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the AVX-512 build does not compile, the AVX2 build runs and a warning says so
+    (it ran silently: on a CPU whose flags broke one source, every kernel at half the vector
+    width without a word); the log names the build that runs."""
+    _, flags = cpu_build.cpu_info()
+    if cpu_build.pick_isa(flags, "avx2") is None:
+        pytest.skip("no AVX2 on this CPU")
+    real = cpu_build.build
+    monkeypatch.setattr(
+        cpu_build, "build", lambda isa, f: None if isa == "avx512" else real(isa, f)
+    )
+    monkeypatch.setattr(cpu_kernels, "_isa", lambda: "avx512")
+    for name, value in (("_TRIED", False), ("_LIB", None), ("_LIB_PATH", None)):
+        monkeypatch.setattr(cpu_kernels, name, value)
+    monkeypatch.setattr(cpu_kernels, "_SPLIT_POINTS", {})  # the loaded build's stay as they are
+    with caplog.at_level(logging.INFO, logger="minisgl.layers.cpu_kernels"):
+        assert cpu_kernels.load() is not None
+    assert cpu_kernels.isa() == "avx2"
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert (logging.WARNING, "CPU kernels: the AVX-512 build failed, the AVX2 build runs") in said
+    assert (logging.INFO, "CPU kernels: the avx2 build") in said
 
 
 def test_a_compiler_that_fails_means_no_kernels_not_a_crash(
