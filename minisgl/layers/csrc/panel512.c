@@ -32,13 +32,13 @@
      chunks), the next chunk prefetched into L2 during the first two tiles (a line a pair
      each, panel512_spread; in the first tile alone, two lines a pair, the prefetches queued
      behind the memory and held the tile's products up: on a Xeon without AVX512-BF16, 2
-     threads, cold weights, spread over two 1.06-1.27x faster at 13-32 rows, 1.0-1.05x at
-     64-320), so the weights come
-     from memory once for up to MB rows. Measured on a 2-core AMD EPYC Zen 4, one thread, cold
-     bf16 weights 4096x1024 / 1024x3072: chunks of 2048 k with an L2 prefetch one chunk ahead
-     1.1-1.3x the rate of 256 k with an L1 prefetch two ahead at 9-32 rows (a 16 KB chunk and
-     the two prefetched behind it overflow L1); one 12-row tile 1.1-1.2x two tiles of 5 + 4 or
-     6 + 6 at 9-12 rows; past 12 rows, tiles of 8 ahead of tiles of 12.
+     threads, cold weights, spread over two tiles 1.06-1.27x faster at 13-32 rows, 1.0-1.05x
+     at 64-320), so the weights come from memory once for up to MB rows. Measured on a
+     2-core AMD EPYC Zen 4, one thread, cold bf16 weights 4096x1024 / 1024x3072: chunks of
+     2048 k with an L2 prefetch one chunk ahead 1.1-1.3x the rate of 256 k with an L1 prefetch
+     two ahead at 9-32 rows (a 16 KB chunk and the two prefetched behind it overflow L1); one
+     12-row tile 1.1-1.2x two tiles of 5 + 4 or 6 + 6 at 9-12 rows; past 12 rows, tiles of 8
+     ahead of tiles of 12.
    fp32 x (an x of another dtype than the model's, or bf16 x widened where the CPU lacks
    AVX512-BF16) runs on the same panels with FMAs: a shift and a mask split each 32-bit pair
    into its two fp32 weights (products in fp32, as panel.c), the tiles and passes as bf16 x's.
@@ -117,9 +117,10 @@ static inline __attribute__((always_inline)) void prefetch_pair(const char* pf, 
     }
 }
 
-/* Each tile below is compiled three times, without a prefetch and with one into L1 or L2
-   (`mode` 0, 1, 2: a constant in each copy), so that its loop tests nothing but its count
-   (and no branch the compiler may merge: see the top). */
+/* Each tile below is compiled four times, without a prefetch and with each of prefetch_pair's
+   (`mode` 0-3: a constant in each copy; `l2` 0: into L1, 1: into L2, 2: into L2 a line a
+   pair), so that its loop tests nothing but its count (and no branch the compiler may merge:
+   see the top). */
 #define PF_MODES(NAME, XT)                                                                   \
     static inline void NAME(const XT* x, int64_t ldx, int64_t np, const uint16_t* pw,        \
                             float* acc, const char* pf, int l2) {                            \
@@ -149,7 +150,7 @@ static inline __m512bh pair_of(const uint16_t* x) {
             a1[i] = _mm512_loadu_ps(acc + 32 * i + 16);                                      \
         }                                                                                    \
         _Pragma("GCC unroll 2") for (int64_t j = 0; j < np; j++) {                          \
-            if (mode) prefetch_pair(pf, j, mode);                                       \
+            if (mode) prefetch_pair(pf, j, mode);                                            \
             __m512bh w0 = (__m512bh)_mm512_loadu_si512(pw + j * 64);                         \
             __m512bh w1 = (__m512bh)_mm512_loadu_si512(pw + j * 64 + 32);                    \
             _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) {                          \
@@ -189,8 +190,8 @@ BF_TILE(bf_tile3, 3)
             }                                                                                \
         for (int64_t j = 0; j < np; j += 2) {                                                \
             if (mode) {                                                                      \
-                prefetch_pair(pf, j, mode);                                             \
-                prefetch_pair(pf, j + 1, mode);                                         \
+                prefetch_pair(pf, j, mode);                                                  \
+                prefetch_pair(pf, j + 1, mode);                                              \
             }                                                                                \
             for (int s = 0; s < 2; s++) {                                                    \
                 __m512bh w0 = (__m512bh)_mm512_loadu_si512(pw + (j + s) * 64);               \
@@ -245,7 +246,7 @@ static inline void bf_tile(int r, const uint16_t* x, int64_t ldx, int64_t np, co
             o0[i] = o1[i] = _mm512_setzero_ps();                                             \
         }                                                                                    \
         _Pragma("GCC unroll 2") for (int64_t j = 0; j < np; j++) {                          \
-            if (mode) prefetch_pair(pf, j, mode);                                       \
+            if (mode) prefetch_pair(pf, j, mode);                                            \
             __m512i v0 = _mm512_loadu_si512(pw + j * 64);                                    \
             __m512i v1 = _mm512_loadu_si512(pw + j * 64 + 32);                               \
             __m512 we0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));                     \
@@ -285,7 +286,7 @@ F32_TILE(f32_tile1, 1)
             a1[i] = _mm512_loadu_ps(acc + 32 * i + 16);                                      \
         }                                                                                    \
         _Pragma("GCC unroll 2") for (int64_t j = 0; j < np; j++) {                          \
-            if (mode) prefetch_pair(pf, j, mode);                                       \
+            if (mode) prefetch_pair(pf, j, mode);                                            \
             __m512i v0 = _mm512_loadu_si512(pw + j * 64);                                    \
             __m512i v1 = _mm512_loadu_si512(pw + j * 64 + 32);                               \
             __m512 we0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));                     \
