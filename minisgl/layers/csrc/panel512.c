@@ -232,13 +232,24 @@ static inline void bf_tile(int r, const uint16_t* x, int64_t ldx, int64_t np, co
 
 #endif
 
+/* Pair j of a panel chunk as fp32: w[0], w[1] the even k's columns 0-15 and 16-31, w[2], w[3]
+   the odd k's (a shift and a mask of each 32-bit pair). */
+static inline __attribute__((always_inline)) void pair_f32(const uint16_t* pw, int64_t j,
+                                                         __m512* w) {
+    const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512i v0 = _mm512_loadu_si512(pw + j * 64), v1 = _mm512_loadu_si512(pw + j * 64 + 32);
+    w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
+    w[1] = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
+    w[2] = _mm512_castsi512_ps(_mm512_and_si512(v0, hi));
+    w[3] = _mm512_castsi512_ps(_mm512_and_si512(v1, hi));
+}
+
 /* fp32 x, 1-3 rows: each pair's even and odd k on accumulators of their own (few rows would
    wait on the FMA latency). */
 #define F32_TILE(NAME, R)                                                                    \
     static inline __attribute__((always_inline)) void NAME##_k(                              \
         const float* x, int64_t ldx, int64_t np, const uint16_t* pw, float* acc,             \
         const char* pf, const int mode) {                                                    \
-        const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);                              \
         __m512 e0[R], e1[R], o0[R], o1[R];                                                   \
         for (int i = 0; i < R; i++) {                                                        \
             e0[i] = _mm512_loadu_ps(acc + 32 * i);                                           \
@@ -247,19 +258,15 @@ static inline void bf_tile(int r, const uint16_t* x, int64_t ldx, int64_t np, co
         }                                                                                    \
         _Pragma("GCC unroll 2") for (int64_t j = 0; j < np; j++) {                          \
             if (mode) prefetch_pair(pf, j, mode);                                            \
-            __m512i v0 = _mm512_loadu_si512(pw + j * 64);                                    \
-            __m512i v1 = _mm512_loadu_si512(pw + j * 64 + 32);                               \
-            __m512 we0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));                     \
-            __m512 wo0 = _mm512_castsi512_ps(_mm512_and_si512(v0, hi));                      \
-            __m512 we1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));                     \
-            __m512 wo1 = _mm512_castsi512_ps(_mm512_and_si512(v1, hi));                      \
+            __m512 w[4]; /* even k: columns 0-15, 16-31; odd k: the same */                  \
+            pair_f32(pw, j, w);                                                              \
             _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                           \
                 __m512 xe = _mm512_set1_ps(x[i * ldx + 2 * j]);                              \
                 __m512 xo = _mm512_set1_ps(x[i * ldx + 2 * j + 1]);                          \
-                e0[i] = _mm512_fmadd_ps(xe, we0, e0[i]);                                     \
-                e1[i] = _mm512_fmadd_ps(xe, we1, e1[i]);                                     \
-                o0[i] = _mm512_fmadd_ps(xo, wo0, o0[i]);                                     \
-                o1[i] = _mm512_fmadd_ps(xo, wo1, o1[i]);                                     \
+                e0[i] = _mm512_fmadd_ps(xe, w[0], e0[i]);                                    \
+                e1[i] = _mm512_fmadd_ps(xe, w[1], e1[i]);                                    \
+                o0[i] = _mm512_fmadd_ps(xo, w[2], o0[i]);                                    \
+                o1[i] = _mm512_fmadd_ps(xo, w[3], o1[i]);                                    \
             }                                                                                \
         }                                                                                    \
         for (int i = 0; i < R; i++) {                                                        \
@@ -279,7 +286,6 @@ F32_TILE(f32_tile1, 1)
     static inline __attribute__((always_inline)) void NAME##_k(                              \
         const float* x, int64_t ldx, int64_t np, const uint16_t* pw, float* acc,             \
         const char* pf, const int mode) {                                                    \
-        const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);                              \
         __m512 a0[R], a1[R];                                                                 \
         for (int i = 0; i < R; i++) {                                                        \
             a0[i] = _mm512_loadu_ps(acc + 32 * i);                                           \
@@ -287,17 +293,13 @@ F32_TILE(f32_tile1, 1)
         }                                                                                    \
         _Pragma("GCC unroll 2") for (int64_t j = 0; j < np; j++) {                          \
             if (mode) prefetch_pair(pf, j, mode);                                            \
-            __m512i v0 = _mm512_loadu_si512(pw + j * 64);                                    \
-            __m512i v1 = _mm512_loadu_si512(pw + j * 64 + 32);                               \
-            __m512 we0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));                     \
-            __m512 wo0 = _mm512_castsi512_ps(_mm512_and_si512(v0, hi));                      \
-            __m512 we1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));                     \
-            __m512 wo1 = _mm512_castsi512_ps(_mm512_and_si512(v1, hi));                      \
+            __m512 w[4]; /* even k: columns 0-15, 16-31; odd k: the same */                  \
+            pair_f32(pw, j, w);                                                              \
             _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) {                          \
                 __m512 xe = _mm512_set1_ps(x[i * ldx + 2 * j]);                              \
                 __m512 xo = _mm512_set1_ps(x[i * ldx + 2 * j + 1]);                          \
-                a0[i] = _mm512_fmadd_ps(xo, wo0, _mm512_fmadd_ps(xe, we0, a0[i]));           \
-                a1[i] = _mm512_fmadd_ps(xo, wo1, _mm512_fmadd_ps(xe, we1, a1[i]));           \
+                a0[i] = _mm512_fmadd_ps(xo, w[2], _mm512_fmadd_ps(xe, w[0], a0[i]));         \
+                a1[i] = _mm512_fmadd_ps(xo, w[3], _mm512_fmadd_ps(xe, w[1], a1[i]));         \
             }                                                                                \
         }                                                                                    \
         for (int i = 0; i < R; i++) {                                                        \
