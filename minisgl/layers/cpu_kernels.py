@@ -284,14 +284,13 @@ def load() -> _Lib | None:
             path = cpu_build.build(isa, flags) if isa is not None else None
             if path is None and isa == "avx512":  # e.g. a compiler too old for AVX512-BF16
                 logger.warning("CPU kernels: the AVX-512 build failed, the AVX2 build runs")
-                path = cpu_build.build("avx2", flags)
+                isa, path = "avx2", cpu_build.build("avx2", flags)
             _LIB = _Lib(path) if path is not None else None
             _LIB_PATH = path
-            if _LIB is not None and path is not None:
-                built = path.stem.removeprefix("cpu-kernels-").split("-")[0]
-                extras = cpu_build.extensions(built, flags)
+            if _LIB is not None and isa is not None:
+                extras = cpu_build.extensions(isa, flags)
                 suffix = f" (with {' '.join(extras)})" if extras else ""
-                logger.info("CPU kernels: the %s build%s", built, suffix)
+                logger.info("CPU kernels: the %s build%s", isa, suffix)
                 _set_split_points(_LIB)
         except OSError as e:
             logger.info("CPU kernels unavailable: %s", e)

@@ -27,3 +27,12 @@ def time_by_switch(
 
     monkeypatch.setattr(module, name, timed)
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+
+
+def measure_only(monkeypatch: pytest.MonkeyPatch, module: Any, flag: str) -> None:
+    """Every once-per-process start-up measure of `module` (its _*_MEASURED flags) marked done
+    but `flag`, which is armed: a test times that one switch on its fake clock, and no other
+    measure runs on it (one that did divided by the clock's zero)."""
+    for name in vars(module):
+        if name.startswith("_") and name.endswith("_MEASURED"):
+            monkeypatch.setattr(module, name, name != flag)

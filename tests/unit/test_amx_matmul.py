@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from minisgl.layers import cpu_kernels, cpu_linear, kernel_choice
 from minisgl.layers.kernel_choice import BUCKETS
 from minisgl.testing import builds
-from minisgl.testing.switch_clock import time_by_switch
+from minisgl.testing.switch_clock import measure_only, time_by_switch
 
 
 def _amx_here() -> bool:
@@ -115,10 +115,8 @@ def test_long_rows_go_to_the_hardware_where_it_measured_faster(
     lib = cpu_kernels.load()
     assert lib is not None and lib.amx_rows_to_hardware is not None
     time_by_switch(monkeypatch, cpu_kernels, "amx", lib.amx_rows_to_hardware, faster)
-    monkeypatch.setattr(cpu_kernels, "_AMX_ROWS_MEASURED", False)
+    measure_only(monkeypatch, cpu_kernels, "_AMX_ROWS_MEASURED")
     monkeypatch.setattr(cpu_kernels, "_AMX_ROWS_SHAPE", (64, 2048))
-    monkeypatch.setattr(cpu_kernels, "_ROWS_IN_TURN_MEASURED", True)  # gemv512's: not timed here
-    monkeypatch.setattr(cpu_kernels, "_PANEL_FEW_MEASURED", True)  # the panels': neither
     before = lib.amx_rows_to_hardware.value
     try:
         w = torch.randn(64, 256).bfloat16()

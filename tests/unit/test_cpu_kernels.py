@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.layers import cpu_build, cpu_kernels, cpu_linear
-from minisgl.testing.switch_clock import time_by_switch
+from minisgl.testing.switch_clock import measure_only, time_by_switch
 from minisgl.testing.threads import at_thread_counts
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2 kernels here")
@@ -194,10 +194,8 @@ def test_few_panel_rows_prefetch_into_l2_where_it_measured_faster(
     if lib is None or lib.panel512_few_rows_to_l2 is None:
         pytest.skip("panel.c's panels (AVX2 build): no such switch")
     time_by_switch(monkeypatch, cpu_kernels, "panel", lib.panel512_few_rows_to_l2, faster)
-    monkeypatch.setattr(cpu_kernels, "_PANEL_FEW_MEASURED", False)
+    measure_only(monkeypatch, cpu_kernels, "_PANEL_FEW_MEASURED")
     monkeypatch.setattr(cpu_kernels, "_PANEL_FEW_SHAPE", (64, 2048))
-    monkeypatch.setattr(cpu_kernels, "_ROWS_IN_TURN_MEASURED", True)  # not timed here
-    monkeypatch.setattr(cpu_kernels, "_AMX_ROWS_MEASURED", True)
     before = lib.panel512_few_rows_to_l2.value
     try:
         w = torch.randn(64, 256).bfloat16()
@@ -278,10 +276,8 @@ def test_avx512_gemv_reads_rows_in_turn_where_it_measured_faster(
     if lib is None or lib.gemv512_bf16 is None:  # the AVX2 build: no such kernel
         return
     time_by_switch(monkeypatch, cpu_kernels, "gemv512", lib.gemv512_rows_in_turn, faster)
-    monkeypatch.setattr(cpu_kernels, "_ROWS_IN_TURN_MEASURED", False)
+    measure_only(monkeypatch, cpu_kernels, "_ROWS_IN_TURN_MEASURED")
     monkeypatch.setattr(cpu_kernels, "_ROWS_IN_TURN_SHAPE", (512, 256))
-    monkeypatch.setattr(cpu_kernels, "_AMX_ROWS_MEASURED", True)  # amx's: not timed here
-    monkeypatch.setattr(cpu_kernels, "_PANEL_FEW_MEASURED", True)  # the panels': neither
     before = lib.gemv512_rows_in_turn.value
     try:
         w = torch.randn(64, 256).bfloat16()

@@ -98,7 +98,7 @@ static void store_c(const float* c, void* y, int64_t N, int64_t m0, int mrows, i
     for (int i = 0; i < mrows; i++) {
         int64_t at = (m0 + i) * N + n0;
         if (out_bf16) { /* round to nearest even, as common.h's store() */
-            __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bias16_bf16(r[i]), 16));
+            __m256i h = pack16_bf16(r[i]);
             _mm256_mask_storeu_epi16((uint16_t*)y + at, mask, h);
         } else {
             _mm512_mask_storeu_ps((float*)y + at, mask, r[i]);

@@ -845,7 +845,7 @@ static float softmax_row(const float* s, int64_t n, int64_t n32, float scale, ui
 #if defined(__AVX512BF16__)
         _mm256_storeu_si256((__m256i*)(p + i), (__m256i)_mm512_cvtneps_pbh(e));
 #else
-        __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bias16_bf16(e), 16));
+        __m256i h = pack16_bf16(e);
         _mm256_storeu_si256((__m256i*)(p + i), h);
 #endif
     }
@@ -1130,7 +1130,7 @@ static void prefill_item(const uint16_t* q, int64_t q_stride, const uint32_t* kp
         __m512 w = _mm512_set1_ps(inv[i]);
         for (int64_t d = 0; d < D; d += 16) {
             __m512 x = _mm512_mul_ps(_mm512_loadu_ps(obuf + i * D + d), w);
-            __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bias16_bf16(x), 16));
+            __m256i h = pack16_bf16(x);
             _mm256_storeu_si256((__m256i*)(o + (r0 + i) * out_stride + d), h);
         }
     }

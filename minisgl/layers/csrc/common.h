@@ -45,6 +45,16 @@ static inline __m512i bias16_bf16(__m512 v) {
     b = _mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF));
     return _mm512_mask_add_epi32(b, odd, b, _mm512_set1_epi32(1));
 }
+/* 16 fp32 values as bf16, to the nearest, ties to even (bias16_bf16's bits: no AVX512-BF16
+   needed). */
+static inline __m256i pack16_bf16(__m512 v) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bias16_bf16(v), 16));
+}
+/* n bf16 values at x (n % 16 == 0) widened, exactly, to fp32 at out (64-byte aligned): x for
+   the FMA kernels where the CPU lacks AVX512-BF16. */
+static inline void widen_bf16(const void* x, int64_t n, float* out) {
+    for (int64_t i = 0; i < n; i += 16) _mm512_store_ps(out + i, load16_x(x, 1, i));
+}
 /* exp8 (below) on 16 lanes: the same arithmetic, so the same bits (SiLU, softmax). */
 static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));

@@ -387,9 +387,7 @@ static inline __m512i bf16_of(__m512 lo, __m512 hi) {
 #ifdef __AVX512BF16__
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 #else
-    __m256i l = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bias16_bf16(lo), 16));
-    __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bias16_bf16(hi), 16));
-    return _mm512_inserti64x4(_mm512_castsi256_si512(l), h, 1);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(pack16_bf16(lo)), pack16_bf16(hi), 1);
 #endif
 }
 
@@ -415,8 +413,7 @@ void panel_bf16(const void* x, const uint16_t* p, void* y, int64_t M, int64_t N,
         int xb = x_bf16;
 #ifndef __AVX512BF16__
         if (wide) {
-            for (int64_t i = 0; i < mb * K; i += 16)
-                _mm512_store_ps(wide + i, load16_x(xm, 1, i));
+            widen_bf16(xm, mb * K, wide);
             xm = (const char*)wide;
             xb = 0;
         }

@@ -202,14 +202,11 @@ static void qv_store(const float* f, int mr, void* y, int out_bf16, int64_t m0, 
             __mmask16 mask = (__mmask16)(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
             __m512 v = _mm512_load_ps(f + i * QV_NP + 16 * j);
             int64_t at = (m0 + i) * N + n0 + 16 * j;
-            /* rounded by bias16_bf16, not VCVTNEPS2BF16: VNNI CPUs without AVX512-BF16 (Ice
-               Lake) run this too */
-            if (out_bf16) {
-                __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bias16_bf16(v), 16));
-                _mm256_mask_storeu_epi16((uint16_t*)y + at, mask, h);
-            } else {
+            /* not VCVTNEPS2BF16: VNNI CPUs without AVX512-BF16 (Ice Lake) run this too */
+            if (out_bf16)
+                _mm256_mask_storeu_epi16((uint16_t*)y + at, mask, pack16_bf16(v));
+            else
                 _mm512_mask_storeu_ps((float*)y + at, mask, v);
-            }
         }
 }
 

@@ -162,8 +162,7 @@ static float vp_quantize_row(const void* x, int x_bf16, int64_t m, int64_t M, in
 
 static void vp_store(void* y, int out_bf16, int64_t at, __m512 v) {
     if (out_bf16)
-        _mm256_storeu_si256((__m256i*)((uint16_t*)y + at),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(bias16_bf16(v), 16)));
+        _mm256_storeu_si256((__m256i*)((uint16_t*)y + at), pack16_bf16(v));
     else
         _mm512_storeu_ps((float*)y + at, v);
 }
@@ -960,7 +959,7 @@ void qvpanel_fp8(const void* x, int x_bf16, const uint8_t* codes, int64_t cstrid
     const F8X* xs = (const F8X*)x;
 #else
     F8X* xs = (F8X*)aligned_alloc(64, sizeof(F8X) * M * K); /* K % 32 == 0 */
-    for (int64_t i = 0; i < M * K; i += 16) _mm512_store_ps(xs + i, load16_x(x, 1, i));
+    widen_bf16(x, M * K, xs);
 #endif
     Share shares[SHARE_MAX] __attribute__((aligned(64)));
     int parts = share_parts();
