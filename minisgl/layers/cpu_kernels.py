@@ -240,6 +240,13 @@ class _Lib:
         self.vp_row_prefetch = (
             ctypes.c_int.in_dll(lib, "vp_row_prefetch") if self.qvpanel_takes is not None else None
         )
+        # From how many rows its exact form widens each chunk's codes once (cpu_vpanel
+        # measures it once per process), per code width; 0: never.
+        self.vp_wide_rows: dict[int, Any] = (
+            {b: ctypes.c_int.in_dll(lib, f"vp_wide_rows{b}") for b in (8, 4)}
+            if self.qvpanel_takes is not None
+            else {}
+        )
         if self.qvpanel_takes is not None:
             self.qvpanel_takes.argtypes = [ctypes.c_int, i64, i64, i64]
             self.qvpanel_takes.restype = ctypes.c_int

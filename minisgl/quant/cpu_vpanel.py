@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -39,6 +40,11 @@ logger = logging.getLogger(__name__)
 _ROW_PREFETCH_MEASURED = False
 # What that measure reads: more than a last-level cache's share holds warm, flushed anyway.
 _ROW_PREFETCH_BYTES = 32 << 20
+# Whether the many-row form's widening was measured in this process (_measure_wide_rows), at
+# which row counts (fewest first) and on what weight shape.
+_WIDE_ROWS_MEASURED = False
+_WIDE_ROWS = (16, 32, 64)
+_WIDE_SHAPE = (2048, 1024)
 
 
 def takes(w: QTensor, x_dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -98,11 +104,58 @@ def _measure_row_prefetch() -> None:
     )
 
 
+def _measure_wide_rows() -> None:
+    """From how many rows vnni_panel's exact form widens each chunk of a panel's codes once
+    for all its row tiles (qvpanel.c's vp_wide_rows8 and vp_wide_rows4), per code width,
+    measured once per process on the running machine: it pays where the products bound the
+    loop, not where the codes' masks cost little beside the rest. At 16, 32 and 64 rows
+    against 8-bit and 4-bit panels (2048x1024, groups of 128 with zero points, flushed from the
+    caches), both ways in turns, the best of 4 each: from the fewest rows at which it and
+    every larger count ran 3% faster; never where 64 did not. The bits do not change."""
+    global _WIDE_ROWS_MEASURED
+    lib = cpu_kernels.load()
+    if _WIDE_ROWS_MEASURED or lib is None or not lib.vp_wide_rows:
+        return
+    _WIDE_ROWS_MEASURED = True
+    n, k = _WIDE_SHAPE
+    said = []
+    for bits, switch in lib.vp_wide_rows.items():
+        g = k // 128
+        codes = torch.randint(0, 256, (n, k * bits // 8), dtype=torch.uint8)
+        zeros = torch.randint(0, 1 << bits, (n, g), dtype=torch.uint8)
+        w = _pack(QTensor(codes, torch.rand(n, g) / 64, zeros, None, bits, 128, k))
+        ratios = []
+        for rows in _WIDE_ROWS:
+            run = partial(vnni_panel, torch.randn(rows, k, dtype=torch.bfloat16), w)
+            best = cpu_kernels.time_switch(switch, run, streamed(w), 4)
+            ratios.append(best[0] / best[1])
+        start = 0
+        for rows, ratio in zip(reversed(_WIDE_ROWS), reversed(ratios)):
+            if ratio <= 1 / 0.97:
+                break
+            start = rows
+        switch.value = start
+        at = "/".join(f"{r:.2f}x" for r in ratios)
+        said.append(f"{bits}-bit {f'from {start} rows' if start else 'never'} ({at})")
+    logger.info(
+        "vnni_panel, many rows: each chunk's codes widened once for all tiles: %s (speed at %s "
+        "rows)",
+        ", ".join(said),
+        "/".join(map(str, _WIDE_ROWS)),
+    )
+
+
 def pack(w: QTensor) -> QTensor:
     """w's tensors in the panel layout (new tensors; `w` is not changed). Its tensors may have
     leading dims (several experts' [E, N, X]: each packed as its own weight). The first in a
-    process measures the one-row form's prefetch (_measure_row_prefetch)."""
+    process measures the one-row form's prefetch (_measure_row_prefetch) and the many-row
+    form's widening (_measure_wide_rows)."""
     _measure_row_prefetch()
+    _measure_wide_rows()
+    return _pack(w)
+
+
+def _pack(w: QTensor) -> QTensor:
     scales = _panels(w.scales, 1)
     if cpu_gemv.kind(w) == "fp8":
         return QTensor(

@@ -9,6 +9,7 @@ all-or-nothing use of the layout and its timing passes. Where the build has no A
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
@@ -19,7 +20,7 @@ from minisgl.quant import cpu_choice, cpu_panel, cpu_vpanel
 from minisgl.quant.qtensor import QTensor, dequantize, take_rows
 from minisgl.testing.flushes import Passes
 from minisgl.testing.qtensors import random_qtensor
-from minisgl.testing.switch_clock import time_by_switch
+from minisgl.testing.switch_clock import measure_only, time_by_switch
 from minisgl.testing.threads import at_thread_counts
 
 
@@ -364,7 +365,7 @@ def test_the_one_row_prefetch_is_on_where_it_measured_faster(
     assert lib is not None and lib.vp_row_prefetch is not None
     real = cpu_vpanel.vnni_panel
     time_by_switch(monkeypatch, cpu_vpanel, "vnni_panel", lib.vp_row_prefetch, faster)
-    monkeypatch.setattr(cpu_vpanel, "_ROW_PREFETCH_MEASURED", False)
+    measure_only(monkeypatch, cpu_vpanel, "_ROW_PREFETCH_MEASURED")
     monkeypatch.setattr(cpu_vpanel, "_ROW_PREFETCH_BYTES", 1 << 20)
     before = lib.vp_row_prefetch.value
     try:
@@ -378,3 +379,64 @@ def test_the_one_row_prefetch_is_on_where_it_measured_faster(
         assert torch.equal(outs[0], outs[1])
     finally:
         lib.vp_row_prefetch.value = before
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,group,k", FORMATS)
+@pytest.mark.parametrize("rows", [16, 17, 40])
+def test_chunks_widened_once_for_all_tiles_give_the_same_bits(
+    bits: int, group: int, k: int, rows: int
+) -> None:
+    """Many rows with each chunk's codes widened once (minus their zero points) for all row
+    tiles: the bits of the per-tile form, at one and two threads (17 rows: a one-row tail
+    tile, which 4-bit codes run on their split bytes)."""
+    lib = cpu_kernels.load()
+    assert lib is not None
+    switch = lib.vp_wide_rows[bits]
+    w = random_qtensor(96, k, bits, group, seed=rows)
+    packed = cpu_vpanel.pack(w)
+    x = (torch.randn(rows, k) * torch.rand(rows, 1) * 4).to(torch.bfloat16)
+    before = switch.value
+    outs = {}
+    try:
+        for start in (0, 1, rows):  # never, always, from this row count
+            switch.value = start
+            outs[start] = at_thread_counts(lambda: cpu_vpanel.vnni_panel(x, packed, torch.float32))
+    finally:
+        switch.value = before
+    for start in (1, rows):
+        assert all(torch.equal(a, b) for a, b in zip(outs[start], outs[0]))
+    ref = _emulate(x, w)
+    assert (outs[1][0].double() - ref).abs().max().item() <= 2e-6 * ref.abs().amax().item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("faster", [True, False])
+def test_chunks_are_widened_from_the_rows_where_that_measured_faster(
+    monkeypatch: pytest.MonkeyPatch, faster: bool
+) -> None:
+    """Measured once per process on the running machine (the first pack), per code width: from
+    the fewest rows timed where the widened form ran 3% faster there and at every larger count
+    timed; never where it did not."""
+    lib = cpu_kernels.load()
+    assert lib is not None and set(lib.vp_wide_rows) == {8, 4}
+    now = [0.0]
+    real = cpu_vpanel.vnni_panel
+
+    def timed(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+        on = lib.vp_wide_rows[w.bits].value
+        now[0] += (0.9 if faster else 1.0) if on else 0.95
+        return real(x, w)
+
+    monkeypatch.setattr(cpu_vpanel, "vnni_panel", timed)
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    measure_only(monkeypatch, cpu_vpanel, "_WIDE_ROWS_MEASURED")
+    monkeypatch.setattr(cpu_vpanel, "_WIDE_SHAPE", (64, 256))
+    before = {b: s.value for b, s in lib.vp_wide_rows.items()}
+    try:
+        cpu_vpanel.pack(random_qtensor(64, 512, 4, 128, seed=3))
+        want = cpu_vpanel._WIDE_ROWS[0] if faster else 0
+        assert {b: s.value for b, s in lib.vp_wide_rows.items()} == {8: want, 4: want}
+    finally:
+        for b, s in lib.vp_wide_rows.items():
+            s.value = before[b]

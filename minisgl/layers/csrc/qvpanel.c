@@ -357,6 +357,134 @@ static void vp_tile_any(const uint32_t* P, const float* S, const uint8_t* Z, con
     }
 }
 
+/* Many rows (vp_wide_rows and more, exact x): a panel is walked chunk by chunk (L features),
+   each chunk's codes widened once into the int16 pairs vp_tile makes of them, minus their zero
+   points (in L1: 64 B per feature), and every tile of x meets that chunk before the next,
+   instead of each tile masking and shifting the same codes again and subtracting z * sum(x)
+   at each chunk's end. The same integer sums: sum((c - z) x) is sum(c x) - z sum(x) exactly
+   (|c - z| <= 255 over L <= 256 features, <= 15 over L <= 2048: within int32), so the same
+   bits. From how many rows (0: never), per code width: measured once per process on the
+   running machine (cpu_vpanel.py), as it pays only where the products bound the loop (Xeon
+   without AVX512-BF16, 2 threads, 0.6B shapes, in turns: 4-bit 1.05x at 16 rows, 1.10-1.16x
+   at 24-64, 1.21x at 160; 8-bit 0.83-0.96x at 12-32, 1.06x at 64, 1.16x at 160). */
+int vp_wide_rows8 = 0, vp_wide_rows4 = 0;
+
+/* Code dwords [q0, q1) of panel P as vp_tile's exact code vectors minus each lane's zero point
+   (dword step q, half h, vector j at W + (((q - q0) * 2 + h) * nv + j) * 32). */
+static void vp_widen(const uint32_t* P, const uint8_t* Z, int64_t q0, int64_t q1, int64_t Qend,
+                     int64_t gs, int bits, int16_t* W) {
+    const int nv = bits == 8 ? 2 : 4;
+    const int64_t fpl = bits == 8 ? 4 : 8;
+    const __m512i m8 = _mm512_set1_epi32(0x00FF00FF), m4 = _mm512_set1_epi32(0x000F000F);
+    for (int64_t q = q0; q < q1; q++) {
+        const int64_t g = q * fpl / gs;
+        if (q + (q1 - q0) < Qend) /* the next chunk's codes, on their way while tiles run */
+            _mm_prefetch((const char*)(P + VP_ROWS * (q + q1 - q0)), _MM_HINT_T1),
+                _mm_prefetch((const char*)(P + VP_ROWS * (q + q1 - q0) + 16), _MM_HINT_T1);
+        for (int h = 0; h < 2; h++) {
+            __m512i d = _mm512_loadu_si512(P + VP_ROWS * q + 16 * h), v[4];
+            if (bits == 8) {
+                v[0] = _mm512_and_si512(d, m8);
+                v[1] = _mm512_srli_epi16(d, 8);
+            } else {
+                v[0] = _mm512_and_si512(d, m4);
+                v[1] = _mm512_and_si512(_mm512_srli_epi16(d, 4), m4);
+                v[2] = _mm512_and_si512(_mm512_srli_epi16(d, 8), m4);
+                v[3] = _mm512_srli_epi16(d, 12);
+            }
+            __m512i z = _mm512_setzero_si512();
+            if (Z) { /* each lane's zero point in both of its int16 halves */
+                const __m128i z8 = _mm_loadu_si128((const __m128i*)(Z + VP_ROWS * g + 16 * h));
+                z = _mm512_cvtepu8_epi32(z8);
+                z = _mm512_or_si512(z, _mm512_slli_epi32(z, 16));
+            }
+            for (int j = 0; j < nv; j++)
+                _mm512_store_si512(W + (((q - q0) * 2 + h) * nv + j) * 32,
+                                   _mm512_sub_epi16(v[j], z));
+        }
+    }
+}
+
+/* One chunk of a widened panel (nq code dword steps at W; xc: the tile's x dwords of the
+   chunk) against R rows of x: out[r][32] += (the integer sums as fp32) * sc. */
+static inline __attribute__((always_inline)) void vp_tile_wide(const int16_t* W, const float* sc,
+                                                                const int32_t* xc, int64_t nq,
+                                                                const int bits, const int R,
+                                                                float* out) {
+    const int nv = bits == 8 ? 2 : 4;
+    __m512i acc[VP_TILE][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+    for (int64_t q = 0; q < nq; q++) {
+        const int32_t* xp = xc + q * nv * R;
+        for (int j = 0; j < nv; j++) {
+            const __m512i w0 = _mm512_load_si512(W + ((q * 2) * nv + j) * 32);
+            const __m512i w1 = _mm512_load_si512(W + ((q * 2 + 1) * nv + j) * 32);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                __m512i b = _mm512_set1_epi32(xp[j * R + r]);
+                acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], w0, b);
+                acc[r][1] = _mm512_dpwssd_epi32(acc[r][1], w1, b);
+            }
+        }
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const __m512 s = _mm512_loadu_ps(sc + 16 * h);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            __m512 f = _mm512_loadu_ps(out + 32 * r + 16 * h);
+            _mm512_storeu_ps(out + 32 * r + 16 * h,
+                             _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][h]), s, f));
+        }
+    }
+}
+
+#define VP_WIDE_CASE(n)                                                                    \
+    case n:                                                                                \
+        if (bits == 8) vp_tile_wide(W, sc, xc, nq, 8, n, out);                             \
+        else vp_tile_wide(W, sc, xc, nq, 4, n, out);                                       \
+        break;
+
+static void vp_tile_wide_any(const int16_t* W, const float* sc, const int32_t* xc, int64_t nq,
+                             int bits, int R, float* out) {
+    switch (R) {
+        VP_WIDE_CASE(1)
+        VP_WIDE_CASE(2)
+        VP_WIDE_CASE(3)
+        VP_WIDE_CASE(4)
+        VP_WIDE_CASE(5)
+        VP_WIDE_CASE(6)
+        VP_WIDE_CASE(7)
+        VP_WIDE_CASE(8)
+    }
+}
+
+/* Panel P against all M rows of x (tiles of VP_TILE, quantized exactly), fp32 results in
+   out[M][32]: chunk by chunk, each widened once into W (L * 32 int16). A 4-bit tile of one
+   row (its x laid out as split bytes) runs vp_tile over the codes as they are. */
+static void vp_panel_wide(const uint32_t* P, const float* S, const uint8_t* Z, const int32_t* xt,
+                          const int32_t* xs, int64_t M, int64_t K, int64_t gs, int64_t L,
+                          int bits, int16_t* W, float* out) {
+    const int nv = bits == 8 ? 2 : 4;
+    const int64_t fpl = bits == 8 ? 4 : 8, nq = L / fpl, nch = K / L, xdw = K / 2;
+    for (int64_t i = 0; i < M * VP_ROWS; i += 16) _mm512_storeu_ps(out + i, _mm512_setzero_ps());
+    for (int64_t c = 0; c < nch; c++) {
+        vp_widen(P, Z, c * nq, (c + 1) * nq, K / fpl, gs, bits, W);
+        const float* sc = S + VP_ROWS * (c * L / gs);
+        for (int64_t m0 = 0; m0 < M; m0 += VP_TILE) {
+            int R = M - m0 < VP_TILE ? (int)(M - m0) : VP_TILE;
+            if (vp_split(bits, R)) continue;
+            vp_tile_wide_any(W, sc, xt + m0 * xdw + c * nq * nv * R, nq, bits, R,
+                             out + m0 * VP_ROWS);
+        }
+    }
+    int64_t m0 = M - M % VP_TILE; /* the last tile, where it is one split row */
+    if (m0 < M && vp_split(bits, (int)(M - m0)))
+        vp_tile_any(P, S, Z, xt + m0 * xdw, xs + m0 * nch, NULL, K, gs, L, bits, 0,
+                    (int)(M - m0), out + m0 * VP_ROWS);
+}
+
 /* y = x @ W.T over the panels, exact or with x in 8 bits (qgemv_x8, set per step). x is
    quantized once per call into tiles (rows interleaved per tile, see the quantizers), then
    the panels are shared among the threads (common.h), each panel against every tile. */
@@ -380,23 +508,35 @@ static void vp_matmul(int bits, const void* x, int x_bf16, const uint8_t* codes,
     Share shares[SHARE_MAX] __attribute__((aligned(64)));
     int parts = share_parts();
     shares_init(shares, parts, panels);
+    const int wide_rows = bits == 8 ? vp_wide_rows8 : vp_wide_rows4;
+    const int wide = !x8 && wide_rows > 0 && M >= wide_rows;
     #pragma omp parallel
-    for (int64_t p; (p = share_next(shares, parts, omp_get_thread_num())) >= 0;) {
-        const uint32_t* P = (const uint32_t*)(codes + p * pbytes);
-        const float* S = scales + p * G * VP_ROWS;
-        const uint8_t* Z = zeros ? zeros + p * G * VP_ROWS : NULL;
-        float out[VP_TILE8 * VP_ROWS] __attribute__((aligned(64)));
-        for (int64_t m0 = 0; m0 < M; m0 += T) {
-            int R = M - m0 < T ? (int)(M - m0) : T;
-            vp_tile_any(P, S, Z, xt + m0 * xdw, xs + m0 * nch, x8 ? xsc + m0 * nch : NULL, K,
-                        gs, L, bits, x8, R, out);
-            for (int r = 0; r < R; r++) {
-                __m512 rs = _mm512_set1_ps(x8 ? 1.0f : xsc[m0 + r]); /* x8: in each chunk */
-                for (int h = 0; h < 2; h++)
-                    vp_store(y, out_bf16, (m0 + r) * N + p * VP_ROWS + 16 * h,
-                             _mm512_mul_ps(_mm512_loadu_ps(out + 32 * r + 16 * h), rs));
+    {
+        /* many rows: a widened chunk (L1) and every row's sums for a panel */
+        int16_t* W = wide ? aligned_alloc(64, (size_t)L * VP_ROWS * 2) : NULL;
+        float* all = wide ? aligned_alloc(64, sizeof(float) * M * VP_ROWS) : NULL;
+        for (int64_t p; (p = share_next(shares, parts, omp_get_thread_num())) >= 0;) {
+            const uint32_t* P = (const uint32_t*)(codes + p * pbytes);
+            const float* S = scales + p * G * VP_ROWS;
+            const uint8_t* Z = zeros ? zeros + p * G * VP_ROWS : NULL;
+            float tile_out[VP_TILE8 * VP_ROWS] __attribute__((aligned(64)));
+            if (W && all) vp_panel_wide(P, S, Z, xt, xs, M, K, gs, L, bits, W, all);
+            for (int64_t m0 = 0; m0 < M; m0 += T) {
+                int R = M - m0 < T ? (int)(M - m0) : T;
+                float* out = W && all ? all + m0 * VP_ROWS : tile_out;
+                if (!(W && all))
+                    vp_tile_any(P, S, Z, xt + m0 * xdw, xs + m0 * nch, x8 ? xsc + m0 * nch : NULL,
+                                K, gs, L, bits, x8, R, out);
+                for (int r = 0; r < R; r++) {
+                    __m512 rs = _mm512_set1_ps(x8 ? 1.0f : xsc[m0 + r]); /* x8: in each chunk */
+                    for (int h = 0; h < 2; h++)
+                        vp_store(y, out_bf16, (m0 + r) * N + p * VP_ROWS + 16 * h,
+                                 _mm512_mul_ps(_mm512_loadu_ps(out + 32 * r + 16 * h), rs));
+                }
             }
         }
+        free(W);
+        free(all);
     }
     free(xt);
     free(xs);
