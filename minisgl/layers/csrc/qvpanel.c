@@ -209,6 +209,22 @@ static void vp_quantize_row8(const void* x, int x_bf16, int64_t m, int64_t M, in
     }
 }
 
+/* A 64-byte load of codes (16 rows' dwords) as the int16 pairs VPDPWSSD takes against exact
+   x's pairs: 8-bit codes (c0, c2), (c1, c3); 4-bit (n_j, n_{j+4}) for j = 0..3. */
+static inline __attribute__((always_inline)) void vp_pairs16(__m512i d, const int bits,
+                                                             __m512i* v) {
+    if (bits == 8) {
+        v[0] = _mm512_and_si512(d, _mm512_set1_epi32(0x00FF00FF));
+        v[1] = _mm512_srli_epi16(d, 8);
+        return;
+    }
+    const __m512i m4 = _mm512_set1_epi32(0x000F000F);
+    v[0] = _mm512_and_si512(d, m4);
+    v[1] = _mm512_and_si512(_mm512_srli_epi16(d, 4), m4);
+    v[2] = _mm512_and_si512(_mm512_srli_epi16(d, 8), m4);
+    v[3] = _mm512_srli_epi16(d, 12);
+}
+
 /* One panel (two zmm of 16 outputs) against R rows of x (a tile): fp32 results in
    out[r][32]. Exact (x8 = 0): int16 x pairs against codes as int16 pairs, VPDPWSSD, or (sp)
    the codes' bytes against x's high and low bytes, two VPDPBUSD into two sums; x8: x's
@@ -232,8 +248,7 @@ static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, con
        ran 1.1-1.15x as fast as 1 or 4) */
     const int A = sp ? 2 : R == 1 ? 4 : (R == 2 ? 2 : 1);
     const int64_t nch = K / L;
-    const __m512i m8 = _mm512_set1_epi32(0x00FF00FF), m4 = _mm512_set1_epi32(0x000F000F),
-                  n4 = _mm512_set1_epi32(0x0F0F0F0F);
+    const __m512i n4 = _mm512_set1_epi32(0x0F0F0F0F);
     /* the fp32 sums live in `out` (L1) between chunks: registers go to the integer sums */
     for (int r = 0; r < 2 * R; r++) _mm512_storeu_ps(out + 16 * r, _mm512_setzero_ps());
     for (int64_t c = 0; c < nch; c++) {
@@ -266,14 +281,8 @@ static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, con
                     } else if (x8 || sp) {
                         v[h][0] = _mm512_and_si512(d, n4);
                         v[h][1] = _mm512_and_si512(_mm512_srli_epi16(d, 4), n4);
-                    } else if (bits == 8) {
-                        v[h][0] = _mm512_and_si512(d, m8);
-                        v[h][1] = _mm512_srli_epi16(d, 8);
                     } else {
-                        v[h][0] = _mm512_and_si512(d, m4);
-                        v[h][1] = _mm512_and_si512(_mm512_srli_epi16(d, 4), m4);
-                        v[h][2] = _mm512_and_si512(_mm512_srli_epi16(d, 8), m4);
-                        v[h][3] = _mm512_srli_epi16(d, 12);
+                        vp_pairs16(d, bits, v[h]);
                     }
                 }
                 for (int r = 0; r < R && sp; r++) {
@@ -357,16 +366,16 @@ static void vp_tile_any(const uint32_t* P, const float* S, const uint8_t* Z, con
     }
 }
 
-/* Many rows (vp_wide_rows and more, exact x): a panel is walked chunk by chunk (L features),
+/* Many rows (vp_wide_rows8/4 and more, exact x): a panel is walked chunk by chunk (L features),
    each chunk's codes widened once into the int16 pairs vp_tile makes of them, minus their zero
-   points (in L1: 64 B per feature), and every tile of x meets that chunk before the next,
-   instead of each tile masking and shifting the same codes again and subtracting z * sum(x)
-   at each chunk's end. The same integer sums: sum((c - z) x) is sum(c x) - z sum(x) exactly
-   (|c - z| <= 255 over L <= 256 features, <= 15 over L <= 2048: within int32), so the same
-   bits. From how many rows (0: never), per code width: measured once per process on the
-   running machine (cpu_vpanel.py), as it pays only where the products bound the loop (Xeon
-   without AVX512-BF16, 2 threads, 0.6B shapes, in turns: 4-bit 1.05x at 16 rows, 1.10-1.16x
-   at 24-64, 1.21x at 160; 8-bit 0.83-0.96x at 12-32, 1.06x at 64, 1.16x at 160). */
+   points (64 B per feature: 8 KB, in L1, for groups of 128), and every tile of x meets that
+   chunk before the next, instead of each tile masking and shifting the same codes again and
+   subtracting z * sum(x) at each chunk's end. The same integer sums: sum((c - z) x) is sum(c x)
+   - z sum(x) exactly (|c - z| <= 255 over L <= 256 features, <= 15 over L <= 2048: within
+   int32), so the same bits. From how many rows (0: never), per code width: measured once per
+   process on the running machine (cpu_vpanel.py), as it pays only where the products bound the
+   loop (Xeon without AVX512-BF16, 2 threads, 0.6B shapes, in turns: 4-bit 1.05x at 16 rows,
+   1.10-1.16x at 24-64, 1.21x at 160; 8-bit 0.83-0.96x at 12-32, 1.06x at 64, 1.16x at 160). */
 int vp_wide_rows8 = 0, vp_wide_rows4 = 0;
 
 /* Code dwords [q0, q1) of panel P as vp_tile's exact code vectors minus each lane's zero point
@@ -375,23 +384,15 @@ static void vp_widen(const uint32_t* P, const uint8_t* Z, int64_t q0, int64_t q1
                      int64_t gs, int bits, int16_t* W) {
     const int nv = bits == 8 ? 2 : 4;
     const int64_t fpl = bits == 8 ? 4 : 8;
-    const __m512i m8 = _mm512_set1_epi32(0x00FF00FF), m4 = _mm512_set1_epi32(0x000F000F);
     for (int64_t q = q0; q < q1; q++) {
         const int64_t g = q * fpl / gs;
-        if (q + (q1 - q0) < Qend) /* the next chunk's codes, on their way while tiles run */
-            _mm_prefetch((const char*)(P + VP_ROWS * (q + q1 - q0)), _MM_HINT_T1),
-                _mm_prefetch((const char*)(P + VP_ROWS * (q + q1 - q0) + 16), _MM_HINT_T1);
+        if (q + (q1 - q0) < Qend) { /* the next chunk's codes, on their way while tiles run */
+            _mm_prefetch((const char*)(P + VP_ROWS * (q + q1 - q0)), _MM_HINT_T1);
+            _mm_prefetch((const char*)(P + VP_ROWS * (q + q1 - q0) + 16), _MM_HINT_T1);
+        }
         for (int h = 0; h < 2; h++) {
-            __m512i d = _mm512_loadu_si512(P + VP_ROWS * q + 16 * h), v[4];
-            if (bits == 8) {
-                v[0] = _mm512_and_si512(d, m8);
-                v[1] = _mm512_srli_epi16(d, 8);
-            } else {
-                v[0] = _mm512_and_si512(d, m4);
-                v[1] = _mm512_and_si512(_mm512_srli_epi16(d, 4), m4);
-                v[2] = _mm512_and_si512(_mm512_srli_epi16(d, 8), m4);
-                v[3] = _mm512_srli_epi16(d, 12);
-            }
+            __m512i v[4];
+            vp_pairs16(_mm512_loadu_si512(P + VP_ROWS * q + 16 * h), bits, v);
             __m512i z = _mm512_setzero_si512();
             if (Z) { /* each lane's zero point in both of its int16 halves */
                 const __m128i z8 = _mm_loadu_si128((const __m128i*)(Z + VP_ROWS * g + 16 * h));
