@@ -17,12 +17,14 @@ def time_by_switch(
     """module.name (the kernel a measure runs) replaced by the same call that also advances a
     fake time.perf_counter: 0.9 s a run with the switch on where `faster`, 1.0 s with it on
     where not, 0.95 s with it off; so the measure finds the switch's side 3% faster exactly
-    when `faster`."""
+    when `faster`. `switch`: a ctypes int, or a function of the call's arguments giving the
+    one that call's run depends on (a measure of several switches, one per kind of weight)."""
     now = [0.0]
     real: Callable[..., Any] = getattr(module, name)
 
     def timed(*args: Any) -> Any:
-        now[0] += (0.9 if faster else 1.0) if switch.value else 0.95
+        on = (switch(*args) if callable(switch) else switch).value
+        now[0] += (0.9 if faster else 1.0) if on else 0.95
         return real(*args)
 
     monkeypatch.setattr(module, name, timed)

@@ -9,7 +9,6 @@ all-or-nothing use of the layout and its timing passes. Where the build has no A
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import pytest
@@ -420,16 +419,11 @@ def test_chunks_are_widened_from_the_rows_where_that_measured_faster(
     timed; never where it did not."""
     lib = cpu_kernels.load()
     assert lib is not None and set(lib.vp_wide_rows) == {8, 4}
-    now = [0.0]
-    real = cpu_vpanel.vnni_panel
 
-    def timed(x: torch.Tensor, w: QTensor) -> torch.Tensor:
-        on = lib.vp_wide_rows[w.bits].value
-        now[0] += (0.9 if faster else 1.0) if on else 0.95
-        return real(x, w)
+    def switch_of(x: torch.Tensor, w: QTensor) -> object:  # the switch this call's run reads
+        return lib.vp_wide_rows[w.bits]
 
-    monkeypatch.setattr(cpu_vpanel, "vnni_panel", timed)
-    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    time_by_switch(monkeypatch, cpu_vpanel, "vnni_panel", switch_of, faster)
     measure_only(monkeypatch, cpu_vpanel, "_WIDE_ROWS_MEASURED")
     monkeypatch.setattr(cpu_vpanel, "_WIDE_SHAPE", (64, 256))
     before = {b: s.value for b, s in lib.vp_wide_rows.items()}
