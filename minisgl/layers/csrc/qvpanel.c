@@ -55,7 +55,11 @@
 /* Whether one row prefetches the panels' lines VP_PF_BYTES ahead into L2: set per process by
    cpu_vpanel.py, which measures it. It pays on some CPUs and not on others: on the Xeon
    (Sapphire Rapids class, KVM, 2 threads, cold panels) 8-bit 17.8-20.5 -> 23.0-25.8 GB/s,
-   4-bit 17.0-19.5 -> 21.6-27.6 (into L1: 19.1-24.4), where into L1 on the Zen 4 it lost. */
+   4-bit 17.0-19.5 -> 21.6-27.6 (into L1: 19.1-24.4), where into L1 on the Zen 4 it lost.
+   Tiles of 2 and 3 rows follow it (they had no prefetch: on the Xeon without AVX512-BF16,
+   6144x1024 cold, 2 threads, 2 rows 8-bit 14.4 -> 19.5 GB/s, 4-bit 12.4 -> 18.2; with x in 8
+   bits 19.5 -> 23.9, 16.8 -> 22.3; one row 22.1-24.3; Qwen3-0.6B decode steps at B=2 and 3,
+   in turns: 8-bit 1.11-1.36x, 4-bit 1.17-1.56x as fast). */
 int vp_row_prefetch = 0;
 /* With it, 8-bit codes' lines also go to L1 this far ahead: 1.02-1.03x on the same Xeon (one
    row, 2 threads, cold: 151936x1024 28.7 -> 29.7 GB/s, 6144x1024 25.6 -> 26.2; 256 and 512
@@ -269,10 +273,10 @@ static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, con
                     if (R >= VP_PF_ROWS)
                         _mm_prefetch((const char*)(w + VP_ROWS * s + 16 * h) + VP_PF_BYTES,
                                      _MM_HINT_T0);
-                    else if (R == 1 && vp_row_prefetch) {
+                    else if (vp_row_prefetch) { /* 1-3 rows: as one row */
                         _mm_prefetch((const char*)(w + VP_ROWS * s + 16 * h) + VP_PF_BYTES,
                                      _MM_HINT_T1);
-                        if (bits == 8)
+                        if (R == 1 && bits == 8)
                             _mm_prefetch((const char*)(w + VP_ROWS * s + 16 * h) + VP_ROW_NEAR,
                                          _MM_HINT_T0);
                     }
