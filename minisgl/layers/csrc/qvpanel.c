@@ -66,6 +66,14 @@ int vp_row_prefetch = 0;
    bytes ahead in between); 4-bit codes gained nothing from it. */
 #define VP_ROW_NEAR 1024
 
+/* A tile of R rows reaching a panel line: the line VP_PF_BYTES ahead into L1 from VP_PF_ROWS
+   rows, else into L2 where row_pf (vp_row_prefetch, read once per tile). */
+static inline __attribute__((always_inline)) void vp_prefetch(const void* line, const int R,
+                                                              int row_pf) {
+    if (R >= VP_PF_ROWS) _mm_prefetch((const char*)line + VP_PF_BYTES, _MM_HINT_T0);
+    else if (row_pf) _mm_prefetch((const char*)line + VP_PF_BYTES, _MM_HINT_T1);
+}
+
 /* Whether vnni_panel takes codes of `bits` bits in groups of gs features, N x K. */
 int qvpanel_takes(int bits, int64_t N, int64_t K, int64_t gs) {
     return (bits == 4 || bits == 8) && N % VP_ROWS == 0 && gs > 0 && gs % 32 == 0 && K % gs == 0;
@@ -253,6 +261,7 @@ static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, con
     const int A = sp ? 2 : R == 1 ? 4 : (R == 2 ? 2 : 1);
     const int64_t nch = K / L;
     const __m512i n4 = _mm512_set1_epi32(0x0F0F0F0F);
+    const int row_pf = vp_row_prefetch; /* 1-3 rows: as one row */
     /* the fp32 sums live in `out` (L1) between chunks: registers go to the integer sums */
     for (int r = 0; r < 2 * R; r++) _mm512_storeu_ps(out + 16 * r, _mm512_setzero_ps());
     for (int64_t c = 0; c < nch; c++) {
@@ -270,16 +279,10 @@ static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, con
                 __m512i v[2][4];
                 for (int h = 0; h < 2; h++) {
                     __m512i d = _mm512_loadu_si512(w + VP_ROWS * s + 16 * h);
-                    if (R >= VP_PF_ROWS)
-                        _mm_prefetch((const char*)(w + VP_ROWS * s + 16 * h) + VP_PF_BYTES,
+                    vp_prefetch(w + VP_ROWS * s + 16 * h, R, row_pf);
+                    if (R == 1 && bits == 8 && row_pf)
+                        _mm_prefetch((const char*)(w + VP_ROWS * s + 16 * h) + VP_ROW_NEAR,
                                      _MM_HINT_T0);
-                    else if (vp_row_prefetch) { /* 1-3 rows: as one row */
-                        _mm_prefetch((const char*)(w + VP_ROWS * s + 16 * h) + VP_PF_BYTES,
-                                     _MM_HINT_T1);
-                        if (R == 1 && bits == 8)
-                            _mm_prefetch((const char*)(w + VP_ROWS * s + 16 * h) + VP_ROW_NEAR,
-                                         _MM_HINT_T0);
-                    }
                     if (x8 && bits == 8) {
                         v[h][0] = d;
                     } else if (x8 || sp) {
@@ -520,16 +523,17 @@ static void vp_matmul(int bits, const void* x, int x_bf16, const uint8_t* codes,
         /* many rows: a widened chunk (L1) and every row's sums for a panel */
         int16_t* W = wide ? aligned_alloc(64, (size_t)L * VP_ROWS * 2) : NULL;
         float* all = wide ? aligned_alloc(64, sizeof(float) * M * VP_ROWS) : NULL;
+        const int widened = W && all; /* else (out of memory too) tile by tile */
         for (int64_t p; (p = share_next(shares, parts, omp_get_thread_num())) >= 0;) {
             const uint32_t* P = (const uint32_t*)(codes + p * pbytes);
             const float* S = scales + p * G * VP_ROWS;
             const uint8_t* Z = zeros ? zeros + p * G * VP_ROWS : NULL;
             float tile_out[VP_TILE8 * VP_ROWS] __attribute__((aligned(64)));
-            if (W && all) vp_panel_wide(P, S, Z, xt, xs, M, K, gs, L, bits, W, all);
+            if (widened) vp_panel_wide(P, S, Z, xt, xs, M, K, gs, L, bits, W, all);
             for (int64_t m0 = 0; m0 < M; m0 += T) {
                 int R = M - m0 < T ? (int)(M - m0) : T;
-                float* out = W && all ? all + m0 * VP_ROWS : tile_out;
-                if (!(W && all))
+                float* out = widened ? all + m0 * VP_ROWS : tile_out;
+                if (!widened)
                     vp_tile_any(P, S, Z, xt + m0 * xdw, xs + m0 * nch, x8 ? xsc + m0 * nch : NULL,
                                 K, gs, L, bits, x8, R, out);
                 for (int r = 0; r < R; r++) {
@@ -1043,8 +1047,7 @@ static inline __attribute__((always_inline)) void f8_tile(const F8Tables* t, con
                 w[1] = _mm512_load_si512(lines + k + 1);
             } else {
                 const uint8_t* line = P + (k / 2) * 2 * VP_ROWS;
-                if (R >= VP_PF_ROWS) _mm_prefetch((const char*)line + VP_PF_BYTES, _MM_HINT_T0);
-                else if (row_pf) _mm_prefetch((const char*)line + VP_PF_BYTES, _MM_HINT_T1);
+                vp_prefetch(line, R, row_pf);
                 f8_line(t, line, w);
                 if (mode == 1) {
                     _mm512_store_si512(lines + k, w[0]);
