@@ -242,8 +242,9 @@ def _head(model: nn.Module) -> QuantWeight | None:
 
 
 def format_name(model: nn.Module, scheme: QuantScheme | None) -> str:
-    """The weights' format for /metrics: the scheme's method (fp8, awq, gptq, int8, int4), or
-    "none" for a model whose layers are unquantized (its LM head may be: the log says)."""
+    """The weights' format for /metrics: the scheme's method (fp8, awq, gptq, compressed-tensors,
+    int8, int4), or "none" for a model whose layers are unquantized (its LM head may be: the log
+    says)."""
     head = _head(model)
     quantized = any(isinstance(m, QuantWeight) and m is not head for m in model.modules())
     return scheme.method if scheme is not None and quantized else "none"

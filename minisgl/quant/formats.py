@@ -13,6 +13,14 @@
   the same order along the output features; `scales` float16 [G, N]; `g_idx` int32 [K], the
   group of each input feature (k // g unless desc_act reordered them). checkpoint_format gptq
   stores each zero point minus one.
+- compressed-tensors integer weights (llm-compressor's W4A16 / W8A16 / W8A8): codes q in
+  [-2^(b-1), 2^(b-1)) stored as q + 2^(b-1). pack-quantized: `weight_packed` int32
+  [N, K * b / 32], code j of a word being input feature 32/b * word + j at bit j * b;
+  `weight_shape` [2] = [N, K]; int-quantized / naive-quantized: `weight` int8 [N, K] (q
+  itself). `weight_scale` [N, G] (group), [N, 1] (channel) or [1] (tensor); with zero points
+  (symmetric false) `weight_zero_point`, packed along the output features as the codes along
+  the inputs ([N * b / 32, G] int32) or int8 [N, G] unpacked; `weight_g_idx` [K] where
+  actorder group scattered the groups. weight = (q - zero_point) * scale.
 """
 
 from __future__ import annotations
@@ -34,6 +42,12 @@ def parts(scheme: QuantScheme) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return ("weight", scheme.fp8_scale_name), ()
     if scheme.method == "awq":
         return ("qweight", "qzeros", "scales"), ()
+    if scheme.method == "compressed-tensors":
+        codes = ("weight_packed", "weight_shape") if scheme.packed else ("weight",)
+        zeros = ("weight_zero_point",) if scheme.zero_point else ()
+        if scheme.desc_act:
+            return (*codes, "weight_scale", *zeros, "weight_g_idx"), ()
+        return (*codes, "weight_scale", *zeros), ("weight_g_idx",)
     if scheme.desc_act:
         return ("qweight", "qzeros", "scales", "g_idx"), ()
     return ("qweight", "qzeros", "scales"), ("g_idx",)
@@ -41,9 +55,12 @@ def parts(scheme: QuantScheme) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def logical_shape(scheme: QuantScheme, shapes: dict[str, tuple[int, ...]]) -> tuple[int, int]:
     """[out, in] of the float weight a quantized linear stands for (suffix -> shape)."""
-    if scheme.method == "fp8":
+    if scheme.method == "fp8" or (scheme.method == "compressed-tensors" and not scheme.packed):
         n, k = shapes["weight"]
         return n, k
+    if scheme.method == "compressed-tensors":
+        n, words = shapes["weight_packed"]
+        return n, words * 32 // scheme.bits
     if scheme.method == "awq":
         k, n8 = shapes["qweight"]
         return n8 * 8, k
@@ -78,6 +95,8 @@ def read_linear(prefix: str, got: dict[str, torch.Tensor], scheme: QuantScheme) 
         return _fp8(prefix, got["weight"], got[scheme.fp8_scale_name], scheme)
     if scheme.method == "awq":
         return _awq(prefix, got, scheme)
+    if scheme.method == "compressed-tensors":
+        return _ct_int(prefix, got, scheme)
     return _gptq(prefix, got, scheme)
 
 
@@ -99,6 +118,81 @@ def _fp8(prefix: str, w: torch.Tensor, scale: torch.Tensor, scheme: QuantScheme)
     if scale.numel() != 1:
         raise ValueError(f"{name} has {scale.numel()} values, a per-tensor scale has one")
     return QTensor(w, scale.reshape(1, 1).expand(n, 1).contiguous(), None, None, 8, 0, k)
+
+
+def _checked_g_idx(
+    prefix: str,
+    got: dict[str, torch.Tensor],
+    name: str,
+    k: int,
+    groups: int,
+    why: str,
+    scheme: QuantScheme,
+    in_order: str,
+) -> torch.Tensor | None:
+    """The group of each input feature where they are scattered (desc_act), else None; a g_idx
+    that names other groups, or reorders features the config says are in order, is an error."""
+    g, g_idx = scheme.group_size, got.get(name)
+    regular = torch.arange(k, dtype=torch.int32) // g if g else torch.zeros(k, dtype=torch.int32)
+    if g_idx is not None:
+        _expect(f"{prefix}.{name}", g_idx, (k,), why)
+        g_idx = g_idx.to(torch.int32)
+        if int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
+            raise ValueError(f"{prefix}.{name} names groups outside 0..{groups - 1}")
+        if not scheme.desc_act and not torch.equal(g_idx, regular):
+            raise ValueError(
+                f"{prefix}.{name} reorders the input features, but config.json says "
+                f"{in_order} (the checkpoint is not what its config says)"
+            )
+    if scheme.desc_act:
+        assert g_idx is not None
+        return g_idx
+    return None
+
+
+def _per_row(t: torch.Tensor, n: int) -> torch.Tensor:
+    """A per-tensor value ([1] or [1, 1]: strategy tensor) as one per row; others as they are."""
+    return t.reshape(1, 1).expand(n, 1) if t.numel() == 1 else t
+
+
+def _ct_int(prefix: str, got: dict[str, torch.Tensor], scheme: QuantScheme) -> QTensor:
+    bits, g, mid = scheme.bits, scheme.group_size, 1 << (scheme.bits - 1)
+    if scheme.packed:
+        words = got["weight_packed"]
+        n, k = words.shape[0], words.shape[1] * 32 // bits
+        shape = [int(v) for v in got["weight_shape"].flatten().tolist()]
+        if shape != [n, k]:
+            raise ValueError(
+                f"{prefix}.weight_shape is {shape}, but its weight_packed holds a {n}x{k} weight"
+            )
+        # The words' bytes are the codes + 2^(b-1) in input order, two to a byte (the lower
+        # input in the low nibble) or one: minisgl's layout as they are.
+        codes = _word_bytes(words).reshape(n, k * bits // 8)
+    else:
+        q = got["weight"]
+        if q.dtype != torch.int8:
+            raise ValueError(f"{prefix}.weight is {q.dtype}, but int-quantized codes are int8")
+        n, k = q.shape
+        codes = q.view(torch.uint8) ^ mid  # q + 128, two's complement
+    groups = _groups(k, g)
+    why = f"compressed-tensors {bits}-bit, {f'group_size {g}' if g else 'one scale a row'}"
+    why += f" on a {n}x{k} weight"
+    scale = _per_row(got["weight_scale"].float(), n)
+    _expect(f"{prefix}.weight_scale", scale, (n, groups), why)
+    if not scheme.zero_point:
+        zeros = torch.full((n, groups), mid, dtype=torch.uint8)
+    elif scheme.packed:  # packed along the output features: [N * b / 32, G] -> [N, G]
+        zp = got["weight_zero_point"]
+        _expect(f"{prefix}.weight_zero_point", zp, (n * bits // 32, groups), why)
+        zeros = _unpack_words(zp.t().contiguous(), bits).flatten(-2).t().to(torch.uint8)
+    else:
+        zp = _per_row(got["weight_zero_point"], n)
+        _expect(f"{prefix}.weight_zero_point", zp, (n, groups), why)
+        zeros = zp.to(torch.int8).view(torch.uint8) ^ mid
+    g_idx = _checked_g_idx(
+        prefix, got, "weight_g_idx", k, groups, why, scheme, "actorder is not group"
+    )
+    return QTensor(codes.contiguous(), scale, zeros.contiguous(), g_idx, bits, g, k)
 
 
 def _awq(prefix: str, got: dict[str, torch.Tensor], scheme: QuantScheme) -> QTensor:
@@ -138,22 +232,7 @@ def _gptq(prefix: str, got: dict[str, torch.Tensor], scheme: QuantScheme) -> QTe
     zeros = _unpack_words(qzeros, bits).flatten(-2).t()  # [N, G]
     if scheme.zeros_minus_one:
         zeros = zeros + 1
-    regular = torch.arange(k, dtype=torch.int32) // g if g else torch.zeros(k, dtype=torch.int32)
-    g_idx = got.get("g_idx")
-    if g_idx is not None:
-        _expect(f"{prefix}.g_idx", g_idx, (k,), why)
-        g_idx = g_idx.to(torch.int32)
-        if int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
-            raise ValueError(f"{prefix}.g_idx names groups outside 0..{groups - 1}")
-        if not scheme.desc_act and not torch.equal(g_idx, regular):
-            raise ValueError(
-                f"{prefix}.g_idx reorders the input features, but config.json says "
-                "desc_act false (set it true, or the checkpoint is not what its config says)"
-            )
-    if scheme.desc_act:
-        assert g_idx is not None
-    else:
-        g_idx = None
+    g_idx = _checked_g_idx(prefix, got, "g_idx", k, groups, why, scheme, "desc_act false")
     return QTensor(
         codes, scales.float().t().contiguous(), zeros.to(torch.uint8).contiguous(), g_idx,
         bits, g, k,

@@ -1,7 +1,7 @@
 """A quantized linear weight as minisgl holds it, whatever file format it came from.
 
 One layout for every scheme, so one dequantizer (and later one kernel per code width) serves
-FP8, AWQ, GPTQ and the formats made at load:
+FP8, AWQ, GPTQ, compressed-tensors and the formats made at load:
 
     codes   [N, K/2] uint8  4-bit codes, input feature 2j in the low nibble, 2j+1 in the high
             [N, K]   uint8  8-bit integer codes

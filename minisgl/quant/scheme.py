@@ -18,6 +18,9 @@ SUPPORTED = (
     "fp8 (quant_method fp8, fmt e4m3, weight_block_size [128, 128] or none: per tensor)",
     "compressed-tensors FP8 (float 8-bit weights, strategy tensor, channel or block; dynamic "
     "or no activation quantization)",
+    "compressed-tensors integer weights (format pack-quantized: 4 or 8 bits; int-quantized or "
+    "naive-quantized: 8 bits; strategy group, channel or tensor, symmetric or with zero "
+    "points, actorder group, weight or none; no or dynamic activation quantization)",
     "awq (bits 4, zero_point true, version gemm, any group_size dividing the input features)",
     "gptq (bits 4 or 8, sym true or false, group_size 32/64/128/... or -1, desc_act true or "
     "false, checkpoint_format gptq or gptq_v2)",
@@ -28,8 +31,9 @@ FP8_BLOCK = 128  # --quantization fp8's block (rows x input features)
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """method: fp8 (block/tensor/channel float8 e4m3 codes), awq, gptq, or int8/int4 (made at
-    load). group_size: input features per scale; 0 means a whole row (per channel).
+    """method: fp8 (block/tensor/channel float8 e4m3 codes), awq, gptq, compressed-tensors
+    (integer codes), or int8/int4 (made at load). group_size: input features per scale; 0
+    means a whole row (per channel).
     source: "checkpoint" (quantization_config) or "load" (--quantization)."""
 
     method: str
@@ -42,6 +46,9 @@ class QuantScheme:
     # fp8: how its scales are laid out ("block" [N/bn, K/bk], "channel" [N, 1], "tensor").
     fp8_scales: str = ""
     fp8_scale_name: str = ""  # weight_scale_inv (Qwen/DeepSeek fp8) or weight_scale (c-t)
+    # compressed-tensors integer codes: packed in int32 words (pack-quantized, `weight_packed`)
+    # or one int8 a weight (int-quantized / naive-quantized, `weight`).
+    packed: bool = False
     # Module names (or name fragments) the checkpoint keeps in float.
     not_converted: tuple[str, ...] = ()
     source: str = "checkpoint"
@@ -59,7 +66,10 @@ class QuantScheme:
             group = "per channel" if self.group_size == 0 else f"group {self.group_size}"
             zeros = ", zero points" if self.zero_point else ", symmetric"
             order = ", desc_act" if self.desc_act else ""
-            core = f"{self.method} {self.bits}-bit, {group}{zeros}{order}"
+            name = self.method
+            if self.method == "compressed-tensors":
+                name += " pack-quantized" if self.packed else " int-quantized"
+            core = f"{name} {self.bits}-bit, {group}{zeros}{order}"
         where = "quantized at load" if self.source == "load" else "from the checkpoint"
         return f"{core} ({where})"
 
@@ -115,22 +125,26 @@ def _fp8(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
 
 def _compressed_tensors(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
     fmt = raw.get("format")
-    if fmt not in ("float-quantized", "naive-quantized"):
-        raise _unsupported(f"compressed-tensors format {fmt!r}")
     groups = list((raw.get("config_groups") or {}).values())
     if len(groups) != 1:
         raise _unsupported(f"compressed-tensors with {len(groups)} config_groups (one only)")
     group = groups[0]
     w = group.get("weights") or {}
+    if w.get("dynamic"):
+        raise _unsupported("compressed-tensors dynamic weight quantization")
+    act = group.get("input_activations")
+    if act and not act.get("dynamic", False):
+        raise _unsupported("compressed-tensors static activation scales (input_scale)")
+    if w.get("type") == "int":
+        return _ct_int(fmt, w, not_converted)
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise _unsupported(f"compressed-tensors format {fmt!r} for {w.get('type')!r} weights")
     if w.get("type") != "float" or int(w.get("num_bits", 0)) != 8:
         raise _unsupported(
             f"compressed-tensors weights {w.get('type')!r} {w.get('num_bits')!r}-bit"
         )
-    if w.get("dynamic") or not w.get("symmetric", True):
-        raise _unsupported("compressed-tensors dynamic or asymmetric weight quantization")
-    act = group.get("input_activations")
-    if act and not act.get("dynamic", False):
-        raise _unsupported("compressed-tensors static activation scales (input_scale)")
+    if not w.get("symmetric", True):
+        raise _unsupported("compressed-tensors asymmetric float weight quantization")
     strategy = w.get("strategy")
     if strategy == "block":
         block = w.get("block_structure") or []
@@ -146,6 +160,40 @@ def _compressed_tensors(raw: dict[str, Any], not_converted: tuple[str, ...]) -> 
         "fp8", 8, 0, fp8_scales=str(strategy), fp8_scale_name="weight_scale",
         not_converted=not_converted,
     )  # fmt: skip
+
+
+def _ct_int(fmt: Any, w: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
+    """compressed-tensors integer weights (llm-compressor's W4A16, W8A16 and W8A8): codes
+    q in [-2^(b-1), 2^(b-1)), weight = (q - zero_point) * scale per group, channel or tensor."""
+    bits = int(w.get("num_bits", 0))
+    packed = fmt == "pack-quantized"
+    if not (packed and bits in (4, 8)) and not (
+        fmt in ("int-quantized", "naive-quantized") and bits == 8
+    ):
+        raise _unsupported(f"compressed-tensors format {fmt!r} with {bits}-bit int weights")
+    strategy = w.get("strategy")
+    if strategy == "group":
+        size = int(w.get("group_size") or 0)
+        if size <= 0:
+            raise _unsupported(f"compressed-tensors group strategy with group_size {size}")
+    elif strategy in ("channel", "tensor"):
+        size = 0
+    else:
+        raise _unsupported(f"compressed-tensors int weight strategy {strategy!r}")
+    actorder = w.get("actorder")
+    if actorder not in (None, False, "weight", "group", "static", "dynamic"):
+        raise _unsupported(f"compressed-tensors actorder {actorder!r}")
+    return QuantScheme(
+        "compressed-tensors",
+        bits,
+        size,
+        zero_point=not w.get("symmetric", True),
+        # actorder "group" ("dynamic" in older releases) stores each input feature's group
+        # (weight_g_idx); "weight" ("static") only reordered the calibration: groups in order.
+        desc_act=actorder in ("group", "dynamic") and size > 0,
+        packed=packed,
+        not_converted=not_converted,
+    )
 
 
 def _awq(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:

@@ -15,6 +15,12 @@ reader share code would pass on a shared misreading.
 - GPTQ: `qweight` int32 [K / (32/b), N]: code j of word r of column n is input feature
   r * (32/b) + j at bit j*b; `qzeros` int32 [G, N / (32/b)] packed along N in the same order
   (checkpoint_format gptq: each zero point minus one); `scales` float16 [G, N]; `g_idx` [K].
+- compressed-tensors integer weights (llm-compressor's W4A16, W8A16, W8A8): signed codes q
+  stored as q + 2^(b-1). pack-quantized (`ct-pack`): `weight_packed` int32 [N, K*b/32], code j
+  of word c of row n is input feature c*(32/b) + j at bit j*b; `weight_shape` [N, K];
+  int-quantized (`ct-int8`): `weight` int8 [N, K]. `weight_scale` bfloat16 [N, G] ([1]: one
+  for the tensor); with zero points `weight_zero_point` (pack-quantized: packed along N alike,
+  [N*b/32, G]; int-quantized: int8 [N, G]); actorder group: `weight_g_idx` int32 [K].
 """
 
 from __future__ import annotations
@@ -38,9 +44,9 @@ LINEAR = re.compile(
 
 @dataclass(frozen=True)
 class QuantFormat:
-    method: str  # fp8, ct-fp8-channel, ct-fp8-tensor, awq, gptq
+    method: str  # fp8, ct-fp8-channel, ct-fp8-tensor, awq, gptq, ct-pack, ct-int8
     bits: int = 4
-    group_size: int = 128  # -1: one group per row (gptq)
+    group_size: int = 128  # -1: one group per row (gptq, ct-*); 0: one scale a tensor (ct-*)
     sym: bool = True
     desc_act: bool = False
     gptq_v2: bool = False
@@ -80,6 +86,8 @@ class QuantFormat:
                 },
                 "ignore": ["lm_head", *self.not_converted],
             }
+        if self.method in ("ct-pack", "ct-int8"):
+            return self._ct_int_config()
         if self.method == "awq":
             return {
                 "quant_method": "awq",
@@ -103,17 +111,62 @@ class QuantFormat:
             "modules_to_not_convert": list(self.not_converted) or None,
         }
 
+    def _ct_int_config(self) -> dict[str, Any]:
+        """llm-compressor's config for its W4A16 / W8A16 (pack-quantized) and W8A8
+        (int-quantized, activations rounded to int8 per token at run time) schemes."""
+        strategy = {-1: "channel", 0: "tensor"}.get(self.group_size, "group")
+        weights = {
+            "num_bits": self.bits,
+            "type": "int",
+            "symmetric": self.sym,
+            "strategy": strategy,
+            "group_size": self.group_size if strategy == "group" else None,
+            "block_structure": None,
+            "dynamic": False,
+            "actorder": "group" if self.desc_act else None,
+            "observer": "minmax",
+            "observer_kwargs": {},
+        }
+        acts = None
+        if self.method == "ct-int8":
+            acts = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                    "dynamic": True, "observer": None}  # fmt: skip
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized" if self.method == "ct-pack" else "int-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": weights,
+                    "input_activations": acts,
+                    "output_activations": None,
+                }
+            },
+            "ignore": ["lm_head", *self.not_converted],
+            "kv_cache_scheme": None,
+        }
+
+
+def _to_float16(s: np.ndarray) -> np.ndarray:
+    return s.astype(np.float16).astype(np.float32)
+
+
+def _to_bfloat16(s: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(s.astype(np.float32)).to(torch.bfloat16).float().numpy()
+
 
 def _int_codes(
-    w: np.ndarray, bits: int, sym: bool, groups: list[np.ndarray]
+    w: np.ndarray, bits: int, sym: bool, groups: list[np.ndarray], scale_of=_to_float16
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """w [N, K] -> codes [N, K], zero points [N, G], fp16 scales [N, G]; group j covers the
-    input features groups[j]."""
+    """w [N, K] -> codes [N, K], zero points [N, G], scales [N, G] (float32 values the stored
+    dtype holds exactly: `scale_of` rounds them to it); group j covers the input features
+    groups[j]."""
     top = (1 << bits) - 1
     n, k = w.shape
     q = np.zeros((n, k), np.int64)
     zeros = np.zeros((n, len(groups)), np.int64)
-    scales = np.zeros((n, len(groups)), np.float16)
+    scales = np.zeros((n, len(groups)), np.float32)
     for j, cols in enumerate(groups):
         part = w[:, cols]
         if sym:
@@ -123,8 +176,8 @@ def _int_codes(
             lo, hi = np.minimum(part.min(axis=1), 0), np.maximum(part.max(axis=1), 0)
             s = (hi - lo) / top
             z = np.clip(np.round(-lo / s), 0, top).astype(np.int64)
-        s16 = np.maximum(s, 1e-4).astype(np.float16)
-        q[:, cols] = np.clip(np.round(part / s16.astype(np.float32)[:, None]) + z[:, None], 0, top)
+        s16 = scale_of(np.maximum(s, 1e-4))
+        q[:, cols] = np.clip(np.round(part / s16[:, None]) + z[:, None], 0, top)
         zeros[:, j], scales[:, j] = z, s16
     return q, zeros, scales
 
@@ -163,7 +216,9 @@ def _gptq(w: np.ndarray, f: QuantFormat, order: np.ndarray) -> tuple[dict, np.nd
         [_words([stored[:, c * per + j] for j in range(per)], b) for c in range(n // per)],
         axis=1,
     )  # [G, N/per]
-    parts = {"qweight": qweight, "qzeros": qzeros, "scales": scales.T.copy(), "g_idx": g_idx}
+    parts = {
+        "qweight": qweight, "qzeros": qzeros, "scales": scales.T.astype(np.float16), "g_idx": g_idx,
+    }  # fmt: skip
     return parts, _dequant(q, zeros, scales, g_idx)
 
 
@@ -181,7 +236,43 @@ def _awq(w: np.ndarray, f: QuantFormat) -> tuple[dict, np.ndarray]:
         ]
         return np.stack(cols, axis=1)
 
-    parts = {"qweight": pack(qt), "qzeros": pack(zt), "scales": scales.T.copy()}
+    parts = {"qweight": pack(qt), "qzeros": pack(zt), "scales": scales.T.astype(np.float16)}
+    return parts, _dequant(q, zeros, scales, g_idx)
+
+
+def _ct_int(w: np.ndarray, f: QuantFormat, order: np.ndarray) -> tuple[dict, np.ndarray]:
+    n, k = w.shape
+    b, mid = f.bits, 1 << (f.bits - 1)
+    if f.group_size == 0:  # one scale for the whole tensor
+        s = np.float32(_to_bfloat16(np.array([np.abs(w).max() * 2 / ((1 << b) - 1)]))[0])
+        q = np.clip(np.round(w / s) + mid, 0, (1 << b) - 1).astype(np.int64)
+        zeros, scales = np.full((n, 1), mid), np.full((n, 1), s, np.float32)
+        g_idx = np.zeros(k, np.int32)
+        stored = torch.tensor([s]).to(torch.bfloat16)
+    else:
+        g = f.group_size if f.group_size > 0 else k
+        g_idx = np.zeros(k, np.int32)
+        g_idx[order] = np.arange(k) // g  # as GPTQ's desc_act: `order` fills the groups in turn
+        groups = [np.flatnonzero(g_idx == j) for j in range(-(-k // g))]
+        q, zeros, scales = _int_codes(w, b, f.sym, groups, _to_bfloat16)
+        stored = torch.from_numpy(scales).to(torch.bfloat16)
+    parts: dict[str, Any] = {"weight_scale": stored}
+    if f.method == "ct-pack":
+        per = 32 // b
+        parts["weight_packed"] = np.stack(
+            [_words([q[:, c * per + j] for j in range(per)], b) for c in range(k // per)], axis=1
+        )  # [N, K/per]
+        parts["weight_shape"] = torch.tensor([n, k])
+        if not f.sym:  # zero points + 2^(b-1), packed along the output features
+            parts["weight_zero_point"] = np.stack(
+                [_words([zeros[r * per + j] for j in range(per)], b) for r in range(n // per)]
+            )  # [N/per, G]
+    else:
+        parts["weight"] = (q - mid).astype(np.int8)
+        if not f.sym:
+            parts["weight_zero_point"] = (zeros - mid).astype(np.int8)
+    if f.desc_act:
+        parts["weight_g_idx"] = g_idx
     return parts, _dequant(q, zeros, scales, g_idx)
 
 
@@ -244,12 +335,12 @@ def write_quantized_pair(
         w = t.float().numpy()
         if fmt.method == "awq":
             parts, deq = _awq(w, fmt)
-        elif fmt.method == "gptq":
+        elif fmt.method in ("gptq", "ct-pack", "ct-int8"):
             k = w.shape[1]
             order = orders.setdefault(
                 _input_of(module), rng.permutation(k) if fmt.desc_act else np.arange(k)
             )
-            parts, deq = _gptq(w, fmt, order)
+            parts, deq = (_gptq if fmt.method == "gptq" else _ct_int)(w, fmt, order)
         else:
             parts, deq = _fp8(w, fmt)
         for suffix, v in parts.items():

@@ -36,7 +36,18 @@ FORMATS = {
     "gptq 8 sym g32": QuantFormat("gptq", bits=8, group_size=32),
     "gptq 8 asym g128 desc_act": QuantFormat("gptq", bits=8, sym=False, desc_act=True),
     "gptq_v2 4 asym g128": QuantFormat("gptq", sym=False, gptq_v2=True),
+    # compressed-tensors integer weights, as llm-compressor writes its W4A16 / W8A16 / W8A8
+    "ct w4a16 sym g128": QuantFormat("ct-pack"),
+    "ct w4a16 asym g64": QuantFormat("ct-pack", group_size=64, sym=False),
+    "ct w4a16 asym channel": QuantFormat("ct-pack", group_size=-1, sym=False),
+    "ct w4a16 g32 actorder group": QuantFormat("ct-pack", group_size=32, desc_act=True),
+    "ct w8a16 sym channel": QuantFormat("ct-pack", bits=8, group_size=-1),
+    "ct w8a16 asym g128": QuantFormat("ct-pack", bits=8, sym=False),
+    "ct w8a8 channel": QuantFormat("ct-int8", bits=8, group_size=-1),
+    "ct w8a8 tensor": QuantFormat("ct-int8", bits=8, group_size=0),
+    "ct w8a8 asym g128": QuantFormat("ct-int8", bits=8, sym=False),
 }
+CT_FORMATS = [name for name in FORMATS if name.startswith("ct w")]
 
 
 def _weight(seed: int = 0) -> np.ndarray:
@@ -47,9 +58,10 @@ def _encode(fmt: QuantFormat, w: np.ndarray) -> tuple[dict[str, torch.Tensor], t
     rng = np.random.default_rng(1)
     if fmt.method == "awq":
         parts, twin = quant_writer._awq(w, fmt)
-    elif fmt.method == "gptq":
+    elif fmt.method in ("gptq", "ct-pack", "ct-int8"):
         order = rng.permutation(K) if fmt.desc_act else np.arange(K)
-        parts, twin = quant_writer._gptq(w, fmt, order)
+        encode = quant_writer._gptq if fmt.method == "gptq" else quant_writer._ct_int
+        parts, twin = encode(w, fmt, order)
     else:
         parts, twin = quant_writer._fp8(w, fmt)
     tensors = {
@@ -74,6 +86,28 @@ def test_layout_reads_into_the_encoded_weights(name: str) -> None:
     assert torch.equal(dequantize(q.narrow(0, 64, 128), torch.float32), twin[64:192])
     cut = q.narrow(1, 128, 256)
     assert torch.equal(dequantize(cut, torch.float32), twin[:, 128:384])
+
+
+@pytest.mark.parametrize("name", [n for n in CT_FORMATS if not FORMATS[n].desc_act])
+def test_compressed_tensors_layouts_are_the_librarys(name: str) -> None:
+    """The test writer's compressed-tensors tensors decompress, by compressed-tensors itself
+    (what vLLM and transformers load them with), into the twin's weights (rounded to the
+    scales' bf16, the dtype the library dequantizes in). Its actorder group (weight_g_idx) is
+    no longer in the library: that layout is checked against GPTQ's desc_act above."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    fmt = FORMATS[name]
+    config = fmt.quantization_config()
+    group = config["config_groups"]["group_0"]
+    scheme = QuantizationScheme(
+        targets=group["targets"],
+        weights=group["weights"],
+        input_activations=group["input_activations"],
+    )
+    parts, twin = _encode(fmt, _weight())
+    out = BaseCompressor.load_from_registry(config["format"]).decompress(parts, scheme)
+    assert torch.equal(out["weight"], twin.to(torch.bfloat16))
 
 
 def test_awq_nibble_order_matters() -> None:
@@ -128,8 +162,30 @@ def test_quantize_at_load_stays_close(method: str) -> None:
         ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2'"),
         (
-            {"quant_method": "compressed-tensors", "format": "pack-quantized"},
-            "format 'pack-quantized'",
+            {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {"g": {"weights": {"type": "int", "num_bits": 2}}},
+            },
+            "format 'pack-quantized' with 2-bit int weights",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "nvfp4-pack-quantized",
+                "config_groups": {"g": {"weights": {"type": "float", "num_bits": 4}}},
+            },
+            "format 'nvfp4-pack-quantized'",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {
+                    "g": {"weights": {"type": "int", "num_bits": 4, "strategy": "block"}}
+                },
+            },
+            "int weight strategy 'block'",
         ),
     ],
 )
@@ -148,7 +204,10 @@ def _headers(fmt: QuantFormat | None, extra: dict | None = None) -> dict:
         heads["model.layers.0.self_attn.q_proj.weight"] = ((N, K), "F32")
     else:
         parts, _ = _encode(fmt, w)
-        dtypes = {torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32", torch.int32: "I32"}
+        dtypes = {
+            torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32", torch.int32: "I32",
+            torch.int8: "I8", torch.int64: "I64", torch.bfloat16: "BF16",
+        }  # fmt: skip
         for k, v in parts.items():
             dt = dtypes.get(v.dtype, "F16")
             heads[f"model.layers.0.self_attn.q_proj.{k}"] = (tuple(v.shape), dt)
