@@ -125,6 +125,15 @@ def _fp8(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
 
 def _compressed_tensors(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
     fmt = raw.get("format")
+    # Both change what the weights mean at run time (online rotations, KV cache scales):
+    # loading the weights without them would answer wrong, without a word.
+    if raw.get("transform_config"):
+        raise _unsupported("compressed-tensors transform_config (online rotations)")
+    if raw.get("kv_cache_scheme"):
+        raise _unsupported("compressed-tensors kv_cache_scheme (a quantized KV cache's scales)")
+    sparsity = raw.get("sparsity_config") or {}
+    if sparsity.get("format", "dense") != "dense":  # "dense": sparse values, stored densely
+        raise _unsupported(f"compressed-tensors sparsity format {sparsity.get('format')!r}")
     groups = list((raw.get("config_groups") or {}).values())
     if len(groups) != 1:
         raise _unsupported(f"compressed-tensors with {len(groups)} config_groups (one only)")

@@ -91,6 +91,7 @@ CUT_GROUPS = {
     "awq dense": ("quant-split", QuantFormat("awq")),
     "gptq asym dense": ("quant-split", QuantFormat("gptq", sym=False)),
     "gptq 8-bit dense": ("quant-split", QuantFormat("gptq", bits=8)),
+    "compressed-tensors w4a16 asym dense": ("quant-split", QuantFormat("ct-pack", sym=False)),
     "int4 at load dense": ("quant-split", None),
     "gptq asym experts": ("quant-moe-split", QuantFormat("gptq", sym=False)),
     "int4 at load experts": ("quant-moe-split", None),

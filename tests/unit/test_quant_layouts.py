@@ -110,6 +110,15 @@ def test_compressed_tensors_layouts_are_the_librarys(name: str) -> None:
     assert torch.equal(out["weight"], twin.to(torch.bfloat16))
 
 
+def test_a_dense_sparsity_config_loads() -> None:
+    """llm-compressor records the sparsity it measured even where the weights are stored dense
+    (`format: dense`), as in RedHatAI's quantized Qwen3 releases: nothing to refuse there."""
+    sparsity = {"format": "dense", "global_sparsity": 0.14, "sparsity_structure": "unstructured"}
+    config = QuantFormat("ct-pack").quantization_config() | {"sparsity_config": sparsity}
+    scheme = parse_quantization_config(config)
+    assert scheme is not None and scheme.method == "compressed-tensors" and scheme.bits == 4
+
+
 def test_awq_nibble_order_matters() -> None:
     """A reader that took AutoAWQ's nibbles in plain order would be wrong: the test can tell."""
     fmt = FORMATS["awq g128"]
@@ -186,6 +195,19 @@ def test_quantize_at_load_stays_close(method: str) -> None:
                 },
             },
             "int weight strategy 'block'",
+        ),
+        (
+            QuantFormat("ct-pack").quantization_config() | {"transform_config": {"u": {}}},
+            "transform_config",
+        ),
+        (
+            QuantFormat("ct-int8").quantization_config() | {"kv_cache_scheme": {"num_bits": 8}},
+            "kv_cache_scheme",
+        ),
+        (
+            QuantFormat("ct-pack").quantization_config()
+            | {"sparsity_config": {"format": "sparse-24-bitmask"}},
+            "sparsity format 'sparse-24-bitmask'",
         ),
     ],
 )
