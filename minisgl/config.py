@@ -63,8 +63,8 @@ class EngineArgs:
         None,
         "quantize a float checkpoint's attention and MLP weights as they load: int8 (one scale "
         "per output channel), int4 (groups of 128 with zero points) or fp8 (e4m3, 128x128 "
-        "block scales); FP8, AWQ, GPTQ and compressed-tensors checkpoints load quantized "
-        "without it",
+        "block scales); FP8, AWQ, GPTQ, compressed-tensors and AutoRound checkpoints load "
+        "quantized without it",
         QUANTIZATIONS,
     )
     lm_head_quantization: str = _f(

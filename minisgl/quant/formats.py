@@ -230,7 +230,15 @@ def _gptq(prefix: str, got: dict[str, torch.Tensor], scheme: QuantScheme) -> QTe
     # loads in minutes, not an hour).
     codes = _word_bytes(qweight).permute(1, 0, 2).reshape(n, k * bits // 8)
     zeros = _unpack_words(qzeros, bits).flatten(-2).t()  # [N, G]
-    if scheme.zeros_minus_one:
+    mid = 1 << (bits - 1)
+    if scheme.midpoint_zeros:
+        if not (bool((zeros == mid).all()) or bool((zeros == mid - 1).all())):
+            raise ValueError(
+                f"{prefix}.qzeros: symmetric codes' zero points are all {mid} (or {mid - 1}, "
+                "stored minus one), but these are not: the checkpoint is not what its config says"
+            )
+        zeros = torch.full_like(zeros, mid)
+    elif scheme.zeros_minus_one:
         zeros = zeros + 1
     g_idx = _checked_g_idx(prefix, got, "g_idx", k, groups, why, scheme, "desc_act false")
     return QTensor(

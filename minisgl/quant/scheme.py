@@ -24,6 +24,9 @@ SUPPORTED = (
     "awq (bits 4, zero_point true, version gemm, any group_size dividing the input features)",
     "gptq (bits 4 or 8, sym true or false, group_size 32/64/128/... or -1, desc_act true or "
     "false, checkpoint_format gptq or gptq_v2)",
+    "auto-round (Intel's AutoRound: data_type int, packing_format auto_round:auto_gptq with "
+    "bits 4 or 8, or auto_round:auto_awq with bits 4; extra_config only to keep layers in "
+    "16 bits)",
 )
 INT4_GROUP = 128  # --quantization int4's group
 FP8_BLOCK = 128  # --quantization fp8's block (rows x input features)
@@ -43,6 +46,10 @@ class QuantScheme:
     desc_act: bool = False
     # GPTQ v1 ("gptq") stores each zero point minus one; "gptq_v2" stores it as it is.
     zeros_minus_one: bool = False
+    # Symmetric codes whose stored zero points are the midpoint either as it is or minus one
+    # (AutoRound's GPTQ-layout exports, whose config does not say which): read as the midpoint.
+    midpoint_zeros: bool = False
+    origin: str = ""  # the tool whose config named the layout (auto-round), for the log
     # fp8: how its scales are laid out ("block" [N/bn, K/bk], "channel" [N, 1], "tensor").
     fp8_scales: str = ""
     fp8_scale_name: str = ""  # weight_scale_inv (Qwen/DeepSeek fp8) or weight_scale (c-t)
@@ -71,6 +78,7 @@ class QuantScheme:
                 name += " pack-quantized" if self.packed else " int-quantized"
             core = f"{name} {self.bits}-bit, {group}{zeros}{order}"
         where = "quantized at load" if self.source == "load" else "from the checkpoint"
+        where += f", {self.origin}" if self.origin else ""
         return f"{core} ({where})"
 
 
@@ -96,6 +104,8 @@ def parse_quantization_config(raw: dict[str, Any] | None) -> QuantScheme | None:
         return _awq(raw, not_converted)
     if method == "gptq":
         return _gptq(raw, not_converted)
+    if method in ("auto-round", "intel/auto-round"):
+        return _auto_round(raw, not_converted)
     raise _unsupported(f"quant_method {method or None!r}")
 
 
@@ -236,6 +246,42 @@ def _gptq(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
         desc_act=bool(raw.get("desc_act", False)) and group > 0,
         zeros_minus_one=fmt == "gptq",
         not_converted=not_converted,
+    )
+
+
+def _auto_round(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
+    """Intel's AutoRound exports: its int codes in GPTQ's (v1) or AutoAWQ's layout."""
+    bits, group = int(raw.get("bits", 0)), int(raw.get("group_size", 128))
+    sym = bool(raw.get("sym", True))
+    packing = str(raw.get("packing_format", "auto_round:auto_gptq")).lower()
+    if str(raw.get("data_type", "int")).lower() != "int":
+        raise _unsupported(f"auto-round data_type {raw.get('data_type')!r}")
+    unquantized = []
+    for name, layer in (raw.get("extra_config") or {}).items():
+        got = (layer.get("bits", bits), layer.get("group_size", group), layer.get("sym", sym))
+        if int(got[0]) >= 16:
+            unquantized.append(str(name))
+        elif got != (bits, group, sym):
+            raise _unsupported(
+                f"auto-round extra_config giving {name} bits={got[0]} group_size={got[1]} "
+                f"sym={got[2]} (one format for every quantized layer)"
+            )
+    not_converted += tuple(unquantized)
+    if packing == "auto_round:auto_awq" and bits == 4 and group > 0:
+        return QuantScheme(
+            "awq", 4, group, zero_point=True, not_converted=not_converted, origin="auto-round"
+        )
+    if packing != "auto_round:auto_gptq" or bits not in (4, 8) or group == 0 or group < -1:
+        raise _unsupported(f"auto-round packing_format {packing!r} bits={bits} group_size={group}")
+    return QuantScheme(
+        "gptq",
+        bits,
+        0 if group == -1 else group,
+        zero_point=not sym,
+        zeros_minus_one=True,  # AutoGPTQ's layout, as vLLM and SGLang read it
+        midpoint_zeros=sym,
+        not_converted=not_converted,
+        origin="auto-round",
     )
 
 

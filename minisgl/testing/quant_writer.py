@@ -51,6 +51,9 @@ class QuantFormat:
     desc_act: bool = False
     gptq_v2: bool = False
     not_converted: tuple[str, ...] = ()  # module names kept in float (modules_to_not_convert)
+    # gptq / awq tensors under Intel AutoRound's config (packing_format auto_round:auto_gptq or
+    # auto_round:auto_awq; the kept-float modules in its extra_config as 16 bits)
+    auto_round: bool = False
 
     def quantization_config(self) -> dict[str, Any]:
         if self.method == "fp8":
@@ -88,6 +91,18 @@ class QuantFormat:
             }
         if self.method in ("ct-pack", "ct-int8"):
             return self._ct_int_config()
+        if self.auto_round:
+            return {
+                "quant_method": "auto-round",
+                "autoround_version": "0.9.2",
+                "bits": self.bits,
+                "group_size": self.group_size,
+                "sym": self.sym,
+                "data_type": "int",
+                "iters": 200,
+                "packing_format": f"auto_round:auto_{self.method}",
+                "extra_config": {m: {"bits": 16, "data_type": "float"} for m in self.not_converted},
+            }
         if self.method == "awq":
             return {
                 "quant_method": "awq",

@@ -46,6 +46,12 @@ FORMATS = {
     "ct w8a8 channel": QuantFormat("ct-int8", bits=8, group_size=-1),
     "ct w8a8 tensor": QuantFormat("ct-int8", bits=8, group_size=0),
     "ct w8a8 asym g128": QuantFormat("ct-int8", bits=8, sym=False),
+    # Intel AutoRound's exports: GPTQ's (v1) and AutoAWQ's layouts under its own config
+    "auto-round gptq 4 sym g128": QuantFormat("gptq", auto_round=True),
+    "auto-round gptq 4 sym, zeros as they are": QuantFormat("gptq", auto_round=True, gptq_v2=True),
+    "auto-round gptq 4 asym g64": QuantFormat("gptq", group_size=64, sym=False, auto_round=True),
+    "auto-round gptq 8 sym g128": QuantFormat("gptq", bits=8, auto_round=True),
+    "auto-round awq g128": QuantFormat("awq", sym=False, auto_round=True),
 }
 CT_FORMATS = [name for name in FORMATS if name.startswith("ct w")]
 
@@ -117,6 +123,25 @@ def test_a_dense_sparsity_config_loads() -> None:
     config = QuantFormat("ct-pack").quantization_config() | {"sparsity_config": sparsity}
     scheme = parse_quantization_config(config)
     assert scheme is not None and scheme.method == "compressed-tensors" and scheme.bits == 4
+
+
+def test_symmetric_zero_points_off_the_midpoint_are_refused() -> None:
+    """An AutoRound sym export reads its zero points as the midpoint whichever way it stored
+    them; zero points that are neither say the config is wrong: named, not loaded."""
+    fmt = FORMATS["auto-round gptq 4 sym g128"]
+    scheme = parse_quantization_config(fmt.quantization_config())
+    assert scheme is not None and scheme.midpoint_zeros
+    parts, _ = _encode(fmt, _weight())
+    parts["qzeros"] = parts["qzeros"] ^ 1  # one zero point in eight moved off 7
+    with pytest.raises(ValueError, match="qzeros: symmetric codes' zero points are all 8"):
+        read_linear("model.layers.0.mlp.down_proj", parts, scheme)
+
+
+def test_auto_round_extra_config_keeps_layers_in_16_bits() -> None:
+    raw = QuantFormat("gptq", auto_round=True, not_converted=("model.layers.1.mlp.down_proj",))
+    scheme = parse_quantization_config(raw.quantization_config())
+    assert scheme is not None and scheme.not_converted == ("model.layers.1.mlp.down_proj",)
+    assert "(from the checkpoint, auto-round)" in scheme.describe()
 
 
 def test_awq_nibble_order_matters() -> None:
@@ -195,6 +220,21 @@ def test_quantize_at_load_stays_close(method: str) -> None:
                 },
             },
             "int weight strategy 'block'",
+        ),
+        ({"quant_method": "auto-round", "bits": 4, "data_type": "nv_fp"}, "data_type 'nv_fp'"),
+        ({"quant_method": "auto-round", "bits": 2, "group_size": 128}, "bits=2"),
+        (
+            {"quant_method": "auto-round", "bits": 4, "packing_format": "auto_round:gptqmodel"},
+            "packing_format 'auto_round:gptqmodel'",
+        ),
+        (
+            {
+                "quant_method": "auto-round",
+                "bits": 4,
+                "group_size": 128,
+                "extra_config": {"model.layers.0.mlp.down_proj": {"bits": 8}},
+            },
+            "extra_config giving model.layers.0.mlp.down_proj bits=8",
         ),
         (
             QuantFormat("ct-pack").quantization_config() | {"transform_config": {"u": {}}},
