@@ -135,8 +135,8 @@ def _fp8(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
 
 def _compressed_tensors(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
     fmt = raw.get("format")
-    # Both change what the weights mean at run time (online rotations, KV cache scales):
-    # loading the weights without them would answer wrong, without a word.
+    # Each changes what the weights mean at run time (online rotations, KV cache scales,
+    # sparse storage): loading the weights without it would answer wrong, without a word.
     if raw.get("transform_config"):
         raise _unsupported("compressed-tensors transform_config (online rotations)")
     if raw.get("kv_cache_scheme"):
