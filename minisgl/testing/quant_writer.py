@@ -94,12 +94,14 @@ class QuantFormat:
         if self.auto_round:
             return {
                 "quant_method": "auto-round",
-                "autoround_version": "0.9.2",
+                "autoround_version": "0.16.1",  # the keys its export writes
+                "amp": False,
+                "block_name_to_quantize": "model.layers",
+                "enable_quanted_input": False,
                 "bits": self.bits,
                 "group_size": self.group_size,
                 "sym": self.sym,
                 "data_type": "int",
-                "iters": 200,
                 "packing_format": f"auto_round:auto_{self.method}",
                 "extra_config": {m: {"bits": 16, "data_type": "float"} for m in self.not_converted},
             }
