@@ -134,7 +134,6 @@ def _fp8(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
 
 
 def _compressed_tensors(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
-    fmt = raw.get("format")
     # Each changes what the weights mean at run time (online rotations, KV cache scales,
     # sparse storage): loading the weights without it would answer wrong, without a word.
     if raw.get("transform_config"):
@@ -148,6 +147,9 @@ def _compressed_tensors(raw: dict[str, Any], not_converted: tuple[str, ...]) -> 
     if len(groups) != 1:
         raise _unsupported(f"compressed-tensors with {len(groups)} config_groups (one only)")
     group = groups[0]
+    # A group's own format (compressed-tensors writes one per group) over the top-level one,
+    # which reads "mixed-precision" where the groups' differ.
+    fmt = group.get("format") or raw.get("format")
     w = group.get("weights") or {}
     if w.get("dynamic"):
         raise _unsupported("compressed-tensors dynamic weight quantization")

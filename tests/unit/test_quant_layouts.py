@@ -144,6 +144,15 @@ def test_auto_round_extra_config_keeps_layers_in_16_bits() -> None:
     assert "(from the checkpoint, auto-round)" in scheme.describe()
 
 
+def test_a_compressed_tensors_groups_own_format_counts() -> None:
+    """compressed-tensors writes each config group's format beside the top-level one, which
+    says "mixed-precision" where groups differ: the group's is the one its tensors are in."""
+    config = QuantFormat("ct-pack").quantization_config() | {"format": "mixed-precision"}
+    config["config_groups"]["group_0"]["format"] = "pack-quantized"
+    scheme = parse_quantization_config(config)
+    assert scheme is not None and scheme.packed and scheme.bits == 4
+
+
 def test_awq_nibble_order_matters() -> None:
     """A reader that took AutoAWQ's nibbles in plain order would be wrong: the test can tell."""
     fmt = FORMATS["awq g128"]
