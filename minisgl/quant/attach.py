@@ -114,6 +114,24 @@ def _all_or_none(name: str, modules: list[str], layout: CheckpointLayout) -> boo
     return all(quantized)
 
 
+def _one_scheme(name: str, modules: list[str], scheme: QuantScheme) -> QuantScheme:
+    """The format of the checkpoint modules minisgl holds as one weight (q/k/v, gate/up, a
+    mixture's experts): a mixed-precision checkpoint must store them alike."""
+    found = {m: scheme.for_module(m) for m in modules}
+    kinds = set(found.values())
+    if len(kinds) > 1:
+        a = modules[0]
+        b = next(m for m in modules if found[m] != found[a])
+        raise ValueError(
+            f"{a} and {b} are stored in different formats, but minisgl holds {name} as one "
+            "weight: a mixed-precision checkpoint must keep modules fused alike (q/k/v, "
+            "gate/up, a layer's experts)"
+        )
+    one = kinds.pop()
+    assert one is not None  # _all_or_none() passed only quantized modules
+    return one
+
+
 def attach_head(model: nn.Module, scheme: QuantScheme | None) -> int:
     """The LM head holds a QuantWeight of `scheme` (None: it stays float); a tied embedding
     holds the same one and looks its rows up in it. Returns 1 if the head is quantized."""
@@ -152,13 +170,14 @@ def attach(model: nn.Module, layout: CheckpointLayout) -> int:
         if isinstance(m, LinearBase):
             if not _all_or_none(name, _hf_modules(name), layout):
                 continue
+            own = _one_scheme(name, _hf_modules(name), scheme)
             n, k = m.weight.shape
             split_k = isinstance(m, RowParallelLinear)
             k_full = k * m.tp_size if split_k else k
             del m.weight
-            held = _holder(scheme, n, k, k_full, split_k)
+            held = _holder(own, n, k, k_full, split_k)
             m.weight = held  # type: ignore[assignment]
-            _note(regrouped, name.rpartition(".")[2], held, k_full, scheme.group_size)
+            _note(regrouped, name.rpartition(".")[2], held, k_full, own.group_size)
             rank = m.tp_rank
             count += 1
         elif isinstance(m, FusedMoE):
@@ -167,13 +186,15 @@ def attach(model: nn.Module, layout: CheckpointLayout) -> int:
             down = [f"{name}.{e}.down_proj" for e in experts]
             if not _all_or_none(name, up + down, layout):
                 continue
+            own13 = _one_scheme(f"{name}'s gate/up", up, scheme)
+            own2 = _one_scheme(f"{name}'s down_proj", down, scheme)
             e, n13, h = m.w13.shape
             _, _, i = m.w2.shape
             del m.w13, m.w2
-            m.w13 = _holder(scheme, n13, h, h, False, e)  # type: ignore[assignment]
-            w2 = _holder(scheme, h, i, i * m.tp_size, True, e)
+            m.w13 = _holder(own13, n13, h, h, False, e)  # type: ignore[assignment]
+            w2 = _holder(own2, h, i, i * m.tp_size, True, e)
             m.w2 = w2  # type: ignore[assignment]
-            _note(regrouped, "experts' down_proj", w2, i * m.tp_size, scheme.group_size)
+            _note(regrouped, "experts' down_proj", w2, i * m.tp_size, own2.group_size)
             rank = m.tp_rank
             count += 2
     if regrouped and rank == 0:

@@ -77,11 +77,6 @@ def read_headers(files: Iterable[Path]) -> dict[str, Header]:
     return out
 
 
-def _not_converted(prefix: str, scheme: QuantScheme) -> bool:
-    return any(prefix == m or prefix.endswith("." + m) or f".{m}." in f".{prefix}."
-               for m in scheme.not_converted)  # fmt: skip
-
-
 def scan(headers: dict[str, Header], scheme: QuantScheme | None) -> CheckpointLayout:
     """The checkpoint's layout under `scheme`, or ValueError naming every tensor that does not
     fit it (the first few)."""
@@ -112,7 +107,8 @@ def scan(headers: dict[str, Header], scheme: QuantScheme | None) -> CheckpointLa
                 f"{first} is already quantized: --quantization is for float checkpoints"
             )
             continue
-        if _not_converted(prefix, scheme):
+        module_scheme = scheme.for_module(prefix)
+        if module_scheme is None:
             problems.append(
                 f"{first}: {prefix} is in the quantization_config's modules_to_not_convert, "
                 "but the checkpoint has it quantized"
@@ -124,11 +120,11 @@ def scan(headers: dict[str, Header], scheme: QuantScheme | None) -> CheckpointLa
                 "projections are held quantized)"
             )
             continue
-        required, optional = parts(scheme)
+        required, optional = parts(module_scheme)
         present = set(tensors) - {"bias"}
         extra = sorted(present - set(required) - set(optional))
         missing = sorted(set(required) - present)
-        how = f"the {scheme.method} layout of a linear is {', '.join(required)}"
+        how = f"the {module_scheme.method} layout of a linear is {', '.join(required)}"
         how += f" (and optionally {', '.join(optional)})" if optional else ""
         if extra:
             problems.append(f"{prefix}.{extra[0]} is not used: {how}")
@@ -137,7 +133,7 @@ def scan(headers: dict[str, Header], scheme: QuantScheme | None) -> CheckpointLa
             problems.append(f"{prefix} has no tensor {prefix}.{missing[0]}: {how}")
             continue
         shapes = {s: shape for s, (shape, _) in tensors.items()}
-        layout.shapes[f"{prefix}.weight"] = logical_shape(scheme, shapes)
+        layout.shapes[f"{prefix}.weight"] = logical_shape(module_scheme, shapes)
         if "bias" in tensors:
             layout.shapes[f"{prefix}.bias"] = tensors["bias"][0]
         layout.quantized[prefix] = frozenset(present)
@@ -172,6 +168,8 @@ def assemble(
         got[suffix] = t
         if got.keys() == want:
             del pending[prefix]
-            yield f"{prefix}.weight", read_linear(prefix, got, scheme)
+            module_scheme = scheme.for_module(prefix)
+            assert module_scheme is not None  # scan() let no float module's parts in
+            yield f"{prefix}.weight", read_linear(prefix, got, module_scheme)
     if pending:  # the headers listed them: a file changed under us
         raise ValueError(f"checkpoint tensors of {next(iter(pending))} were not all read")

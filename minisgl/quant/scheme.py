@@ -8,7 +8,8 @@ from. Anything not in SUPPORTED fails here, at start, naming what is supported.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Any
 
 from minisgl.config import LM_HEAD_QUANTIZATIONS
@@ -20,13 +21,13 @@ SUPPORTED = (
     "or no activation quantization)",
     "compressed-tensors integer weights (format pack-quantized: 4 or 8 bits; int-quantized or "
     "naive-quantized: 8 bits; strategy group, channel or tensor, symmetric or with zero "
-    "points, actorder group, weight or none; no or dynamic activation quantization)",
+    "points, actorder group, weight or none; no or dynamic activation quantization); "
+    "config_groups mixing these formats, one targeting Linear or the rest in float",
     "awq (bits 4, zero_point true, version gemm, any group_size dividing the input features)",
     "gptq (bits 4 or 8, sym true or false, group_size 32/64/128/... or -1, desc_act true or "
-    "false, checkpoint_format gptq or gptq_v2)",
+    "false, checkpoint_format gptq or gptq_v2, GPTQModel's dynamic per-module overrides)",
     "auto-round (Intel's AutoRound: data_type int, packing_format auto_round:auto_gptq with "
-    "bits 4 or 8, or auto_round:auto_awq with bits 4; extra_config only to keep layers in "
-    "16 bits)",
+    "bits 4 or 8, or auto_round:auto_awq with bits 4; extra_config per layer)",
 )
 INT4_GROUP = 128  # --quantization int4's group
 FP8_BLOCK = 128  # --quantization fp8's block (rows x input features)
@@ -56,12 +57,35 @@ class QuantScheme:
     # compressed-tensors integer codes: packed in int32 words (pack-quantized, `weight_packed`)
     # or one int8 a weight (int-quantized / naive-quantized, `weight`).
     packed: bool = False
-    # Module names (or name fragments) the checkpoint keeps in float.
+    # Module names (or name fragments, or "re:" patterns) the checkpoint keeps in float.
     not_converted: tuple[str, ...] = ()
     source: str = "checkpoint"
+    # Mixed-precision checkpoints: modules in another format than this one, as (pattern, its
+    # scheme, or None: float), the first match deciding; patterns as not_converted's.
+    overrides: tuple[tuple[str, QuantScheme | None], ...] = ()
+
+    def for_module(self, prefix: str) -> QuantScheme | None:
+        """The scheme module `prefix` (an HF module name) is stored in; None: in float."""
+        for pattern, scheme in self.overrides:
+            if names(pattern, prefix):
+                return scheme
+        if any(names(m, prefix) for m in self.not_converted):
+            return None
+        return self
 
     def describe(self) -> str:
         """One line for the start-up log and the metrics' info gauge."""
+        where = "quantized at load" if self.source == "load" else "from the checkpoint"
+        where += f", {self.origin}" if self.origin else ""
+        line = f"{self._core()} ({where})"
+        others = [o for _, o in self.overrides if o is not None and o._core() != self._core()]
+        if others:
+            kinds = sorted({o._core() for o in others})
+            n = len(others)
+            line += f"; {n} module pattern{'s' * (n > 1)} in " + " / ".join(kinds)
+        return line
+
+    def _core(self) -> str:
         if self.method == "fp8":
             how = (
                 f"{self.fp8_scales} scales"
@@ -77,9 +101,17 @@ class QuantScheme:
             if self.method == "compressed-tensors":
                 name += " pack-quantized" if self.packed else " int-quantized"
             core = f"{name} {self.bits}-bit, {group}{zeros}{order}"
-        where = "quantized at load" if self.source == "load" else "from the checkpoint"
-        where += f", {self.origin}" if self.origin else ""
-        return f"{core} ({where})"
+        return core
+
+
+def names(pattern: str, prefix: str) -> bool:
+    """Whether a config's module pattern names module `prefix`: "re:<regex>" matched from the
+    name's start (as compressed-tensors, GPTQModel and AutoRound match), else the module's
+    name, a trailing part of it, or a dotted fragment of it (modules_to_not_convert's
+    "mlp.down_proj" or "layers.1")."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], prefix) is not None
+    return prefix == pattern or prefix.endswith("." + pattern) or f".{pattern}." in f".{prefix}."
 
 
 def _unsupported(what: str) -> ValueError:
@@ -144,12 +176,34 @@ def _compressed_tensors(raw: dict[str, Any], not_converted: tuple[str, ...]) -> 
     if sparsity.get("format", "dense") != "dense":  # "dense": sparse values, stored densely
         raise _unsupported(f"compressed-tensors sparsity format {sparsity.get('format')!r}")
     groups = list((raw.get("config_groups") or {}).values())
-    if len(groups) != 1:
-        raise _unsupported(f"compressed-tensors with {len(groups)} config_groups (one only)")
-    group = groups[0]
+    if not groups:
+        raise _unsupported("compressed-tensors without config_groups")
+    schemes = [_ct_group(g, raw.get("format"), not_converted) for g in groups]
+    if len(groups) == 1:
+        return schemes[0]
+    # Mixed precision: the group that targets every Linear is the rest's format, the others'
+    # targets (module names or "re:" patterns) are in theirs; with no such group, modules no
+    # group targets are float.
+    overrides: list[tuple[str, QuantScheme | None]] = []
+    base = None
+    for g, scheme in zip(groups, schemes, strict=True):
+        targets = [str(t) for t in g.get("targets") or []]
+        if "Linear" in targets:
+            if base is not None:
+                raise _unsupported("compressed-tensors with two config_groups targeting Linear")
+            base = scheme
+        overrides += [(t, scheme) for t in targets if t != "Linear"]
+    if base is None:
+        base, overrides = schemes[0], [*overrides, ("re:.*", None)]
+    return replace(base, overrides=tuple(overrides))
+
+
+def _ct_group(
+    group: dict[str, Any], top_format: Any, not_converted: tuple[str, ...]
+) -> QuantScheme:
     # A group's own format (compressed-tensors writes one per group) over the top-level one,
     # which reads "mixed-precision" where the groups' differ.
-    fmt = group.get("format") or raw.get("format")
+    fmt = group.get("format") or top_format
     w = group.get("weights") or {}
     if w.get("dynamic"):
         raise _unsupported("compressed-tensors dynamic weight quantization")
@@ -230,61 +284,70 @@ def _awq(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
 
 
 def _gptq(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
-    bits = int(raw.get("bits", 0))
-    group = int(raw.get("group_size", 128))
     fmt = str(raw.get("checkpoint_format", raw.get("format", "gptq"))).lower()
-    if bits not in (4, 8) or fmt not in ("gptq", "gptq_v2") or group == 0 or group < -1:
-        raise _unsupported(f"gptq bits={bits} group_size={group} checkpoint_format={fmt!r}")
     if raw.get("lm_head"):
         raise _unsupported("gptq with a quantized lm_head")
-    if raw.get("dynamic"):
-        raise _unsupported("gptq with per-module `dynamic` overrides")
-    return QuantScheme(
-        "gptq",
-        bits,
-        0 if group == -1 else group,
-        zero_point=not bool(raw.get("sym", True)),
-        # With one group per row (-1) the order of the input features changes nothing.
-        desc_act=bool(raw.get("desc_act", False)) and group > 0,
-        zeros_minus_one=fmt == "gptq",
-        not_converted=not_converted,
-    )
+
+    def scheme(layer: dict[str, Any]) -> QuantScheme:
+        bits, group = int(layer.get("bits", 0)), int(layer.get("group_size", 128))
+        if bits not in (4, 8) or fmt not in ("gptq", "gptq_v2") or group == 0 or group < -1:
+            raise _unsupported(f"gptq bits={bits} group_size={group} checkpoint_format={fmt!r}")
+        return QuantScheme(
+            "gptq",
+            bits,
+            0 if group == -1 else group,
+            zero_point=not bool(layer.get("sym", True)),
+            # With one group per row (-1) the order of the input features changes nothing.
+            desc_act=bool(layer.get("desc_act", False)) and group > 0,
+            zeros_minus_one=fmt == "gptq",
+            not_converted=not_converted,
+        )
+
+    # GPTQModel's `dynamic`: per-module overrides, "-:<regex>" keeping modules in float,
+    # "+:<regex>" (or a bare regex) giving them other bits, group_size, sym or desc_act.
+    overrides: list[tuple[str, QuantScheme | None]] = []
+    for key, layer in (raw.get("dynamic") or {}).items():
+        skip = key.startswith("-:")
+        pattern = "re:" + (key[2:] if key[:2] in ("-:", "+:") else key)
+        overrides.append((pattern, None if skip else scheme(raw | dict(layer or {}))))
+    return replace(scheme(raw), overrides=tuple(overrides))
 
 
 def _auto_round(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
-    """Intel's AutoRound exports: its int codes in GPTQ's (v1) or AutoAWQ's layout."""
-    bits, group = int(raw.get("bits", 0)), int(raw.get("group_size", 128))
-    sym = bool(raw.get("sym", True))
+    """Intel's AutoRound exports: its int codes in GPTQ's (v1) or AutoAWQ's layout;
+    extra_config gives layers other bits, group_size or sym (16 bits and more: float)."""
     packing = str(raw.get("packing_format", "auto_round:auto_gptq")).lower()
     if str(raw.get("data_type", "int")).lower() != "int":
         raise _unsupported(f"auto-round data_type {raw.get('data_type')!r}")
-    unquantized = []
-    for name, layer in (raw.get("extra_config") or {}).items():
-        got = (layer.get("bits", bits), layer.get("group_size", group), layer.get("sym", sym))
-        if int(got[0]) >= 16:
-            unquantized.append(str(name))
-        elif got != (bits, group, sym):
-            raise _unsupported(
-                f"auto-round extra_config giving {name} bits={got[0]} group_size={got[1]} "
-                f"sym={got[2]} (one format for every quantized layer)"
+
+    def scheme(layer: dict[str, Any]) -> QuantScheme:
+        bits, group = int(layer.get("bits", 0)), int(layer.get("group_size", 128))
+        sym = bool(layer.get("sym", True))
+        if packing == "auto_round:auto_awq" and bits == 4 and group > 0:
+            return QuantScheme(
+                "awq", 4, group, zero_point=True, not_converted=not_converted, origin="auto-round"
             )
-    not_converted += tuple(unquantized)
-    if packing == "auto_round:auto_awq" and bits == 4 and group > 0:
+        if packing != "auto_round:auto_gptq" or bits not in (4, 8) or group == 0 or group < -1:
+            raise _unsupported(
+                f"auto-round packing_format {packing!r} bits={bits} group_size={group}"
+            )
         return QuantScheme(
-            "awq", 4, group, zero_point=True, not_converted=not_converted, origin="auto-round"
+            "gptq",
+            bits,
+            0 if group == -1 else group,
+            zero_point=not sym,
+            zeros_minus_one=True,  # AutoGPTQ's layout, as vLLM and SGLang read it
+            midpoint_zeros=sym,
+            not_converted=not_converted,
+            origin="auto-round",
         )
-    if packing != "auto_round:auto_gptq" or bits not in (4, 8) or group == 0 or group < -1:
-        raise _unsupported(f"auto-round packing_format {packing!r} bits={bits} group_size={group}")
-    return QuantScheme(
-        "gptq",
-        bits,
-        0 if group == -1 else group,
-        zero_point=not sym,
-        zeros_minus_one=True,  # AutoGPTQ's layout, as vLLM and SGLang read it
-        midpoint_zeros=sym,
-        not_converted=not_converted,
-        origin="auto-round",
-    )
+
+    overrides: list[tuple[str, QuantScheme | None]] = []
+    for name, layer in (raw.get("extra_config") or {}).items():
+        merged = raw | dict(layer or {})
+        quantized = int(merged.get("bits", 0)) < 16
+        overrides.append((str(name), scheme(merged) if quantized else None))
+    return replace(scheme(raw), overrides=tuple(overrides))
 
 
 def load_scheme(method: str) -> QuantScheme:

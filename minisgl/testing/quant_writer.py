@@ -54,8 +54,46 @@ class QuantFormat:
     # gptq / awq tensors under Intel AutoRound's config (packing_format auto_round:auto_gptq or
     # auto_round:auto_awq; the kept-float modules in its extra_config as 16 bits)
     auto_round: bool = False
+    # Mixed precision: (regex matched from a module name's start, the format those modules are
+    # in), the first match deciding; written as compressed-tensors' extra config_groups,
+    # GPTQModel's `dynamic` or AutoRound's extra_config.
+    mixed: tuple[tuple[str, QuantFormat], ...] = ()
 
-    def quantization_config(self) -> dict[str, Any]:
+    def format_of(self, module: str) -> QuantFormat:
+        return next((f for rx, f in self.mixed if re.match(rx, module)), self)
+
+    def quantization_config(self, modules: tuple[str, ...] = ()) -> dict[str, Any]:
+        """config.json's quantization_config; `modules`: the linears' names (AutoRound's
+        extra_config names each module in another format)."""
+        config = self._config()
+        if not self.mixed:
+            return config
+        if self.method.startswith("ct-"):
+            groups = [self._ct_group(), *(f._ct_group() for _, f in self.mixed)]
+            for (_, group), (rx, _) in zip(groups[1:], self.mixed, strict=True):
+                group["targets"] = [f"re:{rx}"]
+            formats = {fmt for fmt, _ in groups}
+            config["format"] = formats.pop() if len(formats) == 1 else "mixed-precision"
+            config["config_groups"] = {
+                f"group_{i}": group | {"format": fmt} for i, (fmt, group) in enumerate(groups)
+            }
+        elif self.auto_round:
+            config["extra_config"] |= {
+                m: {"bits": f.bits, "group_size": f.group_size, "sym": f.sym, "data_type": "int"}
+                for m in modules
+                if (f := self.format_of(m)) is not self
+            }
+        else:
+            config["dynamic"] = {
+                f"+:{rx}": {
+                    "bits": f.bits, "group_size": f.group_size, "sym": f.sym,
+                    "desc_act": f.desc_act,
+                }
+                for rx, f in self.mixed
+            }  # fmt: skip
+        return config
+
+    def _config(self) -> dict[str, Any]:
         if self.method == "fp8":
             return {
                 "quant_method": "fp8",
@@ -64,33 +102,16 @@ class QuantFormat:
                 "weight_block_size": [128, 128],
                 "modules_to_not_convert": list(self.not_converted) or None,
             }
-        if self.method.startswith("ct-fp8"):
-            strategy = self.method.rsplit("-", 1)[1]
+        if self.method.startswith("ct-"):
+            fmt, group = self._ct_group()
             return {
                 "quant_method": "compressed-tensors",
-                "format": "float-quantized",
-                "config_groups": {
-                    "group_0": {
-                        "targets": ["Linear"],
-                        "weights": {
-                            "num_bits": 8,
-                            "type": "float",
-                            "strategy": strategy,
-                            "symmetric": True,
-                            "dynamic": False,
-                        },  # fmt: skip
-                        "input_activations": {
-                            "num_bits": 8,
-                            "type": "float",
-                            "strategy": "token",
-                            "dynamic": True,
-                        },  # fmt: skip
-                    }
-                },
+                "format": fmt,
+                "quantization_status": "compressed",
+                "config_groups": {"group_0": group},
                 "ignore": ["lm_head", *self.not_converted],
+                "kv_cache_scheme": None,
             }
-        if self.method in ("ct-pack", "ct-int8"):
-            return self._ct_int_config()
         if self.auto_round:
             return {
                 "quant_method": "auto-round",
@@ -128,41 +149,42 @@ class QuantFormat:
             "modules_to_not_convert": list(self.not_converted) or None,
         }
 
-    def _ct_int_config(self) -> dict[str, Any]:
-        """llm-compressor's config for its W4A16 / W8A16 (pack-quantized) and W8A8
-        (int-quantized, activations rounded to int8 per token at run time) schemes."""
-        strategy = {-1: "channel", 0: "tensor"}.get(self.group_size, "group")
-        weights = {
-            "num_bits": self.bits,
-            "type": "int",
-            "symmetric": self.sym,
-            "strategy": strategy,
-            "group_size": self.group_size if strategy == "group" else None,
-            "block_structure": None,
-            "dynamic": False,
-            "actorder": "group" if self.desc_act else None,
-            "observer": "minmax",
-            "observer_kwargs": {},
+    def _ct_group(self) -> tuple[str, dict[str, Any]]:
+        """This format's compressed-tensors format and config group: llm-compressor's FP8
+        (float-quantized, activations rounded to fp8 per token at run time), W4A16 / W8A16
+        (pack-quantized) and W8A8 (int-quantized, activations rounded to int8 per token)."""
+        if self.method.startswith("ct-fp8"):
+            strategy = self.method.rsplit("-", 1)[1]
+            weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True,
+                       "dynamic": False}  # fmt: skip
+            acts = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+            fmt = "float-quantized"
+        else:
+            strategy = {-1: "channel", 0: "tensor"}.get(self.group_size, "group")
+            weights = {
+                "num_bits": self.bits,
+                "type": "int",
+                "symmetric": self.sym,
+                "strategy": strategy,
+                "group_size": self.group_size if strategy == "group" else None,
+                "block_structure": None,
+                "dynamic": False,
+                "actorder": "group" if self.desc_act else None,
+                "observer": "minmax",
+                "observer_kwargs": {},
+            }
+            acts = None
+            if self.method == "ct-int8":
+                acts = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                        "dynamic": True, "observer": None}  # fmt: skip
+            fmt = "pack-quantized" if self.method == "ct-pack" else "int-quantized"
+        group = {
+            "targets": ["Linear"],
+            "weights": weights,
+            "input_activations": acts,
+            "output_activations": None,
         }
-        acts = None
-        if self.method == "ct-int8":
-            acts = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
-                    "dynamic": True, "observer": None}  # fmt: skip
-        return {
-            "quant_method": "compressed-tensors",
-            "format": "pack-quantized" if self.method == "ct-pack" else "int-quantized",
-            "quantization_status": "compressed",
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": weights,
-                    "input_activations": acts,
-                    "output_activations": None,
-                }
-            },
-            "ignore": ["lm_head", *self.not_converted],
-            "kv_cache_scheme": None,
-        }
+        return fmt, group
 
 
 def _to_float16(s: np.ndarray) -> np.ndarray:
@@ -350,16 +372,17 @@ def write_quantized_pair(
             quant[name] = twin[name] = t
             continue
         w = t.float().numpy()
-        if fmt.method == "awq":
-            parts, deq = _awq(w, fmt)
-        elif fmt.method in ("gptq", "ct-pack", "ct-int8"):
+        own = fmt.format_of(module)
+        if own.method == "awq":
+            parts, deq = _awq(w, own)
+        elif own.method in ("gptq", "ct-pack", "ct-int8"):
             k = w.shape[1]
             order = orders.setdefault(
-                _input_of(module), rng.permutation(k) if fmt.desc_act else np.arange(k)
+                _input_of(module), rng.permutation(k) if own.desc_act else np.arange(k)
             )
-            parts, deq = (_gptq if fmt.method == "gptq" else _ct_int)(w, fmt, order)
+            parts, deq = (_gptq if own.method == "gptq" else _ct_int)(w, own, order)
         else:
-            parts, deq = _fp8(w, fmt)
+            parts, deq = _fp8(w, own)
         for suffix, v in parts.items():
             quant[f"{module}.{suffix}"] = v if isinstance(v, torch.Tensor) else torch.from_numpy(v)
         twin[name] = torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32))
@@ -368,5 +391,6 @@ def write_quantized_pair(
     save_file(twin, str(twin_dir / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
     (twin_dir / "config.json").write_text(json.dumps(config, indent=2))
-    config["quantization_config"] = fmt.quantization_config()
+    linears = tuple(n.rsplit(".", 1)[0] for n in tensors if LINEAR.fullmatch(n))
+    config["quantization_config"] = fmt.quantization_config(linears)
     (quant_dir / "config.json").write_text(json.dumps(config, indent=2))

@@ -140,8 +140,9 @@ def test_symmetric_zero_points_off_the_midpoint_are_refused() -> None:
 def test_auto_round_extra_config_keeps_layers_in_16_bits() -> None:
     raw = QuantFormat("gptq", auto_round=True, not_converted=("model.layers.1.mlp.down_proj",))
     scheme = parse_quantization_config(raw.quantization_config())
-    assert scheme is not None and scheme.not_converted == ("model.layers.1.mlp.down_proj",)
-    assert "(from the checkpoint, auto-round)" in scheme.describe()
+    assert scheme is not None and "(from the checkpoint, auto-round)" in scheme.describe()
+    assert scheme.for_module("model.layers.1.mlp.down_proj") is None
+    assert scheme.for_module("model.layers.0.mlp.down_proj") is scheme
 
 
 def test_a_compressed_tensors_groups_own_format_counts() -> None:
@@ -151,6 +152,44 @@ def test_a_compressed_tensors_groups_own_format_counts() -> None:
     config["config_groups"]["group_0"]["format"] = "pack-quantized"
     scheme = parse_quantization_config(config)
     assert scheme is not None and scheme.packed and scheme.bits == 4
+
+
+def test_mixed_precision_configs_name_each_modules_format() -> None:
+    """compressed-tensors' config_groups, GPTQModel's dynamic and AutoRound's extra_config:
+    each module's format is the first pattern naming it, else the model's; "re:" patterns
+    match from the name's start (an `ignore` list's too)."""
+    down, attn = "model.layers.0.mlp.down_proj", "model.layers.0.self_attn.q_proj"
+    w8 = QuantFormat("ct-int8", bits=8, group_size=-1)
+    ct = QuantFormat("ct-pack", mixed=((r".*self_attn\.", w8),)).quantization_config()
+    assert ct["format"] == "mixed-precision"
+    scheme = parse_quantization_config(ct)
+    assert scheme is not None and scheme.for_module(down) is scheme
+    other = scheme.for_module(attn)
+    assert other is not None and other.bits == 8 and not other.packed and other.group_size == 0
+    assert scheme.describe().endswith("; 1 module pattern in compressed-tensors int-quantized "
+                                      "8-bit, per channel, symmetric")  # fmt: skip
+    # No group targets every Linear: what none targets is float.
+    mlp = ((r".*self_attn\.", w8), (r".*mlp\.", QuantFormat("ct-pack")))
+    ct = QuantFormat("ct-pack", mixed=mlp).quantization_config()
+    del ct["config_groups"]["group_0"]
+    only = parse_quantization_config(ct)
+    assert only is not None and only.for_module("model.layers.0.mlp.router_proj") is not None
+    assert only.for_module("model.layers.0.extra.out_proj") is None
+    down_scheme, attn_scheme = only.for_module(down), only.for_module(attn)
+    assert down_scheme is not None and down_scheme.bits == 4
+    assert attn_scheme is not None and attn_scheme.bits == 8
+    ignored = parse_quantization_config(
+        QuantFormat("ct-pack", not_converted=("re:.*mlp[.]gate$",)).quantization_config()
+    )
+    assert ignored is not None and ignored.for_module("model.layers.3.mlp.gate") is None
+    assert ignored.for_module("model.layers.3.mlp.gate_proj") is ignored
+    gptq = QuantFormat("gptq").quantization_config() | {
+        "dynamic": {r"-:.*layers\.1\.": {}, r"+:.*down_proj": {"bits": 8, "group_size": 64}}
+    }
+    scheme = parse_quantization_config(gptq)
+    assert scheme is not None and scheme.for_module("model.layers.1.mlp.down_proj") is None
+    eight = scheme.for_module(down)
+    assert eight is not None and (eight.bits, eight.group_size) == (8, 64)
 
 
 def test_awq_nibble_order_matters() -> None:
@@ -241,9 +280,9 @@ def test_quantize_at_load_stays_close(method: str) -> None:
                 "quant_method": "auto-round",
                 "bits": 4,
                 "group_size": 128,
-                "extra_config": {"model.layers.0.mlp.down_proj": {"bits": 8}},
+                "extra_config": {"model.layers.0.mlp.down_proj": {"bits": 3}},
             },
-            "extra_config giving model.layers.0.mlp.down_proj bits=8",
+            "bits=3",
         ),
         (
             QuantFormat("ct-pack").quantization_config() | {"transform_config": {"u": {}}},
