@@ -92,6 +92,11 @@ CUT_GROUPS = {
     "gptq asym dense": ("quant-split", QuantFormat("gptq", sym=False)),
     "gptq 8-bit dense": ("quant-split", QuantFormat("gptq", bits=8)),
     "compressed-tensors w4a16 asym dense": ("quant-split", QuantFormat("ct-pack", sym=False)),
+    # mixed precision: down_proj (the weight cut here) in 8 bits, the rest in 4
+    "gptq 4-bit, 8-bit down_proj, dense": (
+        "quant-split",
+        QuantFormat("gptq", mixed=((r".*down_proj", QuantFormat("gptq", bits=8)),)),
+    ),
     "int4 at load dense": ("quant-split", None),
     "gptq asym experts": ("quant-moe-split", QuantFormat("gptq", sym=False)),
     "int4 at load experts": ("quant-moe-split", None),
