@@ -65,12 +65,14 @@ class QuantScheme:
     overrides: tuple[tuple[str, QuantScheme | None], ...] = ()
 
     def for_module(self, prefix: str) -> QuantScheme | None:
-        """The scheme module `prefix` (an HF module name) is stored in; None: in float."""
+        """The scheme module `prefix` (an HF module name) is stored in; None: in float. A
+        module the config lists as unconverted is float whatever else names it (as
+        compressed-tensors' `ignore` wins over its groups' targets)."""
+        if any(names(m, prefix) for m in self.not_converted):
+            return None
         for pattern, scheme in self.overrides:
             if names(pattern, prefix):
                 return scheme
-        if any(names(m, prefix) for m in self.not_converted):
-            return None
         return self
 
     def describe(self) -> str:
@@ -317,10 +319,10 @@ def _auto_round(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantSch
     """Intel's AutoRound exports: its int codes in GPTQ's (v1) or AutoAWQ's layout;
     extra_config gives layers other bits, group_size or sym (16 bits and more: float)."""
     packing = str(raw.get("packing_format", "auto_round:auto_gptq")).lower()
-    if str(raw.get("data_type", "int")).lower() != "int":
-        raise _unsupported(f"auto-round data_type {raw.get('data_type')!r}")
 
     def scheme(layer: dict[str, Any]) -> QuantScheme:
+        if str(layer.get("data_type", "int")).lower() != "int":
+            raise _unsupported(f"auto-round data_type {layer.get('data_type')!r}")
         bits, group = int(layer.get("bits", 0)), int(layer.get("group_size", 128))
         sym = bool(layer.get("sym", True))
         if packing == "auto_round:auto_awq" and bits == 4 and group > 0:

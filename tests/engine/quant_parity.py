@@ -7,7 +7,9 @@ from __future__ import annotations
 import functools
 import random
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -122,3 +124,24 @@ def assert_same_tokens(quant: Path, twin: Path, **kw) -> None:
     (ours, _), (reference, gaps) = greedy(quant, **kw), greedy(twin, **kw)
     assert_agree(reference, ours, gaps, kw.get("dtype", "float32"))
     assert all(len(t) == MAX_TOKENS for t in ours)
+
+
+def transformers_greedy(
+    path: Path, prepare: Callable[[Any], None] | None = None
+) -> list[list[int]]:
+    """transformers' greedy tokens for prompts() (EOS ignored, as greedy() does) in float32;
+    `prepare(model)` runs first (e.g. to switch a quantizer's run-time rounding off)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    if prepare is not None:
+        prepare(model)
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts():
+            ids = list(prompt)
+            for _ in range(MAX_TOKENS):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            out.append(ids[len(prompt) :])
+    return out

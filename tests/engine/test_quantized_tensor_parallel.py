@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from quant_parity import MAX_TOKENS, assert_same_tokens, greedy, pair, prompts, source
+from quant_parity import assert_same_tokens, greedy, pair, source, transformers_greedy
 
 from minisgl import LLM
 from minisgl.quant.attach import _holder
@@ -69,21 +69,6 @@ def _int4_twin(preset: str, out: Path) -> Path:
     return out
 
 
-def _transformers_greedy(path: Path) -> list[list[int]]:
-    """transformers' greedy tokens for quant_parity's prompts (EOS ignored, as greedy() does)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts():
-            ids = list(prompt)
-            for _ in range(MAX_TOKENS):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            out.append(ids[len(prompt) :])
-    return out
-
-
 # (preset, checkpoint format; None: a float checkpoint under --quantization int4). quant-split's
 # down_proj: 192 of 384 input features a rank, groups of 64; quant-moe-split's experts: 96 of
 # 192, groups of 32 (and its dense layer's down_proj as quant-split's).
@@ -117,7 +102,7 @@ def test_tp2_cutting_groups_generates_the_dequantized_weights_tokens(
     with caplog.at_level(logging.INFO, logger="minisgl.quant.attach"):
         two, _ = greedy(quant, tp_size=2, **flags)
     assert two == one
-    assert one == _transformers_greedy(twin)
+    assert one == transformers_greedy(twin)
     cut = "experts' down_proj" if preset == "quant-moe-split" else "down_proj"
     lines = [r.message for r in caplog.records if "cut by tensor parallelism" in r.message]
     assert len(lines) == 1  # rank 0's, once, not one a layer

@@ -183,6 +183,10 @@ def test_mixed_precision_configs_name_each_modules_format() -> None:
     )
     assert ignored is not None and ignored.for_module("model.layers.3.mlp.gate") is None
     assert ignored.for_module("model.layers.3.mlp.gate_proj") is ignored
+    # `ignore` wins over a group's targets, as in compressed-tensors.
+    both = QuantFormat("ct-pack", not_converted=(attn,), mixed=((r".*self_attn\.", w8),))
+    scheme = parse_quantization_config(both.quantization_config())
+    assert scheme is not None and scheme.for_module(attn) is None
     gptq = QuantFormat("gptq").quantization_config() | {
         "dynamic": {r"-:.*layers\.1\.": {}, r"+:.*down_proj": {"bits": 8, "group_size": 64}}
     }
