@@ -57,19 +57,14 @@ class QuantScheme:
     # compressed-tensors integer codes: packed in int32 words (pack-quantized, `weight_packed`)
     # or one int8 a weight (int-quantized / naive-quantized, `weight`).
     packed: bool = False
-    # Module names (or name fragments, or "re:" patterns) the checkpoint keeps in float.
-    not_converted: tuple[str, ...] = ()
     source: str = "checkpoint"
-    # Mixed-precision checkpoints: modules in another format than this one, as (pattern, its
-    # scheme, or None: float), the first match deciding; patterns as not_converted's.
+    # Modules in another format than this one, as (pattern, its scheme, or None: float), the
+    # first match deciding: modules_to_not_convert / ignore (None), then a mixed-precision
+    # checkpoint's other formats. Patterns as names() reads them.
     overrides: tuple[tuple[str, QuantScheme | None], ...] = ()
 
     def for_module(self, prefix: str) -> QuantScheme | None:
-        """The scheme module `prefix` (an HF module name) is stored in; None: in float. A
-        module the config lists as unconverted is float whatever else names it (as
-        compressed-tensors' `ignore` wins over its groups' targets)."""
-        if any(names(m, prefix) for m in self.not_converted):
-            return None
+        """The scheme module `prefix` (an HF module name) is stored in; None: in float."""
         for pattern, scheme in self.overrides:
             if names(pattern, prefix):
                 return scheme
@@ -127,23 +122,25 @@ def parse_quantization_config(raw: dict[str, Any] | None) -> QuantScheme | None:
     if not raw:
         return None
     method = str(raw.get("quant_method", "")).lower()
-    not_converted = tuple(
-        str(m) for m in (raw.get("modules_to_not_convert") or raw.get("ignore") or [])
-    )
-    if method == "fp8":
-        return _fp8(raw, not_converted)
-    if method == "compressed-tensors":
-        return _compressed_tensors(raw, not_converted)
-    if method == "awq":
-        return _awq(raw, not_converted)
-    if method == "gptq":
-        return _gptq(raw, not_converted)
-    if method in ("auto-round", "intel/auto-round"):
-        return _auto_round(raw, not_converted)
+    parsers = {
+        "fp8": _fp8,
+        "compressed-tensors": _compressed_tensors,
+        "awq": _awq,
+        "gptq": _gptq,
+        "auto-round": _auto_round,
+        "intel/auto-round": _auto_round,
+    }
+    if method in parsers:
+        scheme = parsers[method](raw)
+        # Modules the config keeps in float come first: they are float whatever else names
+        # them (as compressed-tensors' `ignore` wins over its groups' targets).
+        unconverted = raw.get("modules_to_not_convert") or raw.get("ignore") or []
+        floats = tuple((str(m), None) for m in unconverted)
+        return replace(scheme, overrides=floats + scheme.overrides)
     raise _unsupported(f"quant_method {method or None!r}")
 
 
-def _fp8(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
+def _fp8(raw: dict[str, Any]) -> QuantScheme:
     fmt = str(raw.get("fmt", "e4m3")).lower()
     if fmt != "e4m3":
         raise _unsupported(f"fp8 fmt {fmt!r}")
@@ -151,10 +148,7 @@ def _fp8(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
         raise _unsupported(f"fp8 activation_scheme {raw.get('activation_scheme')!r}")
     block = raw.get("weight_block_size")
     if block is None:
-        return QuantScheme(
-            "fp8", 8, 0, fp8_scales="tensor", fp8_scale_name="weight_scale_inv",
-            not_converted=not_converted,
-        )  # fmt: skip
+        return QuantScheme("fp8", 8, 0, fp8_scales="tensor", fp8_scale_name="weight_scale_inv")
     if len(block) != 2 or block[0] != block[1]:
         raise _unsupported(f"fp8 weight_block_size {block!r} (square blocks only)")
     return QuantScheme(
@@ -163,11 +157,10 @@ def _fp8(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
         int(block[1]),
         fp8_scales="block",
         fp8_scale_name="weight_scale_inv",
-        not_converted=not_converted,
     )
 
 
-def _compressed_tensors(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
+def _compressed_tensors(raw: dict[str, Any]) -> QuantScheme:
     # Each changes what the weights mean at run time (online rotations, KV cache scales,
     # sparse storage): loading the weights without it would answer wrong, without a word.
     if raw.get("transform_config"):
@@ -180,7 +173,7 @@ def _compressed_tensors(raw: dict[str, Any], not_converted: tuple[str, ...]) -> 
     groups = list((raw.get("config_groups") or {}).values())
     if not groups:
         raise _unsupported("compressed-tensors without config_groups")
-    schemes = [_ct_group(g, raw.get("format"), not_converted) for g in groups]
+    schemes = [_ct_group(g, raw.get("format")) for g in groups]
     if len(groups) == 1:
         return schemes[0]
     # Mixed precision: the group that targets every Linear is the rest's format, the others'
@@ -200,9 +193,7 @@ def _compressed_tensors(raw: dict[str, Any], not_converted: tuple[str, ...]) -> 
     return replace(base, overrides=tuple(overrides))
 
 
-def _ct_group(
-    group: dict[str, Any], top_format: Any, not_converted: tuple[str, ...]
-) -> QuantScheme:
+def _ct_group(group: dict[str, Any], top_format: Any) -> QuantScheme:
     # A group's own format (compressed-tensors writes one per group) over the top-level one,
     # which reads "mixed-precision" where the groups' differ.
     fmt = group.get("format") or top_format
@@ -213,7 +204,7 @@ def _ct_group(
     if act and not act.get("dynamic", False):
         raise _unsupported("compressed-tensors static activation scales (input_scale)")
     if w.get("type") == "int":
-        return _ct_int(fmt, w, not_converted)
+        return _ct_int(fmt, w)
     if fmt not in ("float-quantized", "naive-quantized"):
         raise _unsupported(f"compressed-tensors format {fmt!r} for {w.get('type')!r} weights")
     if w.get("type") != "float" or int(w.get("num_bits", 0)) != 8:
@@ -228,18 +219,16 @@ def _ct_group(
         if len(block) != 2 or block[0] != block[1]:
             raise _unsupported(f"compressed-tensors block_structure {block!r}")
         return QuantScheme(
-            "fp8", 8, int(block[1]), fp8_scales="block", fp8_scale_name="weight_scale",
-            not_converted=not_converted,
+            "fp8", 8, int(block[1]), fp8_scales="block", fp8_scale_name="weight_scale"
         )  # fmt: skip
     if strategy not in ("tensor", "channel"):
         raise _unsupported(f"compressed-tensors weight strategy {strategy!r}")
     return QuantScheme(
         "fp8", 8, 0, fp8_scales=str(strategy), fp8_scale_name="weight_scale",
-        not_converted=not_converted,
     )  # fmt: skip
 
 
-def _ct_int(fmt: Any, w: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
+def _ct_int(fmt: Any, w: dict[str, Any]) -> QuantScheme:
     """compressed-tensors integer weights (llm-compressor's W4A16, W8A16 and W8A8): codes
     q in [-2^(b-1), 2^(b-1)), weight = (q - zero_point) * scale per group, channel or tensor."""
     bits = int(w.get("num_bits", 0))
@@ -269,11 +258,10 @@ def _ct_int(fmt: Any, w: dict[str, Any], not_converted: tuple[str, ...]) -> Quan
         # (weight_g_idx); "weight" ("static") only reordered the calibration: groups in order.
         desc_act=actorder in ("group", "dynamic") and size > 0,
         packed=packed,
-        not_converted=not_converted,
     )
 
 
-def _awq(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
+def _awq(raw: dict[str, Any]) -> QuantScheme:
     bits = int(raw.get("bits", raw.get("w_bit", 0)))
     version = str(raw.get("version", "gemm")).lower()
     zero = bool(raw.get("zero_point", True))
@@ -282,28 +270,30 @@ def _awq(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
         raise _unsupported(
             f"awq bits={bits} version={version!r} zero_point={zero} group_size={group}"
         )
-    return QuantScheme("awq", 4, group, zero_point=True, not_converted=not_converted)
+    return QuantScheme("awq", 4, group, zero_point=True)
 
 
-def _gptq(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
+def _gptq_layout(layer: dict[str, Any], what: str, **how: Any) -> QuantScheme:
+    """GPTQ's layout with a layer's `bits`, `group_size` (-1: one group a row) and `sym`, as
+    GPTQ configs and AutoRound's auto_gptq exports name them."""
+    bits, group = int(layer.get("bits", 0)), int(layer.get("group_size", 128))
+    if bits not in (4, 8) or group == 0 or group < -1:
+        raise _unsupported(f"{what} bits={bits} group_size={group}")
+    sym = bool(layer.get("sym", True))
+    return QuantScheme("gptq", bits, max(group, 0), zero_point=not sym, **how)
+
+
+def _gptq(raw: dict[str, Any]) -> QuantScheme:
     fmt = str(raw.get("checkpoint_format", raw.get("format", "gptq"))).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise _unsupported(f"gptq checkpoint_format={fmt!r}")
     if raw.get("lm_head"):
         raise _unsupported("gptq with a quantized lm_head")
 
     def scheme(layer: dict[str, Any]) -> QuantScheme:
-        bits, group = int(layer.get("bits", 0)), int(layer.get("group_size", 128))
-        if bits not in (4, 8) or fmt not in ("gptq", "gptq_v2") or group == 0 or group < -1:
-            raise _unsupported(f"gptq bits={bits} group_size={group} checkpoint_format={fmt!r}")
-        return QuantScheme(
-            "gptq",
-            bits,
-            0 if group == -1 else group,
-            zero_point=not bool(layer.get("sym", True)),
-            # With one group per row (-1) the order of the input features changes nothing.
-            desc_act=bool(layer.get("desc_act", False)) and group > 0,
-            zeros_minus_one=fmt == "gptq",
-            not_converted=not_converted,
-        )
+        # With one group per row (-1) the order of the input features changes nothing.
+        desc_act = bool(layer.get("desc_act", False)) and int(layer.get("group_size", 128)) > 0
+        return _gptq_layout(layer, "gptq", desc_act=desc_act, zeros_minus_one=fmt == "gptq")
 
     # GPTQModel's `dynamic`: per-module overrides, "-:<regex>" keeping modules in float,
     # "+:<regex>" (or a bare regex) giving them other bits, group_size, sym or desc_act.
@@ -315,7 +305,7 @@ def _gptq(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
     return replace(scheme(raw), overrides=tuple(overrides))
 
 
-def _auto_round(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantScheme:
+def _auto_round(raw: dict[str, Any]) -> QuantScheme:
     """Intel's AutoRound exports: its int codes in GPTQ's (v1) or AutoAWQ's layout;
     extra_config gives layers other bits, group_size or sym (16 bits and more: float)."""
     packing = str(raw.get("packing_format", "auto_round:auto_gptq")).lower()
@@ -326,21 +316,14 @@ def _auto_round(raw: dict[str, Any], not_converted: tuple[str, ...]) -> QuantSch
         bits, group = int(layer.get("bits", 0)), int(layer.get("group_size", 128))
         sym = bool(layer.get("sym", True))
         if packing == "auto_round:auto_awq" and bits == 4 and group > 0:
-            return QuantScheme(
-                "awq", 4, group, zero_point=True, not_converted=not_converted, origin="auto-round"
-            )
-        if packing != "auto_round:auto_gptq" or bits not in (4, 8) or group == 0 or group < -1:
-            raise _unsupported(
-                f"auto-round packing_format {packing!r} bits={bits} group_size={group}"
-            )
-        return QuantScheme(
-            "gptq",
-            bits,
-            0 if group == -1 else group,
-            zero_point=not sym,
+            return QuantScheme("awq", 4, group, zero_point=True, origin="auto-round")
+        if packing != "auto_round:auto_gptq":
+            raise _unsupported(f"auto-round packing_format {packing!r} with {bits} bits")
+        return _gptq_layout(
+            layer,
+            "auto-round",
             zeros_minus_one=True,  # AutoGPTQ's layout, as vLLM and SGLang read it
             midpoint_zeros=sym,
-            not_converted=not_converted,
             origin="auto-round",
         )
 
