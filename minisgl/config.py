@@ -57,7 +57,12 @@ def _f(
 
 @dataclass(frozen=True)
 class EngineArgs:
-    model: str = field(metadata={"help": "Hugging Face hub id or local directory of a Qwen3 model"})
+    model: str = field(
+        metadata={
+            "help": "Hugging Face hub id or local directory of a Qwen3 model, or a GGUF file "
+            "(a path ending in .gguf, llama.cpp's format)"
+        }
+    )
     dtype: str = _f("auto", "weight and activation dtype; auto takes the config's", DTYPES)
     quantization: str | None = _f(
         None,

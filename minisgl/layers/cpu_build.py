@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
+from minisgl.cache import cache_dir
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -107,13 +109,6 @@ def sources(isa: str) -> list[Path]:
     wide = ["gemv_avx512.c", "panel512.c", "qvnni.c", "qvpanel.c"] if isa == "avx512" else []
     names = list(COMMON_SOURCES) + wide
     return [CSRC / n for n in names]
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("MINISGL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minisgl"
-    )
-    return Path(root)
 
 
 def source_digest(isa: str, cflags: list[str], cc: str = "") -> str:

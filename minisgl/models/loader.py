@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from minisgl.layers import cpu_kernels
+from minisgl.models import gguf
 from minisgl.models.checkpoint import mismatches, surplus_layers
 from minisgl.models.config import ModelConfig
 from minisgl.models.qwen3 import Qwen3ForCausalLM, plain_submodules
@@ -35,11 +36,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local directory as is; otherwise a hub id fetched (or found in the HF_HOME cache when
-    HF_HUB_OFFLINE=1) with huggingface_hub."""
+    """A local directory as is; a GGUF file through the directory prepared for it (gguf.py);
+    otherwise a hub id fetched (or found in the HF_HOME cache when HF_HUB_OFFLINE=1) with
+    huggingface_hub."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    if gguf.is_gguf(model):
+        return gguf.prepared_dir(path)
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise FileNotFoundError(f"model directory {model!r} does not exist")
     from huggingface_hub import snapshot_download
@@ -81,7 +85,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def checkpoint_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: the index's shards, or the lone file(s)."""
+    """The safetensors files of a checkpoint: the index's shards, or the lone file(s); or
+    the GGUF file of a directory prepared for one."""
+    gguf_file = gguf.model_file(path)
+    if gguf_file is not None:
+        return [gguf_file]
     index = path / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -213,7 +221,11 @@ def load_model(
     if cpu_weight_copies_max_gb < 0:
         raise ValueError(f"cpu_weight_copies_max_gb must be >= 0, not {cpu_weight_copies_max_gb}")
     files = checkpoint_files(Path(path))
-    layout = quant_loading.checkpoint_layout(files, config, quantization, lm_head_quantization)
+    gguf_file = gguf.GgufFile(files[0]) if gguf.is_gguf(files[0]) else None
+    if gguf_file is not None and tp_rank == 0 and gguf_file.dequantized():
+        logger.info(gguf_file.dequantized_line())
+    headers = gguf_file.headers() if gguf_file else quant_loading.read_headers(files)
+    layout = quant_loading.checkpoint_layout(headers, config, quantization, lm_head_quantization)
     check_against_config(path, files, config, layout.shapes)
     # Parameters are created on the meta device (no memory, no random init) and then
     # materialised uninitialised on the target: every one is overwritten from the checkpoint.
@@ -228,7 +240,8 @@ def load_model(
     if progress is None:
         progress = tp_rank == 0
     with torch.no_grad():
-        loaded = model.load_weights(quant_loading.assemble(iter_tensors(files, progress), layout))
+        tensors = gguf_file.iter_tensors(progress) if gguf_file else iter_tensors(files, progress)
+        loaded = model.load_weights(quant_loading.assemble(tensors, layout))
     # check_against_config found every tensor: one missing here is a loader bug, not the user's.
     missing = sorted(model.expected_weights() - loaded)
     if missing:

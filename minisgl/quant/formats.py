@@ -21,6 +21,10 @@
   (symmetric false) `weight_zero_point`, packed along the output features as the codes along
   the inputs ([N * b / 32, G] int32) or int8 [N, G] unpacked; `weight_g_idx` [K] where
   actorder group scattered the groups. weight = (q - zero_point) * scale.
+- gguf (llama.cpp's files, models/gguf.py): the projection's `weight` as its raw blocks,
+  uint8 [N, K / 32 * block bytes], a block being 32 weights of a row: Q8_0 a float16 scale d
+  and 32 int8 codes q (weight = q * d); Q4_0 a float16 d and 16 bytes whose low nibbles are
+  weights 0..15 and high nibbles 16..31 (weight = (q - 8) * d).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 def parts(scheme: QuantScheme) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(required, optional) tensor suffixes of one quantized linear in the checkpoint."""
-    if scheme.source == "load":
+    if scheme.source == "load" or scheme.method == "gguf":
         return ("weight",), ()
     if scheme.method == "fp8":
         return ("weight", scheme.fp8_scale_name), ()
@@ -55,8 +59,10 @@ def parts(scheme: QuantScheme) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def logical_shape(scheme: QuantScheme, shapes: dict[str, tuple[int, ...]]) -> tuple[int, int]:
     """[out, in] of the float weight a quantized linear stands for (suffix -> shape)."""
-    if scheme.method == "fp8" or (scheme.method == "compressed-tensors" and not scheme.packed):
-        n, k = shapes["weight"]
+    if scheme.method in ("fp8", "gguf") or (
+        scheme.method == "compressed-tensors" and not scheme.packed
+    ):
+        n, k = shapes["weight"]  # a GGUF block tensor's header gives the weight's shape
         return n, k
     if scheme.method == "compressed-tensors":
         n, words = shapes["weight_packed"]
@@ -97,6 +103,8 @@ def read_linear(prefix: str, got: dict[str, torch.Tensor], scheme: QuantScheme) 
         return _awq(prefix, got, scheme)
     if scheme.method == "compressed-tensors":
         return _ct_int(prefix, got, scheme)
+    if scheme.method == "gguf":
+        return _gguf(prefix, got["weight"], scheme)
     return _gptq(prefix, got, scheme)
 
 
@@ -245,3 +253,27 @@ def _gptq(prefix: str, got: dict[str, torch.Tensor], scheme: QuantScheme) -> QTe
         codes, scales.float().t().contiguous(), zeros.to(torch.uint8).contiguous(), g_idx,
         bits, g, k,
     )  # fmt: skip
+
+
+def _gguf(prefix: str, blocks: torch.Tensor, scheme: QuantScheme) -> QTensor:
+    n = blocks.shape[0]
+    code_bytes = scheme.group_size * scheme.bits // 8
+    per_block = 2 + code_bytes  # the float16 scale, then the codes
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % per_block:
+        raise ValueError(
+            f"{prefix}.weight is {blocks.dtype} {list(blocks.shape)}, not {scheme.gguf_type} "
+            f"blocks of {per_block} bytes a row"
+        )
+    b = blocks.reshape(n, -1, per_block)
+    groups = b.shape[1]
+    k = groups * scheme.group_size
+    scales = b[..., :2].contiguous().view(torch.float16).reshape(n, groups).float()
+    q = b[..., 2:].reshape(n, groups, code_bytes)
+    if scheme.bits == 8:  # int8 q -> q + 128: flipping the sign bit
+        codes = (q ^ 0x80).reshape(n, k)
+        zero = 128
+    else:  # weights j and j + 16 of a block share byte j: minisgl pairs 2j and 2j + 1
+        codes = pack_nibbles(torch.cat((q & 15, q >> 4), dim=-1).reshape(n, k))
+        zero = 8
+    zeros = torch.full((n, groups), zero, dtype=torch.uint8)
+    return QTensor(codes.contiguous(), scales, zeros, None, scheme.bits, scheme.group_size, k)

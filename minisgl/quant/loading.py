@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import cast
 
 import torch
@@ -17,7 +16,7 @@ from minisgl.models.config import ModelConfig
 from minisgl.quant import cpu_choice, cpu_gemv
 from minisgl.quant import layout as quant_layout
 from minisgl.quant.attach import after_materialise, attach, format_name, summary, weight_bytes
-from minisgl.quant.layout import CheckpointLayout, read_headers, scan
+from minisgl.quant.layout import CheckpointLayout, Header, read_headers, scan
 from minisgl.quant.qtensor import QTensor, streamed
 from minisgl.quant.scheme import QuantScheme, lm_head_scheme, load_scheme
 from minisgl.quant.weight import QuantWeight
@@ -29,6 +28,7 @@ __all__ = [
     "checkpoint_layout",
     "for_device",
     "prepare_cpu",
+    "read_headers",
     "scheme",
     "summary",
     "weights_info",
@@ -49,9 +49,10 @@ def scheme(config: ModelConfig, quantization: str | None) -> QuantScheme | None:
 
 
 def checkpoint_layout(
-    files: list[Path], config: ModelConfig, quantization: str | None, lm_head: str = "auto"
+    headers: dict[str, Header], config: ModelConfig, quantization: str | None, lm_head: str = "auto"
 ) -> CheckpointLayout:
-    layout = scan(read_headers(files), scheme(config, quantization))
+    """`headers`: every checkpoint tensor's (shape, dtype), read_headers' or a GGUF file's."""
+    layout = scan(headers, scheme(config, quantization))
     layout.head = lm_head_scheme(lm_head, quantization, config.quantization)
     # Tied: the embedding table is the head, quantized once and looked up from its codes.
     tied = config.tie_word_embeddings

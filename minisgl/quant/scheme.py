@@ -28,7 +28,12 @@ SUPPORTED = (
     "false, checkpoint_format gptq or gptq_v2, GPTQModel's dynamic per-module overrides)",
     "auto-round (Intel's AutoRound: data_type int, packing_format auto_round:auto_gptq with "
     "bits 4 or 8, or auto_round:auto_awq with bits 4; extra_config per layer)",
+    "GGUF files (--model path/to/model.gguf; Q8_0 and Q4_0 projections held as they are, "
+    "other types dequantized at load)",
 )
+# GGUF types held as they are -> their code width (models/gguf.py writes the config naming them).
+GGUF_BITS = {"Q8_0": 8, "Q4_0": 4}
+GGUF_BLOCK = 32  # weights per Q8_0 / Q4_0 block (a float16 scale each)
 INT4_GROUP = 128  # --quantization int4's group
 FP8_BLOCK = 128  # --quantization fp8's block (rows x input features)
 
@@ -51,6 +56,7 @@ class QuantScheme:
     # (AutoRound's GPTQ-layout exports, whose config does not say which): read as the midpoint.
     midpoint_zeros: bool = False
     origin: str = ""  # the tool whose config named the layout (auto-round), for the log
+    gguf_type: str = ""  # a GGUF file's block type (Q8_0, Q4_0)
     # fp8: how its scales are laid out ("block" [N/bn, K/bk], "channel" [N, 1], "tensor").
     fp8_scales: str = ""
     fp8_scale_name: str = ""  # weight_scale_inv (Qwen/DeepSeek fp8) or weight_scale (c-t)
@@ -83,6 +89,8 @@ class QuantScheme:
         return line
 
     def _core(self) -> str:
+        if self.method == "gguf":
+            return f"gguf {self.gguf_type} ({self.bits}-bit, a scale per {self.group_size})"
         if self.method == "fp8":
             how = (
                 f"{self.fp8_scales} scales"
@@ -129,6 +137,7 @@ def parse_quantization_config(raw: dict[str, Any] | None) -> QuantScheme | None:
         "gptq": _gptq,
         "auto-round": _auto_round,
         "intel/auto-round": _auto_round,
+        "gguf": _gguf,
     }
     if method in parsers:
         scheme = parsers[method](raw)
@@ -333,6 +342,26 @@ def _auto_round(raw: dict[str, Any]) -> QuantScheme:
         quantized = int(merged.get("bits", 0)) < 16
         overrides.append((str(name), scheme(merged) if quantized else None))
     return replace(scheme(raw), overrides=tuple(overrides))
+
+
+def _gguf(raw: dict[str, Any]) -> QuantScheme:
+    """The config models/gguf.py writes for a GGUF file: `modules`, each projection held
+    quantized with its GGUF type (the others are float in the file, or dequantized at load).
+    The most common type is the scheme's, the others its overrides."""
+    modules = {str(m): str(t) for m, t in (raw.get("modules") or {}).items()}
+    unknown = sorted(set(modules.values()) - set(GGUF_BITS))
+    if not modules or unknown:
+        raise _unsupported(f"gguf modules of types {unknown or 'none'}")
+    counts: dict[str, int] = {}
+    for kind in modules.values():
+        counts[kind] = counts.get(kind, 0) + 1
+    base = max(sorted(counts), key=lambda k: counts[k])
+
+    def scheme(kind: str) -> QuantScheme:
+        return QuantScheme("gguf", GGUF_BITS[kind], GGUF_BLOCK, gguf_type=kind, origin="llama.cpp")
+
+    others = tuple((m, scheme(k)) for m, k in modules.items() if k != base)
+    return replace(scheme(base), overrides=others)
 
 
 def load_scheme(method: str) -> QuantScheme:

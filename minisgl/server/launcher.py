@@ -19,6 +19,7 @@ import logging
 import multiprocessing as mp
 import signal
 import socket
+import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection, wait
@@ -35,6 +36,7 @@ from minisgl.engine.startup import spawn_main_problem
 from minisgl.engine.worker import run_scheduler_worker
 from minisgl.message.endpoints import Endpoints
 from minisgl.metrics import ServerMetrics
+from minisgl.models import gguf
 from minisgl.process import setup_logging, stop_worker
 from minisgl.server.api_server import Hooks, build_app
 from minisgl.server.context import ServerContext
@@ -109,19 +111,33 @@ class Launcher(Hooks):
         self._waiting_on_workers = False  # the handler may raise: nothing is half-started
 
     # ---- workers ----------------------------------------------------------------------------
+    def tokenizer_source(self) -> str:
+        """What the tokenizer workers load: the model, or a GGUF file's prepared directory
+        (models/gguf.py), made first in a child process: its tokenizer is converted with torch,
+        which neither this process nor the tokenizer workers load."""
+        a = self.args
+        if not gguf.is_gguf(a.model):
+            return a.model
+        cmd = [sys.executable, "-m", "minisgl.models.gguf", a.model, a.log_level]
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # its log: our stderr
+        if done.returncode:
+            raise WorkerStartError(f"cannot open GGUF file {a.model} (its error above)")
+        return done.stdout.strip().splitlines()[-1]
+
     def start_workers(self) -> dict[str, Any]:
         spawn = mp.get_context("spawn")
         a = self.args
+        tokenizer = self.tokenizer_source()
         targets: dict[str, tuple[Any, tuple[Any, ...]]] = {
             "tokenizer": (
                 run_tokenizer_worker,
                 (
-                    a.model,
+                    tokenizer,
                     self.endpoints,
                     a.chat_template_timeout if a.trust_request_chat_template else None,
                 ),
             ),
-            "detokenizer": (run_detokenizer_worker, (a.model, self.endpoints)),
+            "detokenizer": (run_detokenizer_worker, (tokenizer, self.endpoints)),
             "scheduler": (run_scheduler_worker, (a.engine_args(), self.endpoints)),
         }
         pipes: dict[Connection, str] = {}

@@ -427,10 +427,14 @@ def _check_vocab_maps(
 def _target_embedding(target_path: Path) -> torch.Tensor:
     from safetensors import safe_open
 
+    from minisgl.models import gguf
     from minisgl.models.loader import checkpoint_files
 
     name = "model.embed_tokens.weight"
-    for f in checkpoint_files(target_path):
+    files = checkpoint_files(target_path)
+    if gguf.is_gguf(files[0]):  # a GGUF target's table, as the target model reads it
+        return gguf.GgufFile(files[0]).tensor(name)
+    for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as h:
             if name in h.keys():  # noqa: SIM118 - safe_open is not a mapping
                 return h.get_tensor(name)

@@ -104,6 +104,8 @@ PRESETS: dict[str, Preset] = {
     # layouts' block and group sizes), otherwise tiny. q 256, kv 128, MLP 256.
     "quant": _QUANT,
     "quant-moe": _QUANT_MOE,
+    # Every layer sparse: llama.cpp's converter has no dense layers in a Qwen3-MoE (GGUF tests).
+    "quant-moe-sparse": replace(_QUANT_MOE, mlp_only_layers=()),
     # Tensor parallelism cutting quantization groups of 128 (test_quantized_tensor_parallel):
     # MLP 384 -> 192 a rank at TP=2 (Qwen3-30B-A3B's experts at TP=4), groups of 64.
     "quant-split": replace(_QUANT, intermediate_size=384),

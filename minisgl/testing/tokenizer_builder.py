@@ -24,6 +24,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from minisgl.cache import cache_dir
+
 # Bump when the produced tokenizer.json changes, so stale caches are not reused.
 BUILDER_VERSION = 1
 
@@ -209,14 +211,6 @@ def build_tokenizer_json(ranks: dict[bytes, int], added: Iterable[AddedToken]) -
             "merges": merges,
         },
     }
-
-
-def cache_dir() -> Path:
-    override = os.environ.get("MINISGL_CACHE_DIR")
-    if override:
-        return Path(override)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "minisgl"
 
 
 def _cache_key(ranks_path: Path) -> str:

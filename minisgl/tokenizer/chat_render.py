@@ -10,6 +10,8 @@ from minisgl.structured.reasoning_parser import THINK_END, THINK_START
 
 
 def load_tokenizer(model: str) -> Any:
+    """The tokenizer of a model directory or hub id (a GGUF file's prepared directory: the
+    launcher passes that, models/gguf.py)."""
     from transformers import AutoTokenizer  # heavy import: only in the workers
 
     return AutoTokenizer.from_pretrained(model)

@@ -1,0 +1,429 @@
+"""GGUF files (llama.cpp's format) as checkpoints: `--model path/to/model.gguf`.
+
+A GGUF file carries the model's shape, its tokenizer and its tensors in one file. minisgl opens
+it through a directory it prepares once per file (under MINISGL_CACHE_DIR, by default
+~/.cache/minisgl/gguf): config.json and generation_config.json written from the file's
+metadata, the tokenizer as transformers converts it from the file (its chat template
+included), and the file itself linked beside them as model.gguf. Every process then opens that
+directory as it opens any checkpoint, and the loader reads the tensors from the GGUF file.
+
+Tensors are renamed to the Hugging Face names the models load (blk.3.attn_q.weight ->
+model.layers.3.self_attn.q_proj.weight; a mixture's stacked experts split one per expert) and
+read as follows:
+- F32, F16, BF16: as they are.
+- Q8_0 and Q4_0 attention and MLP projections: held as they are, in minisgl's quantized
+  layout (a float16 scale per 32 weights; codes q + 128 and zero point 128 for Q8_0, codes
+  and zero point 8 for Q4_0), which the CPU kernels (and the CUDA path) run as they run GPTQ's.
+- Every other type (K-quants, IQ, Q4_1, ...), and quantized embeddings, heads or routers:
+  dequantized at load by gguf-py (llama.cpp's own Python package), said in one log line; so are
+  projections minisgl fuses (q/k/v, gate/up, a layer's experts) stored in different types.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minisgl.cache import cache_dir
+from minisgl.quant.scheme import GGUF_BITS
+
+logger = logging.getLogger(__name__)
+
+# GGUF general.architecture -> (architectures, model_type) of the config.json written for it.
+ARCHITECTURES = {
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+}
+FLOATS = ("F32", "F16", "BF16")
+MODEL_FILE = "model.gguf"  # the link to the file in its prepared directory
+
+# blk.N.<name> -> model.layers.N.<name> (`{e}`: one of a mixture's stacked experts).
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
+}
+_TOP_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Projections minisgl holds as one weight: held as they are only if all share one type.
+_FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"),
+          ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))  # fmt: skip
+_PROJECTIONS = frozenset(
+    ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down") + _FUSED[2]
+)
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# general.file_type -> the torch_dtype a config.json of its source would name.
+_FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
+
+
+def is_gguf(model: str | Path) -> bool:
+    return str(model).endswith(".gguf")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One GGUF tensor as minisgl reads it."""
+
+    gguf_name: str
+    hf_names: tuple[str, ...]  # one, or one per expert of a stacked mixture tensor
+    shape: tuple[int, ...]  # [out, in] (a stacked one: [experts, out, in]) as torch orders it
+    stored: str  # its GGUF type
+    held: str  # what minisgl reads it as: `stored` where kept as is, else F32 (dequantized)
+
+
+class GgufFile:
+    """A GGUF file's metadata and tensors, read with gguf-py's reader (memory-mapped)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        self._reader = GGUFReader(str(self.path))
+        self.fields: dict[str, Any] = {}
+        for key, f in self._reader.fields.items():
+            if key in (
+                "tokenizer.ggml.tokens",
+                "tokenizer.ggml.merges",
+                "tokenizer.ggml.token_type",
+            ):
+                continue  # 150k-entry arrays: the tokenizer conversion reads them itself
+            self.fields[key] = f.contents()
+        self.architecture = str(self.fields.get("general.architecture", ""))
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"{self.path}: unsupported GGUF architecture {self.architecture!r}; minisgl "
+                f"reads {', '.join(ARCHITECTURES)}"
+            )
+        self._raw = {t.name: t for t in self._reader.tensors}
+        self.tensors = _tensors(self._reader.tensors)
+
+    def tokenizer_digest(self) -> str:
+        """A digest of every tokenizer.* field, as stored."""
+        h = hashlib.sha256()
+        for key, f in self._reader.fields.items():
+            if key.startswith("tokenizer."):
+                h.update(key.encode())
+                for part in f.parts:
+                    h.update(part.tobytes())
+        return h.hexdigest()[:16]
+
+    def meta(self, key: str, default: Any = None) -> Any:
+        """An architecture's key (`block_count` for qwen3.block_count), or `default`."""
+        return self.fields.get(f"{self.architecture}.{key}", default)
+
+    def headers(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every tensor the model reads, by its Hugging Face name: (the float weight's shape,
+        the type it is read as: Q8_0 / Q4_0 for those held quantized, else a float type)."""
+        out: dict[str, tuple[tuple[int, ...], str]] = {}
+        for t in self.tensors:
+            shape = t.shape[1:] if len(t.hf_names) > 1 else t.shape
+            out |= {name: (shape, t.held) for name in t.hf_names}
+        return out
+
+    def dequantized(self) -> dict[str, int]:
+        """GGUF type -> how many of its tensors are dequantized at load (none: all held)."""
+        out: dict[str, int] = {}
+        for t in self.tensors:
+            if t.held != t.stored:
+                out[t.stored] = out.get(t.stored, 0) + 1
+        return out
+
+    def dequantized_line(self) -> str:
+        """The start-up log's line on what is dequantized at load."""
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.dequantized().items()))
+        return (
+            f"GGUF {self.path.name}: {kinds} tensor(s) dequantized at load to the model's dtype "
+            f"(minisgl's kernels run Q8_0 and Q4_0 projections as they are stored; other types, "
+            "embeddings, heads, routers, and fused projections of mixed types are read as floats)"
+        )
+
+    def iter_tensors(self, progress: bool = False) -> Iterator[tuple[str, Any]]:
+        """(Hugging Face name, torch tensor): a held-quantized one as its raw blocks, uint8
+        [out, in / 32 * block bytes]; the rest as float tensors."""
+        from tqdm import tqdm
+
+        with tqdm(total=len(self.tensors), desc="Loading weights", unit="tensor",
+                  disable=not progress) as bar:  # fmt: skip
+            for t in self.tensors:
+                tensor = self._read(t)
+                if len(t.hf_names) == 1:
+                    yield t.hf_names[0], tensor
+                else:
+                    yield from zip(t.hf_names, tensor.unbind(0), strict=True)
+                bar.update(1)
+
+    def tensor(self, hf_name: str) -> Any:
+        """One tensor by its Hugging Face name (a stacked expert's included)."""
+        for t in self.tensors:
+            if hf_name in t.hf_names:
+                whole = self._read(t)
+                return whole if len(t.hf_names) == 1 else whole[t.hf_names.index(hf_name)]
+        raise KeyError(hf_name)
+
+    def _read(self, t: Tensor) -> Any:
+        import torch
+        from gguf import GGMLQuantizationType, dequantize
+
+        data = np.array(self._raw[t.gguf_name].data)  # a copy: not the mapping's pages
+        if t.held != t.stored:
+            values = dequantize(data, GGMLQuantizationType[t.stored])
+            tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        elif t.stored == "BF16":
+            tensor = torch.from_numpy(data).view(torch.bfloat16)
+        else:
+            tensor = torch.from_numpy(data)  # F32 / F16 floats, Q8_0 / Q4_0 blocks
+        return tensor.reshape(*t.shape[:-1], -1)
+
+    def config(self) -> dict[str, Any]:
+        """The config.json of the model, from the file's metadata."""
+        arch, model_type = ARCHITECTURES[self.architecture]
+        heads = int(self.meta("attention.head_count"))
+        hidden = int(self.meta("embedding_length"))
+        head_dim = int(self.meta("attention.key_length", hidden // heads))
+        if int(self.meta("attention.value_length", head_dim)) != head_dim:
+            raise ValueError(f"{self.path}: keys and values of different lengths")
+        names = {t.gguf_name for t in self.tensors}
+        embed = next(t for t in self.tensors if t.gguf_name == "token_embd.weight")
+        out: dict[str, Any] = {
+            "architectures": [arch],
+            "model_type": model_type,
+            "vocab_size": embed.shape[0],
+            "hidden_size": hidden,
+            "intermediate_size": int(self.meta("feed_forward_length")),
+            "num_hidden_layers": int(self.meta("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self.meta("attention.head_count_kv", heads)),
+            "head_dim": head_dim,
+            "rms_norm_eps": float(self.meta("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self.meta("rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self.meta("context_length", 4096)),
+            "tie_word_embeddings": "output.weight" not in names,
+            "attention_bias": "blk.0.attn_q.bias" in names and self.architecture != "qwen2",
+            "torch_dtype": self._dtype(),
+            "bos_token_id": self.fields.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self._eos_ids(),
+        }
+        scaling = self.meta("rope.scaling.type")
+        if scaling and scaling != "none":
+            out["rope_scaling"] = {
+                "rope_type": scaling,
+                "factor": float(self.meta("rope.scaling.factor", 1.0)),
+                "original_max_position_embeddings": int(
+                    self.meta(
+                        "rope.scaling.original_context_length", out["max_position_embeddings"]
+                    )
+                ),
+            }
+        if self.meta("expert_count"):
+            out |= {
+                "num_experts": int(self.meta("expert_count")),
+                "num_experts_per_tok": int(self.meta("expert_used_count")),
+                "moe_intermediate_size": int(self.meta("expert_feed_forward_length")),
+                # llama.cpp's qwen3moe always renormalises the chosen experts' weights.
+                "norm_topk_prob": True,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+            }
+        held = self.held_modules()
+        if held:
+            out["quantization_config"] = {"quant_method": "gguf", "modules": held}
+        return out
+
+    def held_modules(self) -> dict[str, str]:
+        """Hugging Face module -> its GGUF type, for every projection held quantized (a
+        mixture's experts as one `re:` pattern per layer and projection)."""
+        out = {}
+        for t in self.tensors:
+            if t.held not in GGUF_BITS:
+                continue
+            module = t.hf_names[0].removesuffix(".weight")
+            if len(t.hf_names) > 1:  # model.layers.3.mlp.experts.0.up_proj
+                first, _, proj = module.rpartition(".")
+                module = "re:" + re.escape(first.rpartition(".")[0]) + r"\.\d+\." + proj + "$"
+            out[module] = t.held
+        return out
+
+    def generation_config(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"eos_token_id": self._eos_ids()}
+        if self.fields.get("tokenizer.ggml.bos_token_id") is not None:
+            out["bos_token_id"] = self.fields["tokenizer.ggml.bos_token_id"]
+        # The sampling defaults a model's authors recommend, where the file records them.
+        for key, name in (("temp", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
+                          ("min_p", "min_p")):  # fmt: skip
+            value = self.fields.get(f"general.sampling.{key}")
+            if value is not None:
+                out[name] = value
+        return out
+
+    def _eos_ids(self) -> list[int]:
+        keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+        ids = [self.fields.get(f"tokenizer.ggml.{k}") for k in keys]
+        return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+    def _dtype(self) -> str:
+        """The compute dtype `--dtype auto` gives: a float file's own; bf16 for a quantized one
+        (the dtype Qwen's releases are in)."""
+        return _FILE_DTYPES.get(int(self.fields.get("general.file_type", -1)), "bfloat16")
+
+
+def _tensors(raw: list[Any]) -> list[Tensor]:
+    """Every tensor renamed, with the type minisgl reads it as."""
+    stored = {t.name: t.tensor_type.name for t in raw}
+    out = []
+    for t in raw:
+        hf, part = _hf_name(t.name)
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the innermost first
+        names = (hf,) if "{e}" not in hf else tuple(hf.format(e=e) for e in range(shape[0]))
+        out.append(Tensor(t.name, names, shape, stored[t.name], _held(t.name, part, stored)))
+    return out
+
+
+def _hf_name(name: str) -> tuple[str, str]:
+    """(the Hugging Face name, the GGUF tensor's base name: attn_q, token_embd, ...)."""
+    m = _BLOCK.fullmatch(name)
+    if m and m.group(2) in _LAYER_TENSORS:
+        return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}", m.group(2)
+    base, _, suffix = name.rpartition(".")
+    if base in _TOP_TENSORS and suffix == "weight":
+        return f"{_TOP_TENSORS[base]}.weight", base
+    raise ValueError(
+        f"GGUF tensor {name!r} is not one minisgl's models read (it reads "
+        f"{', '.join(sorted(_LAYER_TENSORS))} in blk.N and {', '.join(_TOP_TENSORS)})"
+    )
+
+
+def _held(name: str, part: str, stored: dict[str, str]) -> str:
+    kind = stored[name]
+    if kind in FLOATS:
+        return kind
+    if kind not in GGUF_BITS or part not in _PROJECTIONS or not name.endswith(".weight"):
+        return "F32"
+    for fused in _FUSED:
+        if part in fused:
+            layer = name.split(".")[1]
+            kinds = {stored.get(f"blk.{layer}.{p}.weight") for p in fused}
+            if len(kinds) > 1:
+                return "F32"
+    return kind
+
+
+def prepared_dir(path: str | Path) -> Path:
+    """The directory minisgl opens a GGUF file through, prepared on first use (one process
+    prepares it; the others wait for it under a file lock)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    root = cache_dir() / "gguf"
+    out = root / f"{path.stem}-{key[:16]}"
+    if (out / "config.json").is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{key[:16]}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").is_file():
+            _prepare(path.resolve(), out)
+    return out
+
+
+def _prepare(path: Path, out: Path) -> None:
+    import shutil
+
+    logger.info("GGUF %s: writing its config and tokenizer to %s (once per file)", path, out)
+    model = GgufFile(path)
+    tokenizer = _tokenizer_dir(model, out.parent / "tokenizers")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for f in tokenizer.iterdir():  # linked: tokenizer.json alone is ~11 MB for Qwen
+            (tmp / f.name).symlink_to(f)
+        (tmp / MODEL_FILE).symlink_to(path)
+        _write_json(tmp / "generation_config.json", model.generation_config())
+        _write_json(tmp / "config.json", model.config())
+        shutil.rmtree(out, ignore_errors=True)  # a run killed while preparing it
+        os.replace(tmp, out)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(tmp)
+
+
+def _tokenizer_dir(model: GgufFile, root: Path) -> Path:
+    """The tokenizer transformers converts from the file's vocabulary, merges, special tokens
+    and chat template (~15 s for Qwen's 151k tokens), kept by those fields' digest: the files
+    of one model in several types share it."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    out = root / model.tokenizer_digest()
+    if (out / "tokenizer_config.json").is_file():
+        return out
+    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(model.path.parent), gguf_file=model.path.name)
+    tokenizer.save_pretrained(str(tmp))
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process put the same one there first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def model_file(directory: Path) -> Path | None:
+    """The GGUF file of a prepared directory (None: not one)."""
+    f = directory / MODEL_FILE
+    return f if f.exists() else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m minisgl.models.gguf FILE [LOG_LEVEL]`: prepare FILE's directory and print
+    its path (the server's launcher runs this before its workers: the tokenizer conversion
+    needs torch, which neither the launcher nor the tokenizer workers load)."""
+    import sys
+
+    from minisgl.process import setup_logging
+
+    args = sys.argv[1:] if argv is None else argv
+    log = setup_logging(args[1] if len(args) > 1 else "info", "gguf")
+    try:
+        print(prepared_dir(args[0]))
+    except (OSError, ValueError) as exc:
+        log.error("cannot open GGUF file %s: %s", args[0], exc)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

