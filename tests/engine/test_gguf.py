@@ -168,6 +168,14 @@ def test_qwen3_moe_file(files, tmp_path: Path, caplog) -> None:
     assert scheme.for_module("model.layers.1.self_attn.q_proj").gguf_type == "Q4_0"
 
 
+def test_float_file_generates_the_sources_tokens(tmp_path: Path) -> None:
+    """An F32 file is the source checkpoint, token for token: a Qwen2 (q/k/v biases) with an
+    untied LM head (`output.weight`)."""
+    src = source("qwen2", tied=False)
+    path = convert(src, tmp_path / "qwen2.gguf", "f32")
+    assert greedy(path)[0] == greedy(src)[0]
+
+
 def test_prepared_directory_is_the_models_config_and_tokenizer(files) -> None:
     """The directory a GGUF file is opened through: config.json with the source's shape,
     the tokenizer and chat template the source has, reused on the next open."""
