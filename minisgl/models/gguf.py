@@ -11,12 +11,15 @@ Tensors are renamed to the Hugging Face names the models load (blk.3.attn_q.weig
 model.layers.3.self_attn.q_proj.weight; a mixture's stacked experts split one per expert) and
 read as follows:
 - F32, F16, BF16: as they are.
-- Q8_0 and Q4_0 attention and MLP projections: held as they are, in minisgl's quantized
-  layout (a float16 scale per 32 weights; codes q + 128 and zero point 128 for Q8_0, codes
-  and zero point 8 for Q4_0), which the CPU kernels (and the CUDA path) run as they run GPTQ's.
-- Every other type (K-quants, IQ, Q4_1, ...), and quantized embeddings, heads or routers:
+- Q8_0 and Q4_0 attention and MLP projections, and LM head (a tied model's embedding table)
+  under --lm-head-quantization auto: held as they are, in minisgl's quantized layout (a float16
+  scale per 32 weights; codes q + 128 and zero point 128 for Q8_0, codes and zero point 8 for
+  Q4_0), which the CPU kernels (and the CUDA path) run as they run GPTQ's.
+- Every other type (K-quants, IQ, Q4_1, ...), and a quantized untied embedding or router:
   dequantized at load by gguf-py (llama.cpp's own Python package), said in one log line; so are
-  projections minisgl fuses (q/k/v, gate/up, a layer's experts) stored in different types.
+  projections minisgl fuses (q/k/v, gate/up, a layer's experts) stored in different types. An
+  LM head stored in such a type is held in int8 per row (--lm-head-quantization auto), made
+  from its dequantized values.
 """
 
 from __future__ import annotations
@@ -101,7 +104,9 @@ class Tensor:
 class GgufFile:
     """A GGUF file's metadata and tensors, read with gguf-py's reader (memory-mapped)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, hold_head: bool = False) -> None:
+        """`hold_head`: read a Q8_0 / Q4_0 LM head (a tied model's embedding table) as its raw
+        blocks, for --lm-head-quantization auto to hold as stored; else as floats."""
         from gguf import GGUFReader
 
         self.path = Path(path)
@@ -122,7 +127,9 @@ class GgufFile:
                 f"reads {', '.join(ARCHITECTURES)}"
             )
         self._raw = {t.name: t for t in self._reader.tensors}
-        self.tensors = _tensors(self._reader.tensors)
+        names = {t.name for t in self._reader.tensors}
+        self.head = "output.weight" if "output.weight" in names else "token_embd.weight"
+        self.tensors = _tensors(self._reader.tensors, self.head if hold_head else None)
 
     def tokenizer_digest(self) -> str:
         """A digest of every tokenizer.* field, as stored."""
@@ -160,8 +167,9 @@ class GgufFile:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.dequantized().items()))
         return (
             f"GGUF {self.path.name}: {kinds} tensor(s) dequantized at load to the model's dtype "
-            f"(minisgl's kernels run Q8_0 and Q4_0 projections as they are stored; other types, "
-            "embeddings, heads, routers, and fused projections of mixed types are read as floats)"
+            "(minisgl's kernels run Q8_0 and Q4_0 projections and LM heads as they are stored; "
+            "other types, untied embeddings, routers and fused projections of mixed types are "
+            "read as floats)"
         )
 
     def iter_tensors(self, progress: bool = False) -> Iterator[tuple[str, Any]]:
@@ -252,9 +260,21 @@ class GgufFile:
                 "mlp_only_layers": [],
             }
         held = self.held_modules()
-        if held:
+        head = self.head_type()
+        if held or head:
             out["quantization_config"] = {"quant_method": "gguf", "modules": held}
+            if head:
+                out["quantization_config"]["lm_head"] = head
         return out
+
+    def head_type(self) -> str | None:
+        """How --lm-head-quantization auto holds the file's LM head: as its Q8_0 / Q4_0 blocks,
+        int8 per row where it is stored in another quantized type, None (float) where the
+        file has it in float."""
+        stored = next(t.stored for t in self.tensors if t.gguf_name == self.head)
+        if stored in GGUF_BITS:
+            return stored
+        return None if stored in FLOATS else "int8"
 
     def held_modules(self) -> dict[str, str]:
         """Hugging Face module -> its GGUF type, for every projection held quantized (a
@@ -293,15 +313,18 @@ class GgufFile:
         return _FILE_DTYPES.get(int(self.fields.get("general.file_type", -1)), "bfloat16")
 
 
-def _tensors(raw: list[Any]) -> list[Tensor]:
-    """Every tensor renamed, with the type minisgl reads it as."""
+def _tensors(raw: list[Any], held_head: str | None) -> list[Tensor]:
+    """Every tensor renamed, with the type minisgl reads it as (`held_head`: the LM head's
+    tensor, read as its blocks where they are Q8_0 / Q4_0)."""
     stored = {t.name: t.tensor_type.name for t in raw}
     out = []
     for t in raw:
         hf, part = _hf_name(t.name)
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the innermost first
         names = (hf,) if "{e}" not in hf else tuple(hf.format(e=e) for e in range(shape[0]))
-        out.append(Tensor(t.name, names, shape, stored[t.name], _held(t.name, part, stored)))
+        kind = stored[t.name]
+        held = kind if t.name == held_head and kind in GGUF_BITS else _held(t.name, part, stored)
+        out.append(Tensor(t.name, names, shape, kind, held))
     return out
 
 

@@ -221,7 +221,11 @@ def load_model(
     if cpu_weight_copies_max_gb < 0:
         raise ValueError(f"cpu_weight_copies_max_gb must be >= 0, not {cpu_weight_copies_max_gb}")
     files = checkpoint_files(Path(path))
-    gguf_file = gguf.GgufFile(files[0]) if gguf.is_gguf(files[0]) else None
+    gguf_file = None
+    if gguf.is_gguf(files[0]):
+        # A Q8_0 / Q4_0 head is held as stored under --lm-head-quantization auto.
+        held_head = lm_head_quantization == "auto" and not quantization
+        gguf_file = gguf.GgufFile(files[0], hold_head=held_head)
     if gguf_file is not None and tp_rank == 0 and gguf_file.dequantized():
         logger.info(gguf_file.dequantized_line())
     headers = gguf_file.headers() if gguf_file else quant_loading.read_headers(files)

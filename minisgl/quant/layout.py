@@ -156,7 +156,11 @@ def assemble(
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in tensors:
         if layout.head is not None and name == layout.head_tensor:
-            yield name, quantize(t, layout.head)
+            head = layout.head
+            if head.source == "checkpoint":  # its own blocks (a GGUF file's)
+                yield name, read_linear(name.removesuffix(".weight"), {"weight": t}, head)
+            else:
+                yield name, quantize(t, head)
             continue
         prefix, _, suffix = name.rpartition(".")
         want = layout.quantized.get(prefix)

@@ -52,11 +52,15 @@ def checkpoint_layout(
     headers: dict[str, Header], config: ModelConfig, quantization: str | None, lm_head: str = "auto"
 ) -> CheckpointLayout:
     """`headers`: every checkpoint tensor's (shape, dtype), read_headers' or a GGUF file's."""
-    layout = scan(headers, scheme(config, quantization))
-    layout.head = lm_head_scheme(lm_head, quantization, config.quantization)
+    head = lm_head_scheme(lm_head, quantization, config.quantization)
     # Tied: the embedding table is the head, quantized once and looked up from its codes.
     tied = config.tie_word_embeddings
-    layout.head_tensor = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    head_tensor = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    if head is not None and head.source == "checkpoint" and head_tensor in headers:
+        # Stored quantized (a GGUF file's blocks): scanned as the float weight it stands for.
+        headers = {**headers, head_tensor: (headers[head_tensor][0], "F32")}
+    layout = scan(headers, scheme(config, quantization))
+    layout.head, layout.head_tensor = head, head_tensor
     return layout
 
 

@@ -57,6 +57,9 @@ class QuantScheme:
     midpoint_zeros: bool = False
     origin: str = ""  # the tool whose config named the layout (auto-round), for the log
     gguf_type: str = ""  # a GGUF file's block type (Q8_0, Q4_0)
+    # The LM head a GGUF file stores quantized, as --lm-head-quantization auto holds it: its
+    # own blocks (Q8_0 / Q4_0), or int8 per row made from another type's values.
+    lm_head: QuantScheme | None = None
     # fp8: how its scales are laid out ("block" [N/bn, K/bk], "channel" [N, 1], "tensor").
     fp8_scales: str = ""
     fp8_scale_name: str = ""  # weight_scale_inv (Qwen/DeepSeek fp8) or weight_scale (c-t)
@@ -350,18 +353,28 @@ def _gguf(raw: dict[str, Any]) -> QuantScheme:
     The most common type is the scheme's, the others its overrides."""
     modules = {str(m): str(t) for m, t in (raw.get("modules") or {}).items()}
     unknown = sorted(set(modules.values()) - set(GGUF_BITS))
-    if not modules or unknown:
-        raise _unsupported(f"gguf modules of types {unknown or 'none'}")
+    if unknown:
+        raise _unsupported(f"gguf modules of types {unknown}")
     counts: dict[str, int] = {}
     for kind in modules.values():
         counts[kind] = counts.get(kind, 0) + 1
-    base = max(sorted(counts), key=lambda k: counts[k])
+    # (No module held: only the head is quantized; the layers' scheme is then never asked.)
+    base = max(sorted(counts), key=lambda k: counts[k]) if counts else "Q8_0"
 
     def scheme(kind: str) -> QuantScheme:
         return QuantScheme("gguf", GGUF_BITS[kind], GGUF_BLOCK, gguf_type=kind, origin="llama.cpp")
 
     others = tuple((m, scheme(k)) for m, k in modules.items() if k != base)
-    return replace(scheme(base), overrides=others)
+    head = raw.get("lm_head")
+    if head is None:
+        lm_head = None
+    elif head in GGUF_BITS:
+        lm_head = scheme(str(head))
+    elif head == AUTO_LM_HEAD:
+        lm_head = head_scheme(AUTO_LM_HEAD)
+    else:
+        raise _unsupported(f"gguf lm_head {head!r}")
+    return replace(scheme(base), overrides=others, lm_head=lm_head)
 
 
 def load_scheme(method: str) -> QuantScheme:
@@ -409,6 +422,8 @@ def lm_head_scheme(
             f"unknown --lm-head-quantization {lm_head!r}; choose from "
             f"{', '.join(LM_HEAD_QUANTIZATIONS)}"
         )
+    if lm_head == "auto" and not quantization and checkpoint is not None:
+        return checkpoint.lm_head
     if lm_head == "none" or (lm_head == "auto" and not quantization):
         return None
     if lm_head == "auto":

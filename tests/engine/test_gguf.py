@@ -85,7 +85,7 @@ def _q4_types(gguf_name: str) -> str | None:
         return "Q8_0"  # v unlike q and k: all three dequantized (minisgl fuses them)
     if PROJECTION.fullmatch(gguf_name):
         return "Q4_0"
-    return "Q8_0" if gguf_name == "token_embd.weight" else None
+    return "Q4_1" if gguf_name == "token_embd.weight" else None
 
 
 def _q4_twin_types(name: str, values: np.ndarray) -> str | None:
@@ -95,7 +95,7 @@ def _q4_twin_types(name: str, values: np.ndarray) -> str | None:
         return "Q8_0"
     if HF_PROJECTION.fullmatch(name):
         return "Q4_0"
-    return "Q8_0" if name == "model.embed_tokens.weight" else None
+    return "Q4_1" if name == "model.embed_tokens.weight" else None
 
 
 def test_q8_0_file_from_llama_cpp_converter(files, tmp_path: Path, caplog) -> None:
@@ -106,25 +106,31 @@ def test_q8_0_file_from_llama_cpp_converter(files, tmp_path: Path, caplog) -> No
     with caplog.at_level(logging.INFO):
         ours, _ = greedy(path)
     assert "gguf Q8_0 (8-bit, a scale per 32)" in caplog.text
-    assert "quantized in 8 weights" in caplog.text  # qkv, o, gate_up, down in 2 layers
-    assert "1 Q8_0 tensor(s) dequantized at load" in caplog.text  # the embedding
+    # qkv, o, gate_up, down in 2 layers and the head (the tied embedding) as stored
+    assert "LM head: gguf Q8_0 (8-bit, a scale per 32)" in caplog.text
+    assert "quantized in 9 weights + 0.0 MiB float" in caplog.text
+    assert "dequantized at load" not in caplog.text
     reference, _ = greedy(twin)
     assert ours == reference
     assert ours == transformers_greedy(twin)
+    # --lm-head-quantization none: the same head's values in float
+    assert greedy(path, lm_head_quantization="none")[0] == reference
 
 
 def test_q4_0_file_with_other_types(files, tmp_path: Path, caplog) -> None:
     """Q4_0 projections held as they are; a Q4_1 down_proj and q/k/v of mixed types read as
-    floats; the same tokens as the twin's, at TP=1 and TP=2."""
+    floats; a Q4_1 head (the tied embedding) held in int8 per row, as --lm-head-quantization
+    int8 makes it from the same values; the same tokens as the twin's, at TP=1 and TP=2."""
     path = requantize(files["f32"], tmp_path / "model-q4_0.gguf", _q4_types)
     twin = _twin(source("quant"), tmp_path / "twin", _q4_twin_types)
-    reference, _ = greedy(twin)
+    reference, _ = greedy(twin, lm_head_quantization="int8")
     with caplog.at_level(logging.INFO):
         assert greedy(path)[0] == reference
     # Layer 0's o, gate_up, down and layer 1's qkv, o, gate_up; the rest read as floats.
     assert "gguf Q4_0 (4-bit, a scale per 32)" in caplog.text
-    assert "quantized in 6 weights" in caplog.text
-    assert "2 Q4_0, 1 Q4_1, 2 Q8_0 tensor(s) dequantized at load" in caplog.text
+    assert "LM head: int8 8-bit, per channel" in caplog.text
+    assert "quantized in 7 weights" in caplog.text
+    assert "2 Q4_0, 2 Q4_1, 1 Q8_0 tensor(s) dequantized at load" in caplog.text
     assert greedy(path, tp_size=2)[0] == reference
 
 

@@ -77,4 +77,5 @@ def test_metrics_and_log_say_gguf(server: ServerProcess) -> None:
     assert "weights: gguf Q8_0 (8-bit, a scale per 32)" in server.logs()
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
-    assert samples["minisgl_model_info"].labels["quantization"] == "gguf"
+    labels = samples["minisgl_model_info"].labels
+    assert (labels["quantization"], labels["lm_head"]) == ("gguf", "gguf")
