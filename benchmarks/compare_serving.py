@@ -34,7 +34,8 @@ llama.cpp (`--peers minisgl,llama.cpp`) serves the same checkpoint converted by 
 from a tree built beforehand (`--llama-cpp-dir`; see benchmarks/llama_cpp_peer.py for the
 build). `--formats bf16,int8,int4` runs every workload once per weight format: minisgl with
 `--quantization int8` / `int4` against llama.cpp's Q8_0 / Q4_0 files (bf16 against bf16; vLLM
-and transformers serve only bf16 here).
+and transformers serve only bf16 here); with `--same-gguf` minisgl serves llama.cpp's own
+Q8_0 / Q4_0 file too (`--model model.gguf`), so both read the same bytes.
 
 A peer whose Python is missing, or whose server does not come up, is reported and skipped.
 The table shows output tokens/s and p50 TTFT per server, and minisgl's ratio against each peer
@@ -98,22 +99,32 @@ def vllm_preload(python: str) -> dict[str, str]:
     return {"LD_PRELOAD": ":".join(libs)} if libs else {}
 
 
-def llama_cpp_peer(
-    args: argparse.Namespace, model: Path, port: int, fmt: str, workdir: Path
-) -> Peer | None:
-    """llama-server on `fmt`'s GGUF of `model` (converted on first use), or None (said why)."""
+def llama_cpp_gguf(
+    args: argparse.Namespace, model: Path, fmt: str, workdir: Path
+) -> tuple[LlamaCpp, Path] | None:
+    """llama.cpp and `fmt`'s GGUF of `model` made by its own tools (once), or None (said why)."""
     llama = LlamaCpp.from_flags(args.llama_cpp_dir, args.llama_cpp_bin, args.llama_cpp_python)
     why = "no --llama-cpp-dir (or LLAMA_CPP_DIR)" if llama is None else llama.missing()
     if llama is None or why:
         log(f"[llama.cpp] skipped: {why}")
         return None
-    log(f"[llama.cpp] converting the checkpoint to {GGUF_TYPES[fmt].upper()} with its own tools")
+    log(f"[llama.cpp] the checkpoint in {GGUF_TYPES[fmt].upper()} (made by its own tools)")
     try:
-        gguf = make_gguf(llama, model, fmt, workdir, workdir / "llama.cpp-convert.log")
+        return llama, make_gguf(llama, model, fmt, workdir, workdir / "llama.cpp-convert.log")
     except subprocess.CalledProcessError as e:
         log(f"[llama.cpp] skipped: {e}; tail of the conversion log:")
         log((workdir / "llama.cpp-convert.log").read_text(errors="replace")[-2000:])
         return None
+
+
+def llama_cpp_peer(
+    args: argparse.Namespace, model: Path, port: int, fmt: str, workdir: Path
+) -> Peer | None:
+    """llama-server on `fmt`'s GGUF of `model`, or None (said why)."""
+    made = llama_cpp_gguf(args, model, fmt, workdir)
+    if made is None:
+        return None
+    llama, gguf = made
     kv_tokens = args.kv_gib * (1 << 30) // KV_BYTES_PER_TOKEN_0_6B
     slots = max(WORKLOADS[w][1] for w in args.workloads)
     command = server_args(gguf, port, args.cores, slots, kv_tokens, SERVED_NAME)
@@ -130,10 +141,15 @@ def peers(
     kv_tokens = args.kv_gib * (1 << 30) // KV_BYTES_PER_TOKEN_0_6B
     threads = {"OMP_NUM_THREADS": str(args.cores), "MKL_NUM_THREADS": str(args.cores)}
     common = ["--port", str(port)]
-    quantization = [] if fmt == "bf16" else ["--quantization", fmt]
+    served, quantization = str(model), [] if fmt == "bf16" else ["--quantization", fmt]
+    if args.same_gguf and fmt != "bf16" and "minisgl" in names:
+        made = llama_cpp_gguf(args, model, fmt, workdir or Path(tempfile.mkdtemp()))
+        if made is None:
+            return []
+        served, quantization = str(made[1]), []  # llama.cpp's file, as it stores it
     minisgl = Peer(
         "minisgl", sys.executable,
-        ["-m", "minisgl", "--model", str(model), "--served-model-name", SERVED_NAME,
+        ["-m", "minisgl", "--model", served, "--served-model-name", SERVED_NAME,
          "--dtype", "bfloat16", "--device", "cpu", "--num-pages", str(kv_tokens // 16),
          "--page-size", "16", "--max-seq-len-override", "2048", *quantization, *common,
          *args.minisgl_args.split()],
@@ -310,6 +326,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minisgl-args", default="",
                    help="more minisgl server flags, space-separated, after '=' (e.g. "
                    "--minisgl-args='--prefill-chunk-overhead 0' for an A/B run)")  # fmt: skip
+    p.add_argument("--same-gguf", action="store_true",
+                   help="int8/int4: minisgl serves llama.cpp's own Q8_0/Q4_0 file as it is")  # fmt: skip
     p.add_argument("--formats", default="bf16",
                    help=f"weight formats, comma-separated: {', '.join(GGUF_TYPES)}")  # fmt: skip
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores for each server")
@@ -364,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
                     all_results[name] = run_peer(peer, args, port, rundir)
         for fmt, all_results in by_format.items():
             llama = f", llama.cpp {GGUF_TYPES[fmt].upper()}" if "llama.cpp" in args.peers else ""
-            log(f"\nweights: minisgl {fmt}{llama}\n" + table(all_results))
+            same = args.same_gguf and fmt != "bf16"
+            ours = f"llama.cpp's {GGUF_TYPES[fmt].upper()} file" if same else fmt
+            log(f"\nweights: minisgl {ours}{llama}\n" + table(all_results))
         if by_format.get("bf16", {}).get("minisgl"):
             log("\nminisgl (bf16) against the roofline:\n" + roofline_lines(
                 machine, model, by_format["bf16"]["minisgl"], args.input_len))  # fmt: skip

@@ -127,8 +127,7 @@ class GgufFile:
                 f"reads {', '.join(ARCHITECTURES)}"
             )
         self._raw = {t.name: t for t in self._reader.tensors}
-        names = {t.name for t in self._reader.tensors}
-        self.head = "output.weight" if "output.weight" in names else "token_embd.weight"
+        self.head = "output.weight" if "output.weight" in self._raw else "token_embd.weight"
         self.tensors = _tensors(self._reader.tensors, self.head if hold_head else None)
 
     def tokenizer_digest(self) -> str:
@@ -281,7 +280,7 @@ class GgufFile:
         mixture's experts as one `re:` pattern per layer and projection)."""
         out = {}
         for t in self.tensors:
-            if t.held not in GGUF_BITS:
+            if t.held not in GGUF_BITS or t.gguf_name == self.head:  # the head: head_type()
                 continue
             module = t.hf_names[0].removesuffix(".weight")
             if len(t.hf_names) > 1:  # model.layers.3.mlp.experts.0.up_proj

@@ -122,3 +122,19 @@ def test_extra_llama_server_flags_are_passed_on(serving, tmp_path: Path) -> None
     work.mkdir()
     found = {p.name: p for p in serving.peers(args, tmp_path / "model", 8123, "int8", work)}
     assert found["llama.cpp"].command[-3:] == ["--no-repack", "-lv", "1"]
+
+
+def test_same_gguf_serves_llama_cpps_own_file_to_minisgl(serving, tmp_path: Path) -> None:
+    """--same-gguf: minisgl is given the very Q8_0 file llama-server reads, not --quantization."""
+    tree = _tree(tmp_path / "llama.cpp")
+    args = serving.parse_args(
+        ["--peers", "minisgl,llama.cpp", "--formats", "int8", "--same-gguf",
+         "--llama-cpp-dir", str(tree), "--llama-cpp-python", sys.executable]
+    )  # fmt: skip
+    model, work = tmp_path / "model", tmp_path / "work"
+    work.mkdir()
+    found = {p.name: p for p in serving.peers(args, model, 8123, "int8", work)}
+    mini, llama = found["minisgl"].command, found["llama.cpp"].command
+    assert mini[mini.index("--model") + 1] == llama[llama.index("-m") + 1]
+    assert mini[mini.index("--model") + 1] == str(work / "model-q8_0.gguf")
+    assert "--quantization" not in mini
