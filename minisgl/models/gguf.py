@@ -369,7 +369,7 @@ def prepared_dir(path: str | Path) -> Path:
     if (out / "config.json").is_file():
         return out
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{key[:16]}.lock", "w") as lock:
+    with open(root / ".prepare.lock", "w") as lock:  # one at a time: it is seconds, once a file
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "config.json").is_file():
             _prepare(path.resolve(), out)

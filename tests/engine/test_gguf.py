@@ -17,6 +17,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -29,8 +30,7 @@ from minisgl.quant.qtensor import dequantize
 from minisgl.quant.scheme import GGUF_BITS, parse_quantization_config
 from minisgl.testing.gguf_requantize import requantize
 from minisgl.testing.llama_cpp_converter import convert
-
-gguf = pytest.importorskip("gguf")  # a dependency: never skips where minisgl is installed
+from minisgl.testing.scratch_cache import scratch_cache
 
 # The HF projections the Q4_0 / MoE files below store in another type than their bulk: the
 # GGUF name and the HF name of each, written out here as the oracle of the loader's renaming.
@@ -42,11 +42,9 @@ HF_PROJECTION = re.compile(r"model\.layers\.\d+\..*(_proj)\.weight")
 
 @pytest.fixture(scope="module", autouse=True)
 def _cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The prepared directories of this module's files in a cache of its own (the converter
-    stays in the shared one)."""
-    where = tmp_path_factory.mktemp("gguf-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf_model, "cache_dir", lambda: where)
+    """The prepared directories of this module's files (tensor-parallel ranks' included) in a
+    cache of its own."""
+    with scratch_cache(tmp_path_factory.mktemp("gguf-cache") / "cache"):
         yield
 
 

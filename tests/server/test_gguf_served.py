@@ -5,7 +5,6 @@ own tokenizer does), the scheduler runs its Q8_0 projections as they are, /metri
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,9 +15,9 @@ import pytest
 from harness import ServerProcess
 from prometheus_client.parser import text_string_to_metric_families
 
-from minisgl.cache import cache_dir
 from minisgl.testing.fixture import write_fixture_model
 from minisgl.testing.llama_cpp_converter import convert
+from minisgl.testing.scratch_cache import scratch_cache
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,15 +31,7 @@ def source_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(source_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     work = tmp_path_factory.mktemp("gguf-served")
     path = convert(source_dir, work / "model-q8_0.gguf", "q8_0")
-    # Its prepared directory in a cache of this test's (gone with it); the compiled kernels
-    # and their timings from the machine's.
-    cache = work / "cache"
-    cache.mkdir()
-    for kept in ("kernels", "tuning"):
-        if (cache_dir() / kept).is_dir():
-            (cache / kept).symlink_to(cache_dir() / kept)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(os.environ, "MINISGL_CACHE_DIR", str(cache))
+    with scratch_cache(work / "cache"):  # its prepared directory goes with the test
         srv = ServerProcess(
             path, work / "server.log",
             "--num-pages", "128", "--cpu-kernel-tuning", "off", "--log-level", "info",
