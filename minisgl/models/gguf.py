@@ -41,7 +41,7 @@ import numpy as np
 from minisgl.cache import cache_dir
 from minisgl.quant.scheme import GGUF_BITS
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("minisgl.models.gguf")  # also as `python -m` (__main__)
 
 # GGUF general.architecture -> (architectures, model_type) of the config.json written for it.
 ARCHITECTURES = {

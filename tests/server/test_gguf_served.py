@@ -16,6 +16,7 @@ from harness import ServerProcess
 from prometheus_client.parser import text_string_to_metric_families
 
 from minisgl.testing.fixture import write_fixture_model
+from minisgl.testing.live_server import free_port
 from minisgl.testing.llama_cpp_converter import convert
 from minisgl.testing.scratch_cache import scratch_cache
 
@@ -70,3 +71,19 @@ def test_metrics_and_log_say_gguf(server: ServerProcess) -> None:
     samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
     labels = samples["minisgl_model_info"].labels
     assert (labels["quantization"], labels["lm_head"]) == ("gguf", "gguf")
+
+
+def test_a_file_that_is_not_gguf_stops_the_start_with_its_reason(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    bad = tmp_path / "model.gguf"
+    bad.write_text("not a GGUF file")
+    with scratch_cache(tmp_path / "cache"):
+        done = subprocess.run(
+            [sys.executable, "-m", "minisgl", "--model", str(bad), "--port", str(free_port())],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 1
+    assert f"cannot open GGUF file {bad}: GGUF magic invalid" in done.stderr
+    assert "Traceback" not in done.stderr
