@@ -11,10 +11,11 @@ Tensors are renamed to the Hugging Face names the models load (blk.3.attn_q.weig
 model.layers.3.self_attn.q_proj.weight; a mixture's stacked experts split one per expert) and
 read as follows:
 - F32, F16, BF16: as they are.
-- Q8_0 and Q4_0 attention and MLP projections, and LM head (a tied model's embedding table)
-  under --lm-head-quantization auto: held as they are, in minisgl's quantized layout (a float16
-  scale per 32 weights; codes q + 128 and zero point 128 for Q8_0, codes and zero point 8 for
-  Q4_0), which the CPU kernels (and the CUDA path) run as they run GPTQ's.
+- Q8_0, Q4_0 and Q5_0 attention and MLP projections, and LM head (a tied model's embedding
+  table) under --lm-head-quantization auto: held as they are, in minisgl's quantized layout (a
+  float16 scale per 32 weights; 8-bit codes q + 128 and zero point 128 for Q8_0, 4-bit codes
+  and zero point 8 for Q4_0, Q5_0's 5-bit values as 8-bit codes with zero point 16), which the
+  CPU kernels (and the CUDA path) run as they run GPTQ's.
 - Every other type (K-quants, IQ, Q4_1, ...), and a quantized untied embedding or router:
   dequantized at load by gguf-py (llama.cpp's own Python package), said in one log line; so are
   projections minisgl fuses (q/k/v, gate/up, a layer's experts) stored in different types. An
@@ -105,7 +106,7 @@ class GgufFile:
     """A GGUF file's metadata and tensors, read with gguf-py's reader (memory-mapped)."""
 
     def __init__(self, path: str | Path, hold_head: bool = False) -> None:
-        """`hold_head`: read a Q8_0 / Q4_0 LM head (a tied model's embedding table) as its raw
+        """`hold_head`: read a Q8_0 / Q4_0 / Q5_0 LM head (a tied model's embedding table) as its raw
         blocks, for --lm-head-quantization auto to hold as stored; else as floats."""
         from gguf import GGUFReader
 
@@ -146,7 +147,7 @@ class GgufFile:
 
     def headers(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """Every tensor the model reads, by its Hugging Face name: (the float weight's shape,
-        the type it is read as: Q8_0 / Q4_0 for those held quantized, else a float type)."""
+        the type it is read as: its GGUF type for those held quantized, else a float type)."""
         out: dict[str, tuple[tuple[int, ...], str]] = {}
         for t in self.tensors:
             shape = t.shape[1:] if len(t.hf_names) > 1 else t.shape
@@ -166,7 +167,7 @@ class GgufFile:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.dequantized().items()))
         return (
             f"GGUF {self.path.name}: {kinds} tensor(s) dequantized at load to the model's dtype "
-            "(minisgl's kernels run Q8_0 and Q4_0 projections and LM heads as they are stored; "
+            "(minisgl's kernels run Q8_0, Q4_0 and Q5_0 projections and LM heads as they are stored; "
             "other types, untied embeddings, routers and fused projections of mixed types are "
             "read as floats)"
         )
@@ -205,7 +206,7 @@ class GgufFile:
         elif t.stored == "BF16":
             tensor = torch.from_numpy(data).view(torch.bfloat16)
         else:
-            tensor = torch.from_numpy(data)  # F32 / F16 floats, Q8_0 / Q4_0 blocks
+            tensor = torch.from_numpy(data)  # F32 / F16 floats, or held blocks
         return tensor.reshape(*t.shape[:-1], -1)
 
     def config(self) -> dict[str, Any]:
@@ -267,7 +268,7 @@ class GgufFile:
         return out
 
     def head_type(self) -> str | None:
-        """How --lm-head-quantization auto holds the file's LM head: as its Q8_0 / Q4_0 blocks,
+        """How --lm-head-quantization auto holds the file's LM head: as its Q8_0 / Q4_0 / Q5_0 blocks,
         int8 per row where it is stored in another quantized type, None (float) where the
         file has it in float."""
         stored = next(t.stored for t in self.tensors if t.gguf_name == self.head)
@@ -314,7 +315,7 @@ class GgufFile:
 
 def _tensors(raw: list[Any], held_head: str | None) -> list[Tensor]:
     """Every tensor renamed, with the type minisgl reads it as (`held_head`: the LM head's
-    tensor, read as its blocks where they are Q8_0 / Q4_0)."""
+    tensor, read as its blocks where minisgl holds their type)."""
     stored = {t.name: t.tensor_type.name for t in raw}
     out = []
     for t in raw:

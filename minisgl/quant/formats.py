@@ -24,7 +24,9 @@
 - gguf (llama.cpp's files, models/gguf.py): the projection's `weight` as its raw blocks,
   uint8 [N, K / 32 * block bytes], a block being 32 weights of a row: Q8_0 a float16 scale d
   and 32 int8 codes q (weight = q * d); Q4_0 a float16 d and 16 bytes whose low nibbles are
-  weights 0..15 and high nibbles 16..31 (weight = (q - 8) * d).
+  weights 0..15 and high nibbles 16..31 (weight = (q - 8) * d); Q5_0 a float16 d, a 32-bit
+  word whose bit i is weight i's fifth bit, then Q4_0's 16 bytes of low nibbles
+  (weight = (q - 16) * d), held as 8-bit codes.
 """
 
 from __future__ import annotations
@@ -255,10 +257,13 @@ def _gptq(prefix: str, got: dict[str, torch.Tensor], scheme: QuantScheme) -> QTe
     )  # fmt: skip
 
 
+# GGUF block type -> (bytes a block of 32 weights, the zero point of its codes).
+GGUF_BLOCKS = {"Q8_0": (34, 128), "Q4_0": (18, 8), "Q5_0": (22, 16)}
+
+
 def _gguf(prefix: str, blocks: torch.Tensor, scheme: QuantScheme) -> QTensor:
     n = blocks.shape[0]
-    code_bytes = scheme.group_size * scheme.bits // 8
-    per_block = 2 + code_bytes  # the float16 scale, then the codes
+    per_block, zero = GGUF_BLOCKS[scheme.gguf_type]
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % per_block:
         raise ValueError(
             f"{prefix}.weight is {blocks.dtype} {list(blocks.shape)}, not {scheme.gguf_type} "
@@ -268,12 +273,15 @@ def _gguf(prefix: str, blocks: torch.Tensor, scheme: QuantScheme) -> QTensor:
     groups = b.shape[1]
     k = groups * scheme.group_size
     scales = b[..., :2].contiguous().view(torch.float16).reshape(n, groups).float()
-    q = b[..., 2:].reshape(n, groups, code_bytes)
-    if scheme.bits == 8:  # int8 q -> q + 128: flipping the sign bit
-        codes = (q ^ 0x80).reshape(n, k)
-        zero = 128
-    else:  # weights j and j + 16 of a block share byte j: minisgl pairs 2j and 2j + 1
-        codes = pack_nibbles(torch.cat((q & 15, q >> 4), dim=-1).reshape(n, k))
-        zero = 8
+    if scheme.gguf_type == "Q8_0":  # int8 q -> q + 128: flipping the sign bit
+        codes = (b[..., 2:] ^ 0x80).reshape(n, k)
+    else:  # weights j and j + 16 of a block share byte j of the low nibbles
+        low = b[..., -16:]
+        q = torch.cat((low & 15, low >> 4), dim=-1)
+        if scheme.gguf_type == "Q5_0":  # bit i of the block's word: weight i's fifth bit
+            high = b[..., 2:6].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8) & 1
+            q |= high.reshape(n, groups, 32) << 4
+        q = q.reshape(n, k)
+        codes = q if scheme.bits == 8 else pack_nibbles(q)  # minisgl pairs 2j, 2j + 1
     zeros = torch.full((n, groups), zero, dtype=torch.uint8)
     return QTensor(codes.contiguous(), scales, zeros, None, scheme.bits, scheme.group_size, k)

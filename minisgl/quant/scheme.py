@@ -28,12 +28,13 @@ SUPPORTED = (
     "false, checkpoint_format gptq or gptq_v2, GPTQModel's dynamic per-module overrides)",
     "auto-round (Intel's AutoRound: data_type int, packing_format auto_round:auto_gptq with "
     "bits 4 or 8, or auto_round:auto_awq with bits 4; extra_config per layer)",
-    "GGUF files (--model path/to/model.gguf; Q8_0 and Q4_0 projections held as they are, "
+    "GGUF files (--model path/to/model.gguf; Q8_0, Q4_0 and Q5_0 projections held as they are, "
     "other types dequantized at load)",
 )
-# GGUF types held as they are -> their code width (models/gguf.py writes the config naming them).
-GGUF_BITS = {"Q8_0": 8, "Q4_0": 4}
-GGUF_BLOCK = 32  # weights per Q8_0 / Q4_0 block (a float16 scale each)
+# GGUF types held as they are -> the width of the codes minisgl holds them in (Q5_0's 5-bit
+# values as 8-bit codes); models/gguf.py writes the config naming them.
+GGUF_BITS = {"Q8_0": 8, "Q4_0": 4, "Q5_0": 8}
+GGUF_BLOCK = 32  # weights per Q8_0 / Q4_0 / Q5_0 block (a float16 scale each)
 INT4_GROUP = 128  # --quantization int4's group
 FP8_BLOCK = 128  # --quantization fp8's block (rows x input features)
 
@@ -58,7 +59,7 @@ class QuantScheme:
     origin: str = ""  # the tool whose config named the layout (auto-round), for the log
     gguf_type: str = ""  # a GGUF file's block type (Q8_0, Q4_0)
     # The LM head a GGUF file stores quantized, as --lm-head-quantization auto holds it: its
-    # own blocks (Q8_0 / Q4_0), or int8 per row made from another type's values.
+    # own blocks (Q8_0 / Q4_0 / Q5_0), or int8 per row made from another type's values.
     lm_head: QuantScheme | None = None
     # fp8: how its scales are laid out ("block" [N/bn, K/bk], "channel" [N, 1], "tensor").
     fp8_scales: str = ""

@@ -36,6 +36,7 @@ from minisgl.testing.scratch_cache import scratch_cache
 # GGUF name and the HF name of each, written out here as the oracle of the loader's renaming.
 Q4_1_DOWN = ("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight")
 Q8_0_V = ("blk.0.attn_v.weight", "model.layers.0.self_attn.v_proj.weight")
+Q5_0_DOWN = ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight")
 PROJECTION = re.compile(r"blk\.\d+\.(attn_[qkv]|attn_output|ffn_(gate|up|down))(_exps)?\.weight")
 HF_PROJECTION = re.compile(r"model\.layers\.\d+\..*(_proj)\.weight")
 
@@ -81,6 +82,8 @@ def _q4_types(gguf_name: str) -> str | None:
         return "Q4_1"  # no kernel runs it: dequantized at load
     if gguf_name == Q8_0_V[0]:
         return "Q8_0"  # v unlike q and k: all three dequantized (minisgl fuses them)
+    if gguf_name == Q5_0_DOWN[0]:
+        return "Q5_0"  # held as 8-bit codes
     if PROJECTION.fullmatch(gguf_name):
         return "Q4_0"
     return "Q4_1" if gguf_name == "token_embd.weight" else None
@@ -91,6 +94,8 @@ def _q4_twin_types(name: str, values: np.ndarray) -> str | None:
         return "Q4_1"
     if name == Q8_0_V[1]:
         return "Q8_0"
+    if name == Q5_0_DOWN[1]:
+        return "Q5_0"
     if HF_PROJECTION.fullmatch(name):
         return "Q4_0"
     return "Q4_1" if name == "model.embed_tokens.weight" else None
@@ -116,8 +121,8 @@ def test_q8_0_file_from_llama_cpp_converter(files, tmp_path: Path, caplog) -> No
 
 
 def test_q4_0_file_with_other_types(files, tmp_path: Path, caplog) -> None:
-    """Q4_0 projections held as they are; a Q4_1 down_proj and q/k/v of mixed types read as
-    floats; a Q4_1 head (the tied embedding) held in int8 per row, as --lm-head-quantization
+    """Q4_0 projections held as they are, a Q5_0 down_proj in 8-bit codes; a Q4_1 down_proj
+    and q/k/v of mixed types read as floats; a Q4_1 head (the tied embedding) held in int8 per row, as --lm-head-quantization
     int8 makes it from the same values; the same tokens as the twin's, at TP=1 and TP=2."""
     path = requantize(files["f32"], tmp_path / "model-q4_0.gguf", _q4_types)
     twin = _twin(source("quant"), tmp_path / "twin", _q4_twin_types)
@@ -125,7 +130,10 @@ def test_q4_0_file_with_other_types(files, tmp_path: Path, caplog) -> None:
     with caplog.at_level(logging.INFO):
         assert greedy(path)[0] == reference
     # Layer 0's o, gate_up, down and layer 1's qkv, o, gate_up; the rest read as floats.
-    assert "gguf Q4_0 (4-bit, a scale per 32)" in caplog.text
+    assert (
+        "gguf Q4_0 (4-bit, a scale per 32) (from the checkpoint, llama.cpp); 1 module "
+        "pattern in gguf Q5_0 (8-bit, a scale per 32)" in caplog.text
+    )
     assert "LM head: int8 8-bit, per channel" in caplog.text
     assert "quantized in 7 weights" in caplog.text
     assert "2 Q4_0, 2 Q4_1, 1 Q8_0 tensor(s) dequantized at load" in caplog.text
