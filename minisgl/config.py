@@ -60,7 +60,7 @@ class EngineArgs:
     model: str = field(
         metadata={
             "help": "Hugging Face hub id or local directory of a Qwen3 model, or a GGUF file "
-            "(a path ending in .gguf, llama.cpp's format)"
+            "(llama.cpp's format: a path ending in .gguf, or <owner>/<repo>:<type> on the hub)"
         }
     )
     dtype: str = _f("auto", "weight and activation dtype; auto takes the config's", DTYPES)

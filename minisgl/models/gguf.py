@@ -87,8 +87,44 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
 
 
+# A GGUF file on the Hugging Face hub, as vLLM and llama.cpp name one: "<owner>/<repo>:<type>".
+_HUB_FILE = re.compile(r"([\w.-]+/[\w.-]+):([\w.-]+)")
+
+
 def is_gguf(model: str | Path) -> bool:
-    return str(model).endswith(".gguf")
+    """A local .gguf file's path, or a hub repository's file: "Qwen/Qwen3-8B-GGUF:Q8_0"."""
+    return str(model).endswith(".gguf") or _HUB_FILE.fullmatch(str(model)) is not None
+
+
+def local_file(model: str | Path) -> Path:
+    """The GGUF file `model` names: a local path as is; "<owner>/<repo>:<type>" fetched from
+    the hub (or found in the HF_HOME cache when HF_HUB_OFFLINE=1): the repository's one .gguf
+    file whose name ends in <type> (any case), e.g. Qwen3-8B-Q8_0.gguf for Q8_0."""
+    m = _HUB_FILE.fullmatch(str(model))
+    if m is None:
+        return Path(model).expanduser()
+    from huggingface_hub import snapshot_download
+
+    repo, kind = m.groups()
+    # fnmatch is case-sensitive: each letter as a [xX] class.
+    pattern = "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else c for c in kind)
+    try:
+        folder = Path(snapshot_download(repo_id=repo, allow_patterns=[f"*{pattern}.gguf"]))
+    except Exception as e:  # the hub raises many types: offline, 404, auth, network
+        raise FileNotFoundError(
+            f"GGUF {model!r}: cannot fetch {repo!r} from the Hugging Face hub: "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    found = sorted(
+        f for f in folder.rglob("*.gguf") if f.name.lower().endswith(f"{kind}.gguf".lower())
+    )
+    if len(found) != 1:
+        what = ", ".join(f.name for f in found) if found else "none"
+        raise FileNotFoundError(
+            f"GGUF {model!r}: {repo} has {len(found)} files whose name ends in "
+            f"{kind}.gguf ({what}); name one file: {repo}:<its type>, or a local path"
+        )
+    return found[0]
 
 
 @dataclass(frozen=True)
@@ -360,7 +396,7 @@ def _held(name: str, part: str, stored: dict[str, str]) -> str:
 def prepared_dir(path: str | Path) -> Path:
     """The directory minisgl opens a GGUF file through, prepared on first use (one process
     prepares it; the others wait for it under a file lock)."""
-    path = Path(path).expanduser()
+    path = local_file(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
     st = path.stat()

@@ -43,7 +43,7 @@ def resolve_model_path(model: str) -> Path:
     if path.is_dir():
         return path
     if gguf.is_gguf(model):
-        return gguf.prepared_dir(path)
+        return gguf.prepared_dir(model)
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise FileNotFoundError(f"model directory {model!r} does not exist")
     from huggingface_hub import snapshot_download

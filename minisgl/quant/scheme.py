@@ -28,8 +28,8 @@ SUPPORTED = (
     "false, checkpoint_format gptq or gptq_v2, GPTQModel's dynamic per-module overrides)",
     "auto-round (Intel's AutoRound: data_type int, packing_format auto_round:auto_gptq with "
     "bits 4 or 8, or auto_round:auto_awq with bits 4; extra_config per layer)",
-    "GGUF files (--model path/to/model.gguf; Q8_0, Q4_0 and Q5_0 projections held as they are, "
-    "other types dequantized at load)",
+    "GGUF files (--model path/to/model.gguf or <owner>/<repo>:<type>; Q8_0, Q4_0 and Q5_0 "
+    "projections held as they are, other types dequantized at load)",
 )
 # GGUF types held as they are -> the width of the codes minisgl holds them in (Q5_0's 5-bit
 # values as 8-bit codes); models/gguf.py writes the config naming them.

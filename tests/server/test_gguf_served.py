@@ -5,6 +5,8 @@ own tokenizer does), the scheduler runs its Q8_0 projections as they are, /metri
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,13 +30,31 @@ def source_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_fixture_model(tmp_path_factory.mktemp("src"), "quant")
 
 
+def _hub_cache(root: Path, repo: str, files: dict[str, Path]) -> Path:
+    """A Hugging Face cache (HF_HOME) holding `repo`'s main revision with `files`, as
+    huggingface_hub lays one out, for a run with HF_HUB_OFFLINE=1."""
+    entry = root / "hub" / f"models--{repo.replace('/', '--')}"
+    snapshot = entry / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    snapshot.mkdir(parents=True)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text(snapshot.name)
+    for name, src in files.items():
+        shutil.copyfile(src, snapshot / name)
+    return root
+
+
 @pytest.fixture(scope="module")
 def server(source_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Served as `--model acme/Tiny-GGUF:q8_0` (vLLM's and llama.cpp's repo:type), the file
+    found in the Hugging Face cache offline."""
     work = tmp_path_factory.mktemp("gguf-served")
     path = convert(source_dir, work / "model-q8_0.gguf", "q8_0")
-    with scratch_cache(work / "cache"):  # its prepared directory goes with the test
+    hub = _hub_cache(work / "hf", "acme/Tiny-GGUF", {"Tiny-Q8_0.gguf": path})
+    with scratch_cache(work / "cache"), pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HOME", str(hub))
+        mp.setenv("HF_HUB_OFFLINE", "1")
         srv = ServerProcess(
-            path, work / "server.log",
+            "acme/Tiny-GGUF:q8_0", work / "server.log",
             "--num-pages", "128", "--cpu-kernel-tuning", "off", "--log-level", "info",
         )  # fmt: skip
     try:
@@ -87,3 +107,34 @@ def test_a_file_that_is_not_gguf_stops_the_start_with_its_reason(tmp_path: Path)
     assert done.returncode == 1
     assert f"cannot open GGUF file {bad}: GGUF magic invalid" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_hub_names_resolve_to_one_file_or_say_why(tmp_path: Path, source_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    src = tmp_path / "f.gguf"
+    src.write_bytes(b"GGUF")
+    hub = _hub_cache(tmp_path / "hf", "acme/Two-GGUF",
+                     {"Two-Q4_K_M.gguf": src, "Two-UD-Q4_K_M.gguf": src, "Two-Q8_0.gguf": src})  # fmt: skip
+    code = (
+        "import sys\n"
+        "from minisgl.models.gguf import local_file\n"
+        "for spec in sys.argv[1:]:\n"
+        "    try:\n"
+        "        print(local_file(spec).name)\n"
+        "    except FileNotFoundError as e:\n"
+        "        print(e)\n"
+    )
+    env = {**os.environ, "HF_HOME": str(hub), "HF_HUB_OFFLINE": "1"}
+    specs = ["acme/Two-GGUF:Q8_0", "acme/Two-GGUF:ud-q4_k_m", "acme/Two-GGUF:Q4_K_M",
+             "acme/Two-GGUF:Q5_0", "acme/Gone-GGUF:Q8_0"]  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, *specs], env=env, capture_output=True,
+                         text=True, check=True).stdout.splitlines()  # fmt: skip
+    assert out[0] == "Two-Q8_0.gguf"
+    assert out[1] == "Two-UD-Q4_K_M.gguf"
+    assert out[2].endswith("has 2 files whose name ends in Q4_K_M.gguf (Two-Q4_K_M.gguf, "
+                           "Two-UD-Q4_K_M.gguf); name one file: acme/Two-GGUF:<its type>, or a "
+                           "local path")  # fmt: skip
+    assert "has 0 files whose name ends in Q5_0.gguf (none)" in out[3]
+    assert out[4].startswith("GGUF 'acme/Gone-GGUF:Q8_0': cannot fetch 'acme/Gone-GGUF'")
