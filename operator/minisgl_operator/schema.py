@@ -555,8 +555,9 @@ SPEC = obj(
     "InferencePool with its endpoint picker and HTTPRoute.",
     {
         "model": string(
-            "Hugging Face hub id (e.g. Qwen/Qwen3-0.6B) or a path on the model cache volume. "
-            "Becomes `--model`.",
+            "Hugging Face hub id (e.g. Qwen/Qwen3-0.6B), a GGUF file on the hub "
+            "(<owner>/<repo>:<type>, e.g. Qwen/Qwen3-8B-GGUF:Q8_0) or a path on the model cache "
+            "volume (a checkpoint directory or a .gguf file). Becomes `--model`.",
             minLength=1,
         ),
         "servedModelName": string(
