@@ -12,8 +12,8 @@ model.layers.3.self_attn.q_proj.weight; a mixture's stacked experts split one pe
 read as follows:
 - F32, F16, BF16: as they are.
 - Q8_0, Q4_0 and Q5_0 attention and MLP projections, and LM head (a tied model's embedding
-  table) under --lm-head-quantization auto: held as they are, in minisgl's quantized layout (a
-  float16 scale per 32 weights; 8-bit codes q + 128 and zero point 128 for Q8_0, 4-bit codes
+  table) under --lm-head-quantization auto: held as they are, in minisgl's quantized layout (the
+  block's scale per 32 weights; 8-bit codes q + 128 and zero point 128 for Q8_0, 4-bit codes
   and zero point 8 for Q4_0, Q5_0's 5-bit values as 8-bit codes with zero point 16), which the
   CPU kernels (and the CUDA path) run as they run GPTQ's.
 - Every other type (K-quants, IQ, Q4_1, ...), and a quantized untied embedding or router:

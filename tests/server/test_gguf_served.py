@@ -5,6 +5,7 @@ own tokenizer does), the scheduler runs its Q8_0 projections as they are, /metri
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -32,14 +33,18 @@ def source_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _hub_cache(root: Path, repo: str, files: dict[str, Path]) -> Path:
     """A Hugging Face cache (HF_HOME) holding `repo`'s main revision with `files`, as
-    huggingface_hub lays one out, for a run with HF_HUB_OFFLINE=1."""
+    huggingface_hub lays one out (a snapshot's files link to blobs named by their digest), for
+    a run with HF_HUB_OFFLINE=1."""
     entry = root / "hub" / f"models--{repo.replace('/', '--')}"
     snapshot = entry / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
     snapshot.mkdir(parents=True)
+    (entry / "blobs").mkdir()
     (entry / "refs").mkdir()
     (entry / "refs" / "main").write_text(snapshot.name)
     for name, src in files.items():
-        shutil.copyfile(src, snapshot / name)
+        blob = entry / "blobs" / hashlib.sha256(name.encode()).hexdigest()
+        shutil.copyfile(src, blob)
+        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
     return root
 
 
