@@ -35,7 +35,7 @@ from a tree built beforehand (`--llama-cpp-dir`; see benchmarks/llama_cpp_peer.p
 build). `--formats bf16,int8,int4` runs every workload once per weight format: minisgl with
 `--quantization int8` / `int4` against llama.cpp's Q8_0 / Q4_0 files (bf16 against bf16; vLLM
 and transformers serve only bf16 here); with `--same-gguf` minisgl serves llama.cpp's own
-Q8_0 / Q4_0 file too (`--model model.gguf`), so both read the same bytes.
+BF16 / Q8_0 / Q4_0 file too (`--model model.gguf`), so both read the same bytes.
 
 A peer whose Python is missing, or whose server does not come up, is reported and skipped.
 The table shows output tokens/s and p50 TTFT per server, and minisgl's ratio against each peer
@@ -142,7 +142,7 @@ def peers(
     threads = {"OMP_NUM_THREADS": str(args.cores), "MKL_NUM_THREADS": str(args.cores)}
     common = ["--port", str(port)]
     served, quantization = str(model), [] if fmt == "bf16" else ["--quantization", fmt]
-    if args.same_gguf and fmt != "bf16" and "minisgl" in names:
+    if args.same_gguf and "minisgl" in names:
         made = llama_cpp_gguf(args, model, fmt, workdir or Path(tempfile.mkdtemp()))
         if made is None:
             return []
@@ -327,7 +327,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="more minisgl server flags, space-separated, after '=' (e.g. "
                    "--minisgl-args='--prefill-chunk-overhead 0' for an A/B run)")  # fmt: skip
     p.add_argument("--same-gguf", action="store_true",
-                   help="int8/int4: minisgl serves llama.cpp's own Q8_0/Q4_0 file as it is")  # fmt: skip
+                   help="minisgl serves llama.cpp's own BF16/Q8_0/Q4_0 file as it is")  # fmt: skip
     p.add_argument("--formats", default="bf16",
                    help=f"weight formats, comma-separated: {', '.join(GGUF_TYPES)}")  # fmt: skip
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores for each server")
@@ -382,8 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                     all_results[name] = run_peer(peer, args, port, rundir)
         for fmt, all_results in by_format.items():
             llama = f", llama.cpp {GGUF_TYPES[fmt].upper()}" if "llama.cpp" in args.peers else ""
-            same = args.same_gguf and fmt != "bf16"
-            ours = f"llama.cpp's {GGUF_TYPES[fmt].upper()} file" if same else fmt
+            ours = f"llama.cpp's {GGUF_TYPES[fmt].upper()} file" if args.same_gguf else fmt
             log(f"\nweights: minisgl {ours}{llama}\n" + table(all_results))
         if by_format.get("bf16", {}).get("minisgl"):
             log("\nminisgl (bf16) against the roofline:\n" + roofline_lines(
