@@ -198,14 +198,18 @@ class GgufFile:
                 out[t.stored] = out.get(t.stored, 0) + 1
         return out
 
-    def dequantized_line(self) -> str:
-        """The start-up log's line on what is dequantized at load."""
+    def dequantized_line(self, dtype: str, itemsize: int) -> str:
+        """The start-up log's line on what is dequantized at load to `dtype` (`itemsize` bytes
+        a weight), and the memory that takes against the file's bytes."""
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.dequantized().items()))
+        floated = [self._raw[t.gguf_name] for t in self.tensors if t.held != t.stored]
+        held = sum(int(r.n_elements) for r in floated) * itemsize / 2**30
+        stored = sum(int(r.n_bytes) for r in floated) / 2**30
         return (
-            f"GGUF {self.path.name}: {kinds} tensor(s) dequantized at load to the model's dtype "
-            "(minisgl's kernels run Q8_0, Q4_0 and Q5_0 projections and LM heads as they are stored; "
-            "other types, untied embeddings, routers and fused projections of mixed types are "
-            "read as floats)"
+            f"GGUF {self.path.name}: {kinds} tensor(s) dequantized at load to {dtype} (up to "
+            f"{held:.2f} GiB in memory for {stored:.2f} GiB in the file; minisgl's kernels run Q8_0, "
+            "Q4_0 and Q5_0 projections and LM heads as they are stored; other types, untied "
+            "embeddings, routers and fused projections of mixed types are read as floats)"
         )
 
     def iter_tensors(self, progress: bool = False) -> Iterator[tuple[str, Any]]:

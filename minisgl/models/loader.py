@@ -223,11 +223,12 @@ def load_model(
     files = checkpoint_files(Path(path))
     gguf_file = None
     if gguf.is_gguf(files[0]):
-        # A Q8_0 / Q4_0 head is held as stored under --lm-head-quantization auto.
+        # A head in a type minisgl holds is held as stored under --lm-head-quantization auto.
         held_head = lm_head_quantization == "auto" and not quantization
         gguf_file = gguf.GgufFile(files[0], hold_head=held_head)
     if gguf_file is not None and tp_rank == 0 and gguf_file.dequantized():
-        logger.info(gguf_file.dequantized_line())
+        name = str(dtype).removeprefix("torch.")
+        logger.info(gguf_file.dequantized_line(name, dtype.itemsize))
     headers = gguf_file.headers() if gguf_file else quant_loading.read_headers(files)
     layout = quant_loading.checkpoint_layout(headers, config, quantization, lm_head_quantization)
     check_against_config(path, files, config, layout.shapes)

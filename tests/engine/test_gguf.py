@@ -136,7 +136,14 @@ def test_q4_0_file_with_other_types(files, tmp_path: Path, caplog) -> None:
     )
     assert "LM head: int8 8-bit, per channel" in caplog.text
     assert "quantized in 7 weights" in caplog.text
-    assert "2 Q4_0, 2 Q4_1, 1 Q8_0 tensor(s) dequantized at load" in caplog.text
+    # q, k (256 x 128, 128 x 128), v (128 x 128), down_proj (128 x 256), the table (151936 x
+    # 128) in float32, against their blocks' bytes (18, 20 and 34 a block of 32)
+    weights = (256 + 128 + 128) * 128 + 128 * 256 + 151936 * 128
+    stored = (384 * 128 * 18 + 128 * 128 * 34 + (128 * 256 + 151936 * 128) * 20) // 32
+    assert (
+        f"2 Q4_0, 2 Q4_1, 1 Q8_0 tensor(s) dequantized at load to float32 (up to "
+        f"{weights * 4 / 2**30:.2f} GiB in memory for {stored / 2**30:.2f} GiB in the file;"
+    ) in caplog.text
     assert greedy(path, tp_size=2)[0] == reference
 
 
