@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl import hugepages
+from minisgl.cache import cache_dir
 from minisgl.layers import cpu_build, cpu_kernels, kernel_choice
 from minisgl.layers.kernel_choice import (
     BUCKETS,
@@ -253,7 +254,7 @@ def machine_key() -> MachineKey:
 
 
 def tuning_cache() -> kernel_choice.TuningCache:
-    return kernel_choice.TuningCache(cpu_build.cache_dir() / "tuning", machine_key())
+    return kernel_choice.TuningCache(cache_dir() / "tuning", machine_key())
 
 
 class CpuLinearKernel:

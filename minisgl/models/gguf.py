@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from minisgl.cache import cache_dir
-from minisgl.quant.scheme import GGUF_BITS
+from minisgl.quant.scheme import GGUF_TYPES
 
 logger = logging.getLogger("minisgl.models.gguf")  # also as `python -m` (__main__)
 
@@ -312,7 +312,7 @@ class GgufFile:
         int8 per row where it is stored in another quantized type, None (float) where the
         file has it in float."""
         stored = next(t.stored for t in self.tensors if t.gguf_name == self.head)
-        if stored in GGUF_BITS:
+        if stored in GGUF_TYPES:
             return stored
         return None if stored in FLOATS else "int8"
 
@@ -321,7 +321,7 @@ class GgufFile:
         mixture's experts as one `re:` pattern per layer and projection)."""
         out = {}
         for t in self.tensors:
-            if t.held not in GGUF_BITS or t.gguf_name == self.head:  # the head: head_type()
+            if t.held not in GGUF_TYPES or t.gguf_name == self.head:  # the head: head_type()
                 continue
             module = t.hf_names[0].removesuffix(".weight")
             if len(t.hf_names) > 1:  # model.layers.3.mlp.experts.0.up_proj
@@ -363,7 +363,7 @@ def _tensors(raw: list[Any], held_head: str | None) -> list[Tensor]:
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the innermost first
         names = (hf,) if "{e}" not in hf else tuple(hf.format(e=e) for e in range(shape[0]))
         kind = stored[t.name]
-        held = kind if t.name == held_head and kind in GGUF_BITS else _held(t.name, part, stored)
+        held = kind if t.name == held_head and kind in GGUF_TYPES else _held(t.name, part, stored)
         out.append(Tensor(t.name, names, shape, kind, held))
     return out
 
@@ -386,7 +386,7 @@ def _held(name: str, part: str, stored: dict[str, str]) -> str:
     kind = stored[name]
     if kind in FLOATS:
         return kind
-    if kind not in GGUF_BITS or part not in _PROJECTIONS or not name.endswith(".weight"):
+    if kind not in GGUF_TYPES or part not in _PROJECTIONS or not name.endswith(".weight"):
         return "F32"
     for fused in _FUSED:
         if part in fused:
@@ -400,21 +400,31 @@ def _held(name: str, part: str, stored: dict[str, str]) -> str:
 def prepared_dir(path: str | Path) -> Path:
     """The directory minisgl opens a GGUF file through, prepared on first use (one process
     prepares it; the others wait for it under a file lock)."""
-    path = local_file(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
-    root = cache_dir() / "gguf"
-    out = root / f"{path.stem}-{key[:16]}"
+    file, out = _file_and_dir(path)
     if (out / "config.json").is_file():
         return out
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".prepare.lock", "w") as lock:  # one at a time: it is seconds, once a file
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".prepare.lock", "w") as lock:  # one at a time: seconds, once a file
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "config.json").is_file():
-            _prepare(path.resolve(), out)
+            _prepare(file.resolve(), out)
     return out
+
+
+def ready_dir(path: str | Path) -> Path | None:
+    """The file's prepared directory if it is prepared already (None: not yet)."""
+    out = _file_and_dir(path)[1]
+    return out if (out / "config.json").is_file() else None
+
+
+def _file_and_dir(path: str | Path) -> tuple[Path, Path]:
+    """(the GGUF file, where its prepared directory is): one per file path, size and time."""
+    file = local_file(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"GGUF file {str(file)!r} does not exist")
+    st = file.stat()
+    key = hashlib.sha256(f"{file.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    return file, cache_dir() / "gguf" / f"{file.stem}-{key[:16]}"
 
 
 def _prepare(path: Path, out: Path) -> None:

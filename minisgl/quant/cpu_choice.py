@@ -51,6 +51,7 @@ from typing import Any, Protocol
 
 import torch
 
+from minisgl.cache import cache_dir
 from minisgl.layers import cpu_build, cpu_kernels, kernel_choice
 from minisgl.layers.kernel_choice import BUCKETS, TIMED_ROWS, MachineKey, ShapeKey
 from minisgl.quant import cpu_gemv, cpu_panel, cpu_vpanel
@@ -296,7 +297,7 @@ def choose(
     memo = (tuning, shape, machine, PACKED in names)
     if memo in _MEMO:
         return _MEMO[memo]
-    cache = kernel_choice.TuningCache(cpu_build.cache_dir() / "tuning", machine)
+    cache = kernel_choice.TuningCache(cache_dir() / "tuning", machine)
     got = cache.get(shape, CANDIDATES) if tuning == "cached" else None
     if got is not None and PACKED in names and None in got.get(PACKED, [None]):
         got = None  # timed before as a weight that could not be packed: time again

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.quant.qtensor import FP8, QTensor, pack_nibbles
-from minisgl.quant.scheme import QuantScheme
+from minisgl.quant.scheme import GGUF_BLOCK, GGUF_TYPES, QuantScheme
 
 # Nibble i of an AWQ word holds output feature AWQ_ORDER[i] of its eight.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -257,13 +257,10 @@ def _gptq(prefix: str, got: dict[str, torch.Tensor], scheme: QuantScheme) -> QTe
     )  # fmt: skip
 
 
-# GGUF block type -> (bytes a block of 32 weights, the zero point of its codes).
-GGUF_BLOCKS = {"Q8_0": (34, 128), "Q4_0": (18, 8), "Q5_0": (22, 16)}
-
-
 def _gguf(prefix: str, blocks: torch.Tensor, scheme: QuantScheme) -> QTensor:
     n = blocks.shape[0]
-    per_block, zero = GGUF_BLOCKS[scheme.gguf_type]
+    stored = GGUF_TYPES[scheme.gguf_type]  # bits a weight: a block is a float16 and the codes
+    per_block, zero = 2 + GGUF_BLOCK * stored // 8, 1 << (stored - 1)
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % per_block:
         raise ValueError(
             f"{prefix}.weight is {blocks.dtype} {list(blocks.shape)}, not {scheme.gguf_type} "

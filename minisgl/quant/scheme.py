@@ -9,6 +9,7 @@ from. Anything not in SUPPORTED fails here, at start, naming what is supported.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,10 +32,11 @@ SUPPORTED = (
     "GGUF files (--model path/to/model.gguf or <owner>/<repo>:<type>; Q8_0, Q4_0 and Q5_0 "
     "projections held as they are, other types dequantized at load)",
 )
-# GGUF types held as they are -> the width of the codes minisgl holds them in (Q5_0's 5-bit
-# values as 8-bit codes); models/gguf.py writes the config naming them.
-GGUF_BITS = {"Q8_0": 8, "Q4_0": 4, "Q5_0": 8}
-GGUF_BLOCK = 32  # weights per Q8_0 / Q4_0 / Q5_0 block (a float16 scale each)
+# GGUF types held as they are -> the bits a weight they store (a block: a float16 scale and 32
+# such codes; minisgl holds 4-bit ones as 4-bit codes, the others as 8-bit ones); models/gguf.py
+# writes the config naming them.
+GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q5_0": 5}
+GGUF_BLOCK = 32  # weights per block
 INT4_GROUP = 128  # --quantization int4's group
 FP8_BLOCK = 128  # --quantization fp8's block (rows x input features)
 
@@ -353,23 +355,22 @@ def _gguf(raw: dict[str, Any]) -> QuantScheme:
     quantized with its GGUF type (the others are float in the file, or dequantized at load).
     The most common type is the scheme's, the others its overrides."""
     modules = {str(m): str(t) for m, t in (raw.get("modules") or {}).items()}
-    unknown = sorted(set(modules.values()) - set(GGUF_BITS))
+    unknown = sorted(set(modules.values()) - set(GGUF_TYPES))
     if unknown:
         raise _unsupported(f"gguf modules of types {unknown}")
-    counts: dict[str, int] = {}
-    for kind in modules.values():
-        counts[kind] = counts.get(kind, 0) + 1
+    counts = Counter(sorted(modules.values()))  # ties: the first name in order
     # (No module held: only the head is quantized; the layers' scheme is then never asked.)
-    base = max(sorted(counts), key=lambda k: counts[k]) if counts else "Q8_0"
+    base = counts.most_common(1)[0][0] if counts else "Q8_0"
 
     def scheme(kind: str) -> QuantScheme:
-        return QuantScheme("gguf", GGUF_BITS[kind], GGUF_BLOCK, gguf_type=kind, origin="llama.cpp")
+        bits = 4 if GGUF_TYPES[kind] == 4 else 8
+        return QuantScheme("gguf", bits, GGUF_BLOCK, gguf_type=kind, origin="llama.cpp")
 
     others = tuple((m, scheme(k)) for m, k in modules.items() if k != base)
     head = raw.get("lm_head")
     if head is None:
         lm_head = None
-    elif head in GGUF_BITS:
+    elif head in GGUF_TYPES:
         lm_head = scheme(str(head))
     elif head == AUTO_LM_HEAD:
         lm_head = head_scheme(AUTO_LM_HEAD)

@@ -118,6 +118,12 @@ class Launcher(Hooks):
         a = self.args
         if not gguf.is_gguf(a.model):
             return a.model
+        try:
+            ready = gguf.ready_dir(a.model)
+        except (OSError, ValueError) as exc:
+            raise WorkerStartError(f"cannot open GGUF file {a.model}: {exc}") from exc
+        if ready is not None:
+            return str(ready)
         cmd = [sys.executable, "-m", "minisgl.models.gguf", a.model, a.log_level]
         done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # its log: our stderr
         if done.returncode:

@@ -27,7 +27,7 @@ from minisgl.models import gguf as gguf_model
 from minisgl.models.config import ModelConfig
 from minisgl.quant import formats
 from minisgl.quant.qtensor import dequantize
-from minisgl.quant.scheme import GGUF_BITS, parse_quantization_config
+from minisgl.quant.scheme import GGUF_TYPES, parse_quantization_config
 from minisgl.testing.gguf_requantize import requantize
 from minisgl.testing.llama_cpp_converter import convert
 from minisgl.testing.scratch_cache import scratch_cache
@@ -220,7 +220,7 @@ def test_prepared_directory_is_the_models_config_and_tokenizer(files) -> None:
     assert (prepared / "model.gguf").resolve() == path.resolve()
 
 
-@pytest.mark.parametrize("kind", sorted(GGUF_BITS))
+@pytest.mark.parametrize("kind", sorted(GGUF_TYPES))
 def test_blocks_read_as_gguf_py_decodes_them(kind: str) -> None:
     """Q8_0 / Q4_0 blocks in minisgl's layout are the weights gguf-py's reference dequantizer
     reads from them, bit for bit."""
