@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llama_cpp_peer import GGUF_TYPES, LlamaCpp, make_gguf, server_args
+from llama_cpp_peer import GGUF_ONLY, GGUF_TYPES, LlamaCpp, make_gguf, server_args
 
 from minisgl.testing.live_server import free_port, stop_process, wait_http_ok
 
@@ -327,7 +327,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="more minisgl server flags, space-separated, after '=' (e.g. "
                    "--minisgl-args='--prefill-chunk-overhead 0' for an A/B run)")  # fmt: skip
     p.add_argument("--same-gguf", action="store_true",
-                   help="minisgl serves llama.cpp's own BF16/Q8_0/Q4_0 file as it is")  # fmt: skip
+                   help="minisgl serves llama.cpp's own BF16/Q8_0/Q4_0/Q4_K_M file as it is")  # fmt: skip
     p.add_argument("--formats", default="bf16",
                    help=f"weight formats, comma-separated: {', '.join(GGUF_TYPES)}")  # fmt: skip
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores for each server")
@@ -352,6 +352,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown workloads {sorted(unknown)}; known: {', '.join(WORKLOADS)}")
     if unknown := set(args.formats) - set(GGUF_TYPES):
         p.error(f"unknown formats {sorted(unknown)}; known: {', '.join(GGUF_TYPES)}")
+    if (only := set(args.formats) & set(GGUF_ONLY)) and not args.same_gguf:
+        p.error(f"{', '.join(sorted(only))}: minisgl serves it only as llama.cpp's file "
+                "(--same-gguf)")  # fmt: skip
     return args
 
 

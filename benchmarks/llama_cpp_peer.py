@@ -39,8 +39,10 @@ from pathlib import Path
 
 # minisgl's weight format -> the llama.cpp file type that stores the same bits per weight:
 # bf16 as it is; int8 (per-channel scales) against Q8_0 (8 bits, a scale per 32); int4 (group
-# 128 with zero points) against Q4_0 (4 bits, a scale per 32).
-GGUF_TYPES = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
+# 128 with zero points) against Q4_0 (4 bits, a scale per 32). q4_k_m: llama-quantize's most
+# used mix (Q4_K, some Q6_K), which minisgl serves only as the file (--same-gguf).
+GGUF_TYPES = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0", "q4_k_m": "q4_k_m"}
+GGUF_ONLY = ("q4_k_m",)  # formats with no minisgl --quantization of their own
 # What convert_hf_to_gguf.py writes directly (--outtype); the rest llama-quantize makes from bf16.
 CONVERTER_TYPES = ("bf16", "q8_0")
 
@@ -81,7 +83,8 @@ def convert_commands(
     llama: LlamaCpp, model: Path, fmt: str, out_dir: Path
 ) -> list[tuple[list[str], dict[str, str]]]:
     """The commands (with their extra environment) that make `fmt`'s GGUF from the HF
-    checkpoint `model`: the converter straight to bf16 or Q8_0; Q4_0 quantized from the bf16."""
+    checkpoint `model`: the converter straight to bf16 or Q8_0; Q4_0 / Q4_K_M quantized from the
+    bf16."""
     gtype = GGUF_TYPES[fmt]
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(llama.tree / "gguf-py"),
                                                        os.environ.get("PYTHONPATH")]))}  # fmt: skip

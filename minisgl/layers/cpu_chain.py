@@ -359,6 +359,8 @@ class Chain:
 
     def _quantized(self, weight: QuantWeight, xa: int, ya: int, out: torch.Tensor) -> None:
         w = weight.whole()
+        if w.mins is not None:  # their term is torch's (matmul.minus_mins)
+            raise Unsupported("a quantized weight with group mins")
         probe = torch.empty(self.rows, w.in_features, dtype=self.dtype)
         if not cpu_gemv.usable(probe, w):
             raise Unsupported("a quantized weight the C kernels do not take")
@@ -391,7 +393,7 @@ class Chain:
             raise Unsupported("an embedding lookup after other ops")
         w = table.whole()
         probe = torch.empty(1, w.in_features, dtype=self.dtype)
-        if table.lookup is not None or not cpu_gemv.usable(probe, w):
+        if table.lookup is not None or w.mins is not None or not cpu_gemv.usable(probe, w):
             raise Unsupported("an embedding table the C dequantizer does not read")
         ops = cpu_gemv.operands(w)
         self._held.append(ops)

@@ -304,8 +304,11 @@ def _q_operands(x: torch.Tensor, w: QuantWeight) -> tuple[torch.Tensor, int] | N
     """Quantized experts' operands and kernel per row count as moe_decode_q takes them
     (csrc/moe.c), and up to how many rows an expert may have in that call (the row counts whose
     pick is one C kernel call); None where the quantized GEMV does not take them
-    (cpu_gemv.usable), x is neither bf16 nor fp32 or no row count is one call. Made once per
-    kind of x, place of the weight's tensors and picks: a decode step asks in every layer."""
+    (cpu_gemv.usable), x is neither bf16 nor fp32, no row count is one call, or the experts
+    have group mins (their term is subtracted in torch: matmul.minus_mins). Made once per kind
+    of x, place of the weight's tensors and picks: a decode step asks in every layer."""
+    if w.mins is not None:
+        return None
     cache = w.__dict__.setdefault("_moe_operands", {})
     picks = w.kernel.picks if isinstance(w.kernel, QuantKernel) else None
     key = (

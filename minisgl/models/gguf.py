@@ -11,12 +11,15 @@ Tensors are renamed to the Hugging Face names the models load (blk.3.attn_q.weig
 model.layers.3.self_attn.q_proj.weight; a mixture's stacked experts split one per expert) and
 read as follows:
 - F32, F16, BF16: as they are.
-- Q8_0, Q4_0 and Q5_0 attention and MLP projections, and LM head (a tied model's embedding
-  table) under --lm-head-quantization auto: held as they are, in minisgl's quantized layout (the
-  block's scale per 32 weights; 8-bit codes q + 128 and zero point 128 for Q8_0, 4-bit codes
-  and zero point 8 for Q4_0, Q5_0's 5-bit values as 8-bit codes with zero point 16), which the
-  CPU kernels (and the CUDA path) run as they run GPTQ's.
-- Every other type (K-quants, IQ, Q4_1, ...), and a quantized untied embedding or router:
+- Q8_0, Q4_0, Q5_0, Q4_K and Q5_K attention and MLP projections, and LM head (a tied model's
+  embedding table) under --lm-head-quantization auto: held as they are, in minisgl's quantized
+  layout (a scale per 32 weights; 8-bit codes q + 128 and zero point 128 for Q8_0, 4-bit codes
+  and zero point 8 for Q4_0, Q5_0's 5-bit values as 8-bit codes with zero point 16; Q4_K's
+  4-bit and Q5_K's 5-bit codes with zero point 0, each group's scale d * sc and its min
+  dmin * m), which the CPU kernels (and the CUDA path) run as they run GPTQ's, the K-quants'
+  mins subtracted after them (their sum over a group of inputs, times the input's sum there).
+- Every other type (Q6_K, Q2_K, Q3_K, IQ, Q4_1, ...), and a quantized untied embedding or
+  router:
   dequantized at load by gguf-py (llama.cpp's own Python package), said in one log line; so are
   projections minisgl fuses (q/k/v, gate/up, a layer's experts) stored in different types. An
   LM head stored in such a type is held in int8 per row (--lm-head-quantization auto), made
@@ -142,8 +145,9 @@ class GgufFile:
     """A GGUF file's metadata and tensors, read with gguf-py's reader (memory-mapped)."""
 
     def __init__(self, path: str | Path, hold_head: bool = False) -> None:
-        """`hold_head`: read a Q8_0 / Q4_0 / Q5_0 LM head (a tied model's embedding table) as its raw
-        blocks, for --lm-head-quantization auto to hold as stored; else as floats."""
+        """`hold_head`: read an LM head (a tied model's embedding table) of a type minisgl holds
+        (GGUF_TYPES) as its raw blocks, for --lm-head-quantization auto to hold as stored; else
+        as floats."""
         from gguf import GGUFReader
 
         self.path = Path(path)
@@ -207,14 +211,14 @@ class GgufFile:
         stored = sum(int(r.n_bytes) for r in floated) / 2**30
         return (
             f"GGUF {self.path.name}: {kinds} tensor(s) dequantized at load to {dtype} (up to "
-            f"{held:.2f} GiB in memory for {stored:.2f} GiB in the file; minisgl's kernels run Q8_0, "
-            "Q4_0 and Q5_0 projections and LM heads as they are stored; other types, untied "
-            "embeddings, routers and fused projections of mixed types are read as floats)"
+            f"{held:.2f} GiB in memory for {stored:.2f} GiB in the file; minisgl's kernels run "
+            f"{', '.join(GGUF_TYPES)} projections and LM heads as they are stored; other types, "
+            "untied embeddings, routers and fused projections of mixed types are read as floats)"
         )
 
     def iter_tensors(self, progress: bool = False) -> Iterator[tuple[str, Any]]:
         """(Hugging Face name, torch tensor): a held-quantized one as its raw blocks, uint8
-        [out, in / 32 * block bytes]; the rest as float tensors."""
+        [out, in / weights a block * block bytes]; the rest as float tensors."""
         from tqdm import tqdm
 
         with tqdm(total=len(self.tensors), desc="Loading weights", unit="tensor",
@@ -308,7 +312,7 @@ class GgufFile:
         return out
 
     def head_type(self) -> str | None:
-        """How --lm-head-quantization auto holds the file's LM head: as its Q8_0 / Q4_0 / Q5_0 blocks,
+        """How --lm-head-quantization auto holds the file's LM head: as its blocks (GGUF_TYPES),
         int8 per row where it is stored in another quantized type, None (float) where the
         file has it in float."""
         stored = next(t.stored for t in self.tensors if t.gguf_name == self.head)

@@ -100,6 +100,7 @@ def _holder(
         groups=groups,
         scattered_groups=scheme.desc_act,
         experts=experts,
+        mins=scheme.mins,
     )
 
 

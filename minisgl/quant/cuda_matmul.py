@@ -11,7 +11,7 @@ kernel fits, by the weight dequantized to the model's dtype (said in one log lin
   32, 64, 128 or 256: torch's int4 weight-only matmul (`aten._weight_int4pack_mm`, bf16
   activations), the codes repacked at load by `aten._convert_weight_to_int4pack`; its scale and
   zero per group are bf16 and it computes (q - 8) * scale + zero, so our zero point z becomes
-  (8 - z) * scale.
+  (8 - z) * scale (less the group's min where it has one: GGUF's Q4_K).
 - everything else (8-bit integer codes, GPTQ desc_act, fp8 below 8.9 or where the probe
   fails): dequantized at load, then plain matmuls.
 
@@ -111,6 +111,8 @@ def int4_scales_and_zeros(w: QTensor) -> torch.Tensor:
     assert w.zeros is not None
     scales = w.scales.float()
     zeros = (8.0 - w.zeros.float()) * scales
+    if w.mins is not None:
+        zeros -= w.mins
     return torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
 
@@ -189,7 +191,8 @@ def _per_expert(w: QuantWeight, fn: Callable[[QTensor], tuple[torch.Tensor, ...]
 
 
 def _replace(w: QuantWeight, codes: torch.Tensor, scales: torch.Tensor, kernel: Kernel) -> None:
-    w.codes, w.scales, w.zeros, w.g_idx = codes, scales, None, None
+    # The mins are in the new operands (the int4 zeros, the dense weight) or none (fp8).
+    w.codes, w.scales, w.zeros, w.g_idx, w.mins = codes, scales, None, None, None
     w.kernel = kernel
 
 

@@ -26,7 +26,12 @@
   and 32 int8 codes q (weight = q * d); Q4_0 a float16 d and 16 bytes whose low nibbles are
   weights 0..15 and high nibbles 16..31 (weight = (q - 8) * d); Q5_0 a float16 d, a 32-bit
   word whose bit i is weight i's fifth bit, then Q4_0's 16 bytes of low nibbles
-  (weight = (q - 16) * d), held as 8-bit codes.
+  (weight = (q - 16) * d), held as 8-bit codes. The K-quants, in super-blocks of 256 weights
+  of a row: Q4_K a float16 d and dmin, 12 bytes packing eight 6-bit scales sc and mins m (one
+  per group of 32), then 128 bytes whose low nibbles are weights 0..31 of each 64 and high
+  nibbles 32..63; Q5_K the same with 32 bytes (bit g of byte i: weight i of group g's fifth
+  bit) before the nibbles; weight = d * sc * q - dmin * m, held as codes q, scale d * sc and
+  min dmin * m per group (both exact in float32).
 """
 
 from __future__ import annotations
@@ -34,7 +39,13 @@ from __future__ import annotations
 import torch
 
 from minisgl.quant.qtensor import FP8, QTensor, pack_nibbles
-from minisgl.quant.scheme import GGUF_BLOCK, GGUF_TYPES, QuantScheme
+from minisgl.quant.scheme import (
+    GGUF_BLOCK,
+    GGUF_K_TYPES,
+    GGUF_SUPER_BLOCK,
+    GGUF_TYPES,
+    QuantScheme,
+)
 
 # Nibble i of an AWQ word holds output feature AWQ_ORDER[i] of its eight.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -258,27 +269,64 @@ def _gptq(prefix: str, got: dict[str, torch.Tensor], scheme: QuantScheme) -> QTe
 
 
 def _gguf(prefix: str, blocks: torch.Tensor, scheme: QuantScheme) -> QTensor:
-    n = blocks.shape[0]
-    stored = GGUF_TYPES[scheme.gguf_type]  # bits a weight: a block is a float16 and the codes
-    per_block, zero = 2 + GGUF_BLOCK * stored // 8, 1 << (stored - 1)
+    kind, n = scheme.gguf_type, blocks.shape[0]
+    stored = GGUF_TYPES[kind]  # bits a weight
+    if kind in GGUF_K_TYPES:  # d, dmin, 12 bytes of scales and mins, the high bits, the nibbles
+        per, per_block = GGUF_SUPER_BLOCK, 16 + GGUF_SUPER_BLOCK * stored // 8
+    else:  # d and the codes
+        per, per_block = GGUF_BLOCK, 2 + GGUF_BLOCK * stored // 8
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % per_block:
         raise ValueError(
-            f"{prefix}.weight is {blocks.dtype} {list(blocks.shape)}, not {scheme.gguf_type} "
+            f"{prefix}.weight is {blocks.dtype} {list(blocks.shape)}, not {kind} "
             f"blocks of {per_block} bytes a row"
         )
     b = blocks.reshape(n, -1, per_block)
-    groups = b.shape[1]
-    k = groups * scheme.group_size
-    scales = b[..., :2].contiguous().view(torch.float16).reshape(n, groups).float()
-    if scheme.gguf_type == "Q8_0":  # int8 q -> q + 128: flipping the sign bit
-        codes = (b[..., 2:] ^ 0x80).reshape(n, k)
-    else:  # weights j and j + 16 of a block share byte j of the low nibbles
-        low = b[..., -16:]
-        q = torch.cat((low & 15, low >> 4), dim=-1)
-        if scheme.gguf_type == "Q5_0":  # bit i of the block's word: weight i's fifth bit
-            high = b[..., 2:6].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8) & 1
-            q |= high.reshape(n, groups, 32) << 4
-        q = q.reshape(n, k)
-        codes = q if scheme.bits == 8 else pack_nibbles(q)  # minisgl pairs 2j, 2j + 1
+    k = b.shape[1] * per
+    if kind in GGUF_K_TYPES:
+        q, scales, mins = _k_quant(b, stored)
+    else:
+        q, scales, mins = _block_quant(b, kind), _halves(b[..., :2]), None
+        if kind == "Q8_0":  # int8 q -> q + 128: flipping the sign bit
+            q = q ^ 0x80
+    groups = k // GGUF_BLOCK
+    codes = q.reshape(n, k)
+    codes = codes if scheme.bits == 8 else pack_nibbles(codes)  # minisgl pairs 2j, 2j + 1
+    zero = 0 if mins is not None else 1 << (stored - 1)
     zeros = torch.full((n, groups), zero, dtype=torch.uint8)
-    return QTensor(codes.contiguous(), scales, zeros, None, scheme.bits, scheme.group_size, k)
+    scales = scales.reshape(n, groups)
+    mins = mins.reshape(n, groups) if mins is not None else None
+    return QTensor(codes.contiguous(), scales, zeros, None, scheme.bits, scheme.group_size, k, mins)
+
+
+def _halves(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 little-endian float16 bytes -> [...] float32."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _block_quant(b: torch.Tensor, kind: str) -> torch.Tensor:
+    """Q8_0 / Q4_0 / Q5_0 blocks [n, B, bytes] -> their codes [n, B, 32] as stored."""
+    if kind == "Q8_0":
+        return b[..., 2:]
+    low = b[..., -16:]  # weights j and j + 16 of a block share byte j
+    q = torch.cat((low & 15, low >> 4), dim=-1)
+    if kind == "Q5_0":  # bit i of the block's word: weight i's fifth bit
+        q |= (b[..., 2:6].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8) & 1).flatten(-2) << 4
+    return q
+
+
+def _k_quant(b: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K super-blocks [n, S, bytes] -> codes [n, S, 8, 32], scales and mins
+    [n, S, 8] (group g of a super-block is its weights 32g..32g + 31)."""
+    d, dmin = _halves(b[..., 0:2]), _halves(b[..., 2:4])
+    packed = b[..., 4:16].reshape(*b.shape[:2], 3, 4)
+    low6, high6, rest = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    # groups 0..3: the low 6 bits of bytes 0..3 (scales) and 4..7 (mins); groups 4..7: the
+    # low / high nibbles of bytes 8..11 under the top 2 bits of bytes 0..3 / 4..7
+    sc = torch.cat((low6 & 63, (rest & 15) | ((low6 >> 2) & 48)), dim=-1)
+    m = torch.cat((high6 & 63, (rest >> 4) | ((high6 >> 2) & 48)), dim=-1)
+    nibbles = b[..., -128:].reshape(*b.shape[:2], 4, 1, 32)
+    q = torch.cat((nibbles & 15, nibbles >> 4), dim=-2).reshape(*b.shape[:2], 8, 32)
+    if bits == 5:
+        high = b[..., 16:48].unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
+        q = q | ((high & 1) << 4)
+    return q, d.unsqueeze(-1) * sc.float(), dmin.unsqueeze(-1) * m.float()

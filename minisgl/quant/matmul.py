@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from minisgl.layers import cpu_kernels
 from minisgl.quant import cpu_gemv
 from minisgl.quant.cpu_choice import QuantKernel
-from minisgl.quant.qtensor import QTensor, dequantize
+from minisgl.quant.qtensor import QTensor, dequantize, without_mins
 
 # Elements of weight dequantized at once per matmul call: bounds the transient memory
 # (16 MiB of fp32) while keeping each F.linear large enough to run at full speed.
@@ -30,7 +30,10 @@ def qlinear(
     kernels) the weight dequantized a block of rows at a time by torch (never whole). On a GPU,
     `kernel` is the path set up at load (cuda_matmul.py) over buffers it converted. The C
     kernels write `out_dtype` themselves (a float32 LM head's logits unrounded); the others'
-    results are converted."""
+    results are converted. A weight with group mins: their term subtracted after the kernels
+    (minus_mins); the dequantizing path below includes them itself."""
+    if w.mins is not None and (kernel is not None or cpu_gemv.usable(x, w)):
+        return minus_mins(lambda dtype: qlinear(x, without_mins(w), kernel, dtype), x, w, out_dtype)
     if kernel is not None and x.device.type != "cpu":
         return through(kernel, x, w, out_dtype)
     if cpu_gemv.usable(x, w):
@@ -64,3 +67,21 @@ def through(
 
 def _as(y: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return y if dtype is None else y.to(dtype)
+
+
+def minus_mins(
+    run: Callable[[torch.dtype], torch.Tensor],
+    x: torch.Tensor,
+    w: QTensor,
+    out_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """x @ W.T for a weight with group mins (weight = (code - zero) * scale - min), where
+    `run(dtype)` multiplies by the rest in `dtype`: that in float32, less each group's min
+    times the sum of x over the group (one small float32 matmul, [rows, G] @ [G, N]), rounded
+    once to `out_dtype` (default x's)."""
+    assert w.mins is not None and w.g_idx is None
+    groups = w.mins.shape[-1]
+    sums = x.float().reshape(*x.shape[:-1], groups, w.in_features // groups).sum(-1)
+    y = run(torch.float32)
+    y -= sums @ w.mins.t()
+    return y.to(out_dtype or x.dtype)

@@ -10,8 +10,14 @@ FP8, AWQ, GPTQ, compressed-tensors and the formats made at load:
     zeros   [N, G]   uint8 zero points of integer codes (symmetric formats store the midpoint)
     g_idx   [K]      int32 group of each input feature, only where groups are not contiguous
                      (GPTQ desc_act); otherwise input feature k is in group k // group_size
+    mins    [N, G]   float32, only for formats whose groups carry a float offset (llama.cpp's
+                     K-quants: weight = d * q - m, m no whole multiple of d)
 
-    weight[n, k] = (code[n, k] - zero[n, g(k)]) * scale[n, g(k)]    (fp8: code * scale)
+    weight[n, k] = (code[n, k] - zero[n, g(k)]) * scale[n, g(k)] - min[n, g(k)]
+                                                                    (fp8: code * scale)
+
+The kernels read codes, scales and zero points; a weight with mins gets their term,
+sum_g min[n, g] * (sum of x over group g), subtracted after them (matmul.minus_mins).
 
 `QTensor` is that set of tensors (a full checkpoint tensor, or a view into a layer's buffers);
 `narrow` cuts a tensor-parallel shard out of it and `copy_` fills a layer's buffers from it,
@@ -22,7 +28,7 @@ weights with.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -39,6 +45,7 @@ class QTensor:
     bits: int
     group_size: int  # input features per group; 0: the whole row is one group
     in_features: int
+    mins: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -48,13 +55,14 @@ class QTensor:
         return 2
 
     def nbytes(self) -> int:
-        parts = (self.codes, self.scales, self.zeros, self.g_idx)
+        parts = (self.codes, self.scales, self.zeros, self.g_idx, self.mins)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def narrow(self, dim: int, start: int, length: int) -> QTensor:
         """Rows (dim 0) or input features (dim 1) [start, start + length)."""
         if dim == 0:
             zeros = self.zeros.narrow(0, start, length) if self.zeros is not None else None
+            mins = self.mins.narrow(0, start, length) if self.mins is not None else None
             return QTensor(
                 self.codes.narrow(0, start, length),
                 self.scales.narrow(0, start, length),
@@ -63,6 +71,7 @@ class QTensor:
                 self.bits,
                 self.group_size,
                 self.in_features,
+                mins,
             )
         per_byte = 2 if self.codes.dtype == torch.uint8 and self.bits == 4 else 1
         if start % per_byte or length % per_byte:
@@ -77,26 +86,31 @@ class QTensor:
                 self.bits,
                 self.group_size,
                 length,
+                self.mins,
             )
         g = self.group_size
         if g and (start % g or length % g) and (start, length) != (0, self.in_features):
             return self._regrouped(codes, start, length)
-        scales, zeros = self.scales, self.zeros
+        scales, zeros, mins = self.scales, self.zeros, self.mins
         if g:
-            scales = scales.narrow(1, start // g, -(-length // g))
-            zeros = zeros.narrow(1, start // g, -(-length // g)) if zeros is not None else None
-        return QTensor(codes, scales, zeros, None, self.bits, g, length)
+            first, count = start // g, -(-length // g)
+            scales = scales.narrow(1, first, count)
+            zeros = zeros.narrow(1, first, count) if zeros is not None else None
+            mins = mins.narrow(1, first, count) if mins is not None else None
+        return QTensor(codes, scales, zeros, None, self.bits, g, length, mins)
 
     def _regrouped(self, codes: torch.Tensor, start: int, length: int) -> QTensor:
         """Input features [start, start + length) cut inside a group (a tensor-parallel rank's
         share of a row-parallel weight): held in groups of g' = gcd(group, start, length), each
-        carrying the scale and zero point of the group it is part of. The same weights, bit for
-        bit: weight[n, k] reads the same (code, zero, scale) as before."""
+        carrying the scale, zero point and min of the group it is part of. The same weights,
+        bit for bit: weight[n, k] reads the same (code, zero, scale, min) as before."""
         g = math.gcd(self.group_size, start, length)
         first = torch.arange(start, start + length, g, device=self.scales.device)
         of = first // self.group_size  # each new group's group in the source
         zeros = self.zeros.index_select(1, of) if self.zeros is not None else None
-        return QTensor(codes, self.scales.index_select(1, of), zeros, None, self.bits, g, length)
+        mins = self.mins.index_select(1, of) if self.mins is not None else None
+        scales = self.scales.index_select(1, of)
+        return QTensor(codes, scales, zeros, None, self.bits, g, length, mins)
 
     def copy_(self, src: QTensor) -> QTensor:
         """Fill these (buffer view) tensors from `src`, checking it has the same layout."""
@@ -115,6 +129,11 @@ class QTensor:
         if self.zeros is not None:
             assert src.zeros is not None, "integer codes without zero points"
             _copy("zero points", self.zeros, src.zeros)
+        if (self.mins is None) != (src.mins is None):
+            raise ValueError("a quantized weight with group mins where none are held, or none")
+        if self.mins is not None:
+            assert src.mins is not None
+            _copy("mins", self.mins, src.mins.float())
         if self.g_idx is not None:
             if src.g_idx is None:
                 raise ValueError("a weight without g_idx where desc_act needs one")
@@ -149,6 +168,7 @@ def take_rows(w: QTensor, ids: torch.Tensor) -> QTensor:
     gathered, for an embedding lookup from a quantized table."""
     flat = ids.reshape(-1)
     zeros = w.zeros.index_select(0, flat) if w.zeros is not None else None
+    mins = w.mins.index_select(0, flat) if w.mins is not None else None
     return QTensor(
         w.codes.index_select(0, flat),
         w.scales.index_select(0, flat),
@@ -157,7 +177,13 @@ def take_rows(w: QTensor, ids: torch.Tensor) -> QTensor:
         w.bits,
         w.group_size,
         w.in_features,
+        mins,
     )
+
+
+def without_mins(w: QTensor) -> QTensor:
+    """w's codes, scales and zero points alone: what the kernels multiply by (see minus_mins)."""
+    return replace(w, mins=None)
 
 
 def _copy(what: str, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -179,7 +205,7 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return q[..., 0::2] | (q[..., 1::2] << 4)
 
 
-def _per_feature(t: torch.Tensor, w: QTensor) -> torch.Tensor:
+def per_feature(t: torch.Tensor, w: QTensor) -> torch.Tensor:
     """[n, G] per-group values -> [n, K] per input feature."""
     if w.g_idx is not None:
         return t.index_select(1, w.g_idx.long())
@@ -192,7 +218,8 @@ def dequantize(
     w: QTensor, dtype: torch.dtype, start: int = 0, end: int | None = None
 ) -> torch.Tensor:
     """Rows [start, end) of the weight as a float [n, K] tensor of `dtype` (computed in fp32:
-    (code - zero) * scale is exact there for every format here)."""
+    (code - zero) * scale is exact there for every format here; a min is then subtracted with
+    one rounding, as llama.cpp's reference dequantizes its K-quants)."""
     end = w.codes.shape[0] if end is None else end
     codes = w.codes[start:end]
     if codes.dtype == FP8:
@@ -200,5 +227,8 @@ def dequantize(
     else:
         q = unpack_nibbles(codes) if w.bits == 4 else codes
         assert w.zeros is not None
-        values = q.float() - _per_feature(w.zeros[start:end].float(), w)
-    return (values * _per_feature(w.scales[start:end], w)).to(dtype)
+        values = q.float() - per_feature(w.zeros[start:end].float(), w)
+    values = values * per_feature(w.scales[start:end], w)
+    if w.mins is not None:
+        values -= per_feature(w.mins[start:end], w)
+    return values.to(dtype)

@@ -29,14 +29,18 @@ SUPPORTED = (
     "false, checkpoint_format gptq or gptq_v2, GPTQModel's dynamic per-module overrides)",
     "auto-round (Intel's AutoRound: data_type int, packing_format auto_round:auto_gptq with "
     "bits 4 or 8, or auto_round:auto_awq with bits 4; extra_config per layer)",
-    "GGUF files (--model path/to/model.gguf or <owner>/<repo>:<type>; Q8_0, Q4_0 and Q5_0 "
-    "projections held as they are, other types dequantized at load)",
+    "GGUF files (--model path/to/model.gguf or <owner>/<repo>:<type>; Q8_0, Q4_0, Q5_0, Q4_K "
+    "and Q5_K projections held as they are, other types dequantized at load)",
 )
-# GGUF types held as they are -> the bits a weight they store (a block: a float16 scale and 32
-# such codes; minisgl holds 4-bit ones as 4-bit codes, the others as 8-bit ones); models/gguf.py
-# writes the config naming them.
-GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q5_0": 5}
-GGUF_BLOCK = 32  # weights per block
+# GGUF types held as they are -> the bits a weight they store (minisgl holds 4-bit ones as 4-bit
+# codes, the others as 8-bit ones, a scale per 32 weights); models/gguf.py writes the config
+# naming them. Q8_0 / Q4_0 / Q5_0: blocks of 32 codes and a float16 scale. The K-quants
+# (GGUF_K_TYPES): super-blocks of 256, each group of 32 with a 6-bit scale and a 6-bit min
+# under the super-block's float16 d and dmin, weight = d * sc * q - dmin * m (held with mins).
+GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q5_0": 5, "Q4_K": 4, "Q5_K": 5}
+GGUF_K_TYPES = frozenset(("Q4_K", "Q5_K"))
+GGUF_BLOCK = 32  # weights per block (a K-quant's group)
+GGUF_SUPER_BLOCK = 256  # weights per K-quant super-block
 INT4_GROUP = 128  # --quantization int4's group
 FP8_BLOCK = 128  # --quantization fp8's block (rows x input features)
 
@@ -60,6 +64,7 @@ class QuantScheme:
     midpoint_zeros: bool = False
     origin: str = ""  # the tool whose config named the layout (auto-round), for the log
     gguf_type: str = ""  # a GGUF file's block type (Q8_0, Q4_0)
+    mins: bool = False  # groups carry a float min besides the scale (GGUF's K-quants)
     # The LM head a GGUF file stores quantized, as --lm-head-quantization auto holds it: its
     # own blocks (Q8_0 / Q4_0 / Q5_0), or int8 per row made from another type's values.
     lm_head: QuantScheme | None = None
@@ -96,7 +101,8 @@ class QuantScheme:
 
     def _core(self) -> str:
         if self.method == "gguf":
-            return f"gguf {self.gguf_type} ({self.bits}-bit, a scale per {self.group_size})"
+            per = "a scale and a min" if self.mins else "a scale"
+            return f"gguf {self.gguf_type} ({self.bits}-bit, {per} per {self.group_size})"
         if self.method == "fp8":
             how = (
                 f"{self.fp8_scales} scales"
@@ -364,7 +370,9 @@ def _gguf(raw: dict[str, Any]) -> QuantScheme:
 
     def scheme(kind: str) -> QuantScheme:
         bits = 4 if GGUF_TYPES[kind] == 4 else 8
-        return QuantScheme("gguf", bits, GGUF_BLOCK, gguf_type=kind, origin="llama.cpp")
+        return QuantScheme(
+            "gguf", bits, GGUF_BLOCK, gguf_type=kind, mins=kind in GGUF_K_TYPES, origin="llama.cpp"
+        )
 
     others = tuple((m, scheme(k)) for m, k in modules.items() if k != base)
     head = raw.get("lm_head")

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from minisgl.quant import cpu_gemv, cpu_vpanel
-from minisgl.quant.matmul import qlinear, through
-from minisgl.quant.qtensor import FP8, QTensor, dequantize, take_rows
+from minisgl.quant.matmul import minus_mins, qlinear, through
+from minisgl.quant.qtensor import FP8, QTensor, dequantize, per_feature, take_rows, without_mins
 
 # Embedding lookups of at most this many ids (decode steps) dequantize row by row in C.
 FEW_ROWS = 16
@@ -30,6 +30,7 @@ class QuantWeight(nn.Module):
     scales: torch.Tensor
     zeros: torch.Tensor | None
     g_idx: torch.Tensor | None
+    mins: torch.Tensor | None
 
     def __init__(
         self,
@@ -42,6 +43,7 @@ class QuantWeight(nn.Module):
         groups: int,
         scattered_groups: bool,
         experts: int = 0,
+        mins: bool = False,
     ) -> None:
         super().__init__()
         lead = (experts,) if experts else ()
@@ -61,6 +63,8 @@ class QuantWeight(nn.Module):
         self.register_buffer("zeros", zeros)
         g_idx = torch.empty(*lead, k, dtype=torch.int32) if scattered_groups else None
         self.register_buffer("g_idx", g_idx)
+        group_mins = torch.empty(*lead, n, groups, dtype=torch.float32) if mins else None
+        self.register_buffer("mins", group_mins)
         # The CPU matmul measured fastest per row count for this shape (cpu_choice.py), set
         # at start-up; None: the untuned policy.
         self.kernel: Callable[[torch.Tensor, QTensor], torch.Tensor] | None = None
@@ -112,6 +116,7 @@ class QuantWeight(nn.Module):
             self.bits,
             self.group_size,
             self.in_features,
+            pick(self.mins) if self.mins is not None else None,
         )
 
     def __getitem__(self, key: int | slice | tuple[int, slice]) -> QTensor:
@@ -134,6 +139,13 @@ class QuantWeight(nn.Module):
         if self.lookup is not None:
             return self.lookup(ids, dtype)
         w = self.whole()
+        if w.mins is not None:  # the rest's values in float32, less the mins, rounded once
+            values = self._rows(ids, without_mins(w), torch.float32)
+            mins = per_feature(w.mins.index_select(0, ids.reshape(-1)), w)
+            return (values - mins.view_as(values)).to(dtype)
+        return self._rows(ids, w, dtype)
+
+    def _rows(self, ids: torch.Tensor, w: QTensor, dtype: torch.dtype) -> torch.Tensor:
         if ids.numel() <= FEW_ROWS and ids.device.type == "cpu" and self._c_takes(w):
             # A decode step's few tokens: each row by the C dequantizer (the same values as
             # qtensor.dequantize's), one call instead of ~12 torch ops on cold caches.
@@ -162,6 +174,8 @@ class QuantWeight(nn.Module):
         self.view(rows=slice(0, n)).copy_(src)
         self.codes[n:].view(torch.uint8).zero_()  # fp8 codes too: 0x00 is +0.0
         self.scales[n:].zero_()  # a zero scale: every padding weight dequantizes to 0
+        if self.mins is not None:
+            self.mins[n:].zero_()
 
     def whole(self) -> QTensor:
         """view() of every row, kept while the buffers are the same tensors (a GPU conversion
@@ -173,6 +187,7 @@ class QuantWeight(nn.Module):
             or w.scales is not b["scales"]
             or w.zeros is not b["zeros"]
             or w.g_idx is not b["g_idx"]
+            or w.mins is not b["mins"]
         ):
             w = self._whole = self.view()
             self._cpu_ok, self._c_rows = {}, None
@@ -202,11 +217,10 @@ class QuantWeight(nn.Module):
         """x @ W.T in `out_dtype` (default x's; see qlinear)."""
         w = self.whole()
         kernel = self.kernel
-        if self.packed:  # the panels' own kernel, whatever the rows (flattened to 2-D)
-            assert kernel is not None
-            y = through(kernel, x.reshape(-1, self.in_features), w, out_dtype)
+        if self.packed:  # flattened to 2-D
+            y = self._panels(x.reshape(-1, self.in_features), w, out_dtype)
             return y.view(*x.shape[:-1], y.shape[-1])
-        if kernel is not None and x.device.type == "cpu" and x.dim() == 2:
+        if kernel is not None and x.device.type == "cpu" and x.dim() == 2 and w.mins is None:
             ok = self._cpu_ok.get(x.dtype)
             if ok is None:  # the weight's side of qlinear's test, once per dtype
                 ok = self._cpu_ok[x.dtype] = cpu_gemv.usable(x, w)
@@ -216,10 +230,19 @@ class QuantWeight(nn.Module):
 
     def expert_matmul(self, x: torch.Tensor, w: QTensor) -> torch.Tensor:
         """One expert's x @ w.T, `w` a view of these buffers (the fused MoE's matmul)."""
-        if self.packed:  # the panels' own kernel, whatever the rows
-            assert self.kernel is not None
-            return through(self.kernel, x, w, None)
+        if self.packed:
+            return self._panels(x, w, None)
         return qlinear(x, w, self.kernel)
+
+    def _panels(self, x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None) -> torch.Tensor:
+        """x @ w.T by the panels' own kernel, whatever the rows (less the mins' term where the
+        weight has group mins, as qlinear)."""
+        kernel = self.kernel
+        assert kernel is not None
+        if w.mins is None:
+            return through(kernel, x, w, out_dtype)
+        bare = without_mins(w)
+        return minus_mins(lambda dtype: through(kernel, x, bare, dtype), x, w, out_dtype)
 
     def extra_repr(self) -> str:
         return f"shape={list(self.shape)}, bits={self.bits}, group_size={self.group_size}"

@@ -2,7 +2,13 @@
 mixed) file from the converter's float one, but with gguf-py's reference quantizers (the
 C tool needs a build). Every metadata key is copied; `types` picks each tensor's GGUF type
 (its name -> a type name, or None to keep it as it is). The GGUF tests use it to make files of
-types the converter does not write (Q4_0, Q4_1) and of mixed types."""
+types the converter does not write (Q4_0, Q4_1, the K-quants) and of mixed types.
+
+gguf-py has no quantizer for the K-quants llama-quantize writes (Q4_K, Q5_K: its Q4_K_M and
+Q5_K_M files' bulk; Q6_K: their LM head, and v and down in some layers); `quantize` makes them
+here by plain rounding (llama.cpp searches each
+group's scale and min a little further): any such bytes are valid blocks, and what the tests
+check is that minisgl reads them as gguf-py's reference dequantizer does."""
 
 from __future__ import annotations
 
@@ -33,10 +39,94 @@ def requantize(src: Path, out: Path, types: Callable[[str], str | None]) -> Path
         else:
             values = quants.dequantize(np.array(t.data), t.tensor_type).astype(np.float32)
             qtype = GGMLQuantizationType[want]
-            data = quants.quantize(values, qtype)
+            data = quantize(values, want)
         writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def quantize(values: np.ndarray, kind: str) -> np.ndarray:
+    """float32 [..., K] -> GGUF blocks of type `kind` (uint8 [..., K / weights a block * its
+    bytes]): gguf-py's quantizer, or the K-quants' below."""
+    from gguf import GGMLQuantizationType, quants
+
+    if kind in K_BITS:
+        return _k_quantize(values.astype(np.float32), K_BITS[kind])
+    if kind == "Q6_K":
+        return _q6_k_quantize(values.astype(np.float32))
+    return quants.quantize(values, GGMLQuantizationType[kind])
+
+
+K_BITS = {"Q4_K": 4, "Q5_K": 5}
+
+
+def _k_quantize(values: np.ndarray, bits: int) -> np.ndarray:
+    """Super-blocks of 256: per group of 32, scale (max - min) / (2^bits - 1) and min
+    -min(values, 0), both as 6-bit multiples of the super-block's float16 d and dmin; codes
+    q = round((value + min) / scale)."""
+    lead = values.shape[:-1]
+    x = values.reshape(-1, 8, 32)
+    low = np.minimum(x.min(-1), 0)
+    scale, mins = (x.max(-1) - low) / (2**bits - 1), -low
+    d, dmin = _half(scale.max(-1) / 63), _half(mins.max(-1) / 63)
+    sc = _six_bits(scale, d)
+    m = _six_bits(mins, dmin)
+    step = d.astype(np.float32)[:, None] * sc
+    offset = dmin.astype(np.float32)[:, None] * m
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(step[..., None] > 0, np.rint((x + offset[..., None]) / step[..., None]), 0)
+    q = np.clip(q, 0, 2**bits - 1).astype(np.uint8)  # [blocks, group, 32]
+    packed = np.concatenate(
+        [
+            (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6),
+            (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
+            (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4),
+        ],
+        axis=-1,
+    ).astype(np.uint8)
+    nibbles = (q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)  # [blocks, 4, 32]
+    parts: list[np.ndarray] = [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2)]
+    parts.append(packed)
+    if bits == 5:  # bit g of byte i: weight i of group g's fifth bit
+        fifth = ((q >> 4) & 1).astype(np.uint8) << np.arange(8, dtype=np.uint8)[:, None]
+        parts.append(fifth.sum(axis=1, dtype=np.uint8))
+    parts.append(nibbles.reshape(-1, 128))
+    blocks = np.concatenate(parts, axis=-1)
+    return blocks.reshape(*lead, -1)
+
+
+def _half(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16)
+
+
+def _six_bits(x: np.ndarray, unit: np.ndarray) -> np.ndarray:
+    """x [blocks, 8] as multiples 0..63 of each block's float16 `unit`."""
+    u = unit.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        n = np.where(u > 0, np.rint(x / u), 0)
+    return np.clip(n, 0, 63).astype(np.uint8)
+
+
+def _q6_k_quantize(values: np.ndarray) -> np.ndarray:
+    """Q6_K super-blocks of 256: per group of 16 a signed 8-bit multiple sc of the float16 d,
+    codes q in -32..31, weight = d * sc * q; stored as 128 bytes of low nibbles, 64 of high
+    bit pairs, the 16 scales, d."""
+    lead = values.shape[:-1]
+    x = values.reshape(-1, 16, 16)
+    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+    scale = -peak / 32  # the group's largest magnitude at code -32 (as llama.cpp signs it)
+    d = _half(np.abs(scale).max(-1) / 127)
+    u = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(np.where(u > 0, np.rint(scale / u), 0), -128, 127).astype(np.int8)
+        step = (u * sc)[..., None]
+        q = np.where(step != 0, np.rint(x / step), 0)
+    q6 = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 2, 64)  # [half, s, i]
+    low = (q6[:, :, 0] & 15) | ((q6[:, :, 1] & 15) << 4)  # weight 64s + i of a half: nibble s
+    pairs = (q6.reshape(-1, 2, 4, 32) >> 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]
+    parts = [low.reshape(-1, 128), pairs.sum(axis=2, dtype=np.uint8).reshape(-1, 64)]
+    parts += [sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)]
+    return np.concatenate(parts, axis=-1).reshape(*lead, -1)

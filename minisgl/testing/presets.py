@@ -52,6 +52,7 @@ LLAMA3_ROPE = {
 }
 
 _QUANT = Preset(128, 256, 2, 4, 2, 64, 4096, std=0.5, dtype="float32")
+_QUANT_K = replace(_QUANT, hidden_size=256, intermediate_size=512)
 _QUANT_MOE = replace(
     _QUANT,
     arch="qwen3_moe",
@@ -106,6 +107,16 @@ PRESETS: dict[str, Preset] = {
     "quant-moe": _QUANT_MOE,
     # Every layer sparse: llama.cpp's converter has no dense layers in a Qwen3-MoE (GGUF tests).
     "quant-moe-sparse": replace(_QUANT_MOE, mlp_only_layers=()),
+    # GGUF's K-quants (super-blocks of 256 weights of a row): every matmul's inputs a multiple
+    # of 256. q 256, kv 128, MLP 512; the mixture's experts 256 wide.
+    "quant-k": _QUANT_K,
+    "quant-k-moe-sparse": replace(
+        _QUANT_K,
+        arch="qwen3_moe",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+    ),
     # Tensor parallelism cutting quantization groups of 128 (test_quantized_tensor_parallel):
     # MLP 384 -> 192 a rank at TP=2 (Qwen3-30B-A3B's experts at TP=4), groups of 64.
     "quant-split": replace(_QUANT, intermediate_size=384),

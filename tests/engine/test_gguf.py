@@ -21,14 +21,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from quant_parity import greedy, source, transformers_greedy
+from quant_parity import assert_same_tokens, greedy, needs_vnni_panel, source, transformers_greedy
 
 from minisgl.models import gguf as gguf_model
 from minisgl.models.config import ModelConfig
 from minisgl.quant import formats
 from minisgl.quant.qtensor import dequantize
-from minisgl.quant.scheme import GGUF_TYPES, parse_quantization_config
-from minisgl.testing.gguf_requantize import requantize
+from minisgl.quant.scheme import GGUF_K_TYPES, GGUF_TYPES, parse_quantization_config
+from minisgl.testing.gguf_requantize import quantize, requantize
 from minisgl.testing.llama_cpp_converter import convert
 from minisgl.testing.scratch_cache import scratch_cache
 
@@ -58,6 +58,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "q8_0": convert(source("quant"), out / "model-q8_0.gguf", "q8_0"),
         "f32": convert(source("quant"), out / "model-f32.gguf", "f32"),
         "moe-f32": convert(source("quant-moe-sparse"), out / "moe-f32.gguf", "f32"),
+        "k-f32": convert(source("quant-k"), out / "k-f32.gguf", "f32"),
+        "k-moe-f32": convert(source("quant-k-moe-sparse"), out / "k-moe-f32.gguf", "f32"),
     }
 
 
@@ -70,8 +72,8 @@ def _twin(src: Path, out: Path, types: Callable[[str, np.ndarray], str | None]) 
     for name, values in tensors.items():
         kind = types(name, values)
         if kind is not None:
+            codes = quantize(values.astype(np.float32), kind)
             qtype = gguf.GGMLQuantizationType[kind]
-            codes = gguf.quants.quantize(values.astype(np.float32), qtype)
             tensors[name] = gguf.quants.dequantize(codes, qtype).astype(values.dtype)
     save_file(tensors, str(out / "model.safetensors"))
     return out
@@ -227,12 +229,123 @@ def test_blocks_read_as_gguf_py_decodes_them(kind: str) -> None:
     rng = np.random.default_rng(0)
     values = (rng.standard_normal((64, 256)) * rng.uniform(0.01, 3, (64, 1))).astype(np.float32)
     qtype = gguf.GGMLQuantizationType[kind]
-    blocks = gguf.quants.quantize(values, qtype)
+    blocks = quantize(values, kind)
     want = gguf.quants.dequantize(blocks, qtype)
     scheme = parse_quantization_config({"quant_method": "gguf", "modules": {"x": kind}})
     assert scheme is not None
     q = formats.read_linear("x", {"weight": torch.from_numpy(blocks)}, scheme)
     assert torch.equal(dequantize(q, torch.float32), torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("kind", sorted(GGUF_K_TYPES))
+def test_any_k_quant_bytes_read_as_gguf_py_decodes_them(kind: str) -> None:
+    """Every bit pattern of a Q4_K / Q5_K super-block (random bytes under finite d and dmin):
+    each group's 6-bit scale and min, its codes and fifth bits, bit for bit as gguf-py reads
+    them."""
+    rng = np.random.default_rng(1)
+    per = {"Q4_K": 144, "Q5_K": 176}[kind]
+    blocks = rng.integers(0, 256, (16, 4, per), dtype=np.uint8)
+    halves = rng.standard_normal((16, 4, 2)) * rng.uniform(1e-3, 1, (16, 4, 1))
+    blocks[..., :4] = halves.astype(np.float16).view(np.uint8).reshape(16, 4, 4)
+    blocks = blocks.reshape(16, -1)
+    want = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind])
+    scheme = parse_quantization_config({"quant_method": "gguf", "modules": {"x": kind}})
+    assert scheme is not None and scheme.mins
+    q = formats.read_linear("x", {"weight": torch.from_numpy(blocks)}, scheme)
+    assert q.mins is not None and q.group_size == 32 and q.shape == (16, 1024)
+    assert torch.equal(dequantize(q, torch.float32), torch.from_numpy(want))
+
+
+def _k_types(gguf_name: str) -> str | None:
+    """A Q4_K_M-shaped file (llama-quantize's most downloaded mix): Q4_K projections, Q6_K for
+    the LM head (the tied table) and for layer 0's v and down; here layer 1's down in Q5_K."""
+    if gguf_name in ("token_embd.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight"):
+        return "Q6_K"
+    if gguf_name == "blk.1.ffn_down.weight":
+        return "Q5_K"
+    return "Q4_K" if PROJECTION.fullmatch(gguf_name) else None
+
+
+def _k_twin_types(name: str, values: np.ndarray) -> str | None:
+    q6 = ("model.embed_tokens.weight", "model.layers.0.self_attn.v_proj.weight")
+    if name in q6 or name == "model.layers.0.mlp.down_proj.weight":
+        return "Q6_K"
+    if name == "model.layers.1.mlp.down_proj.weight":
+        return "Q5_K"
+    return "Q4_K" if HF_PROJECTION.fullmatch(name) else None
+
+
+@pytest.fixture(scope="module")
+def k_files(files, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The Q4_K_M-shaped file and its twin, made once."""
+    out = tmp_path_factory.mktemp("gguf-k")
+    path = requantize(files["k-f32"], out / "model-q4_k_m.gguf", _k_types)
+    return path, _twin(source("quant-k"), out / "twin", _k_twin_types)
+
+
+def test_k_quant_file(k_files, caplog) -> None:
+    """Q4_K and Q5_K projections held as they are (codes, a scale and a min per 32); the Q6_K
+    down_proj and the q/k/v set with a Q6_K v read as floats, the Q6_K head held in int8 per
+    row: the twin's tokens and transformers', at TP=1 and TP=2."""
+    path, twin = k_files
+    reference, _ = greedy(twin, lm_head_quantization="int8")
+    with caplog.at_level(logging.INFO):
+        assert greedy(path)[0] == reference
+    assert (
+        "gguf Q4_K (4-bit, a scale and a min per 32) (from the checkpoint, llama.cpp); 1 module "
+        "pattern in gguf Q5_K (8-bit, a scale and a min per 32)" in caplog.text
+    )
+    # layer 0's o and gate_up, layer 1's qkv, o, gate_up and down, the head
+    assert "quantized in 7 weights" in caplog.text
+    assert "LM head: int8 8-bit, per channel" in caplog.text
+    assert "2 Q4_K, 3 Q6_K tensor(s) dequantized at load" in caplog.text  # q, k; v, down, table
+    # with the head in float (the Q6_K table's values): transformers' tokens on the twin
+    assert greedy(path, lm_head_quantization="none")[0] == transformers_greedy(twin)
+    assert greedy(path, tp_size=2)[0] == reference
+
+
+@pytest.mark.parametrize(
+    ("pick", "dtype"),
+    [
+        ("", "bfloat16"),
+        pytest.param("vnni_panel", "float32", marks=needs_vnni_panel),
+        pytest.param("vnni_panel", "bfloat16", marks=needs_vnni_panel),
+    ],
+)
+def test_k_quant_file_in_bf16_and_panels(
+    k_files, pick: str, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same file in bf16 (its decode steps outside the C decode chain, which leaves the
+    mins' term to torch) and with every held weight repacked into VNNI panels (the panels'
+    kernel, then the mins' term): the twin's tokens."""
+    if pick:
+        monkeypatch.setenv("MINISGL_CPU_QUANT_LINEAR", pick)
+    path, twin = k_files
+    assert_same_tokens(path, twin, dtype=dtype, lm_head_quantization="int8")
+
+
+def test_k_quant_moe_file(files, tmp_path: Path, caplog) -> None:
+    """A Qwen3-MoE's experts in Q4_K (layer 0) and Q5_K (layer 1), attention in Q4_K: held as
+    they are, each expert's mins' term after its kernel; the twin's tokens and transformers'."""
+
+    def types(name: str) -> str | None:
+        if name.endswith("_exps.weight"):
+            return "Q5_K" if name.startswith("blk.1.") else "Q4_K"
+        return "Q4_K" if PROJECTION.fullmatch(name) else None
+
+    def twin_types(name: str, values: np.ndarray) -> str | None:
+        if ".mlp.experts." in name:
+            return "Q5_K" if name.startswith("model.layers.1.") else "Q4_K"
+        return "Q4_K" if HF_PROJECTION.fullmatch(name) else None
+
+    path = requantize(files["k-moe-f32"], tmp_path / "moe-k.gguf", types)
+    twin = _twin(source("quant-k-moe-sparse"), tmp_path / "twin", twin_types)
+    reference, _ = greedy(twin)
+    with caplog.at_level(logging.INFO):
+        assert greedy(path)[0] == reference
+    assert "quantized in 8 weights" in caplog.text
+    assert "dequantized at load" not in caplog.text
+    assert reference == transformers_greedy(twin)
 
 
 def _tiny_file(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> Path:

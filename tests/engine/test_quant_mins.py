@@ -1,0 +1,140 @@
+"""Quantized weights whose groups carry a float min (GGUF's Q4_K / Q5_K: weight = d * sc * q -
+dmin * m): every way minisgl reads such a weight gives the values qtensor.dequantize gives (and
+gguf-py's reference dequantizer, tests/engine/test_gguf.py): tensor-parallel cuts, embedding
+rows, the CPU kernels with the mins' term after them, VNNI panels, and the GPU conversions
+(through torch's CPU twins of its int4 ops)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from quant_parity import needs_vnni_panel
+from torch import nn
+
+from minisgl.quant import cpu_choice, formats
+from minisgl.quant import cuda_matmul as cm
+from minisgl.quant.qtensor import QTensor, dequantize, take_rows
+from minisgl.quant.scheme import parse_quantization_config
+from minisgl.quant.weight import QuantWeight
+from minisgl.testing.gguf_requantize import quantize
+
+
+def _k_weight(kind: str, n: int = 96, k: int = 512, seed: int = 0) -> QTensor:
+    rng = np.random.default_rng(seed)
+    # each row off zero by its own amount: mins far from a whole number of scales
+    values = rng.standard_normal((n, k)) * 0.05 + rng.uniform(-0.1, 0.1, (n, 1))
+    blocks = quantize(values.astype(np.float32), kind)
+    scheme = parse_quantization_config({"quant_method": "gguf", "modules": {"x": kind}})
+    assert scheme is not None
+    return formats.read_linear("x", {"weight": torch.from_numpy(blocks)}, scheme)
+
+
+def _holder(w: QTensor, experts: int = 0) -> QuantWeight:
+    n, k = w.shape
+    h = QuantWeight(
+        n, k, bits=w.bits, fp8=False, group_size=w.group_size, groups=w.scales.shape[1],
+        scattered_groups=False, experts=experts, mins=True,
+    )  # fmt: skip
+    for e in range(max(experts, 1)):
+        (h.view(e) if experts else h.view()).copy_(w)
+    return h
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+def test_tensor_parallel_cuts_and_rows_keep_each_weights_min(kind: str) -> None:
+    w = _k_weight(kind)
+    full = dequantize(w, torch.float32)
+    assert torch.equal(dequantize(w.narrow(0, 32, 40), torch.float32), full[32:72])
+    assert torch.equal(dequantize(w.narrow(1, 256, 256), torch.float32), full[:, 256:])
+    # a cut inside a group of 32 (regrouped into groups of 16, each keeping its min)
+    cut = w.narrow(1, 16, 48)
+    assert cut.group_size == 16
+    assert torch.equal(dequantize(cut, torch.float32), full[:, 16:64])
+    ids = torch.tensor([5, 0, 95])
+    assert torch.equal(dequantize(take_rows(w, ids), torch.float32), full[ids])
+
+
+def test_a_layers_buffers_take_mins_only_from_a_weight_that_has_them() -> None:
+    w = _k_weight("Q4_K")
+    h = _holder(w)
+    assert torch.equal(dequantize(h.view(), torch.float32), dequantize(w, torch.float32))
+    plain = QTensor(w.codes, w.scales, w.zeros, None, 4, 32, w.in_features)
+    with pytest.raises(ValueError, match="mins"):
+        h.copy_(plain)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_and_the_mins_term_give_the_dequantized_product(
+    kind: str, rows: int, dtype: torch.dtype
+) -> None:
+    """qgemv (up to 16 rows) and the dequantized chunks (more) over the codes, scales and zero
+    points, less sum_g min * sum of x over g: the product of the dequantized weight."""
+    h = _holder(_k_weight(kind))
+    ref_w = dequantize(h.view(), torch.float32)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    ref = x.float() @ ref_w.t()
+    y = h.matmul(x)
+    assert y.dtype == dtype
+    tol = 3e-4 if dtype == torch.float32 else 1e-2  # qgemv rounds x to 16 bits a row
+    assert (y.float() - ref).norm() / ref.norm() < tol
+    logits = h.matmul(x, torch.float32)  # an LM head's float32 logits
+    assert logits.dtype == torch.float32
+    assert (logits - ref).norm() / ref.norm() < tol
+
+
+def test_embedding_rows_subtract_the_mins() -> None:
+    h = _holder(_k_weight("Q4_K"))
+    full = dequantize(h.view(), torch.float32)
+    few, many = torch.tensor([[3, 0]]), torch.arange(40).view(2, 20)  # C rows / torch gather
+    assert torch.equal(h.rows(few, torch.float32), full[few])
+    assert torch.equal(h.rows(many, torch.float32), full[many])
+    assert torch.equal(h.rows(few, torch.bfloat16), full[few].to(torch.bfloat16))
+
+
+def test_vocabulary_padding_rows_are_zero() -> None:
+    w = _k_weight("Q4_K", n=90)
+    h = QuantWeight(
+        96, 512, bits=4, fp8=False, group_size=32, groups=16, scattered_groups=False, mins=True
+    )
+    h.mins.fill_(float("nan"))  # type: ignore[union-attr]  # as uninitialised memory may read
+    h.load_rows(w)
+    assert torch.equal(h.rows(torch.tensor([95]), torch.float32), torch.zeros(1, 512))
+
+
+@needs_vnni_panel
+def test_vnni_panels_then_the_mins_term(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MINISGL_CPU_QUANT_LINEAR", "vnni_panel")
+    h = _holder(_k_weight("Q4_K"))
+    ref_w = dequantize(h.view(), torch.float32)
+    (h.kernel,), _ = cpu_choice.kernels_for([[h.view()]], torch.float32, "off")
+    h.pack_vnni()
+    x = torch.randn(5, 512)
+    ref = x @ ref_w.t()
+    assert (h.matmul(x) - ref).norm() / ref.norm() < 3e-4  # the panels round x to 16 bits
+    assert torch.equal(h.rows(torch.tensor([7]), torch.float32), ref_w[7:8])
+
+
+@pytest.mark.parametrize("experts", [0, 3])
+def test_the_int4_gpu_path_folds_the_mins_into_its_zeros(experts: int) -> None:
+    """torch's int4 matmul computes (q - 8) * scale + zero: zero = (8 - z) * scale - min, and
+    no mins' term after it (its twin on the CPU)."""
+    h = _holder(_k_weight("Q4_K"), experts)
+    ref = dequantize(h.view(0) if experts else h.view(), torch.float32)
+    line = cm.prepare(nn.ModuleDict({"w": h}), torch.bfloat16, (9, 0), ops=cm.CPU_INT4)
+    assert line == "quantized weights on the GPU: 1 int4 weight-only matmul"
+    assert h.mins is None
+    x = torch.randn(4, 512, dtype=torch.bfloat16)
+    # (qlinear runs the kernel set up on a GPU where x is on one; its CPU twin directly here)
+    y = h.kernel(x, h[0] if experts else h.view())  # type: ignore[misc]
+    want = x.float() @ ref.t()
+    assert (y.float() - want).norm() / want.norm() < 0.02
+
+
+def test_the_dequantizing_gpu_path_includes_the_mins() -> None:
+    h = _holder(_k_weight("Q5_K"))  # 8-bit codes: dequantized for the GPU
+    ref = dequantize(h.view(), torch.bfloat16)
+    cm.prepare(nn.ModuleDict({"w": h}), torch.bfloat16, (9, 0), ops=cm.CPU_INT4)
+    assert h.mins is None and torch.equal(h.codes, ref)
