@@ -43,6 +43,7 @@ COMMON_SOURCES = (
     "stream.c",
     "qgemv.c",
     "qdequant.c",
+    "qmins.c",
     "qamx.c",
     "qamxi.c",
     "qamxf.c",

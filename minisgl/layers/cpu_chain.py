@@ -38,8 +38,8 @@ from minisgl.quant.weight import QuantWeight
 OP_WORDS = 24
 (
     OP_NORM, OP_ATTN, OP_SILU, OP_MM8, OP_MM7, OP_QMM, OP_ROWS, OP_ROPE, OP_ROUTE, OP_MOE, OP_PROWS,
-    OP_MMI,
-) = range(12)  # fmt: skip
+    OP_MMI, OP_MINS,
+) = range(13)  # fmt: skip
 STEP_X, STEP_SLOTS, STEP_LENS, STEP_KMAX, STEP_NEW_SLOTS, STEP_COS, STEP_SIN, STEP_OUT = range(8)
 STEP_IDS, STEP_POS = 8, 9
 STEP_WORDS = 10
@@ -123,17 +123,16 @@ class Chain:
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
 
-    def buffer(self, name: str, *shape: int) -> torch.Tensor:
-        """[rows, *shape] in the chain's dtype: one per name and shape (layers reuse them), the
-        first rows of the arena's."""
-        key = (name, shape)
+    def buffer(self, name: str, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[rows, *shape] in the chain's dtype (or `dtype`): one per name, shape and dtype
+        (layers reuse them), the first rows of the arena's."""
+        dtype = dtype or self.dtype
+        key = (dtype, name, shape)
         t = self._buffers.get(key)
         if t is None:
-            whole = self._arena.get((self.dtype, *key))
+            whole = self._arena.get(key)
             if whole is None:
-                whole = self._arena[(self.dtype, *key)] = torch.empty(
-                    MAX_ROWS, *shape, dtype=self.dtype
-                )
+                whole = self._arena[key] = torch.empty(MAX_ROWS, *shape, dtype=dtype)
             t = self._buffers[key] = whole[: self.rows]
         return t
 
@@ -359,8 +358,6 @@ class Chain:
 
     def _quantized(self, weight: QuantWeight, xa: int, ya: int, out: torch.Tensor) -> None:
         w = weight.whole()
-        if w.mins is not None:  # their term is torch's (matmul.minus_mins)
-            raise Unsupported("a quantized weight with group mins")
         probe = torch.empty(self.rows, w.in_features, dtype=self.dtype)
         if not cpu_gemv.usable(probe, w):
             raise Unsupported("a quantized weight the C kernels do not take")
@@ -381,8 +378,18 @@ class Chain:
         # The output dtype the kernel writes: the chain's, or the LM head's float32 logits
         # (QuantWeight.matmul's out_dtype: the same kernel call, so the same bits).
         out_bf16 = int(out.dtype == torch.bfloat16)
-        args = (xa, self.bf16, *weight_args, ya, out_bf16, self.rows, n, k, group)
-        self._emit(OP_QMM, fn, *args, label=f"C matmul {n}x{k} {ops.kind} {name}")
+        label = f"C matmul {n}x{k} {ops.kind} {name}"
+        if w.mins is None:
+            args = (xa, self.bf16, *weight_args, ya, out_bf16, self.rows, n, k, group)
+            self._emit(OP_QMM, fn, *args, label=label)
+            return
+        # Group mins (matmul.minus_mins): the kernel into float32, then their term into out.
+        acc = self._arg(self.buffer("mins_acc", n, dtype=torch.float32))
+        self._emit(OP_QMM, fn, xa, self.bf16, *weight_args, acc, 0, self.rows, n, k, group,
+                   label=label)  # fmt: skip
+        mins = (self._arg(w.mins), w.mins.stride(0))
+        args = (xa, self.bf16, acc, *mins, ya, out_bf16, self.rows, n, k, group)
+        self._emit(OP_MINS, self.lib.qmins, *args, label=f"C group mins {n}x{k}")
 
     def embedding(self, table: QuantWeight) -> None:
         """The step's token ids' rows of a quantized embedding table (as QuantWeight.rows
@@ -519,6 +526,7 @@ _KIND_LABELS = {
     OP_ROPE: "C rotary rows",
     OP_ROUTE: "C router top-k",
     OP_MOE: "C experts",
+    OP_MINS: "C group mins",
 }
 
 

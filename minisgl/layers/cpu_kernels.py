@@ -143,6 +143,11 @@ class _Lib:
         codes = ("u4", "u8", "fp8")
         self.qgemv = _quant_kernels(lib, "qgemv", codes, _QMM_ARGS)
         self.qdequant = _quant_kernels(lib, "qdequant", codes, _QROWS_ARGS)
+        # A weight's group mins' term after one of them (qmins.c; minisgl/quant/matmul.py):
+        # (x, x_bf16, fp32 product, mins, group row stride, y, out_bf16, M, N, K, group size).
+        lib.qmins.argtypes = [ptr, ctypes.c_int, ptr, ptr, i64, ptr, ctypes.c_int] + [i64] * 4
+        lib.qmins.restype = None
+        self.qmins = lib.qmins
         # Many rows over quantized weights, a panel dequantized once for all of them
         # (qdequant.c; minisgl/quant/cpu_panel.py): qgemv's arguments.
         # qpanel16_*: integer codes against x quantized per row to int16.

@@ -304,11 +304,8 @@ def _q_operands(x: torch.Tensor, w: QuantWeight) -> tuple[torch.Tensor, int] | N
     """Quantized experts' operands and kernel per row count as moe_decode_q takes them
     (csrc/moe.c), and up to how many rows an expert may have in that call (the row counts whose
     pick is one C kernel call); None where the quantized GEMV does not take them
-    (cpu_gemv.usable), x is neither bf16 nor fp32, no row count is one call, or the experts
-    have group mins (their term is subtracted in torch: matmul.minus_mins). Made once per kind
-    of x, place of the weight's tensors and picks: a decode step asks in every layer."""
-    if w.mins is not None:
-        return None
+    (cpu_gemv.usable), x is neither bf16 nor fp32 or no row count is one call. Made once per
+    kind of x, place of the weight's tensors and picks: a decode step asks in every layer."""
     cache = w.__dict__.setdefault("_moe_operands", {})
     picks = w.kernel.picks if isinstance(w.kernel, QuantKernel) else None
     key = (
@@ -350,6 +347,8 @@ def _q_words(x: torch.Tensor, w: QuantWeight) -> tuple[torch.Tensor, int] | None
         [zeros.data_ptr(), zeros.stride(0) * zeros.element_size()] if zeros is not None else [0, 0]
     )
     words += [scales.stride(1), codes.shape[1], w.in_features, w.group_size or w.in_features]
+    mins = w.mins  # group mins (GGUF's K-quants): their term after each expert's kernel
+    words += [mins.data_ptr(), mins.stride(0) * 4, mins.stride(1)] if mins is not None else [0] * 3
     words += kernels + [0] * (cpu_kernels.MAX_ROWS - len(kernels))
     return torch.tensor(words, dtype=torch.int64), len(kernels)
 

@@ -17,7 +17,7 @@ read as follows:
   and zero point 8 for Q4_0, Q5_0's 5-bit values as 8-bit codes with zero point 16; Q4_K's
   4-bit and Q5_K's 5-bit codes with zero point 0, each group's scale d * sc and its min
   dmin * m), which the CPU kernels (and the CUDA path) run as they run GPTQ's, the K-quants'
-  mins subtracted after them (their sum over a group of inputs, times the input's sum there).
+  mins' term subtracted after them (each group's min times the inputs' sum over the group).
 - Every other type (Q6_K, Q2_K, Q3_K, IQ, Q4_1, ...), and a quantized untied embedding or
   router:
   dequantized at load by gguf-py (llama.cpp's own Python package), said in one log line; so are

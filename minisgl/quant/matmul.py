@@ -32,8 +32,9 @@ def qlinear(
     kernels write `out_dtype` themselves (a float32 LM head's logits unrounded); the others'
     results are converted. A weight with group mins: their term subtracted after the kernels
     (minus_mins); the dequantizing path below includes them itself."""
-    if w.mins is not None and (kernel is not None or cpu_gemv.usable(x, w)):
-        return minus_mins(lambda dtype: qlinear(x, without_mins(w), kernel, dtype), x, w, out_dtype)
+    if w.mins is not None and cpu_gemv.usable(x, w):
+        bare = without_mins(w)
+        return minus_mins(lambda x, dtype: qlinear(x, bare, kernel, dtype), x, w, out_dtype)
     if kernel is not None and x.device.type != "cpu":
         return through(kernel, x, w, out_dtype)
     if cpu_gemv.usable(x, w):
@@ -70,18 +71,25 @@ def _as(y: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def minus_mins(
-    run: Callable[[torch.dtype], torch.Tensor],
+    run: Callable[[torch.Tensor, torch.dtype], torch.Tensor],
     x: torch.Tensor,
     w: QTensor,
     out_dtype: torch.dtype | None,
 ) -> torch.Tensor:
     """x @ W.T for a weight with group mins (weight = (code - zero) * scale - min), where
-    `run(dtype)` multiplies by the rest in `dtype`: that in float32, less each group's min
-    times the sum of x over the group (one small float32 matmul, [rows, G] @ [G, N]), rounded
-    once to `out_dtype` (default x's)."""
-    assert w.mins is not None and w.g_idx is None
-    groups = w.mins.shape[-1]
-    sums = x.float().reshape(*x.shape[:-1], groups, w.in_features // groups).sum(-1)
-    y = run(torch.float32)
-    y -= sums @ w.mins.t()
-    return y.to(out_dtype or x.dtype)
+    `run(x, dtype)` multiplies by the rest in `dtype` on the CPU: that in float32, less each
+    group's min times the sum of x over the group, rounded once to `out_dtype` (default x's),
+    by csrc/qmins.c (the decode chain's call: the same bits)."""
+    lib = cpu_kernels.load()
+    assert lib is not None and w.mins is not None and w.g_idx is None and x.dim() == 2
+    x = x.contiguous()
+    acc = run(x, torch.float32)
+    dtype = out_dtype or x.dtype
+    y = acc if dtype == torch.float32 else torch.empty_like(acc, dtype=dtype)
+    n, k = acc.shape[1], w.in_features
+    lib.qmins(
+        x.data_ptr(), int(x.dtype == torch.bfloat16), acc.data_ptr(), w.mins.data_ptr(),
+        w.mins.stride(0), y.data_ptr(), int(dtype == torch.bfloat16), x.shape[0], n, k,
+        w.group_size or k,
+    )  # fmt: skip
+    return y

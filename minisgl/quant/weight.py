@@ -242,7 +242,7 @@ class QuantWeight(nn.Module):
         if w.mins is None:
             return through(kernel, x, w, out_dtype)
         bare = without_mins(w)
-        return minus_mins(lambda dtype: through(kernel, x, bare, dtype), x, w, out_dtype)
+        return minus_mins(lambda x, dtype: through(kernel, x, bare, dtype), x, w, out_dtype)
 
     def extra_repr(self) -> str:
         return f"shape={list(self.shape)}, bits={self.bits}, group_size={self.group_size}"

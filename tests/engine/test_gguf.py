@@ -324,6 +324,20 @@ def test_k_quant_file_in_bf16_and_panels(
     assert_same_tokens(path, twin, dtype=dtype, lm_head_quantization="int8")
 
 
+def test_k_quant_decode_steps_run_in_the_chain_with_the_layer_paths_bits(
+    k_files, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """Decode steps of a file with group mins run as the C decode chain (the kernel into
+    float32, then csrc/qmins.c's term, the layer path's own calls): the same tokens and
+    logprobs, bit for bit, as layer by layer."""
+    path, _ = k_files
+    with caplog.at_level(logging.INFO):
+        chained = greedy(path, dtype="bfloat16")
+    assert "a step of 1 rows runs layer by layer" not in caplog.text
+    monkeypatch.setenv("MINISGL_CPU_DECODE_CHAIN", "0")
+    assert greedy(path, dtype="bfloat16") == chained
+
+
 def test_k_quant_moe_file(files, tmp_path: Path, caplog) -> None:
     """A Qwen3-MoE's experts in Q4_K (layer 0) and Q5_K (layer 1), attention in Q4_K: held as
     they are, each expert's mins' term after its kernel; the twin's tokens and transformers'."""

@@ -138,3 +138,40 @@ def test_the_dequantizing_gpu_path_includes_the_mins() -> None:
     ref = dequantize(h.view(), torch.bfloat16)
     cm.prepare(nn.ModuleDict({"w": h}), torch.bfloat16, (9, 0), ops=cm.CPU_INT4)
     assert h.mins is None and torch.equal(h.codes, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_experts_with_mins_in_one_c_call_give_the_per_expert_loops_bits(
+    tokens: int, dtype: torch.dtype
+) -> None:
+    """A mixture's decode: the experts in one C call (csrc/moe.c, each expert's kernel into
+    float32 then qmins.c's term) against the per-expert loop (QuantWeight.expert_matmul):
+    the same bits; and the dequantized experts' result."""
+    from minisgl.layers import moe
+
+    experts, hidden, inter = 4, 256, 256
+    w13 = _holder(_k_weight("Q4_K", n=2 * inter, k=hidden, seed=1), experts)
+    w2 = _holder(_k_weight("Q5_K", n=hidden, k=inter, seed=2), experts)
+    for e in range(experts):  # each expert its own weights: scaled codes' scales and mins
+        for h in (w13, w2):
+            h.scales[e] *= e + 1
+            h.mins[e] *= e + 1  # type: ignore[index]
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g).to(dtype)
+    mm13, mm2 = w13.expert_matmul, w2.expert_matmul
+    assert moe.decode_call(x, w13, w2, mm13, mm2) is not None
+    one = moe.fused_moe(x, w13, w2, weights, ids, mm13, mm2)
+    loop = moe.fused_moe(x, w13, w2, weights, ids, mm13, mm2, one_call_tokens=0)
+    assert torch.equal(one, loop)
+    want = torch.zeros(tokens, hidden)
+    for t in range(tokens):
+        for j in range(2):
+            e = int(ids[t, j])
+            gate_up = x[t].float() @ dequantize(w13.view(e), torch.float32).t()
+            h = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+            want[t] += float(weights[t, j]) * (h @ dequantize(w2.view(e), torch.float32).t())
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    assert (one.float() - want).norm() / want.norm() < tol

@@ -18,7 +18,7 @@
 #define OP_WORDS 24
 
 enum { OP_NORM = 0, OP_ATTN = 1, OP_SILU = 2, OP_MM8 = 3, OP_MM7 = 4, OP_QMM = 5, OP_ROWS = 6,
-       OP_ROPE = 7, OP_ROUTE = 8, OP_MOE = 9, OP_PROWS = 10, OP_MMI = 11 };
+       OP_ROPE = 7, OP_ROUTE = 8, OP_MOE = 9, OP_PROWS = 10, OP_MMI = 11, OP_MINS = 12 };
 /* Indices into the per-step values. */
 enum { STEP_X = 0, STEP_SLOTS = 1, STEP_LENS = 2, STEP_KMAX = 3, STEP_NEW_SLOTS = 4,
        STEP_COS = 5, STEP_SIN = 6, STEP_OUT = 7, STEP_IDS = 8, STEP_POS = 9 };
@@ -43,6 +43,9 @@ typedef int (*MatmulIntFn)(const void*, const void*, void*, int64_t, int64_t, in
 /* qgemv_* and the kernels that take its arguments */
 typedef void (*QMatmulFn)(const void*, int, const void*, int64_t, const void*, const void*,
                           int64_t, void*, int, int64_t, int64_t, int64_t, int64_t);
+/* qmins: (x, x_bf16, fp32 product, mins, group stride, y, out_bf16, M, N, K, group size) */
+typedef void (*MinsFn)(const void*, int, const float*, const float*, int64_t, void*, int,
+                       int64_t, int64_t, int64_t, int64_t);
 /* moe_route: (logits, logits_bf16, T, E, k, renorm, weights, weights_bf16, ids) */
 typedef void (*RouteFn)(const void*, int, int64_t, int64_t, int64_t, int, void*, int, int64_t*);
 /* moe_decode_bf16, moe_decode_q, moe_decode_f: (x, x_bf16, w13, w2, E, ids, weights,
@@ -146,6 +149,10 @@ static inline void run_op(const int64_t* op, const int64_t* step) {
         case OP_QMM:
             ((QMatmulFn)fn)(input(a[0], step), (int)a[1], ptr(a[2]), a[3], ptr(a[4]), ptr(a[5]),
                             a[6], input(a[7], step), (int)a[8], a[9], a[10], a[11], a[12]);
+            break;
+        case OP_MINS:
+            ((MinsFn)fn)(input(a[0], step), (int)a[1], ptr(a[2]), ptr(a[3]), a[4],
+                         input(a[5], step), (int)a[6], a[7], a[8], a[9], a[10]);
             break;
         case OP_ROWS: run_rows(a, fn, step); break;
         case OP_PROWS: run_panel_rows(a, step); break;
