@@ -110,7 +110,7 @@ class Chain:
         self._labels: list[str] = []  # what each op is, for `timing`
         # Every tensor an op points at, kept alive as long as the chain.
         self._held: list[Any] = []
-        self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._buffers: dict[tuple[torch.dtype, str, tuple[int, ...]], torch.Tensor] = {}
         self.step = (ctypes.c_int64 * STEP_WORDS)()
         # The buffer the first op (`embedding`) looks the step's token ids' rows up into, the
         # layers' input; None: the step's input rows come from the caller.
@@ -388,8 +388,9 @@ class Chain:
         self._emit(OP_QMM, fn, xa, self.bf16, *weight_args, acc, 0, self.rows, n, k, group,
                    label=label)  # fmt: skip
         mins = (self._arg(w.mins), w.mins.stride(0))
-        args = (xa, self.bf16, acc, *mins, ya, out_bf16, self.rows, n, k, group)
-        self._emit(OP_MINS, self.lib.qmins, *args, label=f"C group mins {n}x{k}")
+        sizes = (self.rows, n, k, group)
+        self._emit(OP_MINS, self.lib.qmins, xa, self.bf16, acc, *mins, ya, out_bf16, *sizes,
+                   label=f"C group mins {n}x{k}")  # fmt: skip
 
     def embedding(self, table: QuantWeight) -> None:
         """The step's token ids' rows of a quantized embedding table (as QuantWeight.rows
