@@ -145,19 +145,8 @@ class _Lib:
         self.qdequant = _quant_kernels(lib, "qdequant", codes, _QROWS_ARGS)
         # A weight's group mins' term after one of them (qmins.c; minisgl/quant/matmul.py):
         # (x, x_bf16, fp32 product, mins, group row stride, y, out_bf16, M, N, K, group size).
-        lib.qmins.argtypes = [
-            ptr,
-            ctypes.c_int,
-            ptr,
-            ptr,
-            i64,
-            ptr,
-            ctypes.c_int,
-            i64,
-            i64,
-            i64,
-            i64,
-        ]
+        lib.qmins.argtypes = [ptr, ctypes.c_int, ptr, ptr, i64, ptr, ctypes.c_int,
+                              i64, i64, i64, i64]  # fmt: skip
         lib.qmins.restype = None
         self.qmins = lib.qmins
         # Many rows over quantized weights, a panel dequantized once for all of them
