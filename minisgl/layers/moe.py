@@ -442,7 +442,7 @@ class FusedMoE(nn.Module):
         """Measure (or read from the tuning cache) the fastest copy-free matmul per row count
         for this layer's expert shapes, as the dense layers do; the summary lines of the picks
         (none where nothing was measured: CPU kernels off, another device)."""
-        if not _picks_wanted(tuning) or isinstance(self.w13, QuantWeight):
+        if not _picks_wanted(tuning) or self._quantized():
             return []
         lines = []
         gemv_rows = cpu_kernels.MAX_ROWS  # as _matmul, where nothing was measured
@@ -459,10 +459,11 @@ class FusedMoE(nn.Module):
         return lines
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.w13, QuantWeight):  # quantized experts (minisgl/quant/)
+        if self._quantized():  # quantized experts (minisgl/quant/), w13 or w2 or both
             w13, w2 = self.w13, self.w2
-            assert isinstance(w2, QuantWeight)
-            y = fused_moe(x, w13, w2, weights, ids, w13.expert_matmul, w2.expert_matmul)
+            mm13 = w13.expert_matmul if isinstance(w13, QuantWeight) else self.mm13
+            mm2 = w2.expert_matmul if isinstance(w2, QuantWeight) else self.mm2
+            y = fused_moe(x, w13, w2, weights, ids, mm13, mm2)
         else:
             if self.grouped is None:
                 self.grouped = _grouped_gemm_works(x, self.w13)
@@ -474,6 +475,9 @@ class FusedMoE(nn.Module):
         if self.tp_size > 1:
             distributed.all_reduce(y)
         return y
+
+    def _quantized(self) -> bool:
+        return isinstance(self.w13, QuantWeight) or isinstance(self.w2, QuantWeight)
 
     def weight_names(self) -> set[str]:
         return {

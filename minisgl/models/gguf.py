@@ -21,7 +21,8 @@ read as follows:
 - Every other type (Q6_K, Q2_K, Q3_K, IQ, Q4_1, ...), and a quantized untied embedding or
   router:
   dequantized at load by gguf-py (llama.cpp's own Python package), said in one log line; so are
-  projections minisgl fuses (q/k/v, gate/up, a layer's experts) stored in different types. An
+  projections minisgl fuses (q/k/v, gate/up, a layer's gate/up experts) stored in different
+  types. An
   LM head stored in such a type is held in int8 per row (--lm-head-quantization auto), made
   from its dequantized values.
 """
@@ -79,11 +80,12 @@ _TOP_TENSORS = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-# Projections minisgl holds as one weight: held as they are only if all share one type.
-_FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"),
-          ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))  # fmt: skip
+# Projections minisgl holds as one weight: held as they are only if all share one type (a
+# mixture's down_proj experts are a weight of their own).
+_FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("ffn_gate_exps", "ffn_up_exps"))
 _PROJECTIONS = frozenset(
-    ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down") + _FUSED[2]
+    ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    + ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 )
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # general.file_type -> the torch_dtype a config.json of its source would name.

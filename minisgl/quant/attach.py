@@ -159,7 +159,7 @@ def attach_head(model: nn.Module, scheme: QuantScheme | None) -> int:
 def attach(model: nn.Module, layout: CheckpointLayout) -> int:
     """Swap in QuantWeight buffers for every linear the layout has quantized, and the LM head
     where it is quantized at load; returns how many layers (a mixture's experts count as two:
-    w13 and w2) now hold quantized weights. Rank 0 logs, in one line, the weights tensor
+    w13 and w2, each quantized or not) now hold quantized weights. Rank 0 logs, in one line, the weights tensor
     parallelism cut inside their quantization groups (held in smaller ones)."""
     count = attach_head(model, layout.head)
     scheme = layout.scheme
@@ -181,23 +181,25 @@ def attach(model: nn.Module, layout: CheckpointLayout) -> int:
             _note(regrouped, name.rpartition(".")[2], held, k_full, own.group_size)
             rank = m.tp_rank
             count += 1
-        elif isinstance(m, FusedMoE):
+        elif isinstance(m, FusedMoE):  # w13 and w2 each quantized or float (fused_moe)
             experts = range(m.num_experts)
             up = [f"{name}.{e}.{p}" for e in experts for p in ("gate_proj", "up_proj")]
             down = [f"{name}.{e}.down_proj" for e in experts]
-            if not _all_or_none(name, up + down, layout):
-                continue
-            own13 = _one_scheme(f"{name}'s gate/up", up, scheme)
-            own2 = _one_scheme(f"{name}'s down_proj", down, scheme)
             e, n13, h = m.w13.shape
             _, _, i = m.w2.shape
-            del m.w13, m.w2
-            m.w13 = _holder(own13, n13, h, h, False, e)  # type: ignore[assignment]
-            w2 = _holder(own2, h, i, i * m.tp_size, True, e)
-            m.w2 = w2  # type: ignore[assignment]
-            _note(regrouped, "experts' down_proj", w2, i * m.tp_size, own2.group_size)
+            if _all_or_none(f"{name}'s gate/up", up, layout):
+                own13 = _one_scheme(f"{name}'s gate/up", up, scheme)
+                del m.w13
+                m.w13 = _holder(own13, n13, h, h, False, e)  # type: ignore[assignment]
+                count += 1
+            if _all_or_none(f"{name}'s down_proj", down, layout):
+                own2 = _one_scheme(f"{name}'s down_proj", down, scheme)
+                del m.w2
+                w2 = _holder(own2, h, i, i * m.tp_size, True, e)
+                m.w2 = w2  # type: ignore[assignment]
+                _note(regrouped, "experts' down_proj", w2, i * m.tp_size, own2.group_size)
+                count += 1
             rank = m.tp_rank
-            count += 2
     if regrouped and rank == 0:
         logger.info(regrouped_line(regrouped, scheme))
     return count

@@ -151,7 +151,8 @@ def test_q4_0_file_with_other_types(files, tmp_path: Path, caplog) -> None:
 
 def test_qwen3_moe_file(files, tmp_path: Path, caplog) -> None:
     """A Qwen3-MoE's stacked experts split one per expert: Q8_0 experts and Q4_0 attention held
-    as they are, the router float, a layer whose experts' down_proj is Q4_1 all floats."""
+    as they are, the router float, a layer's Q4_1 down_proj experts floats beside its held
+    Q8_0 gate/up."""
     src = source("quant-moe-sparse")
 
     def types(name: str) -> str | None:
@@ -173,11 +174,12 @@ def test_qwen3_moe_file(files, tmp_path: Path, caplog) -> None:
     reference, _ = greedy(twin)
     with caplog.at_level(logging.INFO):
         assert greedy(path)[0] == reference
-    # Layer 0's experts (w13, w2) in Q8_0 and the attention (qkv, o) of both layers in Q4_0.
-    assert "gguf Q4_0 (4-bit, a scale per 32) (from the checkpoint, llama.cpp); 3 module " in (
+    # Layer 0's experts (w13, w2) and layer 1's w13 in Q8_0, the attention (qkv, o) of both
+    # layers in Q4_0.
+    assert "gguf Q4_0 (4-bit, a scale per 32) (from the checkpoint, llama.cpp); 5 module " in (
         caplog.text
     )
-    assert "quantized in 6 weights" in caplog.text
+    assert "quantized in 7 weights" in caplog.text
     assert reference == transformers_greedy(twin)
     # The prepared config names the experts held quantized as one pattern per projection.
     config = json.loads((gguf_model.prepared_dir(path) / "config.json").read_text())
@@ -339,17 +341,23 @@ def test_k_quant_decode_steps_run_in_the_chain_with_the_layer_paths_bits(
 
 
 def test_k_quant_moe_file(files, tmp_path: Path, caplog) -> None:
-    """A Qwen3-MoE's experts in Q4_K (layer 0) and Q5_K (layer 1), attention in Q4_K: held as
-    they are, each expert's mins' term after its kernel; the twin's tokens and transformers'."""
+    """A Qwen3-MoE's experts in Q4_K (layer 0) and Q5_K (layer 1's gate/up) held as they are,
+    each expert's mins' term after its kernel; layer 1's Q6_K down_proj experts (as Q4_K_M
+    files keep them in some layers) read as floats beside its held gate/up; attention in Q4_K:
+    the twin's tokens and transformers'."""
 
     def types(name: str) -> str | None:
+        if name == "blk.1.ffn_down_exps.weight":
+            return "Q6_K"
         if name.endswith("_exps.weight"):
             return "Q5_K" if name.startswith("blk.1.") else "Q4_K"
         return "Q4_K" if PROJECTION.fullmatch(name) else None
 
     def twin_types(name: str, values: np.ndarray) -> str | None:
         if ".mlp.experts." in name:
-            return "Q5_K" if name.startswith("model.layers.1.") else "Q4_K"
+            if name.startswith("model.layers.1."):
+                return "Q6_K" if name.endswith("down_proj.weight") else "Q5_K"
+            return "Q4_K"
         return "Q4_K" if HF_PROJECTION.fullmatch(name) else None
 
     path = requantize(files["k-moe-f32"], tmp_path / "moe-k.gguf", types)
@@ -357,8 +365,9 @@ def test_k_quant_moe_file(files, tmp_path: Path, caplog) -> None:
     reference, _ = greedy(twin)
     with caplog.at_level(logging.INFO):
         assert greedy(path)[0] == reference
-    assert "quantized in 8 weights" in caplog.text
-    assert "dequantized at load" not in caplog.text
+    # qkv and o of both layers, layer 0's w13 and w2, layer 1's w13
+    assert "quantized in 7 weights" in caplog.text
+    assert "1 Q6_K tensor(s) dequantized at load" in caplog.text
     assert reference == transformers_greedy(twin)
 
 
