@@ -147,7 +147,7 @@ class _Lib:
         # (x, x_bf16, fp32 product, mins, group row stride, y, out_bf16, M, N, K, group size).
         lib.qmins.argtypes = [ptr, ctypes.c_int, ptr, ptr, i64, ptr, ctypes.c_int,
                               i64, i64, i64, i64]  # fmt: skip
-        lib.qmins.restype = None
+        lib.qmins.restype = ctypes.c_int  # 0: no memory for the sums of x
         self.qmins = lib.qmins
         # Many rows over quantized weights, a panel dequantized once for all of them
         # (qdequant.c; minisgl/quant/cpu_panel.py): qgemv's arguments.

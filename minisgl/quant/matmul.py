@@ -87,9 +87,11 @@ def minus_mins(
     dtype = out_dtype or x.dtype
     y = acc if dtype == torch.float32 else torch.empty_like(acc, dtype=dtype)
     n, k = acc.shape[1], w.in_features
-    lib.qmins(
+    done = lib.qmins(
         x.data_ptr(), int(x.dtype == torch.bfloat16), acc.data_ptr(), w.mins.data_ptr(),
         w.mins.stride(0), y.data_ptr(), int(dtype == torch.bfloat16), x.shape[0], n, k,
         w.group_size or k,
     )  # fmt: skip
+    if not done:
+        raise MemoryError(f"no memory for the group sums of {x.shape[0]} rows of x (qmins)")
     return y

@@ -175,3 +175,20 @@ def test_experts_with_mins_in_one_c_call_give_the_per_expert_loops_bits(
             want[t] += float(weights[t, j]) * (h @ dequantize(w2.view(e), torch.float32).t())
     tol = 1e-3 if dtype == torch.float32 else 3e-2
     assert (one.float() - want).norm() / want.norm() < tol
+
+
+def test_without_memory_for_the_sums_of_x_nothing_is_computed_and_it_says_so() -> None:
+    """qmins.c returns 0 where it cannot allocate x's group sums (the decode chain then raises,
+    as for a matmul that computed nothing; matmul.minus_mins raises MemoryError): 2^40 rows'
+    sums (4 TiB) are refused before any row is read."""
+    from minisgl.layers import cpu_kernels
+
+    lib = cpu_kernels.load()
+    if lib is None:
+        pytest.skip("no CPU kernels here")
+    assert lib.qmins(0, 0, 0, 0, 1, 0, 0, 1 << 40, 1, 32, 32) == 0
+    x, acc, mins = torch.ones(1, 32), torch.full((1, 1), 5.0), torch.full((1, 1), 0.5)
+    y = torch.empty(1, 1)
+    assert lib.qmins(x.data_ptr(), 0, acc.data_ptr(), mins.data_ptr(), 1, y.data_ptr(), 0,
+                     1, 1, 32, 32) == 1  # fmt: skip
+    assert y.item() == 5.0 - 0.5 * 32

@@ -44,8 +44,8 @@ typedef int (*MatmulIntFn)(const void*, const void*, void*, int64_t, int64_t, in
 typedef void (*QMatmulFn)(const void*, int, const void*, int64_t, const void*, const void*,
                           int64_t, void*, int, int64_t, int64_t, int64_t, int64_t);
 /* qmins: (x, x_bf16, fp32 product, mins, group stride, y, out_bf16, M, N, K, group size) */
-typedef void (*MinsFn)(const void*, int, const float*, const float*, int64_t, void*, int,
-                       int64_t, int64_t, int64_t, int64_t);
+typedef int (*MinsFn)(const void*, int, const float*, const float*, int64_t, void*, int,
+                      int64_t, int64_t, int64_t, int64_t);
 /* moe_route: (logits, logits_bf16, T, E, k, renorm, weights, weights_bf16, ids) */
 typedef void (*RouteFn)(const void*, int, int64_t, int64_t, int64_t, int, void*, int, int64_t*);
 /* moe_decode_bf16, moe_decode_q, moe_decode_f: (x, x_bf16, w13, w2, E, ids, weights,
@@ -150,10 +150,6 @@ static inline void run_op(const int64_t* op, const int64_t* step) {
             ((QMatmulFn)fn)(input(a[0], step), (int)a[1], ptr(a[2]), a[3], ptr(a[4]), ptr(a[5]),
                             a[6], input(a[7], step), (int)a[8], a[9], a[10], a[11], a[12]);
             break;
-        case OP_MINS:
-            ((MinsFn)fn)(input(a[0], step), (int)a[1], ptr(a[2]), ptr(a[3]), a[4],
-                         input(a[5], step), (int)a[6], a[7], a[8], a[9], a[10]);
-            break;
         case OP_ROWS: run_rows(a, fn, step); break;
         case OP_PROWS: run_panel_rows(a, step); break;
         case OP_ROUTE:
@@ -206,12 +202,22 @@ static int64_t run_moe(const int64_t* op, const int64_t* step) {
     return got == -2 ? -2 : 0;
 }
 
+/* OP_MINS (qmins.c): 0, or -2 where it computed nothing (no memory for x's sums). */
+static int64_t run_mins(const int64_t* op, const int64_t* step) {
+    const int64_t* a = op + 2;
+    return ((MinsFn)ptr(op[1]))(input(a[0], step), (int)a[1], ptr(a[2]), ptr(a[3]), a[4],
+                                input(a[5], step), (int)a[6], a[7], a[8], a[9], a[10])
+               ? 0
+               : -2;
+}
+
 /* One op of the chain: 0, -1 where it refused the step (run_rope), -2 where a matmul
-   failed (run_mmi, run_moe). */
+   failed (run_mmi, run_moe, run_mins). */
 static int64_t run_any(const int64_t* op, const int64_t* step) {
     if (op[0] == OP_ROPE) return run_rope(op + 2, step);
     if (op[0] == OP_MMI) return run_mmi(op, step);
     if (op[0] == OP_MOE) return run_moe(op, step);
+    if (op[0] == OP_MINS) return run_mins(op, step);
     run_op(op, step);
     return 0;
 }

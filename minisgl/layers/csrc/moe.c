@@ -17,8 +17,8 @@
 
 void silu_mul_bf16(const uint16_t* x, uint16_t* out, int64_t M, int64_t I);
 void silu_mul_f32(const float* x, float* out, int64_t M, int64_t I);
-void qmins(const void* x, int x_bf16, const float* acc, const float* mins, int64_t gstride,
-           void* y, int y_bf16, int64_t M, int64_t N, int64_t K, int64_t gs);
+int qmins(const void* x, int x_bf16, const float* acc, const float* mins, int64_t gstride,
+          void* y, int y_bf16, int64_t M, int64_t N, int64_t K, int64_t gs);
 
 /* The experts with rows, ascending: expert[g]'s rows are [start[g], start[g] + count[g]) of
    the (token, slot) pairs sorted by expert, stably (fused_moe's _group_by_expert): sorted row r
@@ -199,19 +199,22 @@ static inline const char* at_expert(int64_t base, int64_t per_expert, int64_t e)
 }
 
 /* q's expert e against x [M, q[Q_K]] -> y [M, q[Q_N]], in the activations' dtype: 1. With
-   group mins, the kernel into fp32 and qmins.c's term into y (matmul.minus_mins' calls). */
+   group mins, the kernel into fp32 and qmins.c's term into y (matmul.minus_mins' calls): 0
+   where there was no memory for either. */
 static int q_expert(const int64_t* q, int64_t e, const void* x, int bf, void* y, int64_t M) {
     const float* mins = (const float*)at_expert(q[Q_MINS], q[Q_MINS_E], e);
     float* acc = mins ? malloc(sizeof(float) * M * q[Q_N]) : 0;
+    if (mins && !acc) return 0;
     ((QMatmulFn)(intptr_t)q[Q_KERNELS + M - 1])(
         x, bf, at_expert(q[Q_CODES], q[Q_CODES_E], e), q[Q_CSTRIDE],
         at_expert(q[Q_SCALES], q[Q_SCALES_E], e), at_expert(q[Q_ZEROS], q[Q_ZEROS_E], e),
         q[Q_GSTRIDE], mins ? (void*)acc : y, mins ? 0 : bf, M, q[Q_N], q[Q_K], q[Q_GS]);
+    int ok = 1;
     if (mins) {
-        qmins(x, bf, acc, mins, q[Q_MSTRIDE], y, bf, M, q[Q_N], q[Q_K], q[Q_GS]);
+        ok = qmins(x, bf, acc, mins, q[Q_MSTRIDE], y, bf, M, q[Q_N], q[Q_K], q[Q_GS]);
         free(acc);
     }
-    return 1;
+    return ok;
 }
 
 /* Float experts through the GEMV the per-expert loop picks for each row count (cpu_linear's

@@ -30,10 +30,12 @@ static float dot(const float* a, const float* b, int64_t n) {
     return t;
 }
 
-void qmins(const void* x, int x_bf16, const float* acc, const float* mins, int64_t gstride,
-           void* y, int y_bf16, int64_t M, int64_t N, int64_t K, int64_t gs) {
+/* 1, or 0 where it computed nothing (no memory for the sums of x). */
+int qmins(const void* x, int x_bf16, const float* acc, const float* mins, int64_t gstride,
+          void* y, int y_bf16, int64_t M, int64_t N, int64_t K, int64_t gs) {
     const int64_t G = K / gs;
     float* xs = malloc(sizeof(float) * (size_t)(M * G));
+    if (!xs) return 0;
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < G; g++) xs[m * G + g] = group_sum(x, x_bf16, m * K + g * gs, gs);
     /* split over the threads from norm_parallel_min values (measured when the library loads,
@@ -43,4 +45,5 @@ void qmins(const void* x, int x_bf16, const float* acc, const float* mins, int64
         for (int64_t m = 0; m < M; m++)
             store(y, m * N + n, acc[m * N + n] - dot(mins + n * gstride, xs + m * G, G), y_bf16);
     free(xs);
+    return 1;
 }
