@@ -19,12 +19,10 @@ read as follows:
   dmin * m), which the CPU kernels (and the CUDA path) run as they run GPTQ's, the K-quants'
   mins' term subtracted after them (each group's min times the inputs' sum over the group).
 - Every other type (Q6_K, Q2_K, Q3_K, IQ, Q4_1, ...), and a quantized untied embedding or
-  router:
-  dequantized at load by gguf-py (llama.cpp's own Python package), said in one log line; so are
-  projections minisgl fuses (q/k/v, gate/up, a layer's gate/up experts) stored in different
-  types. An
-  LM head stored in such a type is held in int8 per row (--lm-head-quantization auto), made
-  from its dequantized values.
+  router: dequantized at load by gguf-py (llama.cpp's own Python package), said in one log
+  line; so are projections minisgl fuses (q/k/v, gate/up, a layer's gate/up experts) stored in
+  different types. An LM head stored in such a type is held in int8 per row
+  (--lm-head-quantization auto), made from its dequantized values.
 """
 
 from __future__ import annotations

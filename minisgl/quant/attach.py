@@ -159,8 +159,9 @@ def attach_head(model: nn.Module, scheme: QuantScheme | None) -> int:
 def attach(model: nn.Module, layout: CheckpointLayout) -> int:
     """Swap in QuantWeight buffers for every linear the layout has quantized, and the LM head
     where it is quantized at load; returns how many layers (a mixture's experts count as two:
-    w13 and w2, each quantized or not) now hold quantized weights. Rank 0 logs, in one line, the weights tensor
-    parallelism cut inside their quantization groups (held in smaller ones)."""
+    w13 and w2, each quantized or not) now hold quantized weights. Rank 0 logs, in one line,
+    the weights tensor parallelism cut inside their quantization groups (held in smaller
+    ones)."""
     count = attach_head(model, layout.head)
     scheme = layout.scheme
     if scheme is None or not layout.quantized:

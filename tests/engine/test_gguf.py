@@ -124,8 +124,9 @@ def test_q8_0_file_from_llama_cpp_converter(files, tmp_path: Path, caplog) -> No
 
 def test_q4_0_file_with_other_types(files, tmp_path: Path, caplog) -> None:
     """Q4_0 projections held as they are, a Q5_0 down_proj in 8-bit codes; a Q4_1 down_proj
-    and q/k/v of mixed types read as floats; a Q4_1 head (the tied embedding) held in int8 per row, as --lm-head-quantization
-    int8 makes it from the same values; the same tokens as the twin's, at TP=1 and TP=2."""
+    and q/k/v of mixed types read as floats; a Q4_1 head (the tied embedding) held in int8 per
+    row, as --lm-head-quantization int8 makes it from the same values; the same tokens as the
+    twin's, at TP=1 and TP=2."""
     path = requantize(files["f32"], tmp_path / "model-q4_0.gguf", _q4_types)
     twin = _twin(source("quant"), tmp_path / "twin", _q4_twin_types)
     reference, _ = greedy(twin, lm_head_quantization="int8")
