@@ -6,9 +6,9 @@ types the converter does not write (Q4_0, Q4_1, the K-quants) and of mixed types
 
 gguf-py has no quantizer for the K-quants llama-quantize writes (Q4_K, Q5_K: its Q4_K_M and
 Q5_K_M files' bulk; Q6_K: their LM head, and v and down in some layers); `quantize` makes them
-here by plain rounding (llama.cpp searches each
-group's scale and min a little further): any such bytes are valid blocks, and what the tests
-check is that minisgl reads them as gguf-py's reference dequantizer does."""
+here by plain rounding (llama.cpp searches each group's scale and min a little further): any
+such bytes are valid blocks, and what the tests check is that minisgl reads them as gguf-py's
+reference dequantizer does."""
 
 from __future__ import annotations
 
@@ -48,6 +48,9 @@ def requantize(src: Path, out: Path, types: Callable[[str], str | None]) -> Path
     return out
 
 
+K_BITS = {"Q4_K": 4, "Q5_K": 5}  # the K-quants with a min per group -> their bits
+
+
 def quantize(values: np.ndarray, kind: str) -> np.ndarray:
     """float32 [..., K] -> GGUF blocks of type `kind` (uint8 [..., K / weights a block * its
     bytes]): gguf-py's quantizer, or the K-quants' below."""
@@ -58,9 +61,6 @@ def quantize(values: np.ndarray, kind: str) -> np.ndarray:
     if kind == "Q6_K":
         return _q6_k_quantize(values.astype(np.float32))
     return quants.quantize(values, GGMLQuantizationType[kind])
-
-
-K_BITS = {"Q4_K": 4, "Q5_K": 5}
 
 
 def _k_quantize(values: np.ndarray, bits: int) -> np.ndarray:
