@@ -21,8 +21,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from quant_parity import assert_same_tokens, greedy, needs_vnni_panel, source, transformers_greedy
+from quant_parity import assert_same_tokens, greedy, source, transformers_greedy
 
+from minisgl.layers import cpu_kernels
 from minisgl.models import gguf as gguf_model
 from minisgl.models.config import ModelConfig
 from minisgl.quant import formats
@@ -307,24 +308,16 @@ def test_k_quant_file(k_files, caplog) -> None:
     assert greedy(path, tp_size=2)[0] == reference
 
 
-@pytest.mark.parametrize(
-    ("pick", "dtype"),
-    [
-        ("", "bfloat16"),
-        pytest.param("vnni_panel", "float32", marks=needs_vnni_panel),
-        pytest.param("vnni_panel", "bfloat16", marks=needs_vnni_panel),
-    ],
-)
-def test_k_quant_file_in_bf16_and_panels(
-    k_files, pick: str, dtype: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The same file in bf16 (its decode steps outside the C decode chain, which leaves the
-    mins' term to torch) and with every held weight repacked into VNNI panels (the panels'
-    kernel, then the mins' term): the twin's tokens."""
-    if pick:
-        monkeypatch.setenv("MINISGL_CPU_QUANT_LINEAR", pick)
+def test_k_quant_file_in_bf16_and_panels(k_files, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same file in bf16 with every held weight repacked into VNNI panels where this CPU
+    has them (elsewhere the default kernels): the twin's tokens. Its steps (at most 64 rows
+    here) run in the C chain: the panels' kernel into float32, then OP_MINS (the layer path's
+    panels: test_quant_mins.py; the chain's bits against it: the next test)."""
+    lib = cpu_kernels.load()
+    if lib is not None and lib.qvpanel:
+        monkeypatch.setenv("MINISGL_CPU_QUANT_LINEAR", "vnni_panel")
     path, twin = k_files
-    assert_same_tokens(path, twin, dtype=dtype, lm_head_quantization="int8")
+    assert_same_tokens(path, twin, dtype="bfloat16", lm_head_quantization="int8")
 
 
 def test_k_quant_decode_steps_run_in_the_chain_with_the_layer_paths_bits(
