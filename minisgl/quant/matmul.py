@@ -32,17 +32,13 @@ def qlinear(
     kernels write `out_dtype` themselves (a float32 LM head's logits unrounded); the others'
     results are converted. A weight with group mins: their term subtracted after the kernels
     (minus_mins); the dequantizing path below includes them itself."""
-    if w.mins is not None and cpu_gemv.usable(x, w):
-        bare = without_mins(w)
-        return minus_mins(lambda x, dtype: qlinear(x, bare, kernel, dtype), x, w, out_dtype)
     if kernel is not None and x.device.type != "cpu":
         return through(kernel, x, w, out_dtype)
     if cpu_gemv.usable(x, w):
-        if kernel is not None:
-            return through(kernel, x, w, out_dtype)
-        if x.shape[0] <= cpu_kernels.MAX_ROWS:
-            return cpu_gemv.qgemv(x, w, out_dtype)
-        return cpu_gemv.dequant_gemm(x, w, out_dtype)
+        if w.mins is None:
+            return _c_kernels(x, w, kernel, out_dtype)
+        bare = without_mins(w)
+        return minus_mins(lambda x, dtype: _c_kernels(x, bare, kernel, dtype), x, w, out_dtype)
     n = w.codes.shape[0]
     rows = max(1, CHUNK_ELEMENTS // max(w.in_features, 1))
     if rows >= n:
@@ -52,6 +48,21 @@ def qlinear(
         r1 = min(n, r0 + rows)
         out[..., r0:r1] = F.linear(x, dequantize(w, x.dtype, r0, r1))
     return _as(out, out_dtype)
+
+
+def _c_kernels(
+    x: torch.Tensor,
+    w: QTensor,
+    kernel: Callable[[torch.Tensor, QTensor], torch.Tensor] | None,
+    out_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """x @ w.T by the C kernels (cpu_gemv.usable holds): `kernel`'s picks, else the untuned
+    policy."""
+    if kernel is not None:
+        return through(kernel, x, w, out_dtype)
+    if x.shape[0] <= cpu_kernels.MAX_ROWS:
+        return cpu_gemv.qgemv(x, w, out_dtype)
+    return cpu_gemv.dequant_gemm(x, w, out_dtype)
 
 
 def through(

@@ -182,8 +182,13 @@ def take_rows(w: QTensor, ids: torch.Tensor) -> QTensor:
 
 
 def without_mins(w: QTensor) -> QTensor:
-    """w's codes, scales and zero points alone: what the kernels multiply by (see minus_mins)."""
-    return replace(w, mins=None)
+    """w's codes, scales and zero points alone: what the kernels multiply by (see minus_mins).
+    Made once per QTensor: the C kernels' operands are built once per QTensor they are given
+    (cpu_gemv.operands), and a layer's whole view is asked for it at every matmul."""
+    bare: QTensor | None = w.__dict__.get("_without_mins")
+    if bare is None or bare.codes is not w.codes or bare.scales is not w.scales:
+        bare = w.__dict__["_without_mins"] = replace(w, mins=None)
+    return bare
 
 
 def _copy(what: str, dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -64,7 +64,6 @@ class QuantScheme:
     midpoint_zeros: bool = False
     origin: str = ""  # the tool whose config named the layout (auto-round), for the log
     gguf_type: str = ""  # a GGUF file's block type (Q8_0, Q4_0)
-    mins: bool = False  # groups carry a float min besides the scale (GGUF's K-quants)
     # The LM head a GGUF file stores quantized, as --lm-head-quantization auto holds it: its
     # own blocks (Q8_0 / Q4_0 / Q5_0), or int8 per row made from another type's values.
     lm_head: QuantScheme | None = None
@@ -79,6 +78,11 @@ class QuantScheme:
     # first match deciding: modules_to_not_convert / ignore (None), then a mixed-precision
     # checkpoint's other formats. Patterns as names() reads them.
     overrides: tuple[tuple[str, QuantScheme | None], ...] = ()
+
+    @property
+    def mins(self) -> bool:
+        """Whether groups carry a float min besides the scale (GGUF's K-quants)."""
+        return self.gguf_type in GGUF_K_TYPES
 
     def for_module(self, prefix: str) -> QuantScheme | None:
         """The scheme module `prefix` (an HF module name) is stored in; None: in float."""
@@ -370,9 +374,7 @@ def _gguf(raw: dict[str, Any]) -> QuantScheme:
 
     def scheme(kind: str) -> QuantScheme:
         bits = 4 if GGUF_TYPES[kind] == 4 else 8
-        return QuantScheme(
-            "gguf", bits, GGUF_BLOCK, gguf_type=kind, mins=kind in GGUF_K_TYPES, origin="llama.cpp"
-        )
+        return QuantScheme("gguf", bits, GGUF_BLOCK, gguf_type=kind, origin="llama.cpp")
 
     others = tuple((m, scheme(k)) for m, k in modules.items() if k != base)
     head = raw.get("lm_head")

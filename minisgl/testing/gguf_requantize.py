@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from minisgl.quant.scheme import GGUF_K_TYPES, GGUF_TYPES
+
 
 def requantize(src: Path, out: Path, types: Callable[[str], str | None]) -> Path:
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, quants
@@ -48,7 +50,7 @@ def requantize(src: Path, out: Path, types: Callable[[str], str | None]) -> Path
     return out
 
 
-K_BITS = {"Q4_K": 4, "Q5_K": 5}  # the K-quants with a min per group -> their bits
+K_BITS = {kind: GGUF_TYPES[kind] for kind in GGUF_K_TYPES}  # K-quants with mins -> bits
 
 
 def quantize(values: np.ndarray, kind: str) -> np.ndarray:
