@@ -111,8 +111,11 @@ class _Lib:
         self.panel512_pf_many_l2: Any = _global(lib, "panel512_pf_many_l2", ctypes.c_int)
         # 1: the chunked passes' prefetch of the next chunk spread over two tiles.
         self.panel512_spread: Any = _global(lib, "panel512_spread", ctypes.c_int)
-        # 1: fewer rows prefetch as 7 and more do; set by measure_panel_few_rows_to_l2.
-        self.panel512_few_rows_to_l2: Any = _global(lib, "panel512_few_rows_to_l2", ctypes.c_int)
+        # panel.c's prefetch distance (bytes) for its passes of up to 16 rows.
+        self.panel_pf_near: Any = _global(lib, "panel_pf_near", ctypes.c_int64)
+        # 1: few rows prefetch as more rows do (far ahead: panel512.c's 8 KB into L2 from 7
+        # rows, panel.c's two chunks into L1 from 17); set by measure_panel_few_rows_far.
+        self.panel_few_rows_far: Any = _global(lib, "panel_few_rows_far", ctypes.c_int)
         norm_args: list[Any] = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, ctypes.c_float]
         for fn in (lib.rmsnorm_bf16, lib.rmsnorm_f32):
             fn.argtypes = norm_args + [ptr, ptr]
@@ -712,19 +715,21 @@ _PANEL_FEW_MEASURED = False
 _PANEL_FEW_SHAPE = (32768, 1024)  # 64 MB of panels, flushed from the caches each pass
 
 
-def measure_panel_few_rows_to_l2() -> None:
-    """Whether panel512.c's passes of fewer than 7 rows prefetch as more rows' do (8 KB ahead
-    into L2) instead of 2 KB ahead into L1, measured once per process on the running machine
-    (into L1 was 1.04-1.4x faster at 1-2 rows on a Zen 4, into L2 1.06-1.13x faster at 1-4 rows
-    on a Xeon without AVX512-BF16): 1 row and 4 rows of x against 64 MB of panels on huge pages
-    flushed from the caches, both ways in turns, the best of 5 each; into L2 where the two
-    rows' times together are 3% shorter. The bits do not change, only the speed."""
+def measure_panel_few_rows_far() -> None:
+    """Whether the panels' passes of few rows prefetch as more rows' do, far ahead, instead of
+    near (panel512.c below 7 rows: 8 KB ahead into L2 against 2 KB into L1, the first 1.06-1.13x
+    faster at 1-4 rows on a Xeon without AVX512-BF16, the second 1.04-1.4x at 1-2 on a Zen 4;
+    panel.c up to 16 rows: two 8 KB chunks ahead against 2 KB, both into L1, the second
+    1.03-1.10x faster at 1-8 rows on a Zen 3), measured once per process on the running
+    machine: 1 row and 4 rows of x against 64 MB of panels on huge pages flushed from the
+    caches, both ways in turns, the best of 5 each; far where the two rows' times together are
+    3% shorter. The bits do not change, only the speed."""
     global _PANEL_FEW_MEASURED
     lib = load()
-    if _PANEL_FEW_MEASURED or lib is None or lib.panel512_few_rows_to_l2 is None:
+    if _PANEL_FEW_MEASURED or lib is None or lib.panel_few_rows_far is None:
         return
     _PANEL_FEW_MEASURED = True
-    switch = lib.panel512_few_rows_to_l2
+    switch = lib.panel_few_rows_far
     n, k = _PANEL_FEW_SHAPE
     packed = panel_pack(torch.full((n, k), 0.5, dtype=torch.bfloat16))
     best = [0.0, 0.0]
@@ -739,8 +744,8 @@ def measure_panel_few_rows_to_l2() -> None:
     switch.value = int(best[1] < 0.97 * best[0])
     nbytes = 2 * packed.data.numel() * packed.data.element_size()
     logger.info(
-        "panel, 1-6 rows: %s (%.1f GB/s 8 KB ahead into L2, %.1f 2 KB ahead into L1)",
-        "into L2" if switch.value else "into L1",
+        "panel, few rows: prefetch %s (%.1f GB/s far ahead, %.1f near)",
+        "far" if switch.value else "near",
         nbytes / best[1] / 1e9,
         nbytes / best[0] / 1e9,
     )

@@ -208,7 +208,7 @@ def available(weight: torch.Tensor, x_dtype: torch.dtype, copies: bool = True) -
         out.append("gemm")
     out.append("torch")
     if copies and ours and cpu_kernels.supports_panel(weight):
-        cpu_kernels.measure_panel_few_rows_to_l2()
+        cpu_kernels.measure_panel_few_rows_far()
         out.append("panel")
     # oneDNN probed on a few rows of the weight (packing all of a large one takes a while).
     probe = weight.detach()[: min(weight.shape[0], 64)]

@@ -161,7 +161,7 @@ def test_panel_prefetch_switches_change_no_result() -> None:
         lib.panel512_pf_l2,
         lib.panel512_pf_many_ahead,
         lib.panel512_pf_many_l2,
-        lib.panel512_few_rows_to_l2,
+        lib.panel_few_rows_far,
         lib.panel512_spread,
     )
     saved = [s.value for s in switches]
@@ -183,29 +183,54 @@ def test_panel_prefetch_switches_change_no_result() -> None:
                     s.value = v
 
 
+def test_avx2_panel_prefetch_switches_change_no_result() -> None:
+    """panel.c's prefetch distance for passes of up to 16 rows, and whether they take the
+    distance of more rows' (start-up measures that one), only move lines between caches: the
+    same bits, whatever they are, for bf16 and fp32 x, with the prefetch at the read, near,
+    far and none (past the end); 17 and 40 rows: the passes that convert each chunk first."""
+    lib = cpu_kernels.load()
+    if lib is None or lib.panel_pf_near is None:
+        pytest.skip("panel512.c's panels (AVX-512 build): the test above")
+    torch.manual_seed(0)
+    w = torch.randn(300, 1024).bfloat16()  # panels far enough ahead for the prefetch to run
+    packed = cpu_kernels.panel_pack(w)
+    saved = lib.panel_pf_near.value, lib.panel_few_rows_far.value
+    for rows in (1, 2, 3, 6, 8, 16, 17, 40):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(rows, 1024).to(dtype)
+            y = cpu_kernels.panel(x, packed, torch.float32)
+            ref = F.linear(x.double(), w.double())
+            torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=2e-4)
+            try:
+                for ahead, far in itertools.product((0, 64, 2048, 1 << 16, 1 << 40), (0, 1)):
+                    lib.panel_pf_near.value, lib.panel_few_rows_far.value = ahead, far
+                    assert torch.equal(cpu_kernels.panel(x, packed, torch.float32), y)
+            finally:
+                lib.panel_pf_near.value, lib.panel_few_rows_far.value = saved
+
+
 @pytest.mark.parametrize("faster", [True, False])
-def test_few_panel_rows_prefetch_into_l2_where_it_measured_faster(
+def test_few_panel_rows_prefetch_far_where_it_measured_faster(
     monkeypatch: pytest.MonkeyPatch, faster: bool
 ) -> None:
     """Measured once per process on the running machine (where the chooser first offers the
-    panels): fewer than 7 rows prefetch as more rows do where 1 and 4 rows against cold panels
-    ran 3% faster that way, else as before."""
+    panels), in either build: few rows (panel512.c: below 7, panel.c: up to 16) prefetch as
+    more rows do where 1 and 4 rows against cold panels ran 3% faster that way, else near."""
     lib = cpu_kernels.load()
-    if lib is None or lib.panel512_few_rows_to_l2 is None:
-        pytest.skip("panel.c's panels (AVX2 build): no such switch")
-    time_by_switch(monkeypatch, cpu_kernels, "panel", lib.panel512_few_rows_to_l2, faster)
+    assert lib is not None
+    time_by_switch(monkeypatch, cpu_kernels, "panel", lib.panel_few_rows_far, faster)
     measure_only(monkeypatch, cpu_kernels, "_PANEL_FEW_MEASURED")
     monkeypatch.setattr(cpu_kernels, "_PANEL_FEW_SHAPE", (64, 2048))
-    before = lib.panel512_few_rows_to_l2.value
+    before = lib.panel_few_rows_far.value
     try:
         w = torch.randn(64, 256).bfloat16()
         assert "panel" in cpu_linear.available(w, torch.bfloat16)
-        assert lib.panel512_few_rows_to_l2.value == int(faster)
-        lib.panel512_few_rows_to_l2.value = 1 - int(faster)
+        assert lib.panel_few_rows_far.value == int(faster)
+        lib.panel_few_rows_far.value = 1 - int(faster)
         cpu_linear.available(w, torch.bfloat16)  # once per process: not measured again
-        assert lib.panel512_few_rows_to_l2.value == 1 - int(faster)
+        assert lib.panel_few_rows_far.value == 1 - int(faster)
     finally:
-        lib.panel512_few_rows_to_l2.value = before
+        lib.panel_few_rows_far.value = before
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])

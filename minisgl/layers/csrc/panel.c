@@ -9,9 +9,15 @@
 
    K is walked in chunks of KC so that a chunk of the panel (8 KB) and of the input rows stay in
    L1 while every row tile passes over it; the accumulators wait in a small buffer between
-   chunks. During the first tile of a chunk the chunk PF_CHUNKS ahead is prefetched (memory
-   keeps streaming while the FMAs run: measured on a 2-core Zen 3, 8 rows from memory 10-25%
-   faster than the row-major GEMV, one row 3-15%). K % 16 == 0.
+   chunks. During the first tile of a chunk the lines ahead of the read are prefetched into L1
+   (memory keeps streaming while the FMAs run: measured on a 2-core Zen 3, 8 rows from memory
+   10-25% faster than the row-major GEMV, one row 3-15%): for the passes of up to 16 rows
+   panel_pf_near bytes ahead, or where the running machine measured that faster
+   (panel_few_rows_far) the chunk PF_CHUNKS ahead, as the passes of more rows. On a later
+   2-core Zen 3 (the 0.6B decode step's 113 matmuls, 2 threads, cold panels, in turns) 1-2 KB
+   ahead read 1.08-1.10x faster than 16 KB at one row, 1.03-1.05x at 2-4 rows, up to 1.07x at
+   8 (lines 16 KB ahead leave L1 before their k comes: L1 holds 32 KB); a 2 KB prefetch
+   against none 1.06-1.14x at one row. K % 16 == 0.
 
    The AVX-512 build compiles panel512.c instead: the same entry points on 32-column panels
    with K in pairs (VDPBF16PS's layout; 16-lane FMAs where the CPU lacks AVX512-BF16). */
@@ -27,6 +33,12 @@ int panel_layout = 0;
 #define KC 256
 #define PF_CHUNKS 2
 #define MB 96 /* input rows per pass over the weights: their accumulators fit on the stack */
+/* How far ahead of the read the passes of up to 16 rows prefetch (bytes of the panel's run): a
+   switch for the benchmarks. */
+int64_t panel_pf_near = 2048;
+/* 1: those passes prefetch PF_CHUNKS chunks ahead, as more rows do. Set at start-up by the
+   faster on the running machine (cpu_kernels.measure_panel_few_rows_far). */
+int panel_few_rows_far = 0;
 
 void panel_pack_bf16(const uint16_t* w, uint16_t* p, int64_t N, int64_t K) {
     int64_t panels = (N + 15) / 16;
@@ -153,9 +165,12 @@ static inline void tile1(const float* x, int64_t ldx, int64_t kc, const uint16_t
     _mm256_storeu_ps(acc + 8, _mm256_add_ps(_mm256_add_ps(o[0], o[1]), _mm256_add_ps(o[2], o[3])));
 }
 
-/* Rows of the next tile for `left` rows still to do: 6 while they last, then the rest in one
-   tile (3 rows ran as 2 + 1 and 5 as 4 + 1: a one-row tile reads the chunk again for one row's
-   FMAs). */
+/* Rows of the next tile of a pass that converts as it goes, for `left` rows still to do: 6
+   while they last, then the rest in one tile (3 rows ran as 2 + 1 and 5 as 4 + 1: a one-row
+   tile reads the chunk again for one row's FMAs). The passes over a converted chunk (more than
+   16 rows) take tiles of near-equal sizes instead (32 rows: 6 + 6 + 5 + 5 + 5 + 5, not 6 x 5 +
+   2: a tile of fewer than 4 rows waits on the FMA latency with its few accumulators; on a
+   2-core Zen 3, cold 0.6B-shaped layers, 20 rows 1.07x faster, 32 rows 1.035x). */
 static inline int tile_rows(int64_t left) { return left >= 6 ? 6 : (int)left; }
 
 /* x rows m0..m0+mb against panel `pq` (all of K), into acc [mb][16]. `pf_end`: the first byte
@@ -171,11 +186,14 @@ static void panel_rows(const float* x, int64_t K, int64_t mb, const uint16_t* pq
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         int64_t kc = K - k0 < KC ? K - k0 : KC;
         const uint16_t* pw = pq + k0 * 16;
-        const char* pf = (const char*)(pw + PF_CHUNKS * KC * 16);
+        const char* pf = CONVERT(mb) || panel_few_rows_far ? (const char*)(pw + PF_CHUNKS * KC * 16)
+                                                           : (const char*)pw + panel_pf_near;
         if (pf + kc * 32 > pf_end) pf = 0;
         if (CONVERT(mb)) convert_chunk(pw, kc, wf, pf);
-        for (int64_t m = 0, r; m < mb; m += r) {
-            r = tile_rows(mb - m);
+        /* a converted chunk's tiles: near-equal sizes (tile_rows) */
+        int64_t tiles = (mb + 5) / 6, base = mb / tiles, extra = mb % tiles, t = 0;
+        for (int64_t m = 0, r; m < mb; m += r, t++) {
+            r = CONVERT(mb) ? base + (t < extra) : tile_rows(mb - m);
             const float* xm = x + m * K + k0;
             float* am = acc + m * 16;
             if (CONVERT(mb)) {

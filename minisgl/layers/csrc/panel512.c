@@ -64,10 +64,10 @@ int panel512_pf_l2 = 0;
 int64_t panel512_pf_many_ahead = 8192;
 int panel512_pf_many_l2 = 1;
 /* 1: fewer rows prefetch as PF_MANY rows do. Set at start-up by the faster on the running
-   machine (cpu_kernels.measure_panel_few_rows_to_l2): 2 KB into L1 was 1.04-1.4x faster at 1-2
+   machine (cpu_kernels.measure_panel_few_rows_far): 2 KB into L1 was 1.04-1.4x faster at 1-2
    rows on a 2-core Zen 4, 8 KB into L2 1.06-1.13x faster at 1-4 rows on a Xeon without
    AVX512-BF16 (2 threads, cold weights). */
-int panel512_few_rows_to_l2 = 0;
+int panel_few_rows_far = 0;
 /* 1: a chunked pass's prefetch of the next chunk spread over its first two tiles (see the top);
    0: all in the first tile. A switch for the benchmarks. */
 int panel512_spread = 1;
@@ -358,7 +358,7 @@ static void panel_rows(const void* x, int x_bf16, int64_t K, int64_t mb, const u
                        float* acc, const char* pf_end) {
     int64_t tiles = mb <= TR1 ? 1 : (mb + TR - 1) / TR;
     if (tiles == 1) { /* one tile over all of K, streaming */
-        int many = mb >= PF_MANY || panel512_few_rows_to_l2;
+        int many = mb >= PF_MANY || panel_few_rows_far;
         int l2 = many ? panel512_pf_many_l2 : panel512_pf_l2;
         const char* pf = (const char*)pq + (many ? panel512_pf_many_ahead : panel512_pf_ahead);
         if (pf + K * 64 > pf_end) pf = 0;
