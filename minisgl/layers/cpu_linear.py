@@ -209,6 +209,7 @@ def available(weight: torch.Tensor, x_dtype: torch.dtype, copies: bool = True) -
     out.append("torch")
     if copies and ours and cpu_kernels.supports_panel(weight):
         cpu_kernels.measure_panel_few_rows_far()
+        cpu_kernels.measure_panel_convert_first()
         out.append("panel")
     # oneDNN probed on a few rows of the weight (packing all of a large one takes a while).
     probe = weight.detach()[: min(weight.shape[0], 64)]

@@ -187,26 +187,32 @@ def test_avx2_panel_prefetch_switches_change_no_result() -> None:
     """panel.c's prefetch distance for passes of up to 16 rows, and whether they take the
     distance of more rows' (start-up measures that one), only move lines between caches: the
     same bits, whatever they are, for bf16 and fp32 x, with the prefetch at the read, near,
-    far and none (past the end); 17 and 40 rows: the passes that convert each chunk first."""
+    far and none (past the end); 17 and 40 rows: passes whose tiles read each chunk converted
+    to fp32 first or convert it themselves (start-up measures that too), 70 rows: always
+    converted first: the same bits."""
     lib = cpu_kernels.load()
     if lib is None or lib.panel_pf_near is None:
         pytest.skip("panel512.c's panels (AVX-512 build): the test above")
     torch.manual_seed(0)
     w = torch.randn(300, 1024).bfloat16()  # panels far enough ahead for the prefetch to run
     packed = cpu_kernels.panel_pack(w)
-    saved = lib.panel_pf_near.value, lib.panel_few_rows_far.value
-    for rows in (1, 2, 3, 6, 8, 16, 17, 40):
+    switches = lib.panel_pf_near, lib.panel_few_rows_far, lib.panel_convert_first
+    saved = [s.value for s in switches]
+    for rows in (1, 2, 3, 6, 8, 16, 17, 40, 70):
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(rows, 1024).to(dtype)
             y = cpu_kernels.panel(x, packed, torch.float32)
             ref = F.linear(x.double(), w.double())
             torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=2e-4)
             try:
-                for ahead, far in itertools.product((0, 64, 2048, 1 << 16, 1 << 40), (0, 1)):
-                    lib.panel_pf_near.value, lib.panel_few_rows_far.value = ahead, far
+                aheads = (0, 64, 2048, 1 << 16, 1 << 40)
+                for values in itertools.product(aheads, (0, 1), (0, 1)):
+                    for s, v in zip(switches, values, strict=True):
+                        s.value = v
                     assert torch.equal(cpu_kernels.panel(x, packed, torch.float32), y)
             finally:
-                lib.panel_pf_near.value, lib.panel_few_rows_far.value = saved
+                for s, v in zip(switches, saved, strict=True):
+                    s.value = v
 
 
 @pytest.mark.parametrize("faster", [True, False])
@@ -231,6 +237,31 @@ def test_few_panel_rows_prefetch_far_where_it_measured_faster(
         assert lib.panel_few_rows_far.value == 1 - int(faster)
     finally:
         lib.panel_few_rows_far.value = before
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_many_panel_rows_convert_chunks_first_where_it_measured_faster(
+    monkeypatch: pytest.MonkeyPatch, faster: bool
+) -> None:
+    """panel.c (AVX2 build): measured once per process on the running machine, where the
+    chooser first offers the panels, whether passes of 17-64 rows convert each chunk first: so
+    where 32 rows against cold panels ran 3% faster that way, else in the tiles."""
+    lib = cpu_kernels.load()
+    if lib is None or lib.panel_convert_first is None:
+        pytest.skip("panel512.c's panels (AVX-512 build): no chunks converted first")
+    time_by_switch(monkeypatch, cpu_kernels, "panel", lib.panel_convert_first, faster)
+    measure_only(monkeypatch, cpu_kernels, "_PANEL_CONVERT_MEASURED")
+    monkeypatch.setattr(cpu_kernels, "_PANEL_CONVERT_SHAPE", (64, 2048))
+    before = lib.panel_convert_first.value
+    try:
+        w = torch.randn(64, 256).bfloat16()
+        assert "panel" in cpu_linear.available(w, torch.bfloat16)
+        assert lib.panel_convert_first.value == int(faster)
+        lib.panel_convert_first.value = 1 - int(faster)
+        cpu_linear.available(w, torch.bfloat16)  # once per process: not measured again
+        assert lib.panel_convert_first.value == 1 - int(faster)
+    finally:
+        lib.panel_convert_first.value = before
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])

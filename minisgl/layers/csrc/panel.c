@@ -165,35 +165,43 @@ static inline void tile1(const float* x, int64_t ldx, int64_t kc, const uint16_t
     _mm256_storeu_ps(acc + 8, _mm256_add_ps(_mm256_add_ps(o[0], o[1]), _mm256_add_ps(o[2], o[3])));
 }
 
-/* Rows of the next tile of a pass that converts as it goes, for `left` rows still to do: 6
-   while they last, then the rest in one tile (3 rows ran as 2 + 1 and 5 as 4 + 1: a one-row
-   tile reads the chunk again for one row's FMAs). The passes over a converted chunk (more than
-   16 rows) take tiles of near-equal sizes instead (32 rows: 6 + 6 + 5 + 5 + 5 + 5, not 6 x 5 +
-   2: a tile of fewer than 4 rows waits on the FMA latency with its few accumulators; on a
-   2-core Zen 3, cold 0.6B-shaped layers, 20 rows 1.07x faster, 32 rows 1.035x). */
+/* Rows of the next tile of a pass of up to 16 rows, for `left` rows still to do: 6 while they
+   last, then the rest in one tile (3 rows ran as 2 + 1 and 5 as 4 + 1: a one-row tile reads the
+   chunk again for one row's FMAs). Passes of more rows take tiles of near-equal sizes instead
+   (32 rows: 6 + 6 + 5 + 5 + 5 + 5, not 6 x 5 + 2: a tile of fewer than 4 rows waits on the FMA
+   latency with its few accumulators; on a 2-core Zen 3, cold 0.6B-shaped layers, over
+   converted chunks 20 rows 1.07x faster, 32 rows 1.035x). */
 static inline int tile_rows(int64_t left) { return left >= 6 ? 6 : (int)left; }
 
 /* x rows m0..m0+mb against panel `pq` (all of K), into acc [mb][16]. `pf_end`: the first byte
    past the packed weights (no prefetch beyond). */
-/* Many rows (prefill): each chunk is converted to fp32 once and every tile reads that (no
-   shift and mask per tile); few rows: the tiles convert as they go, so the FMAs overlap the
-   chunk's arrival from memory instead of waiting for a conversion pass (measured on a 2-core
-   Zen 3, 4096x1024: converting first 25% slower at 8 rows, 25% faster at 64 and 256). */
-#define CONVERT(mb) ((mb) > 16)
+/* Few rows: the tiles convert as they go, so the FMAs overlap the chunk's arrival from memory
+   instead of waiting for a conversion pass (measured on a 2-core Zen 3, 4096x1024: converting
+   first 25% slower at 8 rows). Many rows (prefill's passes of up to MB): each chunk is
+   converted to fp32 once and every tile reads that (no shift and mask per tile: 25% faster at
+   64 and 256 rows on that Zen 3). In between (17-64 rows, a decode batch), where the running
+   machine measured it faster, as many rows, else as few (on a later 2-core Zen 3, cold
+   0.6B-shaped layers, in turns: the tiles converting 1.06-1.12x faster at 32 rows, 1.22x at
+   20; at 48 and 96 rows converting first 1.09-1.13x faster, as the conversion's stores and
+   reloads spread over more rows). */
+/* 1: passes of 17-64 rows convert each chunk first. Set at start-up by the faster on the
+   running machine (cpu_kernels.measure_panel_convert_first). */
+int panel_convert_first = 1;
+#define CONVERT(mb) ((mb) > 64 || ((mb) > 16 && panel_convert_first))
 static void panel_rows(const float* x, int64_t K, int64_t mb, const uint16_t* pq, float* acc,
                        const char* pf_end) {
     float wf[KC * 16] __attribute__((aligned(64)));
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         int64_t kc = K - k0 < KC ? K - k0 : KC;
         const uint16_t* pw = pq + k0 * 16;
-        const char* pf = CONVERT(mb) || panel_few_rows_far ? (const char*)(pw + PF_CHUNKS * KC * 16)
-                                                           : (const char*)pw + panel_pf_near;
+        const char* pf = mb > 16 || panel_few_rows_far ? (const char*)(pw + PF_CHUNKS * KC * 16)
+                                                       : (const char*)pw + panel_pf_near;
         if (pf + kc * 32 > pf_end) pf = 0;
         if (CONVERT(mb)) convert_chunk(pw, kc, wf, pf);
-        /* a converted chunk's tiles: near-equal sizes (tile_rows) */
+        /* more than 16 rows: tiles of near-equal sizes (tile_rows) */
         int64_t tiles = (mb + 5) / 6, base = mb / tiles, extra = mb % tiles, t = 0;
         for (int64_t m = 0, r; m < mb; m += r, t++) {
-            r = CONVERT(mb) ? base + (t < extra) : tile_rows(mb - m);
+            r = mb > 16 ? (int64_t)base + (t < extra) : tile_rows(mb - m);
             const float* xm = x + m * K + k0;
             float* am = acc + m * 16;
             if (CONVERT(mb)) {
