@@ -148,7 +148,8 @@ class EngineArgs:
         "AWQ/GPTQ do: results within about half a percent instead of exact. With AVX512-VNNI "
         "it takes 8-bit (--quantization int8, 8-bit GPTQ) and 4-bit weights (one VPDPBUSD per "
         "64 codes and row instead of two: decode batches of 8 rows 0.7x the time for 8-bit), "
-        "without it 4-bit weights in groups of 64 or more (0.7-0.8x the time on AVX2); fp8 "
+        "without it 4-bit weights in groups of 64 or more, or of 32 (Q4_0/Q4_K files) in "
+        "rows of a multiple of 64 inputs (0.7-0.8x the time on AVX2); fp8 "
         "stays exact. --cpu-int4-activations is its old name",
         CPU_QUANTIZED_ACTIVATIONS,
         aliases=("--cpu-int4-activations",),

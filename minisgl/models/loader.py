@@ -158,7 +158,8 @@ def iter_tensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str
 def _log_int8_activations(model: torch.nn.Module) -> None:
     """Say whether --cpu-quantized-activations int8 rounds any matmul's x: integer weights
     the C kernels' 8-bit path takes (cpu_gemv.takes_int8_activations: with AVX512-VNNI 8- and
-    4-bit codes, without it 4-bit codes in groups of 64 or more), so a model without them
+    4-bit codes, without it 4-bit codes in groups of 64 or more, or of 32 in rows of a
+    multiple of 64 inputs), so a model without them
     (fp8, float; 8-bit or AWQ in groups of 32 without VNNI) runs exactly as without the
     flag."""
     rows = cpu_kernels.int8_activation_rows()
@@ -171,7 +172,7 @@ def _log_int8_activations(model: torch.nn.Module) -> None:
     weights = [m for m in model.modules() if isinstance(m, QuantWeight)]
     taken = sum(cpu_gemv.takes_int8_activations(w.view(0 if w.experts else None)) for w in weights)
     vnni = cpu_gemv.takes_8_bit_codes()
-    which = "8- or 4-bit integer codes" if vnni else "4-bit codes in groups of 64 or more"
+    which = "8- or 4-bit integer codes" if vnni else "4-bit codes in groups of 32 or more"
     if not taken:
         logger.warning(
             f"--cpu-quantized-activations int8 unused: the model has no weights in {which}, "

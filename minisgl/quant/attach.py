@@ -226,11 +226,13 @@ def regrouped_line(weights: list[Regrouped], scheme: QuantScheme) -> str:
     ]
     line = "quantization groups cut by tensor parallelism: " + "; ".join(parts)
     line += " (each with the scale and zero point of the group it is part of: the same weights)"
-    short = sorted({r.group for r in counts if r.group < 64})
+    # groups of 32 in rows of a multiple of 64 inputs: two to a block of x (qgemv.c)
+    short = sorted({r.group for r in counts if r.group < 64 and (r.group < 32 or r.per_rank % 64)})
     if scheme.bits == 4 and short:
         line += (
-            "; --cpu-quantized-activations int8 takes 4-bit groups of 64 or more without "
-            f"AVX512-VNNI: there those of {', '.join(map(str, short))} stay exact"
+            "; --cpu-quantized-activations int8 takes 4-bit groups of 64 or more, or of 32 in "
+            f"rows of a multiple of 64 inputs, without AVX512-VNNI: there those of "
+            f"{', '.join(map(str, short))} stay exact"
         )
     return line
 

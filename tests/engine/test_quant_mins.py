@@ -12,7 +12,8 @@ import torch
 from quant_parity import needs_vnni_panel
 from torch import nn
 
-from minisgl.quant import cpu_choice, formats
+from minisgl.layers import cpu_kernels
+from minisgl.quant import cpu_choice, cpu_gemv, formats
 from minisgl.quant import cuda_matmul as cm
 from minisgl.quant.qtensor import QTensor, dequantize, take_rows
 from minisgl.quant.scheme import parse_quantization_config
@@ -83,6 +84,32 @@ def test_the_kernels_and_the_mins_term_give_the_dequantized_product(
     logits = h.matmul(x, torch.float32)  # an LM head's float32 logits
     assert logits.dtype == torch.float32
     assert (logits - ref).norm() / ref.norm() < tol
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+def test_x_in_8_bits_then_the_mins_term(kind: str) -> None:
+    """--cpu-quantized-activations int8 on a K-quant weight: where the kernels take its codes
+    (Q4_K's 4-bit codes in groups of 32 in either build, two groups to a block of x on AVX2;
+    Q5_K's 8-bit codes only with AVX512-VNNI) x is rounded to 8 bits a block, and the mins'
+    term comes after as before: within half a percent of the terms' size of the dequantized
+    product (docs/models.md), and no longer the exact result; codes it does not take stay
+    exact."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C kernels here: nothing rounds x")
+    h = _holder(_k_weight(kind))
+    ref_w = dequantize(h.view(), torch.float32).double()
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(5))
+    exact = h.matmul(x, torch.float32)
+    cpu_kernels.set_quantized_activations("int8")
+    try:
+        y = h.matmul(x, torch.float32)
+    finally:
+        cpu_kernels.set_quantized_activations("int16")
+    size = x.double().abs() @ ref_w.abs().T
+    assert bool(((y.double() - x.double() @ ref_w.T).abs() <= 5e-3 * size).all())
+    taken = cpu_gemv.takes_int8_activations(h.view())
+    assert taken == (kind == "Q4_K" or cpu_gemv.takes_8_bit_codes())
+    assert torch.equal(y, exact) != taken
 
 
 def test_embedding_rows_subtract_the_mins() -> None:

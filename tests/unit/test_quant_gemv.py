@@ -453,8 +453,9 @@ def _exact_x8v(
 
 def _exact_x8(x: torch.Tensor, q: torch.Tensor, w: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x @ w.T as --cpu-quantized-activations int8 computes it without AVX512-VNNI: x rounded to 8 bits per block of
-    128 features (64 where groups are 64 long; max|x| / 127, the same fp32 operations, round
-    to nearest even), every integer sum exact (float64); and the size of the terms summed."""
+    128 features (64 where groups are 32 or 64 long; max|x| / 127, the same fp32 operations,
+    round to nearest even), every integer sum exact (float64); and the size of the terms
+    summed."""
     n, k = q.shape
     gs = w.group_size or k
     xb = 128 if gs % 128 == 0 else 64
@@ -462,29 +463,34 @@ def _exact_x8(x: torch.Tensor, q: torch.Tensor, w: QTensor) -> tuple[torch.Tenso
     step = blocks.abs().amax(-1, keepdim=True) / 127
     step = torch.where(step > 0, step, torch.ones_like(step))
     xq = torch.round(blocks * (1 / step)).clamp(-127, 127).double()  # [rows, blocks, xb]
-    codes = q.double().view(n, k // xb, xb)
-    steps = step.double().view(-1, 1, k // xb)
+    part = min(xb, gs)  # groups of 32: two a block, each with its own scale
+    xq = xq.reshape(-1, k // part, part)
+    codes = q.double().view(n, k // part, part)
+    steps = step.double().repeat_interleave(xb // part, dim=1).view(-1, 1, k // part)
     sums = (xq.unsqueeze(1) * codes).sum(-1) * steps
-    group = torch.arange(k // xb) * xb // gs  # each block's group
-    scale = w.scales.double()[:, group]  # [n, blocks]
+    group = torch.arange(k // part) * part // gs  # each part's group
+    scale = w.scales.double()[:, group]  # [n, parts]
     y = (scale * sums).sum(-1)
     terms = (scale.abs() * (xq.abs().unsqueeze(1) * codes).sum(-1) * steps).sum(-1)
     if w.zeros is not None:
-        xsum = (xq.sum(-1) * step.double().squeeze(-1)).unsqueeze(1)  # [rows, 1, blocks]
+        xsum = xq.sum(-1).unsqueeze(1) * steps  # [rows, 1, parts]
         zero = w.zeros.double()[:, group] * xsum
         y = y - (scale * zero).sum(-1)
         terms = terms + (scale.abs() * zero.abs()).sum(-1)
     return y, terms
 
 
-@pytest.mark.parametrize("k, group", [(1536, 0), (1024, 64), (1152, 128), (1024, 256)])
+@pytest.mark.parametrize(
+    "k, group", [(1536, 0), (1024, 64), (1152, 128), (1024, 256), (1024, 32), (1088, 32)]
+)
 def test_int4_against_x_in_8_bits(k: int, group: int) -> None:
     """--cpu-quantized-activations int8 (qgemv_x8): x against 4-bit codes in decode batches (1 to
-    64 rows) is x rounded to 8 bits per 128 features (64 in groups of 64), times the codes,
-    summed exactly: the same result as that reference but for fp32 roundings, and within x's
+    64 rows) is x rounded to 8 bits per 128 features (64 in groups of 32 or 64: Q4_0 and Q4_K
+    files' groups of 32 two to a block, each with its own scale), times the codes, summed
+    exactly: the same result as that reference but for fp32 roundings, and within x's
     rounding (half a step a feature) of the float matmul. Prefill (more rows) and the switch
     off: exact to 15-bit x as before. Where the build has AVX512-VNNI x's blocks are those of
-    its lanes (_exact_x8v), groups of 32 included."""
+    its lanes (_exact_x8v)."""
     g = torch.Generator().manual_seed(k + group)
     n = 37
     q = torch.randint(0, 16, (n, k), generator=g)

@@ -533,7 +533,8 @@ static inline __attribute__((always_inline)) void block_u4(
 #endif
 
 /* 4-bit codes against x in 8 bits (qgemv_x8, the user's --cpu-int4-activations int8): x is
-   quantized per block of X8_BLOCK features (64 where groups are 64 long), max|x| / 127 a
+   quantized per block of X8_BLOCK features (64 where groups are 32 or 64 long: groups of 32,
+   Q4_0 and Q4_K files', two to a block, x8_scales), max|x| / 127 a
    block, rounded to nearest even, as llama.cpp's Q8 activations and vLLM's CPU AWQ/GPTQ
    (IPEX, low-precision mode INT8) do; not exact, so off by default. The codes then meet x
    as bytes: VPMADDUBSW multiplies 32 (unsigned code, signed x) pairs into 16 int16 pair sums
@@ -562,24 +563,34 @@ static inline __m256i x8_dot(__m256i acc, __m256i e, __m256i o, __m256i xe, __m2
 }
 
 /* A block's int16 sums widened (VPMADDWD with ones), to fp32, times `scale`, into sum. */
-static inline __m256 x8_flush(__m256i a, float scale, __m256 sum) {
+static inline __m256 x8_flush(__m256i a, __m256 scale, __m256 sum) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a, _mm256_set1_epi16(1))),
-                           _mm256_set1_ps(scale), sum);
+                           scale, sum);
+}
+
+/* The scales of block b's lanes for a weight row's group scales s, times x's block scale xs:
+   its group's; or where groups of 32 halve the 64-feature block (Q4_0 / Q4_K files), group
+   2b's in the low 4 lanes (the first 32 features: the low 16 code bytes, whose pair sums
+   VPMADDUBSW and VPMADDWD keep in the low half) and group 2b + 1's in the high 4. */
+static inline __m256 x8_scales(const float* s, int64_t b, int64_t g, int halves, float xs) {
+    if (!halves) return _mm256_set1_ps(s[g] * xs);
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(s[2 * b] * xs)),
+                                _mm_set1_ps(s[2 * b + 1] * xs), 1);
 }
 
 /* 64 features of x (bf16 or fp32) at `at` times inv -> their int8 evens and odds (32 each),
-   the codes' sum into *sum. */
-static inline void x8_step(const void* x, int x_bf16, int64_t at, __m256 inv, __m256i* sum,
+   the codes' sum of each 32 into sum[0] and sum[1] (the same sum where they are one). */
+static inline void x8_step(const void* x, int x_bf16, int64_t at, __m256 inv, __m256i* sum[2],
                            int8_t* out) {
     __m256i e[2], o[2];
     for (int h = 0; h < 2; h++) {
         if (x_bf16) {
-            codes_even_odd_bf16((const uint16_t*)x + at + 32 * h, inv, sum, &e[h], &o[h]);
+            codes_even_odd_bf16((const uint16_t*)x + at + 32 * h, inv, sum[h], &e[h], &o[h]);
             continue;
         }
         const float* f = (const float*)x + at + 32 * h;
-        __m256i c0 = codes16(_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8), inv, sum);
-        __m256i c1 = codes16(_mm256_loadu_ps(f + 16), _mm256_loadu_ps(f + 24), inv, sum);
+        __m256i c0 = codes16(_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8), inv, sum[h]);
+        __m256i c1 = codes16(_mm256_loadu_ps(f + 16), _mm256_loadu_ps(f + 24), inv, sum[h]);
         split_even_odd(c0, c1, &e[h], &o[h]);
     }
     /* int16 -> int8 (|code| <= 127: no saturation), lanes back in order */
@@ -618,17 +629,23 @@ static void quantize_x8(const void* x, int x_bf16, int64_t m, int64_t K, int64_t
         float s = amax > 0 && isfinite(amax) ? amax / 127.0f : 1.0f;
         xsb[m * B + b] = s;
         const __m256 inv = _mm256_set1_ps(1.0f / s);
-        __m256i sum8 = _mm256_setzero_si256();
+        /* groups of 32: a sum for each half of the (64-feature) block */
+        const int halves = gs < XB;
+        __m256i sum8[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        __m256i* sums[2] = {&sum8[0], &sum8[halves]};
         for (int64_t k = b * XB; k < (b + 1) * XB; k += 64)
-            x8_step(row, x_bf16, k, inv, &sum8, xq + m * K + k);
-        int32_t lanes[8], sum = 0;
-        _mm256_storeu_si256((__m256i*)lanes, sum8);
-        for (int j = 0; j < 8; j++) sum += lanes[j];
-        xsum[m * G + b * XB / gs] += s * (float)sum;
+            x8_step(row, x_bf16, k, inv, sums, xq + m * K + k);
+        for (int h = 0; h <= halves; h++) {
+            int32_t lanes[8], sum = 0;
+            _mm256_storeu_si256((__m256i*)lanes, sum8[h]);
+            for (int j = 0; j < 8; j++) sum += lanes[j];
+            xsum[m * G + (halves ? 2 * b + h : b * XB / gs)] += s * (float)sum;
+        }
     }
 }
 
-/* One 4-row block of 4-bit codes (groups of 64 or more) against input row m in 8 bits. */
+/* One 4-row block of 4-bit codes (groups of 32, or of 64 or more) against input row m in 8
+   bits. */
 static inline __attribute__((always_inline)) void block_u4x8(
     const int8_t* xq, const float* xsb, const uint8_t* const* wr, const float* const* sr,
     int64_t m, int64_t K, int64_t gs, Prefetch* pf, Acc* acc) {
@@ -638,7 +655,8 @@ static inline __attribute__((always_inline)) void block_u4x8(
     const uint8_t *w0 = wr[0], *w1 = wr[1], *w2 = wr[2], *w3 = wr[3];
     const __m256i nib = _mm256_set1_epi8(15);
     const int two = pf->lines == 2 * pf->steps;
-    const int64_t per = gs / XB; /* blocks a group, counted down (no division per block) */
+    const int halves = gs < XB; /* two groups a block (x8_scales) */
+    const int64_t per = halves ? 1 : gs / XB; /* blocks a group, counted down */
     for (int j = 0; j < 4; j++) acc->v[j][0] = _mm256_setzero_ps();
     for (int64_t b = 0, g = 0, left = per; b < B; b++) {
         __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
@@ -660,7 +678,8 @@ static inline __attribute__((always_inline)) void block_u4x8(
 #undef X8_ROW
         }
         __m256i as[4] = {a0, a1, a2, a3};
-        for (int j = 0; j < 4; j++) acc->v[j][0] = x8_flush(as[j], sr[j][g] * xs[b], acc->v[j][0]);
+        for (int j = 0; j < 4; j++)
+            acc->v[j][0] = x8_flush(as[j], x8_scales(sr[j], b, g, halves, xs[b]), acc->v[j][0]);
         if (--left == 0) g++, left = per;
     }
 }
@@ -671,7 +690,9 @@ static inline __attribute__((always_inline)) void block_u4x8(
 static inline __attribute__((always_inline)) void block_u4x8_2(
     const int8_t* xq, const float* xsb, const uint8_t* const* wr, const float* const* sr,
     int64_t m, int64_t K, int64_t gs, Prefetch* pf, Acc* acc) {
-    const int64_t XB = x8_block(gs), B = K / XB, per = gs / XB;
+    const int64_t XB = x8_block(gs), B = K / XB;
+    const int halves = gs < XB; /* two groups a block (x8_scales) */
+    const int64_t per = halves ? 1 : gs / XB;
     const int8_t *x0 = xq + m * K, *x1 = x0 + K;
     const float *xs0 = xsb + m * B, *xs1 = xs0 + B;
     const __m256i nib = _mm256_set1_epi8(15);
@@ -700,11 +721,13 @@ static inline __attribute__((always_inline)) void block_u4x8_2(
                 KEEP(b0);
                 KEEP(b1);
             }
-            float s0 = sr[jh][g], s1 = sr[jh + 1][g];
-            acc->v[jh][0] = x8_flush(a0, s0 * xs0[b], acc->v[jh][0]);
-            acc->v[jh][1] = x8_flush(b0, s0 * xs1[b], acc->v[jh][1]);
-            acc->v[jh + 1][0] = x8_flush(a1, s1 * xs0[b], acc->v[jh + 1][0]);
-            acc->v[jh + 1][1] = x8_flush(b1, s1 * xs1[b], acc->v[jh + 1][1]);
+            const float *s0 = sr[jh], *s1 = sr[jh + 1];
+            acc->v[jh][0] = x8_flush(a0, x8_scales(s0, b, g, halves, xs0[b]), acc->v[jh][0]);
+            acc->v[jh][1] = x8_flush(b0, x8_scales(s0, b, g, halves, xs1[b]), acc->v[jh][1]);
+            acc->v[jh + 1][0] =
+                x8_flush(a1, x8_scales(s1, b, g, halves, xs0[b]), acc->v[jh + 1][0]);
+            acc->v[jh + 1][1] =
+                x8_flush(b1, x8_scales(s1, b, g, halves, xs1[b]), acc->v[jh + 1][1]);
         }
         if (--left == 0) g++, left = per;
     }
@@ -2151,7 +2174,7 @@ int qgemv_x8_takes(int bits, int64_t K, int64_t gs) {
 #ifdef QBYTES
     return x8v_takes(bits == 8 ? Q_U8 : Q_U4, K, gs);
 #else
-    return bits == 4 && gs % 64 == 0;
+    return bits == 4 && (gs % 64 == 0 || (gs == 32 && K % 64 == 0));
 #endif
 }
 
@@ -2181,7 +2204,8 @@ static void qgemv_kind(
     if (x8v) xsb = (float*)malloc(sizeof(float) * M * (K / chunks.len) * 16);
 #endif
     /* 4-bit codes against x in 8 bits (see qgemv_x8) */
-    int x8 = qgemv_x8 && kind == Q_U4 && M <= qgemv_x8_rows && !bytes && !x8v;
+    int x8 = qgemv_x8 && (kind == Q_U4 || (kind == Q_U4W && gs == 32 && K % 64 == 0)) &&
+             M <= qgemv_x8_rows && !bytes && !x8v;
     if (x8) xsb = (float*)malloc(sizeof(float) * M * (K / 64));
     if (kind == Q_FP8) {
         xf = (float*)malloc(sizeof(float) * M * K);
@@ -2208,7 +2232,7 @@ static void qgemv_kind(
     int many = !x8 && !x8v && !bytes && M > (kind == Q_FP8 ? FP8_PAIRS_MAX : INT_PAIRS_MAX);
     int64_t steps = kind == Q_FP8 ? K / 32 * ((M + 1) / 2 + (many ? 4 : 0))
                                   : (many ? K / step_features(kind) * 4 + K / 32 * ((M + 1) / 2)
-                                          : K / step_features(kind) * M);
+                                          : K / (x8 ? 64 : step_features(kind)) * M);
     Share shares[SHARE_MAX] __attribute__((aligned(64)));
     int parts = share_parts();
     shares_init(shares, parts, blocks);
