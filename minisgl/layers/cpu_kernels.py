@@ -764,10 +764,9 @@ def measure_panel_convert_first() -> None:
     panel to fp32 once for all their row tiles, as more rows' do, or let each tile convert as
     it goes, as fewer rows' do (converting first was 1.25x faster at 64 rows on a Zen 3,
     converting in the tiles 1.06-1.12x faster at 32 rows on a later one), measured once per
-    process on the running
-    machine: 32 rows of x against 16 MB of panels on huge pages flushed from the caches, both
-    ways in turns, the best of 5 each; first where that is 3% faster. The bits do not change,
-    only the speed."""
+    process on the running machine: 32 rows of x against 16 MB of panels on huge pages flushed
+    from the caches, both ways in turns, the best of 5 each; first where that is 3% faster.
+    The bits do not change, only the speed."""
     global _PANEL_CONVERT_MEASURED
     lib = load()
     if _PANEL_CONVERT_MEASURED or lib is None or lib.panel_convert_first is None:

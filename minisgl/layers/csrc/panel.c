@@ -15,9 +15,9 @@
    panel_pf_near bytes ahead, or where the running machine measured that faster
    (panel_few_rows_far) the chunk PF_CHUNKS ahead, as the passes of more rows. On a later
    2-core Zen 3 (the 0.6B decode step's 113 matmuls, 2 threads, cold panels, in turns) 1-2 KB
-   ahead read 1.08-1.10x faster than 16 KB at one row, 1.03-1.05x at 2-4 rows, up to 1.07x at
-   8 (lines 16 KB ahead leave L1 before their k comes: L1 holds 32 KB); a 2 KB prefetch
-   against none 1.06-1.14x at one row. K % 16 == 0.
+   ahead read 1.07-1.11x faster than 16 KB at one row, 1.03-1.06x at 2-4 rows, up to 1.07x at
+   8 (lines 16 KB ahead leave L1 before their k comes: L1 holds 32 KB; 16 KB ran no faster
+   than no prefetch at all, 1 KB 1.08-1.14x faster than none at one row). K % 16 == 0.
 
    The AVX-512 build compiles panel512.c instead: the same entry points on 32-column panels
    with K in pairs (VDPBF16PS's layout; 16-lane FMAs where the CPU lacks AVX512-BF16). */
