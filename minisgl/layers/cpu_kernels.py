@@ -732,12 +732,25 @@ def measure_panel_few_rows_far() -> None:
     if _PANEL_FEW_MEASURED or lib is None or lib.panel_few_rows_far is None:
         return
     _PANEL_FEW_MEASURED = True
-    switch = lib.panel_few_rows_far
     n, k = _PANEL_FEW_SHAPE
+    best = _panel_switch_times(lib.panel_few_rows_far, n, k, (1, 4))
+    nbytes = 2 * 2 * n * k  # two passes over the bf16 weight
+    logger.info(
+        "panel, few rows: prefetch %s (%.1f GB/s far ahead, %.1f near)",
+        "far" if lib.panel_few_rows_far.value else "near",
+        nbytes / best[1] / 1e9,
+        nbytes / best[0] / 1e9,
+    )
+
+
+def _panel_switch_times(switch: Any, n: int, k: int, rows: tuple[int, ...]) -> list[float]:
+    """The seconds of panel() with `switch` at 0 and at 1, summed over `rows` rows of x against
+    a cold n x k bf16 weight's panels (time_switch's best of 5 each, in turns); the switch
+    left at 1 where that sum is 3% shorter, else at 0."""
     packed = panel_pack(torch.full((n, k), 0.5, dtype=torch.bfloat16))
     best = [0.0, 0.0]
-    for rows in (1, 4):
-        x = torch.randn(rows, k, dtype=torch.bfloat16)
+    for r in rows:
+        x = torch.randn(r, k, dtype=torch.bfloat16)
 
         def run(x: torch.Tensor = x) -> torch.Tensor:
             return panel(x, packed)
@@ -745,13 +758,7 @@ def measure_panel_few_rows_far() -> None:
         times = time_switch(switch, run, [packed.data], 5)
         best = [best[0] + times[0], best[1] + times[1]]
     switch.value = int(best[1] < 0.97 * best[0])
-    nbytes = 2 * packed.data.numel() * packed.data.element_size()
-    logger.info(
-        "panel, few rows: prefetch %s (%.1f GB/s far ahead, %.1f near)",
-        "far" if switch.value else "near",
-        nbytes / best[1] / 1e9,
-        nbytes / best[0] / 1e9,
-    )
+    return best
 
 
 _PANEL_CONVERT_MEASURED = False
@@ -773,13 +780,11 @@ def measure_panel_convert_first() -> None:
         return
     _PANEL_CONVERT_MEASURED = True
     n, k = _PANEL_CONVERT_SHAPE
-    packed = panel_pack(torch.full((n, k), 0.5, dtype=torch.bfloat16))
-    x = torch.randn(_PANEL_CONVERT_ROWS, k, dtype=torch.bfloat16)
-    best = time_switch(lib.panel_convert_first, lambda: panel(x, packed), [packed.data], 5)
-    flops = 2 * x.shape[0] * n * k
+    best = _panel_switch_times(lib.panel_convert_first, n, k, (_PANEL_CONVERT_ROWS,))
+    flops = 2 * _PANEL_CONVERT_ROWS * n * k
     logger.info(
         "panel, %d rows: %s (%.0f GFLOP/s converting each chunk first, %.0f in the tiles)",
-        x.shape[0],
+        _PANEL_CONVERT_ROWS,
         "chunks converted first" if lib.panel_convert_first.value else "tiles convert",
         flops / best[1] / 1e9,
         flops / best[0] / 1e9,

@@ -7,6 +7,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from minisgl.layers import cpu_kernels, cpu_linear
+
 if TYPE_CHECKING:
     import pytest
 
@@ -38,3 +42,33 @@ def measure_only(monkeypatch: pytest.MonkeyPatch, module: Any, flag: str) -> Non
     for name in vars(module):
         if name.startswith("_") and name.endswith("_MEASURED"):
             monkeypatch.setattr(module, name, name != flag)
+
+
+def check_measured_once(
+    monkeypatch: pytest.MonkeyPatch,
+    kernel: str,
+    switch: Any,
+    flag: str,
+    shape: str,
+    faster: bool,
+    offered: Callable[[list[str]], bool],
+    small: tuple[int, int] = (64, 2048),
+) -> None:
+    """A start-up measure of cpu_kernels (its once-per-process `flag`) that times `kernel` with
+    `switch` on the fake clock, on a small weight (the module's `shape` made `small`): where
+    the chooser first offers the kernel (`offered` holds for cpu_linear.available's list), the
+    switch ends on exactly where its side ran faster; flipped by hand, a second offer leaves it
+    flipped (measured once). The switch's value is restored after."""
+    time_by_switch(monkeypatch, cpu_kernels, kernel, switch, faster)
+    measure_only(monkeypatch, cpu_kernels, flag)
+    monkeypatch.setattr(cpu_kernels, shape, small)
+    before = switch.value
+    try:
+        w = torch.randn(64, 256).bfloat16()
+        assert offered(cpu_linear.available(w, torch.bfloat16))
+        assert switch.value == int(faster)
+        switch.value = 1 - int(faster)
+        cpu_linear.available(w, torch.bfloat16)  # once per process: not measured again
+        assert switch.value == 1 - int(faster)
+    finally:
+        switch.value = before

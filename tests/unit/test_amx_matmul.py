@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from minisgl.layers import cpu_kernels, cpu_linear, kernel_choice
 from minisgl.layers.kernel_choice import BUCKETS
 from minisgl.testing import builds
-from minisgl.testing.switch_clock import measure_only, time_by_switch
+from minisgl.testing.switch_clock import check_measured_once
 
 
 def _amx_here() -> bool:
@@ -114,19 +114,10 @@ def test_long_rows_go_to_the_hardware_where_it_measured_faster(
     on where 8 rows against cold long-row weights ran 3% faster that way, else off."""
     lib = cpu_kernels.load()
     assert lib is not None and lib.amx_rows_to_hardware is not None
-    time_by_switch(monkeypatch, cpu_kernels, "amx", lib.amx_rows_to_hardware, faster)
-    measure_only(monkeypatch, cpu_kernels, "_AMX_ROWS_MEASURED")
-    monkeypatch.setattr(cpu_kernels, "_AMX_ROWS_SHAPE", (64, 2048))
-    before = lib.amx_rows_to_hardware.value
-    try:
-        w = torch.randn(64, 256).bfloat16()
-        assert "amx" in cpu_linear.available(w, torch.bfloat16)
-        assert lib.amx_rows_to_hardware.value == int(faster)
-        lib.amx_rows_to_hardware.value = 1 - int(faster)
-        cpu_linear.available(w, torch.bfloat16)  # once per process: not measured again
-        assert lib.amx_rows_to_hardware.value == 1 - int(faster)
-    finally:
-        lib.amx_rows_to_hardware.value = before
+    check_measured_once(
+        monkeypatch, "amx", lib.amx_rows_to_hardware, "_AMX_ROWS_MEASURED", "_AMX_ROWS_SHAPE",
+        faster, lambda names: "amx" in names,
+    )  # fmt: skip
 
 
 @needs_amx

@@ -9,13 +9,14 @@ import itertools
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl.layers import cpu_build, cpu_kernels, cpu_linear
-from minisgl.testing.switch_clock import measure_only, time_by_switch
+from minisgl.layers import cpu_build, cpu_kernels
+from minisgl.testing.switch_clock import check_measured_once
 from minisgl.testing.threads import at_thread_counts
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2 kernels here")
@@ -153,9 +154,6 @@ def test_panel_prefetch_switches_change_no_result() -> None:
     lib = cpu_kernels.load()
     if lib is None or lib.panel512_pf_ahead is None:  # panel.c's panels: no such switches
         return
-    torch.manual_seed(0)
-    w = torch.randn(300, 512).bfloat16()  # panels far enough ahead for the prefetch to run
-    packed = cpu_kernels.panel_pack(w)
     switches = (
         lib.panel512_pf_ahead,
         lib.panel512_pf_l2,
@@ -164,18 +162,33 @@ def test_panel_prefetch_switches_change_no_result() -> None:
         lib.panel_few_rows_far,
         lib.panel512_spread,
     )
+    settings = ((0, 0), (64, 1), (8192, 1), (1 << 16, 0), (1 << 40, 1))
+    values = [
+        (ahead, l2, ahead, 1 - l2, few, few)
+        for (ahead, l2), few in itertools.product(settings, (0, 1))
+    ]
+    _same_bits_whatever_the_switches(512, (1, 2, 6, 7, 8, 9, 12, 16, 40), switches, values, 1e-4)
+
+
+def _same_bits_whatever_the_switches(
+    k: int, row_counts: tuple[int, ...], switches: tuple[Any, ...], values: list[Any], atol: float
+) -> None:
+    """panel() of 300 x k bf16 panels (far enough ahead for the prefetch to run) at each row
+    count, bf16 and fp32 x: the product within fp32 sums of the float64 one, and the same bits
+    with the C switches at each tuple of `values` (restored after)."""
+    torch.manual_seed(0)
+    w = torch.randn(300, k).bfloat16()
+    packed = cpu_kernels.panel_pack(w)
     saved = [s.value for s in switches]
-    for rows in (1, 2, 6, 7, 8, 9, 12, 16, 40):
+    for rows in row_counts:
         for dtype in (torch.bfloat16, torch.float32):
-            x = torch.randn(rows, 512).to(dtype)
+            x = torch.randn(rows, k).to(dtype)
             y = cpu_kernels.panel(x, packed, torch.float32)
             ref = F.linear(x.double(), w.double())
-            torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=atol)
             try:
-                settings = ((0, 0), (64, 1), (8192, 1), (1 << 16, 0), (1 << 40, 1))
-                for (ahead, l2), few in itertools.product(settings, (0, 1)):
-                    values = (ahead, l2, ahead, 1 - l2, few, few)
-                    for s, v in zip(switches, values, strict=True):
+                for setting in values:
+                    for s, v in zip(switches, setting, strict=True):
                         s.value = v
                     assert torch.equal(cpu_kernels.panel(x, packed, torch.float32), y)
             finally:
@@ -193,26 +206,10 @@ def test_avx2_panel_prefetch_switches_change_no_result() -> None:
     lib = cpu_kernels.load()
     if lib is None or lib.panel_pf_near is None:
         pytest.skip("panel512.c's panels (AVX-512 build): the test above")
-    torch.manual_seed(0)
-    w = torch.randn(300, 1024).bfloat16()  # panels far enough ahead for the prefetch to run
-    packed = cpu_kernels.panel_pack(w)
-    switches = lib.panel_pf_near, lib.panel_few_rows_far, lib.panel_convert_first
-    saved = [s.value for s in switches]
-    for rows in (1, 2, 3, 6, 8, 16, 17, 40, 70):
-        for dtype in (torch.bfloat16, torch.float32):
-            x = torch.randn(rows, 1024).to(dtype)
-            y = cpu_kernels.panel(x, packed, torch.float32)
-            ref = F.linear(x.double(), w.double())
-            torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=2e-4)
-            try:
-                aheads = (0, 64, 2048, 1 << 16, 1 << 40)
-                for values in itertools.product(aheads, (0, 1), (0, 1)):
-                    for s, v in zip(switches, values, strict=True):
-                        s.value = v
-                    assert torch.equal(cpu_kernels.panel(x, packed, torch.float32), y)
-            finally:
-                for s, v in zip(switches, saved, strict=True):
-                    s.value = v
+    switches = (lib.panel_pf_near, lib.panel_few_rows_far, lib.panel_convert_first)
+    aheads = (0, 64, 2048, 1 << 16, 1 << 40)
+    values = list(itertools.product(aheads, (0, 1), (0, 1)))
+    _same_bits_whatever_the_switches(1024, (1, 2, 3, 6, 8, 16, 17, 40, 70), switches, values, 2e-4)
 
 
 @pytest.mark.parametrize("faster", [True, False])
@@ -224,19 +221,10 @@ def test_few_panel_rows_prefetch_far_where_it_measured_faster(
     more rows do where 1 and 4 rows against cold panels ran 3% faster that way, else near."""
     lib = cpu_kernels.load()
     assert lib is not None
-    time_by_switch(monkeypatch, cpu_kernels, "panel", lib.panel_few_rows_far, faster)
-    measure_only(monkeypatch, cpu_kernels, "_PANEL_FEW_MEASURED")
-    monkeypatch.setattr(cpu_kernels, "_PANEL_FEW_SHAPE", (64, 2048))
-    before = lib.panel_few_rows_far.value
-    try:
-        w = torch.randn(64, 256).bfloat16()
-        assert "panel" in cpu_linear.available(w, torch.bfloat16)
-        assert lib.panel_few_rows_far.value == int(faster)
-        lib.panel_few_rows_far.value = 1 - int(faster)
-        cpu_linear.available(w, torch.bfloat16)  # once per process: not measured again
-        assert lib.panel_few_rows_far.value == 1 - int(faster)
-    finally:
-        lib.panel_few_rows_far.value = before
+    check_measured_once(
+        monkeypatch, "panel", lib.panel_few_rows_far, "_PANEL_FEW_MEASURED", "_PANEL_FEW_SHAPE",
+        faster, lambda names: "panel" in names,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("faster", [True, False])
@@ -249,19 +237,10 @@ def test_many_panel_rows_convert_chunks_first_where_it_measured_faster(
     lib = cpu_kernels.load()
     if lib is None or lib.panel_convert_first is None:
         pytest.skip("panel512.c's panels (AVX-512 build): no chunks converted first")
-    time_by_switch(monkeypatch, cpu_kernels, "panel", lib.panel_convert_first, faster)
-    measure_only(monkeypatch, cpu_kernels, "_PANEL_CONVERT_MEASURED")
-    monkeypatch.setattr(cpu_kernels, "_PANEL_CONVERT_SHAPE", (64, 2048))
-    before = lib.panel_convert_first.value
-    try:
-        w = torch.randn(64, 256).bfloat16()
-        assert "panel" in cpu_linear.available(w, torch.bfloat16)
-        assert lib.panel_convert_first.value == int(faster)
-        lib.panel_convert_first.value = 1 - int(faster)
-        cpu_linear.available(w, torch.bfloat16)  # once per process: not measured again
-        assert lib.panel_convert_first.value == 1 - int(faster)
-    finally:
-        lib.panel_convert_first.value = before
+    check_measured_once(
+        monkeypatch, "panel", lib.panel_convert_first, "_PANEL_CONVERT_MEASURED",
+        "_PANEL_CONVERT_SHAPE", faster, lambda names: "panel" in names,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
@@ -331,19 +310,11 @@ def test_avx512_gemv_reads_rows_in_turn_where_it_measured_faster(
     lib = cpu_kernels.load()
     if lib is None or lib.gemv512_bf16 is None:  # the AVX2 build: no such kernel
         return
-    time_by_switch(monkeypatch, cpu_kernels, "gemv512", lib.gemv512_rows_in_turn, faster)
-    measure_only(monkeypatch, cpu_kernels, "_ROWS_IN_TURN_MEASURED")
-    monkeypatch.setattr(cpu_kernels, "_ROWS_IN_TURN_SHAPE", (512, 256))
-    before = lib.gemv512_rows_in_turn.value
-    try:
-        w = torch.randn(64, 256).bfloat16()
-        assert cpu_linear.available(w, torch.bfloat16)[:2] == ["gemv", "gemv512"]
-        assert lib.gemv512_rows_in_turn.value == int(faster)
-        lib.gemv512_rows_in_turn.value = 1 - int(faster)
-        cpu_linear.available(w, torch.bfloat16)  # once per process: not measured again
-        assert lib.gemv512_rows_in_turn.value == 1 - int(faster)
-    finally:
-        lib.gemv512_rows_in_turn.value = before
+    check_measured_once(
+        monkeypatch, "gemv512", lib.gemv512_rows_in_turn, "_ROWS_IN_TURN_MEASURED",
+        "_ROWS_IN_TURN_SHAPE", faster, lambda names: names[:2] == ["gemv", "gemv512"],
+        small=(512, 256),
+    )  # fmt: skip
 
 
 def test_avx512_gemv_prefetch_switch_changes_no_result() -> None:
