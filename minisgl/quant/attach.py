@@ -226,15 +226,25 @@ def regrouped_line(weights: list[Regrouped], scheme: QuantScheme) -> str:
     ]
     line = "quantization groups cut by tensor parallelism: " + "; ".join(parts)
     line += " (each with the scale and zero point of the group it is part of: the same weights)"
-    # groups of 32 in rows of a multiple of 64 inputs: two to a block of x (qgemv.c)
-    short = sorted({r.group for r in counts if r.group < 64 and (r.group < 32 or r.per_rank % 64)})
-    if scheme.bits == 4 and short:
+    exact = [r for r in counts if not x8_takes_4_bit(r.per_rank, r.group)]
+    if scheme.bits == 4 and exact:
         line += (
             "; --cpu-quantized-activations int8 takes 4-bit groups of 64 or more, or of 32 in "
-            f"rows of a multiple of 64 inputs, without AVX512-VNNI: there those of "
-            f"{', '.join(map(str, short))} stay exact"
+            "rows of a multiple of 64 inputs: it leaves "
+            + ", ".join(f"{r.what} ({r.per_rank} inputs in groups of {r.group})" for r in exact)
+            + " exact"
         )
     return line
+
+
+def x8_takes_4_bit(k: int, group: int) -> bool:
+    """Whether --cpu-quantized-activations int8 rounds x for 4-bit codes in groups of `group`
+    features, k of them a row: groups of 64 or more, or of 32 two to a block of 64 features
+    (qgemv.c's qgemv_x8_takes, the same in either build; an AVX-512 build without VNNI rounds
+    none, which the loader says)."""
+    if group <= 0 or k % group or group % 32:
+        return False
+    return group % 64 == 0 or (group == 32 and k % 64 == 0)
 
 
 def after_materialise(model: nn.Module) -> None:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from minisgl.layers import cpu_kernels, kernel_choice
 from minisgl.quant import cpu_gemv, matmul
+from minisgl.quant.attach import Regrouped, regrouped_line, x8_takes_4_bit
 from minisgl.quant.qtensor import FP8, QTensor, dequantize, pack_nibbles
 from minisgl.quant.quantize import quantize
 from minisgl.quant.scheme import load_scheme
@@ -480,6 +481,25 @@ def _exact_x8(x: torch.Tensor, q: torch.Tensor, w: QTensor) -> tuple[torch.Tenso
     return y, terms
 
 
+def test_start_up_log_names_the_groups_8_bit_x_leaves_exact() -> None:
+    """The tensor-parallel regrouping line names the weights --cpu-quantized-activations int8
+    leaves exact by attach.x8_takes_4_bit, the running build's own rule (qgemv_x8_takes) over
+    rank shares and groups tensor parallelism makes. Before, the rule said "without
+    AVX512-VNNI" and the VNNI build's said it took no 4-bit rows of 1088 inputs in groups of
+    32 while its kernel rounded x for them."""
+    lib = cpu_kernels.load()
+    assert lib is not None
+    if lib.qgemv_x8_rows:  # an AVX-512 build without VNNI takes none (the loader says so)
+        for k in (64, 96, 128, 192, 256, 384, 640, 1024, 1088, 1536, 3072):
+            for g in (32, 64, 96, 128, 192, 256, 384, 512):
+                assert bool(lib.qgemv_x8_takes(4, k, g)) == x8_takes_4_bit(k, g), (k, g)
+    tp8 = Regrouped("experts' down_proj", 768, 96, 128, 32)
+    line = regrouped_line([tp8] * 48, load_scheme("int4"))
+    assert line.endswith("it leaves experts' down_proj (96 inputs in groups of 32) exact")
+    tp4 = Regrouped("experts' down_proj", 768, 192, 128, 64)  # groups of 64: taken
+    assert "leaves" not in regrouped_line([tp4] * 48, load_scheme("int4"))
+
+
 @pytest.mark.parametrize(
     "k, group", [(1536, 0), (1024, 64), (1152, 128), (1024, 256), (1024, 32), (1088, 32)]
 )
@@ -490,7 +510,8 @@ def test_int4_against_x_in_8_bits(k: int, group: int) -> None:
     exactly: the same result as that reference but for fp32 roundings, and within x's
     rounding (half a step a feature) of the float matmul. Prefill (more rows) and the switch
     off: exact to 15-bit x as before. Where the build has AVX512-VNNI x's blocks are those of
-    its lanes (_exact_x8v)."""
+    its lanes (_exact_x8v); rows of inputs that are not whole steps of 128 (1088) there take
+    the blocks of the build without it (before, qgemv_x8_takes said they stayed exact)."""
     g = torch.Generator().manual_seed(k + group)
     n = 37
     q = torch.randint(0, 16, (n, k), generator=g)
@@ -508,6 +529,9 @@ def test_int4_against_x_in_8_bits(k: int, group: int) -> None:
     vnni = cpu_kernels.isa() == "avx512" and "avx512_vnni" in _flags()
     assert most == 64
     assert cpu_gemv.takes_8_bit_codes() == vnni
+    assert cpu_gemv.takes_int8_activations(w) and x8_takes_4_bit(k, group or k)
+    gs = group or k  # VNNI's lanes take whole steps of 128 features (qgemv.c's x8v_takes)
+    vnni = vnni and k % 128 == 0 and (gs % 128 == 0 or 128 % gs == 0)
 
     def reference(xr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _exact_x8v(xr, q, w)[:2] if vnni else _exact_x8(xr, q, w)

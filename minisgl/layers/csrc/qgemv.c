@@ -2168,14 +2168,15 @@ const int qgemv_x8_rows = 64;
 #endif
 
 /* Whether qgemv_x8 rounds x for codes of `bits` bits (8 or 4) in groups of gs features, K of
-   them (minisgl/quant/cpu_gemv.py asks). */
+   them (minisgl/quant/cpu_gemv.py asks; attach.py's x8_takes_4_bit says the same for 4-bit
+   codes): with AVX512-VNNI block_x8v's whole steps, and 4-bit codes it does not take (K =
+   1088: 8.5 steps of 128) as without it (qgemv_kind's x8). */
 int qgemv_x8_takes(int bits, int64_t K, int64_t gs) {
     if (gs <= 0 || K % gs || gs % 32 || !qgemv_x8_rows) return 0;
 #ifdef QBYTES
-    return x8v_takes(bits == 8 ? Q_U8 : Q_U4, K, gs);
-#else
-    return bits == 4 && (gs % 64 == 0 || (gs == 32 && K % 64 == 0));
+    if (x8v_takes(bits == 8 ? Q_U8 : Q_U4, K, gs)) return 1;
 #endif
+    return bits == 4 && (gs % 64 == 0 || (gs == 32 && K % 64 == 0));
 }
 
 static void qgemv_kind(
