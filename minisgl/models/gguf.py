@@ -18,9 +18,11 @@ read as follows:
   4-bit and Q5_K's 5-bit codes with zero point 0, each group's scale d * sc and its min
   dmin * m), which the CPU kernels (and the CUDA path) run as they run GPTQ's, the K-quants'
   mins' term subtracted after them (each group's min times the inputs' sum over the group).
-- Every other type (Q6_K, Q2_K, Q3_K, IQ, Q4_1, ...), and a quantized untied embedding or
-  router: dequantized at load by gguf-py (llama.cpp's own Python package), said in one log
-  line; so are projections minisgl fuses (q/k/v, gate/up, a layer's gate/up experts) stored in
+- An untied embedding table (the file has output.weight) in one of those types: held the same
+  way, a lookup dequantizing only the rows it reads (Qwen3-8B's Q4_K table: 0.5 GB held
+  where bf16 takes 1.2 GB).
+- Every other type (Q6_K, Q2_K, Q3_K, IQ, Q4_1, ...), and a quantized router: dequantized at
+  load by gguf-py (llama.cpp's own Python package), said in one log line; so are projections minisgl fuses (q/k/v, gate/up, a layer's gate/up experts) stored in
   different types. An LM head stored in such a type is held in int8 per row
   (--lm-head-quantization auto), made from its dequantized values.
 """
@@ -54,6 +56,10 @@ ARCHITECTURES = {
 }
 FLOATS = ("F32", "F16", "BF16")
 MODEL_FILE = "model.gguf"  # the link to the file in its prepared directory
+EMBEDDING = "token_embd.weight"
+# In the prepared directory's key: a directory prepared by an earlier minisgl whose config.json
+# says less than the loader now reads (2: an untied table held quantized) is prepared anew.
+PREPARED_FORMAT = 2
 
 # blk.N.<name> -> model.layers.N.<name> (`{e}`: one of a mixture's stacked experts).
 _LAYER_TENSORS = {
@@ -168,8 +174,13 @@ class GgufFile:
                 f"reads {', '.join(ARCHITECTURES)}"
             )
         self._raw = {t.name: t for t in self._reader.tensors}
-        self.head = "output.weight" if "output.weight" in self._raw else "token_embd.weight"
-        self.tensors = _tensors(self._reader.tensors, self.head if hold_head else None)
+        self.head = "output.weight" if "output.weight" in self._raw else EMBEDDING
+        # An untied table (the head is output.weight) is held as stored where minisgl holds
+        # its type: its lookups dequantize only the rows they read.
+        held = {self.head} if hold_head else set()
+        if self.head != EMBEDDING:
+            held.add(EMBEDDING)
+        self.tensors = _tensors(self._reader.tensors, held)
 
     def tokenizer_digest(self) -> str:
         """A digest of every tokenizer.* field, as stored."""
@@ -212,8 +223,8 @@ class GgufFile:
         return (
             f"GGUF {self.path.name}: {kinds} tensor(s) dequantized at load to {dtype} (up to "
             f"{held:.2f} GiB in memory for {stored:.2f} GiB in the file; minisgl's kernels run "
-            f"{', '.join(GGUF_TYPES)} projections and LM heads as they are stored; other types, "
-            "untied embeddings, routers and fused projections of mixed types are read as floats)"
+            f"{', '.join(GGUF_TYPES)} projections, LM heads and embedding tables as they are stored; "
+            "other types, routers and fused projections of mixed types are read as floats)"
         )
 
     def iter_tensors(self, progress: bool = False) -> Iterator[tuple[str, Any]]:
@@ -262,7 +273,7 @@ class GgufFile:
         if int(self.meta("attention.value_length", head_dim)) != head_dim:
             raise ValueError(f"{self.path}: keys and values of different lengths")
         names = {t.gguf_name for t in self.tensors}
-        embed = next(t for t in self.tensors if t.gguf_name == "token_embd.weight")
+        embed = next(t for t in self.tensors if t.gguf_name == EMBEDDING)
         out: dict[str, Any] = {
             "architectures": [arch],
             "model_type": model_type,
@@ -305,10 +316,13 @@ class GgufFile:
             }
         held = self.held_modules()
         head = self.head_type()
-        if held or head:
+        table = self.embedding_type()
+        if held or head or table:
             out["quantization_config"] = {"quant_method": "gguf", "modules": held}
             if head:
                 out["quantization_config"]["lm_head"] = head
+            if table:
+                out["quantization_config"]["embed_tokens"] = table
         return out
 
     def head_type(self) -> str | None:
@@ -320,13 +334,21 @@ class GgufFile:
             return stored
         return None if stored in FLOATS else "int8"
 
+    def embedding_type(self) -> str | None:
+        """The GGUF type an untied embedding table is held in as stored (None: tied, float,
+        or a type dequantized at load)."""
+        if self.head == EMBEDDING:
+            return None
+        table = next(t for t in self.tensors if t.gguf_name == EMBEDDING)
+        return table.held if table.held in GGUF_TYPES else None
+
     def held_modules(self) -> dict[str, str]:
         """Hugging Face module -> its GGUF type, for every projection held quantized (a
         mixture's experts as one `re:` pattern per layer and projection)."""
         out = {}
         for t in self.tensors:
-            if t.held not in GGUF_TYPES or t.gguf_name == self.head:  # the head: head_type()
-                continue
+            if t.held not in GGUF_TYPES or t.gguf_name in (self.head, EMBEDDING):
+                continue  # the head: head_type(); an untied table: embedding_type()
             module = t.hf_names[0].removesuffix(".weight")
             if len(t.hf_names) > 1:  # model.layers.3.mlp.experts.0.up_proj
                 first, _, proj = module.rpartition(".")
@@ -357,9 +379,10 @@ class GgufFile:
         return _FILE_DTYPES.get(int(self.fields.get("general.file_type", -1)), "bfloat16")
 
 
-def _tensors(raw: list[Any], held_head: str | None) -> list[Tensor]:
-    """Every tensor renamed, with the type minisgl reads it as (`held_head`: the LM head's
-    tensor, read as its blocks where minisgl holds their type)."""
+def _tensors(raw: list[Any], held_whole: set[str]) -> list[Tensor]:
+    """Every tensor renamed, with the type minisgl reads it as (`held_whole`: the LM head's
+    tensor, an untied embedding table's: read as their blocks where minisgl holds their
+    type)."""
     stored = {t.name: t.tensor_type.name for t in raw}
     out = []
     for t in raw:
@@ -367,7 +390,7 @@ def _tensors(raw: list[Any], held_head: str | None) -> list[Tensor]:
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the innermost first
         names = (hf,) if "{e}" not in hf else tuple(hf.format(e=e) for e in range(shape[0]))
         kind = stored[t.name]
-        held = kind if t.name == held_head and kind in GGUF_TYPES else _held(t.name, part, stored)
+        held = kind if t.name in held_whole and kind in GGUF_TYPES else _held(t.name, part, stored)
         out.append(Tensor(t.name, names, shape, kind, held))
     return out
 
@@ -427,7 +450,8 @@ def _file_and_dir(path: str | Path) -> tuple[Path, Path]:
     if not file.is_file():
         raise FileNotFoundError(f"GGUF file {str(file)!r} does not exist")
     st = file.stat()
-    key = hashlib.sha256(f"{file.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    stamp = f"{file.resolve()}:{st.st_size}:{st.st_mtime_ns}:{PREPARED_FORMAT}"
+    key = hashlib.sha256(stamp.encode()).hexdigest()
     return file, cache_dir() / "gguf" / f"{file.stem}-{key[:16]}"
 
 

@@ -169,7 +169,7 @@ def _log_int8_activations(model: torch.nn.Module) -> None:
             "activation path (an AVX-512 build without AVX512-VNNI); every matmul stays exact"
         )
         return
-    weights = [m for m in model.modules() if isinstance(m, QuantWeight)]
+    weights = [m for m in model.modules() if isinstance(m, QuantWeight) and m.multiplied]
     taken = sum(cpu_gemv.takes_int8_activations(w.view(0 if w.experts else None)) for w in weights)
     vnni = cpu_gemv.takes_8_bit_codes()
     which = "8- or 4-bit integer codes" if vnni else "4-bit codes in groups of 32 or more"
@@ -255,7 +255,7 @@ def load_model(
         raise FileNotFoundError(f"checkpoint {path} has no tensor {missing[0]!r}{more}")
     model.eval()
     if tp_rank == 0:
-        logger.info(quant_loading.summary(model, layout.scheme, layout.head))
+        logger.info(quant_loading.summary(model, layout.scheme, layout.head, layout.embedding))
     quant_loading.for_device(model, device, dtype)
     if device.type == "cpu":
         cpu_kernels.set_quantized_activations(cpu_quantized_activations)

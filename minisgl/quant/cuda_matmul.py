@@ -262,8 +262,8 @@ def prepare(
     reasons: dict[str, int] = {}
     probed: dict[tuple[int, int, int], str | None] = {}
     for m in model.modules():
-        if not isinstance(m, QuantWeight):
-            continue
+        if not isinstance(m, QuantWeight) or not m.multiplied:
+            continue  # an untied table only looked up: its rows dequantize from the buffers
         path, why = choose(m, capability)
         if path == "fp8" and probe:
             key = (m.codes.shape[-2], m.in_features, m.group_size)

@@ -52,6 +52,9 @@ QUANTIZABLE = re.compile(
 Header = tuple[tuple[int, ...], str]  # (shape, safetensors dtype)
 
 
+EMBEDDING_TENSOR = "model.embed_tokens.weight"
+
+
 @dataclass
 class CheckpointLayout:
     scheme: QuantScheme | None
@@ -63,6 +66,8 @@ class CheckpointLayout:
     # tensor it is made from (a tied model's embedding table, else lm_head.weight).
     head: QuantScheme | None = None
     head_tensor: str = ""
+    # An untied embedding table held as the checkpoint stores it (a GGUF file's blocks).
+    embedding: QuantScheme | None = None
 
 
 def read_headers(files: Iterable[Path]) -> dict[str, Header]:
@@ -161,6 +166,9 @@ def assemble(
                 yield name, read_linear(name.removesuffix(".weight"), {"weight": t}, head)
             else:
                 yield name, quantize(t, head)
+            continue
+        if layout.embedding is not None and name == EMBEDDING_TENSOR:
+            yield name, read_linear(name.removesuffix(".weight"), {"weight": t}, layout.embedding)
             continue
         prefix, _, suffix = name.rpartition(".")
         want = layout.quantized.get(prefix)

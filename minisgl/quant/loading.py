@@ -16,7 +16,7 @@ from minisgl.models.config import ModelConfig
 from minisgl.quant import cpu_choice, cpu_gemv
 from minisgl.quant import layout as quant_layout
 from minisgl.quant.attach import after_materialise, attach, format_name, summary, weight_bytes
-from minisgl.quant.layout import CheckpointLayout, Header, read_headers, scan
+from minisgl.quant.layout import EMBEDDING_TENSOR, CheckpointLayout, Header, read_headers, scan
 from minisgl.quant.qtensor import QTensor, streamed
 from minisgl.quant.scheme import QuantScheme, lm_head_scheme, load_scheme
 from minisgl.quant.weight import QuantWeight
@@ -59,8 +59,13 @@ def checkpoint_layout(
     if head is not None and head.source == "checkpoint" and head_tensor in headers:
         # Stored quantized (a GGUF file's blocks): scanned as the float weight it stands for.
         headers = {**headers, head_tensor: (headers[head_tensor][0], "F32")}
+    table = None if tied or config.quantization is None else config.quantization.embedding
+    table = table if EMBEDDING_TENSOR in headers else None
+    if table is not None:  # its blocks, as the head's
+        headers = {**headers, EMBEDDING_TENSOR: (headers[EMBEDDING_TENSOR][0], "F32")}
     layout = scan(headers, scheme(config, quantization))
     layout.head, layout.head_tensor = head, head_tensor
+    layout.embedding = table
     return layout
 
 
@@ -79,7 +84,7 @@ def prepare_cpu(model: torch.nn.Module, x_dtype: torch.dtype, tuning: str) -> st
     shape and code kind; the one log line of what was picked ("" where nothing was)."""
     by_shape: dict[tuple[object, ...], list[QuantWeight]] = {}
     for m in model.modules():
-        if isinstance(m, QuantWeight) and m.codes.device.type == "cpu":
+        if isinstance(m, QuantWeight) and m.codes.device.type == "cpu" and m.multiplied:
             key = (tuple(m.codes.shape[-2:]), m.codes.dtype, m.bits, m.group_size, m.experts > 0)
             by_shape.setdefault(key, []).append(m)
     # All on huge pages, in one mapping (the small ones too), before they are timed.
@@ -145,7 +150,7 @@ def _head_quantized(model: torch.nn.Module) -> bool:
 def _activations(model: torch.nn.Module) -> str:
     """What integer weights multiply: x rounded to 8 bits ("int8": --cpu-quantized-activations
     int8 with weights it takes, cpu_gemv.takes_int8_activations) or "exact"."""
-    weights = [m for m in model.modules() if isinstance(m, QuantWeight)]
+    weights = [m for m in model.modules() if isinstance(m, QuantWeight) and m.multiplied]
     if not weights or any(w.codes.device.type == "cuda" for w in weights):
         return "exact"  # float weights, or a GPU's (the flag is for the CPU kernels)
     if cpu_kernels.quantized_activations() != "int8" or not cpu_kernels.int8_activation_rows():

@@ -67,6 +67,9 @@ class QuantScheme:
     # The LM head a GGUF file stores quantized, as --lm-head-quantization auto holds it: its
     # own blocks (Q8_0 / Q4_0 / Q5_0), or int8 per row made from another type's values.
     lm_head: QuantScheme | None = None
+    # An untied embedding table a GGUF file stores in a type minisgl holds: its own blocks,
+    # looked up row by row (None: float, or dequantized at load).
+    embedding: QuantScheme | None = None
     # fp8: how its scales are laid out ("block" [N/bn, K/bk], "channel" [N, 1], "tensor").
     fp8_scales: str = ""
     fp8_scale_name: str = ""  # weight_scale_inv (Qwen/DeepSeek fp8) or weight_scale (c-t)
@@ -386,7 +389,11 @@ def _gguf(raw: dict[str, Any]) -> QuantScheme:
         lm_head = head_scheme(AUTO_LM_HEAD)
     else:
         raise _unsupported(f"gguf lm_head {head!r}")
-    return replace(scheme(base), overrides=others, lm_head=lm_head)
+    table = raw.get("embed_tokens")
+    if table is not None and table not in GGUF_TYPES:
+        raise _unsupported(f"gguf embed_tokens {table!r}")
+    embedding = scheme(str(table)) if table is not None else None
+    return replace(scheme(base), overrides=others, lm_head=lm_head, embedding=embedding)
 
 
 def load_scheme(method: str) -> QuantScheme:

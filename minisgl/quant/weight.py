@@ -72,6 +72,9 @@ class QuantWeight(nn.Module):
         # the buffers in a layout `rows` cannot read (cuda_matmul.py); None: from the buffers.
         self.lookup: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None
         self.looked_up = False  # an embedding table too (a tied LM head): see `rows`
+        # False: an untied embedding table held as stored (a GGUF file's token_embd), only
+        # looked up: no matmul kernel is chosen or converted for it.
+        self.multiplied = True
         # The whole weight's view, made once (see `whole`), and per x dtype whether the CPU
         # kernels take it: a decode step multiplies ~110 times, each call's Python on cold
         # caches (the matmuls before it streamed them out).

@@ -201,6 +201,42 @@ def test_float_file_generates_the_sources_tokens(tmp_path: Path) -> None:
     assert greedy(path)[0] == greedy(src)[0]
 
 
+@pytest.mark.parametrize("table", ["Q8_0", "Q4_K"])
+def test_untied_embedding_table_held_as_stored(table: str, tmp_path: Path, caplog) -> None:
+    """An untied model's token_embd in a type the kernels hold (a Qwen3-8B Q4_K_M file's Q4_K
+    table, a Q8_0 file's) is held as its blocks and looked up row by row, no float copy of it
+    made (before: dequantized at load, 1.2 GB of bf16 for Qwen3-8B): the twin's tokens (and
+    transformers'), the head held as stored beside it; at TP=2 each rank its rows."""
+    src = source("quant-k", tied=False)  # rows of 256: K-quant super-blocks
+    f32 = convert(src, tmp_path / "untied-f32.gguf", "f32")
+
+    def types(gguf_name: str) -> str | None:
+        if gguf_name == "token_embd.weight":
+            return table
+        return "Q8_0" if PROJECTION.fullmatch(gguf_name) or gguf_name == "output.weight" else None
+
+    def twin_types(name: str, values: np.ndarray) -> str | None:
+        if name == "model.embed_tokens.weight":
+            return table
+        return "Q8_0" if HF_PROJECTION.fullmatch(name) or name == "lm_head.weight" else None
+
+    path = requantize(f32, tmp_path / "untied.gguf", types)
+    twin = _twin(src, tmp_path / "twin", twin_types)
+    with caplog.at_level(logging.INFO):
+        ours, _ = greedy(path)
+    assert f"embedding: gguf {table} (" in caplog.text
+    assert "(its rows dequantized as they are looked up)" in caplog.text
+    assert "dequantized at load" not in caplog.text
+    # every layer's 4 projections (2 layers) and the head multiplied, the table beside them;
+    # nothing in float but the norms
+    assert "quantized in 10 weights + 0.0 MiB float (norms, routers)" in caplog.text
+    reference, _ = greedy(twin)
+    assert ours == reference
+    if table == "Q4_K":  # transformers and two ranks once
+        assert ours == transformers_greedy(twin)
+        assert greedy(path, tp_size=2)[0] == reference
+
+
 def test_prepared_directory_is_the_models_config_and_tokenizer(files) -> None:
     """The directory a GGUF file is opened through: config.json with the source's shape,
     the tokenizer and chat template the source has, reused on the next open."""
