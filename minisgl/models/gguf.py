@@ -22,9 +22,10 @@ read as follows:
   way, a lookup dequantizing only the rows it reads (Qwen3-8B's Q4_K table: 0.5 GB held
   where bf16 takes 1.2 GB).
 - Every other type (Q6_K, Q2_K, Q3_K, IQ, Q4_1, ...), and a quantized router: dequantized at
-  load by gguf-py (llama.cpp's own Python package), said in one log line; so are projections minisgl fuses (q/k/v, gate/up, a layer's gate/up experts) stored in
-  different types. An LM head stored in such a type is held in int8 per row
-  (--lm-head-quantization auto), made from its dequantized values.
+  load by gguf-py (llama.cpp's own Python package), said in one log line; so are projections
+  minisgl fuses (q/k/v, gate/up, a layer's gate/up experts) stored in different types. An LM
+  head stored in such a type is held in int8 per row (--lm-head-quantization auto), made from
+  its dequantized values.
 """
 
 from __future__ import annotations
@@ -223,8 +224,9 @@ class GgufFile:
         return (
             f"GGUF {self.path.name}: {kinds} tensor(s) dequantized at load to {dtype} (up to "
             f"{held:.2f} GiB in memory for {stored:.2f} GiB in the file; minisgl's kernels run "
-            f"{', '.join(GGUF_TYPES)} projections, LM heads and embedding tables as they are stored; "
-            "other types, routers and fused projections of mixed types are read as floats)"
+            f"{', '.join(GGUF_TYPES)} projections, LM heads and embedding tables as they are "
+            "stored; other types, routers and fused projections of mixed types are read as "
+            "floats)"
         )
 
     def iter_tensors(self, progress: bool = False) -> Iterator[tuple[str, Any]]:

@@ -54,7 +54,8 @@ def takes_int8_activations(w: QTensor) -> bool:
     """Whether --cpu-quantized-activations int8 can round x for w: integer codes whose groups
     the C kernels' 8-bit path takes (qgemv.c's qgemv_x8_takes: 4-bit codes in groups of 64 or
     more, or of 32 where K is a multiple of 64; with AVX512-VNNI also 8-bit codes in groups of
-    32 or a multiple of 64, K a multiple of 64); fp8 codes and scattered groups (desc_act) stay exact."""
+    32 or a multiple of 64, K a multiple of 64); fp8 codes and scattered groups (desc_act)
+    stay exact."""
     lib = cpu_kernels.load()
     if lib is None or kind(w) == "fp8" or w.g_idx is not None:
         return False
