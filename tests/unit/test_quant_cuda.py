@@ -194,6 +194,19 @@ def test_a_tied_head_is_still_looked_up_by_row_after_the_gpu_conversion(fmt: str
     assert torch.equal(h.rows(ids, torch.bfloat16), ref.to(torch.bfloat16)[ids])
 
 
+def test_an_untied_table_only_looked_up_is_left_as_stored() -> None:
+    # An untied embedding table held quantized (a GGUF file's token_embd) is never multiplied:
+    # the GPU conversion leaves its buffers, and names it nowhere, while its rows read as before.
+    w = quantize(_weight(n=320, k=256), load_scheme("int4"))
+    h = _holder(w)
+    h.looked_up, h.multiplied = True, False
+    codes, ref = h.codes, dequantize(h.view(), torch.float32)
+    assert cm.prepare(nn.ModuleDict({"t": h}), torch.bfloat16, (9, 0), ops=cm.CPU_INT4) is None
+    assert h.codes is codes and h.kernel is None
+    ids = torch.tensor([[3, 0], [319, 3]])
+    assert torch.equal(h.rows(ids, torch.bfloat16), ref.to(torch.bfloat16)[ids])
+
+
 def test_a_torch_without_scaled_mm_dequantizes_fp8_and_says_so(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
