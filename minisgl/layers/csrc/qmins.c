@@ -59,7 +59,7 @@ static inline __m256 mins_dot8(const float* mins, int64_t gstride, int64_t n0, i
     const int64_t whole = G / 8 * 8;
     for (int64_t g = 0; g < whole; g += 8) {
         __m256 xv = _mm256_loadu_ps(xs + g);
-        for (int j = 0; j < rows; j++) /* rows is 8 but in the last block */
+        for (int j = 0; j < rows; j++) /* 8 but in the last block (qmins) */
             a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(mins + (n0 + j) * gstride + g), xv, a[j]);
     }
     if (whole < G) {
@@ -118,6 +118,7 @@ int qmins(const void* x, int x_bf16, const float* acc, const float* mins, int64_
             #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) {
                 int rows = N - b * 8 < 8 ? (int)(N - b * 8) : 8;
+                /* the same call twice: with a constant 8 the compiler unrolls the 8 chains */
                 if (rows == 8) mins_block(mins, gstride, b * 8, 8, xs, G, acc, y, y_bf16, M, N);
                 else mins_block(mins, gstride, b * 8, rows, xs, G, acc, y, y_bf16, M, N);
             }
