@@ -198,7 +198,7 @@ class Chain:
     def attention(
         self,
         qk: torch.Tensor,
-        qkv: torch.Tensor,
+        v: torch.Tensor,
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
         out: torch.Tensor,
@@ -206,8 +206,9 @@ class Chain:
         scale: float,
     ) -> None:
         """cpu_kernels.decode_attention's call with the step's rows stored by the kernel: q and
-        the new k are the heads of `qk` [B, Hq + Hkv, D], the new v the last Hkv heads of
-        `qkv` [B, (Hq + 2 Hkv) * D]."""
+        the new k are the heads of `qk` [B, Hq + Hkv, D], the new v `v` [B, Hkv * D] (rows
+        apart by its stride: the last Hkv heads of the q/k/v matmul's output, or a part's
+        own output where that weight is split)."""
         hq, hkv, d = heads
         held = (self.dtype, torch.float8_e4m3fn)  # an fp8 pool: the new rows rounded into it
         for pool in (k_pool, v_pool):
@@ -232,8 +233,8 @@ class Chain:
             _float_bits(scale),
             qk.data_ptr() + hq * d * size,
             (hq + hkv) * d * size,
-            qkv.data_ptr() + (hq + hkv) * d * size,
-            (hq + 2 * hkv) * d * size,
+            v.data_ptr(),
+            v.stride(0) * size,
         )
 
     def silu_mul(self, x: torch.Tensor, out: torch.Tensor) -> None:

@@ -6,6 +6,10 @@ A column-parallel layer feeding a row-parallel one (qkv -> o, gate_up -> down) c
 all-reduce per pair. Each layer knows how to cut its own rank's shard out of a full Hugging Face
 tensor (`load`), so loading never materialises another rank's weights on the device.
 
+A fused layer whose projections a checkpoint stores in different formats (a GGUF Q4_K_M file's
+Q4_K q/k beside a Q6_K v, a mixed-precision checkpoint's 8-bit k_proj) holds its weight in
+parts, a run of projections of one format each (`split`), and concatenates their products.
+
 With tp_size == 1 no collective is ever called.
 """
 
@@ -40,8 +44,38 @@ class LinearBase(nn.Module):
         # Set on CPU by cpu_linear.prepack_modules: the fastest matmul per row count.
         self.kernel: CpuLinearKernel | None = None
         self.kernel_out_dtype: torch.dtype | None = None
+        # The weight's row ranges as layers of their own (`split`); None: one weight.
+        self.parts: nn.ModuleList | None = None
+
+    @property
+    def out_features(self) -> int:
+        """This rank's output features (the parts' together where the weight is split)."""
+        if self.parts is not None:
+            return sum(p.out_features for p in self.part_list())
+        return self.weight.shape[0]
+
+    def part_list(self) -> list[LinearBase]:
+        """The parts `split` made, in order (none: one weight)."""
+        return [p for p in self.parts or () if isinstance(p, LinearBase)]
+
+    def split(self, rows: list[int]) -> list[LinearBase]:
+        """Hold the weight as parts of `rows` output rows each, in order (each a LinearBase of
+        its own, whose weight the quantized loader may swap for its format's); `weight`
+        becomes None and the output the parts' concatenated."""
+        n, k = self.weight.shape
+        assert sum(rows) == n and len(rows) > 1, (rows, n)
+        like = self.weight
+        parts = [LinearBase(k, r, self.tp_rank, self.tp_size) for r in rows]
+        for part in parts:
+            part.weight = nn.Parameter(like.new_empty(part.weight.shape), requires_grad=False)
+        del self.weight
+        self.register_parameter("weight", None)
+        self.parts = nn.ModuleList(parts)
+        return parts
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parts is not None:
+            return torch.cat([p.matmul(x) for p in self.part_list()], dim=-1)
         if self.kernel is not None:
             return self.kernel(x)
         if isinstance(self.weight, QuantWeight):  # quantized (minisgl/quant/)
@@ -52,12 +86,18 @@ class LinearBase(nn.Module):
         y = self.matmul(x)
         return y if self.bias is None else y.add_(self.bias)
 
-    def _target(self, full: torch.Tensor) -> torch.Tensor:
-        """The local tensor a full HF tensor fills: the weight, or the bias for a 1-D one."""
+    def _target(self, full: torch.Tensor, offset: int, n: int) -> torch.Tensor:
+        """Rows [offset, offset + n) of the local tensor a full HF tensor fills: the weight
+        (the part holding them where it is split), or the bias for a 1-D one."""
         if full.dim() == 1:
             assert self.bias is not None, "a bias for a layer built without one"
-            return self.bias.data
-        return self.weight.data
+            return self.bias.data.narrow(0, offset, n)
+        for part in self.part_list():
+            if offset < part.out_features:
+                assert offset + n <= part.out_features, "a projection across two parts"
+                return part.weight.data.narrow(0, offset, n)
+            offset -= part.out_features
+        return self.weight.data.narrow(0, offset, n)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -78,7 +118,7 @@ class ColumnParallelLinear(LinearBase):
         n = self.out_local[shard]
         offset = sum(self.out_local[:shard])
         src = full.narrow(0, self.tp_rank * n, n)
-        self.weight.data.narrow(0, offset, n).copy_(src)
+        self._target(full, offset, n).copy_(src)
 
 
 class QKVParallelLinear(LinearBase):
@@ -119,7 +159,7 @@ class QKVParallelLinear(LinearBase):
         else:
             src = full.narrow(0, self.kv_head_start * self.head_dim, self.kv_size)
             offset = self.q_size + (self.kv_size if shard == "v" else 0)
-        self._target(full).narrow(0, offset, src.shape[0]).copy_(src)
+        self._target(full, offset, src.shape[0]).copy_(src)
 
 
 class RowParallelLinear(LinearBase):
@@ -145,7 +185,7 @@ class RowParallelLinear(LinearBase):
 
     def load(self, full: torch.Tensor) -> None:
         if full.dim() == 1:
-            self._target(full).copy_(full)
+            self._target(full, 0, full.shape[0]).copy_(full)
             return
         src = full.narrow(1, self.tp_rank * self.in_local, self.in_local)
         self.weight.data.copy_(src)

@@ -22,10 +22,11 @@ read as follows:
   way, a lookup dequantizing only the rows it reads (Qwen3-8B's Q4_K table: 0.5 GB held
   where bf16 takes 1.2 GB).
 - Every other type (Q6_K, Q2_K, Q3_K, IQ, Q4_1, ...), and a quantized router: dequantized at
-  load by gguf-py (llama.cpp's own Python package), said in one log line; so are projections
-  minisgl fuses (q/k/v, gate/up, a layer's gate/up experts) stored in different types. An LM
-  head stored in such a type is held in int8 per row (--lm-head-quantization auto), made from
-  its dequantized values.
+  load by gguf-py (llama.cpp's own Python package), said in one log line; so are a layer's
+  gate/up experts stored in two types (minisgl holds them as one weight). q/k/v or gate/up of
+  mixed types (a Q4_K_M file's Q6_K v beside Q4_K q and k) are held in parts, each projection
+  as it is read. An LM head stored in such a type is held in int8 per row
+  (--lm-head-quantization auto), made from its dequantized values.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ FLOATS = ("F32", "F16", "BF16")
 MODEL_FILE = "model.gguf"  # the link to the file in its prepared directory
 EMBEDDING = "token_embd.weight"
 # In the prepared directory's key: a directory prepared by an earlier minisgl whose config.json
-# says less than the loader now reads (2: an untied table held quantized) is prepared anew.
-PREPARED_FORMAT = 2
+# says less than the loader now reads (2: an untied table held quantized; 3: q/k/v and gate/up
+# of mixed types held per projection) is prepared anew.
+PREPARED_FORMAT = 3
 
 # blk.N.<name> -> model.layers.N.<name> (`{e}`: one of a mixture's stacked experts).
 _LAYER_TENSORS = {
@@ -85,9 +87,10 @@ _TOP_TENSORS = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-# Projections minisgl holds as one weight: held as they are only if all share one type (a
-# mixture's down_proj experts are a weight of their own).
-_FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("ffn_gate_exps", "ffn_up_exps"))
+# A mixture's gate/up experts, which minisgl holds as one weight: held as they are only if
+# both share one type (its down_proj experts are a weight of their own). q/k/v and a dense
+# gate/up of mixed types are held in parts, each projection as it is stored (layers/linear.py).
+_FUSED = (("ffn_gate_exps", "ffn_up_exps"),)
 _PROJECTIONS = frozenset(
     ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     + ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -225,8 +228,8 @@ class GgufFile:
             f"GGUF {self.path.name}: {kinds} tensor(s) dequantized at load to {dtype} (up to "
             f"{held:.2f} GiB in memory for {stored:.2f} GiB in the file; minisgl's kernels run "
             f"{', '.join(GGUF_TYPES)} projections, LM heads and embedding tables as they are "
-            "stored; other types, routers and fused projections of mixed types are read as "
-            "floats)"
+            "stored; other types, routers and a layer's gate/up experts of mixed types are "
+            "read as floats)"
         )
 
     def iter_tensors(self, progress: bool = False) -> Iterator[tuple[str, Any]]:

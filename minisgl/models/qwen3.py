@@ -419,14 +419,16 @@ class Qwen3ForCausalLM(nn.Module):
             else:
                 chain.norm(x, norm.weight, norm.eps, h, residual=residual, sum_into=mlp_out)
                 residual = mlp_out
-            chain.matmul(sa.qkv_proj, h, qkv)
-            stride = (hq + 2 * hkv) * d
-            chain.norm(qkv, sa.qk_weight(), sa.eps, qk, group=hq + hkv, x_stride=stride, rope=True)
+            qk_rows, v = self._lay_qkv(chain, sa.qkv_proj, h, qkv, (hq + hkv) * d)
+            stride = qk_rows.stride(0)
+            chain.norm(
+                qk_rows, sa.qk_weight(), sa.eps, qk, group=hq + hkv, x_stride=stride, rope=True
+            )
             k_pool, v_pool = (
                 attn.kv_pool.k_buffers[sa.layer_id],
                 attn.kv_pool.v_buffers[sa.layer_id],
             )
-            chain.attention(qk, qkv, k_pool, v_pool, o, (hq, hkv, d), attn.scale)
+            chain.attention(qk, v, k_pool, v_pool, o, (hq, hkv, d), attn.scale)
             chain.matmul(sa.o_proj, o, y)
             norm = layer.post_attention_layernorm
             chain.norm(y, norm.weight, norm.eps, h, residual=residual, sum_into=y)
@@ -435,7 +437,7 @@ class Qwen3ForCausalLM(nn.Module):
                 chain.moe(mlp, h, mlp_out)
             else:
                 assert isinstance(mlp, Qwen3MLP)
-                gate_up = chain.buffer("gate_up", mlp.gate_up_proj.weight.shape[0])
+                gate_up = chain.buffer("gate_up", mlp.gate_up_proj.out_features)
                 act = chain.buffer("act", gate_up.shape[1] // 2)
                 chain.matmul(mlp.gate_up_proj, h, gate_up)
                 chain.silu_mul(gate_up, act)
@@ -446,6 +448,28 @@ class Qwen3ForCausalLM(nn.Module):
         vocab = self._lay_head(chain, mlp_out, residual)
         chain.seal()
         return chain, mlp_out, residual, vocab
+
+    @staticmethod
+    def _lay_qkv(
+        chain: cpu_chain.Chain,
+        proj: QKVParallelLinear,
+        h: torch.Tensor,
+        qkv: torch.Tensor,
+        qk_width: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q/k/v matmul into `qkv` (or, where its weight is held as a q/k part and a v part,
+        each part into a buffer of its own): (the q/k rows, the v rows), views a row apart by
+        their buffer's width."""
+        parts = proj.part_list()
+        if not parts:
+            chain.matmul(proj, h, qkv)
+            return qkv, qkv[:, qk_width:]
+        if [p.out_features for p in parts] != [qk_width, qkv.shape[1] - qk_width]:
+            raise cpu_chain.Unsupported("a q/k/v weight held in parts other than q/k and v")
+        qk_rows, v = chain.buffer("qk_rows", qk_width), chain.buffer("v", qkv.shape[1] - qk_width)
+        chain.matmul(parts[0], h, qk_rows)
+        chain.matmul(parts[1], h, v)
+        return qk_rows, v
 
     def _lay_embedding(self, chain: cpu_chain.Chain) -> None:
         """A quantized embedding table's lookup as the chain's first op (its rows then are the
@@ -576,7 +600,9 @@ class Qwen3ForCausalLM(nn.Module):
         mods = [
             m
             for m in self.modules()
-            if isinstance(m, (LinearBase, ParallelLMHead)) and not isinstance(m.weight, QuantWeight)
+            if isinstance(m, (LinearBase, ParallelLMHead))
+            and m.weight is not None  # a weight held in parts: each its own LinearBase
+            and not isinstance(m.weight, QuantWeight)
         ]
         embed, head = self.model.embed_tokens, self.lm_head
         # A quantized head (and the tied table it is) is no float matmul's: nothing to share.

@@ -11,7 +11,12 @@ from dataclasses import dataclass
 from torch import nn
 
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minisgl.layers.linear import LinearBase, RowParallelLinear
+from minisgl.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from minisgl.layers.moe import FusedMoE
 from minisgl.quant.layout import CheckpointLayout
 from minisgl.quant.scheme import QuantScheme
@@ -105,19 +110,20 @@ def _holder(
 
 
 def _all_or_none(name: str, modules: list[str], layout: CheckpointLayout) -> bool:
+    """Whether a mixture's experts (`modules`, held as one weight) are quantized: all or none."""
     quantized = [m in layout.quantized for m in modules]
     if any(quantized) and not all(quantized):
         plain = next(m for m, q in zip(modules, quantized, strict=True) if not q)
         raise ValueError(
-            f"{plain} is unquantized in the checkpoint but the other projections minisgl runs "
-            f"fused with it in {name} are quantized; minisgl needs them alike"
+            f"{plain} is unquantized in the checkpoint but the other experts' projections "
+            f"minisgl holds with it in {name} are quantized; minisgl needs them alike"
         )
     return all(quantized)
 
 
 def _one_scheme(name: str, modules: list[str], scheme: QuantScheme) -> QuantScheme:
-    """The format of the checkpoint modules minisgl holds as one weight (q/k/v, gate/up, a
-    mixture's experts): a mixed-precision checkpoint must store them alike."""
+    """The format of a mixture's experts minisgl holds as one weight: a mixed-precision
+    checkpoint must store them alike."""
     found = {m: scheme.for_module(m) for m in modules}
     kinds = set(found.values())
     if len(kinds) > 1:
@@ -125,12 +131,35 @@ def _one_scheme(name: str, modules: list[str], scheme: QuantScheme) -> QuantSche
         b = next(m for m in modules if found[m] != found[a])
         raise ValueError(
             f"{a} and {b} are stored in different formats, but minisgl holds {name} as one "
-            "weight: a mixed-precision checkpoint must keep modules fused alike (q/k/v, "
-            "gate/up, a layer's experts)"
+            "weight: a mixed-precision checkpoint must keep a layer's experts alike"
         )
     one = kinds.pop()
     assert one is not None  # _all_or_none() passed only quantized modules
     return one
+
+
+def _runs(
+    modules: list[str], rows: list[int], layout: CheckpointLayout, scheme: QuantScheme
+) -> list[tuple[QuantScheme | None, int]]:
+    """A fused layer's projections (q/k/v, gate/up) as runs of one format each: (the scheme,
+    None for float; their rows)."""
+    out: list[tuple[QuantScheme | None, int]] = []
+    for module, n in zip(modules, rows, strict=True):
+        own = scheme.for_module(module) if module in layout.quantized else None
+        if out and out[-1][0] == own:
+            out[-1] = (own, out[-1][1] + n)
+        else:
+            out.append((own, n))
+    return out
+
+
+def _projection_rows(m: LinearBase) -> list[int]:
+    """Each projection's local output rows in a fused layer (q, k, v or gate, up)."""
+    if isinstance(m, QKVParallelLinear):
+        return [m.q_size, m.kv_size, m.kv_size]
+    if isinstance(m, ColumnParallelLinear):
+        return list(m.out_local)
+    return [m.out_features]
 
 
 def attach_head(model: nn.Module, scheme: QuantScheme | None) -> int:
@@ -188,18 +217,22 @@ def attach(model: nn.Module, layout: CheckpointLayout) -> int:
     rank = 0
     for name, m in list(model.named_modules()):
         if isinstance(m, LinearBase):
-            if not _all_or_none(name, _hf_modules(name), layout):
-                continue
-            own = _one_scheme(name, _hf_modules(name), scheme)
-            n, k = m.weight.shape
-            split_k = isinstance(m, RowParallelLinear)
-            k_full = k * m.tp_size if split_k else k
-            del m.weight
-            held = _holder(own, n, k, k_full, split_k)
-            m.weight = held  # type: ignore[assignment]
-            _note(regrouped, name.rpartition(".")[2], held, k_full, own.group_size)
+            runs = _runs(_hf_modules(name), _projection_rows(m), layout, scheme)
+            # Projections in different formats (a GGUF Q4_K_M file's Q6_K v beside Q4_K q/k):
+            # held as parts, each in its own.
+            parts = [m] if len(runs) == 1 else m.split([n for _, n in runs])
+            for part, (own, _) in zip(parts, runs, strict=True):
+                if own is None:
+                    continue
+                n, k = part.weight.shape
+                split_k = isinstance(m, RowParallelLinear)
+                k_full = k * m.tp_size if split_k else k
+                del part.weight
+                held = _holder(own, n, k, k_full, split_k)
+                part.weight = held  # type: ignore[assignment]
+                _note(regrouped, name.rpartition(".")[2], held, k_full, own.group_size)
+                count += 1
             rank = m.tp_rank
-            count += 1
         elif isinstance(m, FusedMoE):  # w13 and w2 each quantized or float (fused_moe)
             experts = range(m.num_experts)
             up = [f"{name}.{e}.{p}" for e in experts for p in ("gate_proj", "up_proj")]

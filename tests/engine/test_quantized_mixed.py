@@ -1,16 +1,16 @@
 """Mixed-precision checkpoints, each module in the format its config names (compressed-tensors'
 config_groups, GPTQModel's `dynamic`, AutoRound's extra_config), load with no flag and generate
-exactly the tokens of their dequantized weights; modules minisgl holds as one weight (q/k/v,
-gate/up, a layer's experts) stored in two formats stop the load, named."""
+exactly the tokens of their dequantized weights; modules minisgl runs as one matmul (q/k/v,
+gate/up) stored in two formats are held in parts, each in its own."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 from quant_parity import assert_same_tokens, pair
 
-from minisgl import LLM
 from minisgl.testing.quant_writer import QuantFormat
 
 pytestmark = pytest.mark.timeout(300)
@@ -50,8 +50,20 @@ def test_experts_down_proj_in_8_bits(tmp_path: Path) -> None:
     assert_same_tokens(quant, twin)
 
 
-def test_a_fused_module_in_two_formats_stops_the_load(tmp_path: Path) -> None:
-    fmt = QuantFormat("gptq", mixed=((r".*self_attn\.k_proj", W8_G64),))
-    quant, _ = pair("quant", fmt, tmp_path)
-    with pytest.raises(ValueError, match=r"q_proj and .*k_proj are stored in different formats"):
-        LLM(str(quant), dtype="float32", num_pages=16, cpu_kernel_tuning="off")
+@pytest.mark.parametrize("which", ["k_proj", "v_proj"])
+def test_a_fused_module_in_two_formats_is_held_in_parts(
+    which: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """q/k/v with one projection in 8 bits beside 4-bit ones (as a GGUF Q4_K_M file keeps v in
+    Q6_K): each run of projections held as its own weight in its own format, the tokens the
+    dequantized twin's (a v_proj part in the decode chain, a k_proj one in the layers' path)."""
+    fmt = QuantFormat("gptq", mixed=((rf".*self_attn\.{which}", W8_G64),))
+    quant, twin = pair("quant", fmt, tmp_path)
+    with caplog.at_level(logging.INFO):
+        assert_same_tokens(quant, twin)
+    parts = 3 if which == "k_proj" else 2
+    layers = 2  # the fixture's
+    # per layer: the q/k/v parts, gate_up, o_proj, down_proj
+    assert f"in {layers * (parts + 3)} weights" in caplog.text
+    apart = "a step of 1 rows runs layer by layer: a q/k/v weight held in parts other than"
+    assert (apart in caplog.text) == (which == "k_proj")
