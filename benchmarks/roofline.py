@@ -190,8 +190,8 @@ def linear_weights(model: torch.nn.Module) -> tuple[int, int]:
 
     params = nbytes = 0
     for m in model.modules():
-        if not hasattr(m, "kernel_out_dtype"):
-            continue
+        if not hasattr(m, "kernel_out_dtype") or m.weight is None:
+            continue  # (None: a weight held in parts, each a module counted here)
         if isinstance(m.weight, QuantWeight):  # codes, scales and zero points
             params += math.prod(m.weight.shape)
             nbytes += m.weight.nbytes()
