@@ -84,7 +84,7 @@ def _q4_types(gguf_name: str) -> str | None:
     if gguf_name == Q4_1_DOWN[0]:
         return "Q4_1"  # no kernel runs it: dequantized at load
     if gguf_name == Q8_0_V[0]:
-        return "Q8_0"  # v unlike q and k: all three dequantized (minisgl fuses them)
+        return "Q8_0"  # v unlike q and k: held as a part of its own
     if gguf_name == Q5_0_DOWN[0]:
         return "Q5_0"  # held as 8-bit codes
     if PROJECTION.fullmatch(gguf_name):
@@ -124,28 +124,30 @@ def test_q8_0_file_from_llama_cpp_converter(files, tmp_path: Path, caplog) -> No
 
 
 def test_q4_0_file_with_other_types(files, tmp_path: Path, caplog) -> None:
-    """Q4_0 projections held as they are, a Q5_0 down_proj in 8-bit codes; a Q4_1 down_proj
-    and q/k/v of mixed types read as floats; a Q4_1 head (the tied embedding) held in int8 per
-    row, as --lm-head-quantization int8 makes it from the same values; the same tokens as the
-    twin's, at TP=1 and TP=2."""
+    """Q4_0 projections held as they are, a Q5_0 down_proj in 8-bit codes; q/k/v of mixed
+    types (Q4_0 q and k, a Q8_0 v) held in two parts, each as stored; a Q4_1 down_proj read as
+    floats; a Q4_1 head (the tied embedding) held in int8 per row, as --lm-head-quantization
+    int8 makes it from the same values; the same tokens as the twin's, at TP=1 and TP=2."""
     path = requantize(files["f32"], tmp_path / "model-q4_0.gguf", _q4_types)
     twin = _twin(source("quant"), tmp_path / "twin", _q4_twin_types)
     reference, _ = greedy(twin, lm_head_quantization="int8")
     with caplog.at_level(logging.INFO):
         assert greedy(path)[0] == reference
-    # Layer 0's o, gate_up, down and layer 1's qkv, o, gate_up; the rest read as floats.
+    # Layer 0's q/k part, v part, o, gate_up, down and layer 1's qkv, o, gate_up; the rest
+    # read as floats.
     assert (
-        "gguf Q4_0 (4-bit, a scale per 32) (from the checkpoint, llama.cpp); 1 module "
-        "pattern in gguf Q5_0 (8-bit, a scale per 32)" in caplog.text
+        "gguf Q4_0 (4-bit, a scale per 32) (from the checkpoint, llama.cpp); 2 module "
+        "patterns in gguf Q5_0 (8-bit, a scale per 32) / gguf Q8_0 (8-bit, a scale per 32)"
+        in caplog.text
     )
     assert "LM head: int8 8-bit, per channel" in caplog.text
-    assert "quantized in 7 weights" in caplog.text
-    # q, k (256 x 128, 128 x 128), v (128 x 128), down_proj (128 x 256), the table (151936 x
-    # 128) in float32, against their blocks' bytes (18, 20 and 34 a block of 32)
-    weights = (256 + 128 + 128) * 128 + 128 * 256 + 151936 * 128
-    stored = (384 * 128 * 18 + 128 * 128 * 34 + (128 * 256 + 151936 * 128) * 20) // 32
+    assert "quantized in 9 weights" in caplog.text
+    # down_proj (128 x 256), the table (151936 x 128) in float32, against their blocks' bytes
+    # (20 a block of 32)
+    weights = 128 * 256 + 151936 * 128
+    stored = (128 * 256 + 151936 * 128) * 20 // 32
     assert (
-        f"2 Q4_0, 2 Q4_1, 1 Q8_0 tensor(s) dequantized at load to float32 (up to "
+        f"GGUF model.gguf: 2 Q4_1 tensor(s) dequantized at load to float32 (up to "
         f"{weights * 4 / 2**30:.2f} GiB in memory for {stored / 2**30:.2f} GiB in the file;"
     ) in caplog.text
     assert greedy(path, tp_size=2)[0] == reference
