@@ -180,9 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     config = ModelConfig.from_dir(model)
     batches = [int(b) for b in args.batches.split(",") if b]
+    # --breakdown / --profile's batch too: their page tables index the same pool (a larger
+    # batch than the pool holds read and wrote past it).
+    rows = batches + [args.breakdown, args.profile]
     pages_needed = max(
-        [b * -(-(args.context + 1) // PAGE) for b in batches]
-        + [args.prefill_tokens // PAGE + 64, 64]
+        [b * -(-(args.context + 1) // PAGE) for b in rows] + [args.prefill_tokens // PAGE + 64, 64]
     )
     # One runner per weight format ("none": the float model), all resident, so the repeats
     # interleave every format and case: the formats are compared under the same noise.
