@@ -115,37 +115,43 @@ def test_x_in_8_bits_then_the_mins_term(kind: str) -> None:
 @pytest.mark.parametrize("n, k", [(37, 1088), (64, 1024), (19, 96)])
 def test_the_mins_term_is_each_rows_own_whatever_rows_share_the_call(n: int, k: int) -> None:
     """csrc/qmins.c: acc - sum_g min[n, g] * (x's sum over group g), within fp32 roundings of
-    the float64 sum, and a row's bits the same alone (its row-by-row loop) as among 2-9 rows
-    (eight rows of mins at a time, one reduction for the eight): rows of mins past a multiple
-    of 8 (37, 19) and groups past one (34 groups of 32 for K = 1088, 3 for 96) included. The
+    the float64 sum, and a row's bits the same alone (its row-by-row loop) as among 2-140 rows
+    (eight rows of mins at a time, one reduction for the eight; the rows of x in runs of 64,
+    the last one short): rows of mins past a multiple of 8 (37, 19) and groups past one (34
+    groups of 32 for K = 1088, 3 for 96) included; into bf16, each the float32 result rounded
+    to the nearest (an eight-row block's eight as one vector, the rest one by one). The
     eight-row loop replaced a dot and horizontal sum per (row of x, row of mins): 13-14 ms for
     a 512-token prefill's 6144x1024 Q4_K weight on a Zen 4, now ~4."""
     lib = cpu_kernels.load()
     assert lib is not None
     g = torch.Generator().manual_seed(n + k)
-    groups = k // 32
+    groups, m = k // 32, 140
     mins = torch.rand(n, groups, generator=g) - 0.3
-    x = torch.randn(9, k, generator=g)
-    acc = torch.randn(9, n, generator=g)
+    x = torch.randn(m, k, generator=g)
+    acc = torch.randn(m, n, generator=g)
 
-    def run(rows: slice, dtype: torch.dtype) -> torch.Tensor:
+    def run(rows: slice, dtype: torch.dtype, out: torch.dtype = torch.float32) -> torch.Tensor:
         xr, ar = x[rows].to(dtype).contiguous(), acc[rows].contiguous()
-        y = torch.empty_like(ar)
+        y = torch.empty_like(ar, dtype=out)
         done = lib.qmins(
             xr.data_ptr(), int(dtype == torch.bfloat16), ar.data_ptr(), mins.data_ptr(),
-            groups, y.data_ptr(), 0, xr.shape[0], n, k, 32,
+            groups, y.data_ptr(), int(out == torch.bfloat16), xr.shape[0], n, k, 32,
         )  # fmt: skip
         assert done
         return y
 
     for dtype in (torch.float32, torch.bfloat16):
-        sums = x.to(dtype).double().view(9, groups, 32).sum(-1)
+        sums = x.to(dtype).double().view(m, groups, 32).sum(-1)
         terms = sums.abs() @ mins.double().abs().T
         want = acc.double() - sums @ mins.double().T
-        many = run(slice(0, 9), dtype)
+        many = run(slice(0, m), dtype)
         assert bool(((many.double() - want).abs() <= 1e-5 * (terms + acc.double().abs())).all())
-        for rows in (slice(0, 1), slice(3, 5), slice(1, 9), slice(8, 9)):
+        rounded = run(slice(0, m), dtype, torch.bfloat16)
+        assert torch.equal(rounded.view(torch.int16), many.to(torch.bfloat16).view(torch.int16))
+        for rows in (slice(0, 1), slice(3, 5), slice(1, 9), slice(8, 9), slice(60, 130)):
             assert torch.equal(run(rows, dtype), many[rows]), (dtype, rows)
+        for rows in (slice(0, 1), slice(63, 66), slice(139, 140)):
+            assert torch.equal(run(rows, dtype, torch.bfloat16), rounded[rows]), (dtype, rows)
 
 
 def test_embedding_rows_subtract_the_mins() -> None:
