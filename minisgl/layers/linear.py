@@ -65,8 +65,9 @@ class LinearBase(nn.Module):
         n, k = self.weight.shape
         assert sum(rows) == n and len(rows) > 1, (rows, n)
         like = self.weight
-        parts = [LinearBase(k, r, self.tp_rank, self.tp_size) for r in rows]
-        for part in parts:
+        with torch.device(like.device):  # meta before the model is materialised: no memory
+            parts = [LinearBase(k, r, self.tp_rank, self.tp_size) for r in rows]
+        for part in parts:  # the weight's dtype
             part.weight = nn.Parameter(like.new_empty(part.weight.shape), requires_grad=False)
         del self.weight
         self.register_parameter("weight", None)
