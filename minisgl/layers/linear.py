@@ -54,6 +54,10 @@ class LinearBase(nn.Module):
             return sum(p.out_features for p in self.part_list())
         return self.weight.shape[0]
 
+    def projection_rows(self) -> list[int]:
+        """Each logical projection's local output rows, in order (one: an unfused layer)."""
+        return [self.out_features]
+
     def part_list(self) -> list[LinearBase]:
         """The parts `split` made, in order (none: one weight)."""
         return [p for p in self.parts or () if isinstance(p, LinearBase)]
@@ -114,6 +118,9 @@ class ColumnParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
 
+    def projection_rows(self) -> list[int]:
+        return list(self.out_local)
+
     def load(self, full: torch.Tensor, shard: int = 0) -> None:
         """Copy this rank's rows of logical projection `shard` from the full HF tensor."""
         n = self.out_local[shard]
@@ -152,6 +159,9 @@ class QKVParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul_bias(x)
+
+    def projection_rows(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
 
     def load(self, full: torch.Tensor, shard: str) -> None:
         if shard == "q":

@@ -255,6 +255,9 @@ class GgufFile:
                 return whole if len(t.hf_names) == 1 else whole[t.hf_names.index(hf_name)]
         raise KeyError(hf_name)
 
+    def _named(self, gguf_name: str) -> Tensor:
+        return next(t for t in self.tensors if t.gguf_name == gguf_name)
+
     def _read(self, t: Tensor) -> Any:
         import torch
         from gguf import GGMLQuantizationType, dequantize
@@ -278,7 +281,7 @@ class GgufFile:
         if int(self.meta("attention.value_length", head_dim)) != head_dim:
             raise ValueError(f"{self.path}: keys and values of different lengths")
         names = {t.gguf_name for t in self.tensors}
-        embed = next(t for t in self.tensors if t.gguf_name == EMBEDDING)
+        embed = self._named(EMBEDDING)
         out: dict[str, Any] = {
             "architectures": [arch],
             "model_type": model_type,
@@ -334,7 +337,7 @@ class GgufFile:
         """How --lm-head-quantization auto holds the file's LM head: as its blocks (GGUF_TYPES),
         int8 per row where it is stored in another quantized type, None (float) where the
         file has it in float."""
-        stored = next(t.stored for t in self.tensors if t.gguf_name == self.head)
+        stored = self._named(self.head).stored
         if stored in GGUF_TYPES:
             return stored
         return None if stored in FLOATS else "int8"
@@ -344,7 +347,7 @@ class GgufFile:
         or a type dequantized at load)."""
         if self.head == EMBEDDING:
             return None
-        table = next(t for t in self.tensors if t.gguf_name == EMBEDDING)
+        table = self._named(EMBEDDING)
         return table.held if table.held in GGUF_TYPES else None
 
     def held_modules(self) -> dict[str, str]:

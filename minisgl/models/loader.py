@@ -19,7 +19,7 @@ from minisgl.models.qwen3 import Qwen3ForCausalLM, plain_submodules
 from minisgl.models.registry import model_class
 from minisgl.quant import cpu_gemv
 from minisgl.quant import loading as quant_loading
-from minisgl.quant.weight import QuantWeight
+from minisgl.quant.weight import multiplied_weights
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def _log_int8_activations(model: torch.nn.Module) -> None:
             "activation path (an AVX-512 build without AVX512-VNNI); every matmul stays exact"
         )
         return
-    weights = [m for m in model.modules() if isinstance(m, QuantWeight) and m.multiplied]
+    weights = multiplied_weights(model)
     taken = sum(cpu_gemv.takes_int8_activations(w.view(0 if w.experts else None)) for w in weights)
     vnni = cpu_gemv.takes_8_bit_codes()
     which = "8- or 4-bit integer codes" if vnni else "4-bit codes in groups of 32 or more"

@@ -11,16 +11,11 @@ from dataclasses import dataclass
 from torch import nn
 
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minisgl.layers.linear import (
-    ColumnParallelLinear,
-    LinearBase,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
+from minisgl.layers.linear import LinearBase, RowParallelLinear
 from minisgl.layers.moe import FusedMoE
 from minisgl.quant.layout import CheckpointLayout
 from minisgl.quant.scheme import QuantScheme
-from minisgl.quant.weight import QuantWeight
+from minisgl.quant.weight import QuantWeight, multiplied_weights
 
 logger = logging.getLogger(__name__)
 
@@ -153,15 +148,6 @@ def _runs(
     return out
 
 
-def _projection_rows(m: LinearBase) -> list[int]:
-    """Each projection's local output rows in a fused layer (q, k, v or gate, up)."""
-    if isinstance(m, QKVParallelLinear):
-        return [m.q_size, m.kv_size, m.kv_size]
-    if isinstance(m, ColumnParallelLinear):
-        return list(m.out_local)
-    return [m.out_features]
-
-
 def attach_head(model: nn.Module, scheme: QuantScheme | None) -> int:
     """The LM head holds a QuantWeight of `scheme` (None: it stays float); a tied embedding
     holds the same one and looks its rows up in it. Returns 1 if the head is quantized."""
@@ -217,7 +203,7 @@ def attach(model: nn.Module, layout: CheckpointLayout) -> int:
     rank = 0
     for name, m in list(model.named_modules()):
         if isinstance(m, LinearBase):
-            runs = _runs(_hf_modules(name), _projection_rows(m), layout, scheme)
+            runs = _runs(_hf_modules(name), m.projection_rows(), layout, scheme)
             # Projections in different formats (a GGUF Q4_K_M file's Q6_K v beside Q4_K q/k):
             # held as parts, each in its own.
             parts = [m] if len(runs) == 1 else m.split([n for _, n in runs])
@@ -334,9 +320,7 @@ def format_name(model: nn.Module, scheme: QuantScheme | None) -> str:
     int8, int4), or "none" for a model whose layers are unquantized (its LM head may be: the log
     says)."""
     head = _head(model)
-    quantized = any(
-        isinstance(m, QuantWeight) and m is not head and m.multiplied for m in model.modules()
-    )
+    quantized = any(m is not head for m in multiplied_weights(model))
     return scheme.method if scheme is not None and quantized else "none"
 
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.quant.qtensor import FP8, QTensor, dequantize, take_rows, unpack_nibbles
-from minisgl.quant.weight import QuantWeight
+from minisgl.quant.weight import QuantWeight, multiplied_weights
 
 logger = logging.getLogger(__name__)
 
@@ -261,9 +261,8 @@ def prepare(
     counts: dict[str, int] = {}
     reasons: dict[str, int] = {}
     probed: dict[tuple[int, int, int], str | None] = {}
-    for m in model.modules():
-        if not isinstance(m, QuantWeight) or not m.multiplied:
-            continue  # an untied table only looked up: its rows dequantize from the buffers
+    # (an untied table only looked up: its rows dequantize from the buffers as stored)
+    for m in multiplied_weights(model):
         path, why = choose(m, capability)
         if path == "fp8" and probe:
             key = (m.codes.shape[-2], m.in_features, m.group_size)

@@ -19,7 +19,7 @@ from minisgl.quant.attach import after_materialise, attach, format_name, summary
 from minisgl.quant.layout import EMBEDDING_TENSOR, CheckpointLayout, Header, read_headers, scan
 from minisgl.quant.qtensor import QTensor, streamed
 from minisgl.quant.scheme import QuantScheme, lm_head_scheme, load_scheme
-from minisgl.quant.weight import QuantWeight
+from minisgl.quant.weight import QuantWeight, multiplied_weights
 
 __all__ = [
     "after_materialise",
@@ -83,8 +83,8 @@ def prepare_cpu(model: torch.nn.Module, x_dtype: torch.dtype, tuning: str) -> st
     for their shape (cpu_choice.py; a mixture's experts included), tuning once per distinct
     shape and code kind; the one log line of what was picked ("" where nothing was)."""
     by_shape: dict[tuple[object, ...], list[QuantWeight]] = {}
-    for m in model.modules():
-        if isinstance(m, QuantWeight) and m.codes.device.type == "cpu" and m.multiplied:
+    for m in multiplied_weights(model):
+        if m.codes.device.type == "cpu":
             key = (tuple(m.codes.shape[-2:]), m.codes.dtype, m.bits, m.group_size, m.experts > 0)
             by_shape.setdefault(key, []).append(m)
     # All on huge pages, in one mapping (the small ones too), before they are timed.
@@ -150,7 +150,7 @@ def _head_quantized(model: torch.nn.Module) -> bool:
 def _activations(model: torch.nn.Module) -> str:
     """What integer weights multiply: x rounded to 8 bits ("int8": --cpu-quantized-activations
     int8 with weights it takes, cpu_gemv.takes_int8_activations) or "exact"."""
-    weights = [m for m in model.modules() if isinstance(m, QuantWeight) and m.multiplied]
+    weights = multiplied_weights(model)
     if not weights or any(w.codes.device.type == "cuda" for w in weights):
         return "exact"  # float weights, or a GPU's (the flag is for the CPU kernels)
     if cpu_kernels.quantized_activations() != "int8" or not cpu_kernels.int8_activation_rows():

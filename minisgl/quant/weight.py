@@ -25,6 +25,13 @@ FEW_ROWS = 16
 PACK_BYTES = 256 << 20
 
 
+def multiplied_weights(model: nn.Module) -> list[QuantWeight]:
+    """The model's quantized weights that matmuls multiply by (all but an untied embedding
+    table held as stored, which is only looked up): those kernels are chosen, converted and
+    counted for."""
+    return [m for m in model.modules() if isinstance(m, QuantWeight) and m.multiplied]
+
+
 class QuantWeight(nn.Module):
     codes: torch.Tensor
     scales: torch.Tensor
