@@ -360,7 +360,8 @@ class Chain:
     def _quantized(self, weight: QuantWeight, xa: int, ya: int, out: torch.Tensor) -> None:
         w = weight.whole()
         probe = torch.empty(self.rows, w.in_features, dtype=self.dtype)
-        if not cpu_gemv.usable(probe, w):
+        # packed: the panels' kernels take it (8-bit codes in groups of 16 only they take)
+        if not weight.packed and not cpu_gemv.usable(probe, w):
             raise Unsupported("a quantized weight the C kernels do not take")
         kernel = weight.kernel
         if kernel is not None and not isinstance(kernel, cpu_choice.QuantKernel):

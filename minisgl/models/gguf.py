@@ -21,7 +21,11 @@ read as follows:
 - An untied embedding table (the file has output.weight) in one of those types: held the same
   way, a lookup dequantizing only the rows it reads (Qwen3-8B's Q4_K table: 0.5 GB held
   where bf16 takes 1.2 GB).
-- Every other type (Q6_K, Q2_K, Q3_K, IQ, Q4_1, ...), and a quantized router: dequantized at
+- Q6_K attention and MLP projections (not a mixture's experts), where the CPU kernels take its
+  groups of 16 (the VNNI panels: an AVX512-VNNI build; loads with `hold_q6_k`): held as 8-bit
+  codes q with zero point 32 and scale d * sc per group of 16; elsewhere (AVX2, a GPU) and for
+  experts, dequantized at load as below.
+- Every other type (Q2_K, Q3_K, IQ, Q4_1, ...), and a quantized router: dequantized at
   load by gguf-py (llama.cpp's own Python package), said in one log line; so are a layer's
   gate/up experts stored in two types (minisgl holds them as one weight). q/k/v or gate/up of
   mixed types (a Q4_K_M file's Q6_K v beside Q4_K q and k) are held in parts, each projection
@@ -46,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from minisgl.cache import cache_dir
-from minisgl.quant.scheme import GGUF_TYPES
+from minisgl.quant.scheme import GGUF_PROJECTION_TYPES, GGUF_Q6_K, GGUF_TYPES
 
 logger = logging.getLogger("minisgl.models.gguf")  # also as `python -m` (__main__)
 
@@ -61,8 +65,8 @@ MODEL_FILE = "model.gguf"  # the link to the file in its prepared directory
 EMBEDDING = "token_embd.weight"
 # In the prepared directory's key: a directory prepared by an earlier minisgl whose config.json
 # says less than the loader now reads (2: an untied table held quantized; 3: q/k/v and gate/up
-# of mixed types held per projection) is prepared anew.
-PREPARED_FORMAT = 3
+# of mixed types held per projection; 4: Q6_K projections named as held) is prepared anew.
+PREPARED_FORMAT = 4
 
 # blk.N.<name> -> model.layers.N.<name> (`{e}`: one of a mixture's stacked experts).
 _LAYER_TENSORS = {
@@ -154,10 +158,12 @@ class Tensor:
 class GgufFile:
     """A GGUF file's metadata and tensors, read with gguf-py's reader (memory-mapped)."""
 
-    def __init__(self, path: str | Path, hold_head: bool = False) -> None:
+    def __init__(self, path: str | Path, hold_head: bool = False, hold_q6_k: bool = False) -> None:
         """`hold_head`: read an LM head (a tied model's embedding table) of a type minisgl holds
         (GGUF_TYPES) as its raw blocks, for --lm-head-quantization auto to hold as stored; else
-        as floats."""
+        as floats. `hold_q6_k`: read Q6_K projections as their blocks (where the kernels take
+        them: the loader's choice; the prepared config names them either way), else as
+        floats."""
         from gguf import GGUFReader
 
         self.path = Path(path)
@@ -184,7 +190,8 @@ class GgufFile:
         held = {self.head} if hold_head else set()
         if self.head != EMBEDDING:
             held.add(EMBEDDING)
-        self.tensors = _tensors(self._reader.tensors, held)
+        self.hold_q6_k = hold_q6_k
+        self.tensors = _tensors(self._reader.tensors, held, hold_q6_k)
 
     def tokenizer_digest(self) -> str:
         """A digest of every tokenizer.* field, as stored."""
@@ -224,12 +231,20 @@ class GgufFile:
         floated = [self._raw[t.gguf_name] for t in self.tensors if t.held != t.stored]
         held = sum(int(r.n_elements) for r in floated) * itemsize / 2**30
         stored = sum(int(r.n_bytes) for r in floated) / 2**30
+        q6_k = (
+            "Q6_K projections too"
+            if self.hold_q6_k
+            else (
+                "Q6_K projections only where the CPU kernels take groups of 16 (an AVX512-VNNI "
+                "build; not here)"
+            )
+        )
         return (
             f"GGUF {self.path.name}: {kinds} tensor(s) dequantized at load to {dtype} (up to "
             f"{held:.2f} GiB in memory for {stored:.2f} GiB in the file; minisgl's kernels run "
             f"{', '.join(GGUF_TYPES)} projections, LM heads and embedding tables as they are "
-            "stored; other types, routers and a layer's gate/up experts of mixed types are "
-            "read as floats)"
+            f"stored, {q6_k}; other types, routers and a layer's gate/up experts of mixed "
+            "types are read as floats)"
         )
 
     def iter_tensors(self, progress: bool = False) -> Iterator[tuple[str, Any]]:
@@ -355,7 +370,7 @@ class GgufFile:
         mixture's experts as one `re:` pattern per layer and projection)."""
         out = {}
         for t in self.tensors:
-            if t.held not in GGUF_TYPES or t.gguf_name in (self.head, EMBEDDING):
+            if t.held not in GGUF_PROJECTION_TYPES or t.gguf_name in (self.head, EMBEDDING):
                 continue  # the head: head_type(); an untied table: embedding_type()
             module = t.hf_names[0].removesuffix(".weight")
             if len(t.hf_names) > 1:  # model.layers.3.mlp.experts.0.up_proj
@@ -387,10 +402,10 @@ class GgufFile:
         return _FILE_DTYPES.get(int(self.fields.get("general.file_type", -1)), "bfloat16")
 
 
-def _tensors(raw: list[Any], held_whole: set[str]) -> list[Tensor]:
+def _tensors(raw: list[Any], held_whole: set[str], q6_k: bool) -> list[Tensor]:
     """Every tensor renamed, with the type minisgl reads it as (`held_whole`: the LM head's
     tensor, an untied embedding table's: read as their blocks where minisgl holds their
-    type)."""
+    type; `q6_k`: Q6_K projections held)."""
     stored = {t.name: t.tensor_type.name for t in raw}
     out = []
     for t in raw:
@@ -398,7 +413,10 @@ def _tensors(raw: list[Any], held_whole: set[str]) -> list[Tensor]:
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the innermost first
         names = (hf,) if "{e}" not in hf else tuple(hf.format(e=e) for e in range(shape[0]))
         kind = stored[t.name]
-        held = kind if t.name in held_whole and kind in GGUF_TYPES else _held(t.name, part, stored)
+        if t.name in held_whole and kind in GGUF_TYPES:
+            held = kind
+        else:
+            held = _held(t.name, part, stored, q6_k)
         out.append(Tensor(t.name, names, shape, kind, held))
     return out
 
@@ -417,11 +435,12 @@ def _hf_name(name: str) -> tuple[str, str]:
     )
 
 
-def _held(name: str, part: str, stored: dict[str, str]) -> str:
+def _held(name: str, part: str, stored: dict[str, str], q6_k: bool) -> str:
     kind = stored[name]
     if kind in FLOATS:
         return kind
-    if kind not in GGUF_TYPES or part not in _PROJECTIONS or not name.endswith(".weight"):
+    q6_k = q6_k and kind == GGUF_Q6_K and not part.endswith("_exps")
+    if not (kind in GGUF_TYPES or q6_k) or part not in _PROJECTIONS or not name.endswith(".weight"):
         return "F32"
     for fused in _FUSED:
         if part in fused:
@@ -467,7 +486,7 @@ def _prepare(path: Path, out: Path) -> None:
     import shutil
 
     logger.info("GGUF %s: writing its config and tokenizer to %s (once per file)", path, out)
-    model = GgufFile(path)
+    model = GgufFile(path, hold_q6_k=True)  # the config names them; each load decides
     tokenizer = _tokenizer_dir(model, out.parent / "tokenizers")
     tmp = out.with_name(f".{out.name}.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

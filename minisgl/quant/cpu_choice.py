@@ -276,9 +276,11 @@ def choose(
     """(picks per bucket, where they came from) for these same-shaped weights; None where the
     C kernels cannot take them (the torch dequantizing path then runs). `packable`: whether
     the weights may be repacked for vnni_panel (picks of vnni_panel in every bucket mean the
-    caller must: QuantWeight.pack_vnni)."""
+    caller must: QuantWeight.pack_vnni). Weights only the panels take (8-bit codes in groups
+    of 16, GGUF's Q6_K) choose among the panels' kernels alone."""
     probe = torch.empty(1, weights[0].in_features, dtype=x_dtype)
-    if not cpu_gemv.usable(probe, weights[0]):
+    row_major = cpu_gemv.usable(probe, weights[0])
+    if not row_major and not (packable and cpu_vpanel.takes(weights[0], x_dtype)):
         return None
     if tuning not in kernel_choice.MODES:
         raise ValueError(f"cpu_kernel_tuning must be one of {kernel_choice.MODES}, not {tuning!r}")
@@ -286,6 +288,9 @@ def choose(
     x8 = x8 and cpu_gemv.takes_int8_activations(weights[0])
     defaults = default_picks(cpu_gemv.kind(weights[0]), x_dtype, x8)
     names = offered(weights, packable, x_dtype)
+    if not row_major:
+        defaults = tuple(PACKED for _ in BUCKETS)
+        names = tuple(n for n in names if n in PACKED_KERNELS)
     forced = os.environ.get("MINISGL_CPU_QUANT_LINEAR")
     if forced:
         return kernel_choice.forced(forced, names, defaults), "forced"

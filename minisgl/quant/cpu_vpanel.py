@@ -50,7 +50,7 @@ _WIDE_SHAPE = (2048, 1024)
 def takes(w: QTensor, x_dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether this build and CPU run vnni_panel for w against x of `x_dtype`: 8- or 4-bit
     integer codes, or fp8 codes against bf16 x, in contiguous groups of a multiple of 32
-    features, N a multiple of 32 (ROWS)."""
+    features (8-bit codes also of 16: GGUF's Q6_K), N a multiple of 32 (ROWS)."""
     lib = cpu_kernels.load()
     if lib is None or lib.qvpanel_takes is None or w.g_idx is not None:
         return False
@@ -59,6 +59,15 @@ def takes(w: QTensor, x_dtype: torch.dtype = torch.bfloat16) -> bool:
         return False
     n, k = w.shape
     return kind in lib.qvpanel and bool(lib.qvpanel_takes(w.bits, n, k, w.group_size or k))
+
+
+def takes_groups_of_16() -> bool:
+    """Whether this build and CPU run 8-bit codes in groups of 16 (GGUF's Q6_K), which only
+    vnni_panel takes: models/gguf.py holds such weights only then."""
+    lib = cpu_kernels.load()
+    if lib is None or lib.qvpanel_takes is None or "u8" not in lib.qvpanel:
+        return False
+    return bool(lib.qvpanel_takes(8, ROWS, 256, 16))
 
 
 def _panels(t: torch.Tensor, unit: int) -> torch.Tensor:
@@ -251,11 +260,11 @@ def on_copy(run: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 
 
 def takes_amx(w: QTensor) -> bool:
-    """Whether amx_vpanel runs w's panels here: integer codes vnni_panel takes, in a build
-    and on a CPU with AMX-INT8 tiles granted (exact x, or under --cpu-quantized-activations
-    int8 x in 8 bits as vnni_panel rounds it)."""
+    """Whether amx_vpanel runs w's panels here: integer codes vnni_panel takes in groups of a
+    multiple of 32, in a build and on a CPU with AMX-INT8 tiles granted (exact x, or under
+    --cpu-quantized-activations int8 x in 8 bits as vnni_panel rounds it)."""
     lib = cpu_kernels.load()
-    if lib is None:
+    if lib is None or (w.group_size or w.in_features) % 32:  # its tiles' steps: 32 features
         return False
     return cpu_gemv.kind(w) in lib.qvpanel_amx and takes(w)
 

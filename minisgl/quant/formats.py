@@ -31,7 +31,11 @@
   per group of 32), then 128 bytes whose low nibbles are weights 0..31 of each 64 and high
   nibbles 32..63; Q5_K the same with 32 bytes (bit g of byte i: weight i of group g's fifth
   bit) before the nibbles; weight = d * sc * q - dmin * m, held as codes q, scale d * sc and
-  min dmin * m per group (both exact in float32).
+  min dmin * m per group (both exact in float32). Q6_K: 128 bytes of low nibbles (byte i of
+  each half's 64: weight i's, then weight 64 + i's), 64 bytes of high bit pairs (byte i of each
+  half's 32: weights i, 32 + i, 64 + i, 96 + i at bits 0, 2, 4, 6), 16 int8 scales sc (one per
+  group of 16), then the float16 d; weight = d * sc * (q - 32), held as 8-bit codes q, zero
+  point 32 and scale d * sc per group of 16 (exact in float32).
 """
 
 from __future__ import annotations
@@ -42,8 +46,10 @@ from minisgl.quant.qtensor import FP8, QTensor, pack_nibbles
 from minisgl.quant.scheme import (
     GGUF_BLOCK,
     GGUF_K_TYPES,
+    GGUF_PROJECTION_TYPES,
+    GGUF_Q6_K,
+    GGUF_Q6_K_GROUP,
     GGUF_SUPER_BLOCK,
-    GGUF_TYPES,
     QuantScheme,
 )
 
@@ -270,8 +276,10 @@ def _gptq(prefix: str, got: dict[str, torch.Tensor], scheme: QuantScheme) -> QTe
 
 def _gguf(prefix: str, blocks: torch.Tensor, scheme: QuantScheme) -> QTensor:
     kind, n = scheme.gguf_type, blocks.shape[0]
-    stored = GGUF_TYPES[kind]  # bits a weight
-    if kind in GGUF_K_TYPES:  # d, dmin, 12 bytes of scales and mins, the high bits, the nibbles
+    stored = GGUF_PROJECTION_TYPES[kind]  # bits a weight
+    if kind == GGUF_Q6_K:  # the nibbles, the high bit pairs, 16 scales, d
+        per, per_block = GGUF_SUPER_BLOCK, 16 + 2 + GGUF_SUPER_BLOCK * stored // 8
+    elif kind in GGUF_K_TYPES:  # d, dmin, 12 bytes of scales and mins, the high bits, nibbles
         per, per_block = GGUF_SUPER_BLOCK, 16 + GGUF_SUPER_BLOCK * stored // 8
     else:  # d and the codes
         per, per_block = GGUF_BLOCK, 2 + GGUF_BLOCK * stored // 8
@@ -282,6 +290,10 @@ def _gguf(prefix: str, blocks: torch.Tensor, scheme: QuantScheme) -> QTensor:
         )
     b = blocks.reshape(n, -1, per_block)
     k = b.shape[1] * per
+    if kind == GGUF_Q6_K:
+        q, scales = _q6_k(b)
+        zeros = torch.full((n, k // GGUF_Q6_K_GROUP), 32, dtype=torch.uint8)
+        return QTensor(q.reshape(n, k), scales.reshape(n, -1), zeros, None, 8, scheme.group_size, k)
     if kind in GGUF_K_TYPES:
         q, scales, mins = _k_quant(b, stored)
     else:
@@ -312,6 +324,20 @@ def _block_quant(b: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "Q5_0":  # bit i of the block's word: weight i's fifth bit
         q |= (b[..., 2:6].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8) & 1).flatten(-2) << 4
     return q
+
+
+def _q6_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K super-blocks [n, S, 210] -> codes q [n, S, 256] (0..63) and scales d * sc
+    [n, S, 16]."""
+    lead = b.shape[:2]
+    ql = b[..., :128].reshape(*lead, 2, 64)
+    qh = b[..., 128:192].reshape(*lead, 2, 1, 32)
+    low = torch.cat((ql & 15, ql >> 4), dim=-1)  # [.., half, 128]
+    shifts = (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)
+    high = ((qh >> shifts) & 3).reshape(*lead, 2, 128)
+    q = (low | (high << 4)).reshape(*lead, 256)
+    sc = b[..., 192:208].contiguous().view(torch.int8).float()
+    return q, _halves(b[..., 208:210]).unsqueeze(-1) * sc
 
 
 def _k_quant(b: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

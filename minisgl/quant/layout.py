@@ -19,7 +19,7 @@ import torch
 from minisgl.quant.formats import logical_shape, parts, read_linear
 from minisgl.quant.qtensor import QTensor
 from minisgl.quant.quantize import quantize
-from minisgl.quant.scheme import GGUF_TYPES, SUPPORTED, QuantScheme
+from minisgl.quant.scheme import GGUF_PROJECTION_TYPES, SUPPORTED, QuantScheme
 
 # Suffixes only quantized checkpoints have (AutoAWQ, GPTQ, fp8, compressed-tensors, kv scales).
 QUANT_SUFFIXES = frozenset(
@@ -95,7 +95,7 @@ def scan(headers: dict[str, Header], scheme: QuantScheme | None) -> CheckpointLa
         marked = sorted(
             s
             for s, (_, dt) in tensors.items()
-            if s in QUANT_SUFFIXES or dt in FLOAT8_DTYPES or dt in GGUF_TYPES
+            if s in QUANT_SUFFIXES or dt in FLOAT8_DTYPES or dt in GGUF_PROJECTION_TYPES
         )
         if not marked:
             layout.shapes |= {f"{prefix}.{s}": shape for s, (shape, _) in tensors.items()}

@@ -30,7 +30,8 @@ SUPPORTED = (
     "auto-round (Intel's AutoRound: data_type int, packing_format auto_round:auto_gptq with "
     "bits 4 or 8, or auto_round:auto_awq with bits 4; extra_config per layer)",
     "GGUF files (--model path/to/model.gguf or <owner>/<repo>:<type>; Q8_0, Q4_0, Q5_0, Q4_K "
-    "and Q5_K projections held as they are, other types dequantized at load)",
+    "and Q5_K projections held as they are, Q6_K ones where the CPU kernels take groups of 16, "
+    "other types dequantized at load)",
 )
 # GGUF types held as they are -> the bits a weight they store (minisgl holds 4-bit ones as 4-bit
 # codes, the others as 8-bit ones, a scale per 32 weights); models/gguf.py writes the config
@@ -41,6 +42,13 @@ GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q5_0": 5, "Q4_K": 4, "Q5_K": 5}
 GGUF_K_TYPES = frozenset(("Q4_K", "Q5_K"))
 GGUF_BLOCK = 32  # weights per block (a K-quant's group)
 GGUF_SUPER_BLOCK = 256  # weights per K-quant super-block
+# Q6_K (super-blocks of 256: per group of 16 a signed 8-bit multiple sc of the float16 d, codes
+# q in 0..63, weight = d * sc * (q - 32)): held as 8-bit codes with zero point 32 and scale
+# d * sc per group of 16, for attention and MLP projections only and only where the CPU
+# kernels take groups of 16 (models/gguf.py decides per load; its LM head stays int8 per row).
+GGUF_Q6_K = "Q6_K"
+GGUF_Q6_K_GROUP = 16
+GGUF_PROJECTION_TYPES = {**GGUF_TYPES, GGUF_Q6_K: 6}
 INT4_GROUP = 128  # --quantization int4's group
 FP8_BLOCK = 128  # --quantization fp8's block (rows x input features)
 
@@ -368,7 +376,7 @@ def _gguf(raw: dict[str, Any]) -> QuantScheme:
     quantized with its GGUF type (the others are float in the file, or dequantized at load).
     The most common type is the scheme's, the others its overrides."""
     modules = {str(m): str(t) for m, t in (raw.get("modules") or {}).items()}
-    unknown = sorted(set(modules.values()) - set(GGUF_TYPES))
+    unknown = sorted(set(modules.values()) - set(GGUF_PROJECTION_TYPES))
     if unknown:
         raise _unsupported(f"gguf modules of types {unknown}")
     counts = Counter(sorted(modules.values()))  # ties: the first name in order
@@ -376,8 +384,9 @@ def _gguf(raw: dict[str, Any]) -> QuantScheme:
     base = counts.most_common(1)[0][0] if counts else "Q8_0"
 
     def scheme(kind: str) -> QuantScheme:
-        bits = 4 if GGUF_TYPES[kind] == 4 else 8
-        return QuantScheme("gguf", bits, GGUF_BLOCK, gguf_type=kind, origin="llama.cpp")
+        bits = 4 if GGUF_PROJECTION_TYPES[kind] == 4 else 8
+        group = GGUF_Q6_K_GROUP if kind == GGUF_Q6_K else GGUF_BLOCK
+        return QuantScheme("gguf", bits, group, gguf_type=kind, origin="llama.cpp")
 
     others = tuple((m, scheme(k)) for m, k in modules.items() if k != base)
     head = raw.get("lm_head")

@@ -26,9 +26,13 @@ from quant_parity import assert_same_tokens, greedy, source, transformers_greedy
 from minisgl.layers import cpu_kernels
 from minisgl.models import gguf as gguf_model
 from minisgl.models.config import ModelConfig
-from minisgl.quant import formats
+from minisgl.quant import cpu_vpanel, formats
 from minisgl.quant.qtensor import dequantize
-from minisgl.quant.scheme import GGUF_K_TYPES, GGUF_TYPES, parse_quantization_config
+from minisgl.quant.scheme import (
+    GGUF_K_TYPES,
+    GGUF_PROJECTION_TYPES,
+    parse_quantization_config,
+)
 from minisgl.testing.gguf_requantize import quantize, requantize
 from minisgl.testing.llama_cpp_converter import convert
 from minisgl.testing.scratch_cache import scratch_cache
@@ -264,9 +268,9 @@ def test_prepared_directory_is_the_models_config_and_tokenizer(files) -> None:
     assert (prepared / "model.gguf").resolve() == path.resolve()
 
 
-@pytest.mark.parametrize("kind", sorted(GGUF_TYPES))
+@pytest.mark.parametrize("kind", sorted(GGUF_PROJECTION_TYPES))
 def test_blocks_read_as_gguf_py_decodes_them(kind: str) -> None:
-    """Q8_0 / Q4_0 blocks in minisgl's layout are the weights gguf-py's reference dequantizer
+    """Q8_0 / Q4_0 / ... / Q6_K blocks in minisgl's layout are the weights gguf-py's reference dequantizer
     reads from them, bit for bit."""
     rng = np.random.default_rng(0)
     values = (rng.standard_normal((64, 256)) * rng.uniform(0.01, 3, (64, 1))).astype(np.float32)
@@ -298,6 +302,24 @@ def test_any_k_quant_bytes_read_as_gguf_py_decodes_them(kind: str) -> None:
     assert torch.equal(dequantize(q, torch.float32), torch.from_numpy(want))
 
 
+def test_any_q6_k_bytes_read_as_gguf_py_decodes_them() -> None:
+    """Every bit pattern of a Q6_K super-block (random bytes under a finite d): its low nibbles,
+    high bit pairs and signed scales, held as 8-bit codes with zero point 32 and a scale per 16,
+    bit for bit as gguf-py reads them."""
+    rng = np.random.default_rng(2)
+    blocks = rng.integers(0, 256, (16, 4, 210), dtype=np.uint8)
+    d = rng.standard_normal((16, 4, 1)) * rng.uniform(1e-3, 1, (16, 4, 1))
+    blocks[..., 208:] = d.astype(np.float16).view(np.uint8).reshape(16, 4, 2)
+    blocks = blocks.reshape(16, -1)
+    want = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q6_K)
+    scheme = parse_quantization_config({"quant_method": "gguf", "modules": {"x": "Q6_K"}})
+    assert scheme is not None and not scheme.mins
+    q = formats.read_linear("x", {"weight": torch.from_numpy(blocks)}, scheme)
+    assert q.bits == 8 and q.group_size == 16 and q.shape == (16, 1024) and q.mins is None
+    assert q.zeros is not None and bool((q.zeros == 32).all())
+    assert torch.equal(dequantize(q, torch.float32), torch.from_numpy(want))
+
+
 def _k_types(gguf_name: str) -> str | None:
     """A Q4_K_M-shaped file (llama-quantize's most downloaded mix): Q4_K projections, Q6_K for
     the LM head (the tied table) and for layer 0's v and down; here layer 1's down in Q5_K."""
@@ -325,23 +347,31 @@ def k_files(files, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
     return path, _twin(source("quant-k"), out / "twin", _k_twin_types)
 
 
-def test_k_quant_file(k_files, caplog) -> None:
+@pytest.mark.parametrize("q6_k", ["where the kernels take it", "read as floats"])
+def test_k_quant_file(q6_k: str, k_files, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
     """Q4_K and Q5_K projections held as they are (codes, a scale and a min per 32), layer 0's
-    Q4_K q and k too, as a part of their own beside its Q6_K v; the Q6_K down_proj and v read
-    as floats, the Q6_K head held in int8 per row: the twin's tokens and transformers', at TP=1
-    and TP=2 (each rank's q/k part its heads')."""
+    Q4_K q and k too, as a part of their own beside its Q6_K v; the Q6_K down_proj and v held
+    as 8-bit codes per 16 where the CPU kernels take them (the VNNI panels), else read as
+    floats (as on an AVX2 CPU, forced here), the Q6_K head held in int8 per row: the twin's
+    tokens and transformers', at TP=1 and TP=2 (each rank's q/k part its heads')."""
+    if q6_k == "read as floats":
+        monkeypatch.setattr(cpu_vpanel, "takes_groups_of_16", lambda: False)
+    held = cpu_vpanel.takes_groups_of_16()
     path, twin = k_files
     reference, _ = greedy(twin, lm_head_quantization="int8")
     with caplog.at_level(logging.INFO):
         assert greedy(path)[0] == reference
-    assert (
-        "gguf Q4_K (4-bit, a scale and a min per 32) (from the checkpoint, llama.cpp); 1 module "
-        "pattern in gguf Q5_K (8-bit, a scale and a min per 32)" in caplog.text
+    assert "gguf Q4_K (4-bit, a scale and a min per 32) (from the checkpoint, llama.cpp)" in (
+        caplog.text
     )
-    # layer 0's q/k part, o and gate_up, layer 1's qkv, o, gate_up and down, the head
-    assert "quantized in 8 weights" in caplog.text
+    # layer 0's q/k part, o and gate_up, layer 1's qkv, o, gate_up and down, the head; and
+    # where Q6_K is held, layer 0's v part and down
+    assert f"quantized in {10 if held else 8} weights" in caplog.text
     assert "LM head: int8 8-bit, per channel" in caplog.text
-    assert "GGUF model.gguf: 3 Q6_K tensor(s) dequantized at load" in caplog.text  # v, down, table
+    # v, down and the table; or the table alone
+    assert f"GGUF model.gguf: {1 if held else 3} Q6_K tensor(s) dequantized" in caplog.text
+    if held:
+        assert "128x256 u8-g16 [1+:vnni_panel]" in caplog.text  # layer 0's v part
     # with the head in float (the Q6_K table's values): transformers' tokens on the twin
     assert greedy(path, lm_head_quantization="none")[0] == transformers_greedy(twin)
     assert greedy(path, tp_size=2)[0] == reference

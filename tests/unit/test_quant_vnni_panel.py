@@ -9,6 +9,7 @@ all-or-nothing use of the layout and its timing passes. Where the build has no A
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -53,9 +54,18 @@ def _has_fp8_kernel() -> bool:
 needs_kernel = pytest.mark.skipif(
     not _has_kernel(), reason="no AVX512-VNNI build here (the chooser never offers it: below)"
 )
-# (bits, group, K): 8-bit per channel (sums folded every 256 features), 8-bit groups, 4-bit
-# groups of 128 / 64 / 32, and 4-bit per channel over K = 3072 (folded every 1024).
-FORMATS = [(8, 0, 1024), (8, 64, 512), (4, 128, 512), (4, 64, 512), (4, 32, 512), (4, 0, 3072)]
+# (bits, group, K): 8-bit per channel (sums folded every 256 features), 8-bit groups (of 16:
+# GGUF's Q6_K), 4-bit groups of 128 / 64 / 32, and 4-bit per channel over K = 3072 (folded
+# every 1024).
+FORMATS = [
+    (8, 0, 1024),
+    (8, 64, 512),
+    (8, 16, 512),
+    (4, 128, 512),
+    (4, 64, 512),
+    (4, 32, 512),
+    (4, 0, 3072),
+]
 
 
 @needs_kernel
@@ -141,7 +151,7 @@ def test_offered_only_where_packable_and_built() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits,group,k", FORMATS)
+@pytest.mark.parametrize("bits,group,k", [f for f in FORMATS if f[1] != 16])  # x8_panel's
 @pytest.mark.parametrize("rows", [1, 2, 8, 12, 13, 25, 64])
 def test_8_bit_activations_round_x_as_x8_panel_does(
     bits: int, group: int, k: int, rows: int
@@ -161,6 +171,46 @@ def test_8_bit_activations_round_x_as_x8_panel_does(
         cpu_kernels.set_quantized_activations("int16")
     assert all(torch.equal(y, want) for y in outs)
     assert torch.equal(alone[0], want[-1])
+
+
+def _emulate_x8(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """x rounded to 8 bits per row and block of gcd(group, 128) features (max|x| / 127 in fp32,
+    x times its inverse, nearest even), then as _emulate: each block's integer sums exact,
+    its zero points through its sum of x's codes, times the group's and the block's scales."""
+    m, k = x.shape
+    gs = w.group_size or k
+    b = math.gcd(gs, 128)
+    xf = x.float().view(m, k // b, b)
+    amax = xf.abs().amax(-1)
+    s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(xf * (1.0 / s)[..., None]).clamp(-127, 127).double()
+    codes = w.codes.double().view(-1, k // b, b)
+    acc = torch.einsum("mbk,nbk->mnb", q, codes)
+    per_block = torch.arange(k // b) * b // gs  # the group of each block
+    zeros, scales = w.zeros.double()[:, per_block], w.scales.double()[:, per_block]
+    t = acc - zeros[None] * q.sum(-1)[:, None, :]
+    return (t * scales[None] * s.double()[:, None, :]).sum(-1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 8, 13, 25])
+def test_8_bit_codes_in_groups_of_16_against_x_in_8_bits(rows: int) -> None:
+    """GGUF's Q6_K (8-bit codes, a scale and zero point per 16 features) under
+    --cpu-quantized-activations int8, where x8_panel takes no such groups: x rounded per 16
+    features, the float64 emulation's sums, at one and two threads, a row alone as in a batch."""
+    w = random_qtensor(96, 512, 8, 16, seed=5)
+    packed = cpu_vpanel.pack(w)
+    x = (torch.randn(rows, 512) * torch.rand(rows, 1) * 4).to(torch.bfloat16)
+    cpu_kernels.set_quantized_activations("int8")
+    try:
+        outs = at_thread_counts(lambda: cpu_vpanel.vnni_panel(x, packed, torch.float32))
+        alone = cpu_vpanel.vnni_panel(x[-1:], packed, torch.float32)
+    finally:
+        cpu_kernels.set_quantized_activations("int16")
+    ref = _emulate_x8(x, w)
+    assert (outs[0].double() - ref).abs().max().item() <= 2e-6 * ref.abs().amax().item()
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(alone[0], outs[0][-1])
 
 
 def test_its_layout_serves_every_row_count_or_none() -> None:

@@ -74,9 +74,12 @@ static inline __attribute__((always_inline)) void vp_prefetch(const void* line, 
     else if (row_pf) _mm_prefetch((const char*)line + VP_PF_BYTES, _MM_HINT_T1);
 }
 
-/* Whether vnni_panel takes codes of `bits` bits in groups of gs features, N x K. */
+/* Whether vnni_panel takes codes of `bits` bits in groups of gs features, N x K: groups of a
+   multiple of 32, or 8-bit codes in groups of 16 (GGUF's Q6_K: a chunk of 16 features, x
+   still quantized 32 features at a time, K % 32 == 0). */
 int qvpanel_takes(int bits, int64_t N, int64_t K, int64_t gs) {
-    return (bits == 4 || bits == 8) && N % VP_ROWS == 0 && gs > 0 && gs % 32 == 0 && K % gs == 0;
+    const int groups = gs > 0 && (gs % 32 == 0 || (bits == 8 && gs == 16 && K % 32 == 0));
+    return (bits == 4 || bits == 8) && N % VP_ROWS == 0 && groups && K % gs == 0;
 }
 
 static int64_t gcd64(int64_t a, int64_t b) {
@@ -152,11 +155,16 @@ static float vp_quantize_row(const void* x, int x_bf16, int64_t m, int64_t M, in
                                             2, 5, 1, 4, 0);
     const __m512i order = bits == 8 ? order8 : order4;
     int32_t* row = xt + m0 * K / 2 + (m - m0);
-    for (int64_t c0 = 0; c0 < K; c0 += L) {
+    const int halves = L == 16; /* chunks of 16: two a step of 32, a sum each */
+    for (int64_t c0 = 0; c0 < K; c0 += halves ? 32 : L) {
         __m512i sum = _mm512_setzero_si512();
-        for (int64_t k = c0; k < c0 + L; k += 32) {
+        for (int64_t k = c0; k < c0 + (halves ? 32 : L); k += 32) {
             __m512i a = vp_q16(x, x_bf16, m * K + k, inv);
             __m512i b = vp_q16(x, x_bf16, m * K + k + 16, inv);
+            if (halves) {
+                xsum[k / 16] = _mm512_reduce_add_epi32(a);
+                xsum[k / 16 + 1] = _mm512_reduce_add_epi32(b);
+            }
             sum = _mm512_add_epi32(sum, _mm512_add_epi32(a, b));
             __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(a)),
                                               _mm512_cvtepi32_epi16(b), 1);
@@ -167,7 +175,7 @@ static float vp_quantize_row(const void* x, int x_bf16, int64_t m, int64_t M, in
                 _mm512_store_si512(d, _mm512_permutexvar_epi16(order, both));
             for (int i = 0; i < 16; i++) row[(k / 2 + i) * R] = d[i];
         }
-        xsum[c0 / L] = _mm512_reduce_add_epi32(sum);
+        if (!halves) xsum[c0 / L] = _mm512_reduce_add_epi32(sum);
     }
     return s;
 }
