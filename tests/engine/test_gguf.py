@@ -377,6 +377,33 @@ def test_k_quant_file(q6_k: str, k_files, monkeypatch: pytest.MonkeyPatch, caplo
     assert greedy(path, tp_size=2)[0] == reference
 
 
+def _q6_k_types(gguf_name: str) -> str | None:
+    return "Q6_K" if PROJECTION.fullmatch(gguf_name) or gguf_name == "token_embd.weight" else None
+
+
+def test_q6_k_file(files, tmp_path: Path, caplog) -> None:
+    """A Q6_K file (llama-quantize's Q6_K: every projection and the table in Q6_K): where the
+    CPU kernels take groups of 16, each projection held as 8-bit codes and a scale and zero
+    point per 16, in VNNI panels for every row count (prefill, batched decode, the C chain);
+    the head (the tied table) in int8 per row. The twin's tokens at TP=1 and TP=2 (each rank's
+    o and down 128 of the 256 input features: whole groups)."""
+    src = source("quant-k")
+    path = requantize(files["k-f32"], tmp_path / "model-q6_k.gguf", _q6_k_types)
+    twin = _twin(src, tmp_path / "twin", lambda n, v: "Q6_K" if v.ndim == 2 else None)
+    reference, _ = greedy(twin, lm_head_quantization="int8")
+    with caplog.at_level(logging.INFO):
+        assert greedy(path)[0] == reference
+    held = cpu_vpanel.takes_groups_of_16()
+    # the table alone (its values make the int8 head), or with the 8 projections
+    assert f"GGUF model.gguf: {1 if held else 9} Q6_K tensor(s) dequantized" in caplog.text
+    if held:
+        assert "gguf Q6_K (8-bit, a scale per 16) (from the checkpoint, llama.cpp)" in caplog.text
+        assert "quantized in 9 weights" in caplog.text  # 4 a layer and the head
+        assert "512x256 u8-g16 [1+:vnni_panel]" in caplog.text  # qkv
+        assert "a step of 1 rows runs layer by layer" not in caplog.text  # the chain runs
+    assert greedy(path, tp_size=2)[0] == reference
+
+
 def _panels_where_built(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every held weight repacked into VNNI panels where this CPU has them (elsewhere the
     default kernels run)."""
