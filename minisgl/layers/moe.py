@@ -328,7 +328,8 @@ def _q_words(x: torch.Tensor, w: QuantWeight) -> tuple[torch.Tensor, int] | None
         return None
     one = w.view(0)
     names = _q_names(w)
-    if names is None or not cpu_gemv.usable(x, one):
+    # packed: the panels' kernels take them (8-bit codes in groups of 16 only they take)
+    if names is None or not (w.packed or cpu_gemv.usable(x, one)):
         return None
     kind, x_bf16 = cpu_gemv.kind(one), int(x.dtype == torch.bfloat16)
     kernels = []

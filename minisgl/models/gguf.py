@@ -21,10 +21,10 @@ read as follows:
 - An untied embedding table (the file has output.weight) in one of those types: held the same
   way, a lookup dequantizing only the rows it reads (Qwen3-8B's Q4_K table: 0.5 GB held
   where bf16 takes 1.2 GB).
-- Q6_K attention and MLP projections (not a mixture's experts), where the CPU kernels take its
-  groups of 16 (the VNNI panels: an AVX512-VNNI build; loads with `hold_q6_k`): held as 8-bit
-  codes q with zero point 32 and scale d * sc per group of 16; elsewhere (AVX2, a GPU) and for
-  experts, dequantized at load as below.
+- Q6_K attention and MLP projections (a mixture's experts included), where the CPU kernels
+  take its groups of 16 (the VNNI panels: an AVX512-VNNI build; loads with `hold_q6_k`): held
+  as 8-bit codes q with zero point 32 and scale d * sc per group of 16; elsewhere (AVX2, a
+  GPU), dequantized at load as below.
 - Every other type (Q2_K, Q3_K, IQ, Q4_1, ...), and a quantized router: dequantized at
   load by gguf-py (llama.cpp's own Python package), said in one log line; so are a layer's
   gate/up experts stored in two types (minisgl holds them as one weight). q/k/v or gate/up of
@@ -439,7 +439,7 @@ def _held(name: str, part: str, stored: dict[str, str], q6_k: bool) -> str:
     kind = stored[name]
     if kind in FLOATS:
         return kind
-    q6_k = q6_k and kind == GGUF_Q6_K and not part.endswith("_exps")
+    q6_k = q6_k and kind == GGUF_Q6_K
     if not (kind in GGUF_TYPES or q6_k) or part not in _PROJECTIONS or not name.endswith(".weight"):
         return "F32"
     for fused in _FUSED:

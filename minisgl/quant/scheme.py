@@ -44,7 +44,7 @@ GGUF_BLOCK = 32  # weights per block (a K-quant's group)
 GGUF_SUPER_BLOCK = 256  # weights per K-quant super-block
 # Q6_K (super-blocks of 256: per group of 16 a signed 8-bit multiple sc of the float16 d, codes
 # q in 0..63, weight = d * sc * (q - 32)): held as 8-bit codes with zero point 32 and scale
-# d * sc per group of 16, for attention and MLP projections only and only where the CPU
+# d * sc per group of 16, for attention and MLP projections (experts included) where the CPU
 # kernels take groups of 16 (models/gguf.py decides per load; its LM head stays int8 per row).
 GGUF_Q6_K = "Q6_K"
 GGUF_Q6_K_GROUP = 16

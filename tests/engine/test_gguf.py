@@ -445,8 +445,9 @@ def test_k_quant_decode_steps_run_in_the_chain_with_the_layer_paths_bits(
 def test_k_quant_moe_file(files, tmp_path: Path, caplog) -> None:
     """A Qwen3-MoE's experts in Q4_K (layer 0) and Q5_K (layer 1's gate/up) held as they are,
     each expert's mins' term after its kernel; layer 1's Q6_K down_proj experts (as Q4_K_M
-    files keep them in some layers) read as floats beside its held gate/up; attention in Q4_K:
-    the twin's tokens and transformers'."""
+    files keep them in some layers) held per 16 in the VNNI panels where the kernels take
+    them (a decode step's experts in one C call), else read as floats, beside its held gate/up;
+    attention in Q4_K: the twin's tokens and transformers'."""
 
     def types(name: str) -> str | None:
         if name == "blk.1.ffn_down_exps.weight":
@@ -467,9 +468,14 @@ def test_k_quant_moe_file(files, tmp_path: Path, caplog) -> None:
     reference, _ = greedy(twin)
     with caplog.at_level(logging.INFO):
         assert greedy(path)[0] == reference
-    # qkv and o of both layers, layer 0's w13 and w2, layer 1's w13
-    assert "quantized in 7 weights" in caplog.text
-    assert "1 Q6_K tensor(s) dequantized at load" in caplog.text
+    # qkv and o of both layers, layer 0's w13 and w2, layer 1's w13 (and w2 where Q6_K is held)
+    held = cpu_vpanel.takes_groups_of_16()
+    assert f"quantized in {8 if held else 7} weights" in caplog.text
+    if held:
+        assert "256x256 u8-g16 [1+:vnni_panel]" in caplog.text
+        assert "a step of 1 rows runs layer by layer" not in caplog.text  # one call, chained
+    else:
+        assert "1 Q6_K tensor(s) dequantized at load" in caplog.text
     assert reference == transformers_greedy(twin)
 
 
