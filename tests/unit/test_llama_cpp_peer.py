@@ -140,25 +140,29 @@ def test_same_gguf_serves_llama_cpps_own_file_to_minisgl(serving, tmp_path: Path
     assert "--quantization" not in mini
 
 
-def test_q4_k_m_is_llama_quantizes_file_served_by_both(serving, tmp_path: Path) -> None:
-    """--formats q4_k_m (llama-quantize's Q4_K_M from the converter's bf16 file) has no
-    minisgl --quantization of its own: only with --same-gguf, both servers on that file."""
+@pytest.mark.parametrize("fmt", ["q4_k_m", "q6_k"])
+def test_k_quant_files_are_llama_quantizes_served_by_both(
+    serving, tmp_path: Path, fmt: str
+) -> None:
+    """--formats q4_k_m / q6_k (llama-quantize's Q4_K_M / Q6_K from the converter's bf16 file)
+    have no minisgl --quantization of their own: only with --same-gguf, both servers on that
+    file."""
     with pytest.raises(SystemExit):
-        serving.parse_args(["--peers", "minisgl,llama.cpp", "--formats", "q4_k_m"])
+        serving.parse_args(["--peers", "minisgl,llama.cpp", "--formats", fmt])
     from llama_cpp_peer import LlamaCpp, convert_commands
 
     llama = LlamaCpp(tmp_path, tmp_path / "bin", sys.executable)
-    ((quantize, _),) = convert_commands(llama, Path("/m"), "q4_k_m", tmp_path)[-1:]
+    ((quantize, _),) = convert_commands(llama, Path("/m"), fmt, tmp_path)[-1:]
     assert quantize[-3:] == [str(tmp_path / "model-bf16.gguf"),
-                             str(tmp_path / "model-q4_k_m.gguf"), "Q4_K_M"]  # fmt: skip
+                             str(tmp_path / f"model-{fmt}.gguf"), fmt.upper()]  # fmt: skip
     tree = _tree(tmp_path / "llama.cpp")
     args = serving.parse_args(
-        ["--peers", "minisgl,llama.cpp", "--formats", "q4_k_m", "--same-gguf",
+        ["--peers", "minisgl,llama.cpp", "--formats", fmt, "--same-gguf",
          "--llama-cpp-dir", str(tree), "--llama-cpp-python", sys.executable]
     )  # fmt: skip
     work = tmp_path / "work"
     work.mkdir()
-    found = {p.name: p for p in serving.peers(args, tmp_path / "model", 8123, "q4_k_m", work)}
+    found = {p.name: p for p in serving.peers(args, tmp_path / "model", 8123, fmt, work)}
     mini, llama_cmd = found["minisgl"].command, found["llama.cpp"].command
     assert mini[mini.index("--model") + 1] == llama_cmd[llama_cmd.index("-m") + 1]
-    assert mini[mini.index("--model") + 1] == str(work / "model-q4_k_m.gguf")
+    assert mini[mini.index("--model") + 1] == str(work / f"model-{fmt}.gguf")
