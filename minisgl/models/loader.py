@@ -170,7 +170,9 @@ def _log_int8_activations(model: torch.nn.Module) -> None:
         )
         return
     weights = multiplied_weights(model)
-    taken = sum(cpu_gemv.takes_int8_activations(w.view(0 if w.experts else None)) for w in weights)
+    views = [w.view(0 if w.experts else None) for w in weights]
+    # the panels' own weights (GGUF's Q6_K) are rounded there as every integer weight is
+    taken = sum(cpu_gemv.takes_int8_activations(v) or cpu_vpanel.only_panels(v) for v in views)
     vnni = cpu_gemv.takes_8_bit_codes()
     which = "8- or 4-bit integer codes" if vnni else "4-bit codes in groups of 32 or more"
     if not taken:

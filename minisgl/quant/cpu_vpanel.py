@@ -70,6 +70,14 @@ def takes_groups_of_16() -> bool:
     return bool(lib.qvpanel_takes(8, ROWS, 256, 16))
 
 
+def only_panels(w: QTensor) -> bool:
+    """Whether vnni_panel is the one kernel here for w: integer codes no row-major kernel
+    takes (8-bit codes in groups of 16), which the panels do; under
+    --cpu-quantized-activations int8 it rounds their x as it does every integer weight's."""
+    probe = torch.empty(1, w.in_features, dtype=torch.bfloat16)
+    return cpu_gemv.kind(w) != "fp8" and takes(w) and not cpu_gemv.usable(probe, w)
+
+
 def _panels(t: torch.Tensor, unit: int) -> torch.Tensor:
     """[..., N, X] -> the same elements as [..., N/ROWS, X/unit, ROWS, unit], flattened back
     to [..., N, X] (leading dims: several experts at once)."""

@@ -26,7 +26,7 @@ from quant_parity import assert_same_tokens, greedy, source, transformers_greedy
 from minisgl.layers import cpu_kernels
 from minisgl.models import gguf as gguf_model
 from minisgl.models.config import ModelConfig
-from minisgl.quant import cpu_vpanel, formats
+from minisgl.quant import cpu_gemv, cpu_vpanel, formats
 from minisgl.quant.qtensor import dequantize
 from minisgl.quant.scheme import (
     GGUF_K_TYPES,
@@ -402,6 +402,14 @@ def test_q6_k_file(files, tmp_path: Path, caplog) -> None:
         assert "512x256 u8-g16 [1+:vnni_panel]" in caplog.text  # qkv
         assert "a step of 1 rows runs layer by layer" not in caplog.text  # the chain runs
     assert greedy(path, tp_size=2)[0] == reference
+    if held and cpu_gemv.takes_8_bit_codes():
+        # --cpu-quantized-activations int8: the panels round x for them too, and say so
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            greedy(path, cpu_quantized_activations="int8")
+        assert "(--cpu-quantized-activations int8, 8- or 4-bit integer codes) in 9 of 9" in (
+            caplog.text
+        )
 
 
 def _panels_where_built(monkeypatch: pytest.MonkeyPatch) -> None:
