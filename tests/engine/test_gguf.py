@@ -394,8 +394,8 @@ def test_q6_k_file(files, tmp_path: Path, caplog) -> None:
     with caplog.at_level(logging.INFO):
         assert greedy(path)[0] == reference
     held = cpu_vpanel.takes_groups_of_16()
-    # the table alone (its values make the int8 head), or with the 8 projections
-    assert f"GGUF model.gguf: {1 if held else 9} Q6_K tensor(s) dequantized" in caplog.text
+    # the table alone (its values make the int8 head), or with the 14 projections
+    assert f"GGUF model.gguf: {1 if held else 15} Q6_K tensor(s) dequantized" in caplog.text
     if held:
         assert "gguf Q6_K (8-bit, a scale per 16) (from the checkpoint, llama.cpp)" in caplog.text
         assert "quantized in 9 weights" in caplog.text  # 4 a layer and the head
