@@ -18,9 +18,9 @@ read as follows:
   4-bit and Q5_K's 5-bit codes with zero point 0, each group's scale d * sc and its min
   dmin * m), which the CPU kernels (and the CUDA path) run as they run GPTQ's, the K-quants'
   mins' term subtracted after them (each group's min times the inputs' sum over the group).
-- An untied embedding table (the file has output.weight) in one of those types: held the same
-  way, a lookup dequantizing only the rows it reads (Qwen3-8B's Q4_K table: 0.5 GB held
-  where bf16 takes 1.2 GB).
+- An untied embedding table (the file has output.weight) in one of those types or in Q6_K
+  (on any device: looked up, not multiplied): held the same way, a lookup dequantizing only
+  the rows it reads (Qwen3-8B's Q4_K table: 0.5 GB held where bf16 takes 1.2 GB).
 - Q6_K attention and MLP projections (a mixture's experts included), where the CPU kernels
   take its groups of 16 (the VNNI panels: an AVX512-VNNI build; loads with `hold_q6_k`): held
   as 8-bit codes q with zero point 32 and scale d * sc per group of 16; elsewhere (AVX2, a
@@ -191,7 +191,9 @@ class GgufFile:
         if self.head != EMBEDDING:
             held.add(EMBEDDING)
         self.hold_q6_k = hold_q6_k
-        self.tensors = _tensors(self._reader.tensors, held, hold_q6_k)
+        # an untied table is looked up, not multiplied: held in Q6_K too, whatever the kernels
+        table = {EMBEDDING} if self.head != EMBEDDING else set()
+        self.tensors = _tensors(self._reader.tensors, held, table, hold_q6_k)
 
     def tokenizer_digest(self) -> str:
         """A digest of every tokenizer.* field, as stored."""
@@ -232,11 +234,11 @@ class GgufFile:
         held = sum(int(r.n_elements) for r in floated) * itemsize / 2**30
         stored = sum(int(r.n_bytes) for r in floated) / 2**30
         q6_k = (
-            "Q6_K projections too"
+            "Q6_K projections and untied tables too"
             if self.hold_q6_k
             else (
-                "Q6_K projections only where the CPU kernels take groups of 16 (an AVX512-VNNI "
-                "build; not here)"
+                "Q6_K untied tables too, Q6_K projections only where the CPU kernels take "
+                "groups of 16 (an AVX512-VNNI build; not here)"
             )
         )
         return (
@@ -363,7 +365,7 @@ class GgufFile:
         if self.head == EMBEDDING:
             return None
         table = self._named(EMBEDDING)
-        return table.held if table.held in GGUF_TYPES else None
+        return table.held if table.held in GGUF_PROJECTION_TYPES else None
 
     def held_modules(self) -> dict[str, str]:
         """Hugging Face module -> its GGUF type, for every projection held quantized (a
@@ -402,10 +404,10 @@ class GgufFile:
         return _FILE_DTYPES.get(int(self.fields.get("general.file_type", -1)), "bfloat16")
 
 
-def _tensors(raw: list[Any], held_whole: set[str], q6_k: bool) -> list[Tensor]:
+def _tensors(raw: list[Any], held_whole: set[str], table: set[str], q6_k: bool) -> list[Tensor]:
     """Every tensor renamed, with the type minisgl reads it as (`held_whole`: the LM head's
     tensor, an untied embedding table's: read as their blocks where minisgl holds their
-    type; `q6_k`: Q6_K projections held)."""
+    type; `table`: an untied table's, in Q6_K too; `q6_k`: Q6_K projections held)."""
     stored = {t.name: t.tensor_type.name for t in raw}
     out = []
     for t in raw:
@@ -413,7 +415,10 @@ def _tensors(raw: list[Any], held_whole: set[str], q6_k: bool) -> list[Tensor]:
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the innermost first
         names = (hf,) if "{e}" not in hf else tuple(hf.format(e=e) for e in range(shape[0]))
         kind = stored[t.name]
-        if t.name in held_whole and kind in GGUF_TYPES:
+        whole = (t.name in held_whole and kind in GGUF_TYPES) or (
+            t.name in table and kind == GGUF_Q6_K
+        )
+        if whole:
             held = kind
         else:
             held = _held(t.name, part, stored, q6_k)

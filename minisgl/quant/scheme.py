@@ -45,7 +45,8 @@ GGUF_SUPER_BLOCK = 256  # weights per K-quant super-block
 # Q6_K (super-blocks of 256: per group of 16 a signed 8-bit multiple sc of the float16 d, codes
 # q in 0..63, weight = d * sc * (q - 32)): held as 8-bit codes with zero point 32 and scale
 # d * sc per group of 16, for attention and MLP projections (experts included) where the CPU
-# kernels take groups of 16 (models/gguf.py decides per load; its LM head stays int8 per row).
+# kernels take groups of 16 (models/gguf.py decides per load; its LM head stays int8 per row),
+# and for an untied embedding table on any device (looked up, not multiplied).
 GGUF_Q6_K = "Q6_K"
 GGUF_Q6_K_GROUP = 16
 GGUF_PROJECTION_TYPES = {**GGUF_TYPES, GGUF_Q6_K: 6}
@@ -399,7 +400,7 @@ def _gguf(raw: dict[str, Any]) -> QuantScheme:
     else:
         raise _unsupported(f"gguf lm_head {head!r}")
     table = raw.get("embed_tokens")
-    if table is not None and table not in GGUF_TYPES:
+    if table is not None and table not in GGUF_PROJECTION_TYPES:
         raise _unsupported(f"gguf embed_tokens {table!r}")
     embedding = scheme(str(table)) if table is not None else None
     return replace(scheme(base), overrides=others, lm_head=lm_head, embedding=embedding)

@@ -207,14 +207,15 @@ def test_float_file_generates_the_sources_tokens(tmp_path: Path) -> None:
     assert greedy(path)[0] == greedy(src)[0]
 
 
-def test_untied_embedding_table_held_as_stored(tmp_path: Path, caplog) -> None:
-    """An untied model's token_embd in a type the kernels hold (a Qwen3-8B Q4_K_M file's Q4_K
-    table, mins and all) is held as its blocks and looked up row by row, no float copy of it
-    made (before: dequantized at load, 1.2 GB of bf16 for Qwen3-8B): the twin's tokens and
-    transformers', the head held as stored beside it. (A table without mins takes the decode
-    chain's lookup, and a rank its rows at TP=2, as a tied table does: test_decode_chain,
+@pytest.mark.parametrize("table", ["Q4_K", "Q6_K"])
+def test_untied_embedding_table_held_as_stored(table: str, tmp_path: Path, caplog) -> None:
+    """An untied model's token_embd in a type minisgl holds (a Qwen3-8B Q4_K_M file's Q4_K
+    table, mins and all; a Q6_K file's Q6_K table, on any CPU: it is looked up, not multiplied)
+    is held as its blocks and looked up row by row, no float copy of it made (before:
+    dequantized at load, 1.2 GB of bf16 for Qwen3-8B): the twin's tokens and transformers',
+    the head held as stored beside it. (A table without mins takes the decode chain's lookup,
+    and a rank its rows at TP=2, as a tied table does: test_decode_chain,
     test_q4_0_file_with_other_types.)"""
-    table = "Q4_K"
     src = source("quant-k", tied=False)  # rows of 256: K-quant super-blocks
     f32 = convert(src, tmp_path / "untied-f32.gguf", "f32")
 
