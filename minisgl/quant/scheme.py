@@ -30,8 +30,8 @@ SUPPORTED = (
     "auto-round (Intel's AutoRound: data_type int, packing_format auto_round:auto_gptq with "
     "bits 4 or 8, or auto_round:auto_awq with bits 4; extra_config per layer)",
     "GGUF files (--model path/to/model.gguf or <owner>/<repo>:<type>; Q8_0, Q4_0, Q5_0, Q4_K "
-    "and Q5_K projections held as they are, Q6_K ones where the CPU kernels take groups of 16, "
-    "other types dequantized at load)",
+    "and Q5_K projections held as they are, Q6_K ones where the CPU kernels take groups of 16 "
+    "(untied Q6_K embedding tables everywhere), other types dequantized at load)",
 )
 # GGUF types held as they are -> the bits a weight they store (minisgl holds 4-bit ones as 4-bit
 # codes, the others as 8-bit ones, a scale per 32 weights); models/gguf.py writes the config
