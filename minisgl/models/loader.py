@@ -157,7 +157,7 @@ def iter_tensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str
 
 def _log_int8_activations(model: torch.nn.Module) -> None:
     """Say whether --cpu-quantized-activations int8 rounds any matmul's x: integer weights
-    the C kernels' 8-bit path takes (cpu_gemv.takes_int8_activations: with AVX512-VNNI 8- and
+    the C kernels' 8-bit path takes (cpu_vpanel.rounds_x_in_int8: with AVX512-VNNI 8- and
     4-bit codes, without it 4-bit codes in groups of 64 or more, or of 32 in rows of a
     multiple of 64 inputs), so a model without them
     (fp8, float; 8-bit or AWQ in groups of 32 without VNNI) runs exactly as without the
@@ -170,9 +170,7 @@ def _log_int8_activations(model: torch.nn.Module) -> None:
         )
         return
     weights = multiplied_weights(model)
-    views = [w.view(0 if w.experts else None) for w in weights]
-    # the panels' own weights (GGUF's Q6_K) are rounded there as every integer weight is
-    taken = sum(cpu_gemv.takes_int8_activations(v) or cpu_vpanel.only_panels(v) for v in views)
+    taken = sum(cpu_vpanel.rounds_x_in_int8(w.view(0 if w.experts else None)) for w in weights)
     vnni = cpu_gemv.takes_8_bit_codes()
     which = "8- or 4-bit integer codes" if vnni else "4-bit codes in groups of 32 or more"
     if not taken:

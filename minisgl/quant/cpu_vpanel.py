@@ -70,10 +70,13 @@ def takes_groups_of_16() -> bool:
     return bool(lib.qvpanel_takes(8, ROWS, 256, 16))
 
 
-def only_panels(w: QTensor) -> bool:
-    """Whether vnni_panel is the one kernel here for w: integer codes no row-major kernel
-    takes (8-bit codes in groups of 16), which the panels do; under
-    --cpu-quantized-activations int8 it rounds their x as it does every integer weight's."""
+def rounds_x_in_int8(w: QTensor) -> bool:
+    """Whether --cpu-quantized-activations int8 rounds x for w: weights the C kernels' 8-bit
+    path takes (cpu_gemv.takes_int8_activations), and integer codes only the panels take
+    (8-bit codes in groups of 16: GGUF's Q6_K), whose x vnni_panel rounds as it does every
+    integer weight's."""
+    if cpu_gemv.takes_int8_activations(w):
+        return True
     probe = torch.empty(1, w.in_features, dtype=torch.bfloat16)
     return cpu_gemv.kind(w) != "fp8" and takes(w) and not cpu_gemv.usable(probe, w)
 

@@ -13,7 +13,7 @@ from minisgl import hugepages
 from minisgl.layers import cpu_kernels
 from minisgl.layers.embedding import ParallelLMHead
 from minisgl.models.config import ModelConfig
-from minisgl.quant import cpu_choice, cpu_gemv
+from minisgl.quant import cpu_choice, cpu_vpanel
 from minisgl.quant import layout as quant_layout
 from minisgl.quant.attach import after_materialise, attach, format_name, summary, weight_bytes
 from minisgl.quant.layout import EMBEDDING_TENSOR, CheckpointLayout, Header, read_headers, scan
@@ -149,14 +149,14 @@ def _head_quantized(model: torch.nn.Module) -> bool:
 
 def _activations(model: torch.nn.Module) -> str:
     """What integer weights multiply: x rounded to 8 bits ("int8": --cpu-quantized-activations
-    int8 with weights it takes, cpu_gemv.takes_int8_activations) or "exact"."""
+    int8 with weights it takes, cpu_vpanel.rounds_x_in_int8) or "exact"."""
     weights = multiplied_weights(model)
     if not weights or any(w.codes.device.type == "cuda" for w in weights):
         return "exact"  # float weights, or a GPU's (the flag is for the CPU kernels)
     if cpu_kernels.quantized_activations() != "int8" or not cpu_kernels.int8_activation_rows():
         return "exact"
     views = (w.view(0 if w.experts else None) for w in weights)
-    return "int8" if any(cpu_gemv.takes_int8_activations(v) for v in views) else "exact"
+    return "int8" if any(cpu_vpanel.rounds_x_in_int8(v) for v in views) else "exact"
 
 
 def for_device(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:

@@ -23,10 +23,12 @@ import pytest
 import torch
 from quant_parity import assert_same_tokens, greedy, source, transformers_greedy
 
+from minisgl import LLM
 from minisgl.layers import cpu_kernels
 from minisgl.models import gguf as gguf_model
 from minisgl.models.config import ModelConfig
 from minisgl.quant import cpu_gemv, cpu_vpanel, formats
+from minisgl.quant.loading import weights_info
 from minisgl.quant.qtensor import dequantize
 from minisgl.quant.scheme import (
     GGUF_K_TYPES,
@@ -410,6 +412,15 @@ def test_q6_k_file(files, tmp_path: Path, caplog) -> None:
             greedy(path, cpu_quantized_activations="int8")
         assert "(--cpu-quantized-activations int8, 8- or 4-bit integer codes) in 9 of 9" in (
             caplog.text
+        )
+        # and /metrics' model info, with nothing else quantized (the head in float)
+        flags = {"lm_head_quantization": "none", "cpu_quantized_activations": "int8"}
+        with LLM(str(path), num_pages=16, cpu_kernel_tuning="off", **flags) as llm:
+            info = weights_info(llm.engine.runner.model, llm.engine.model_config, None, "none")
+        assert (info["quantization"], info["lm_head"], info["activations"]) == (
+            "gguf",
+            "none",
+            "int8",
         )
 
 
