@@ -327,8 +327,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="more minisgl server flags, space-separated, after '=' (e.g. "
                    "--minisgl-args='--prefill-chunk-overhead 0' for an A/B run)")  # fmt: skip
     p.add_argument("--same-gguf", action="store_true",
-                   help="minisgl serves llama.cpp's own BF16/Q8_0/Q4_0/Q4_K_M/Q6_K file as "
-                   "it is")  # fmt: skip
+                   help="minisgl serves llama.cpp's own BF16/Q8_0/Q4_0/Q4_K_M/Q6_K/Q3_K_M/IQ4_XS "
+                   "file as it is")  # fmt: skip
     p.add_argument("--formats", default="bf16",
                    help=f"weight formats, comma-separated: {', '.join(GGUF_TYPES)}")  # fmt: skip
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores for each server")

@@ -40,10 +40,14 @@ from pathlib import Path
 # minisgl's weight format -> the llama.cpp file type that stores the same bits per weight:
 # bf16 as it is; int8 (per-channel scales) against Q8_0 (8 bits, a scale per 32); int4 (group
 # 128 with zero points) against Q4_0 (4 bits, a scale per 32). q4_k_m: llama-quantize's most
-# used mix (Q4_K, some Q6_K), and q6_k (every projection Q6_K: a scale per 16), which minisgl
-# serves only as the file (--same-gguf).
-GGUF_TYPES = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0", "q4_k_m": "q4_k_m", "q6_k": "q6_k"}
-GGUF_ONLY = ("q4_k_m", "q6_k")  # formats with no minisgl --quantization of their own
+# used mix (Q4_K, some Q6_K), q6_k (every projection Q6_K: a scale per 16), q3_k_m (Q3_K, some
+# Q4_K / Q5_K, a Q6_K head) and iq4_xs (IQ4_XS: 4-bit indices into a table of 16 values), which
+# minisgl serves only as the file (--same-gguf).
+GGUF_TYPES = {
+    "bf16": "bf16", "int8": "q8_0", "int4": "q4_0", "q4_k_m": "q4_k_m", "q6_k": "q6_k",
+    "q3_k_m": "q3_k_m", "iq4_xs": "iq4_xs",
+}  # fmt: skip
+GGUF_ONLY = ("q4_k_m", "q6_k", "q3_k_m", "iq4_xs")  # formats with no --quantization of their own
 # What convert_hf_to_gguf.py writes directly (--outtype); the rest llama-quantize makes from bf16.
 CONVERTER_TYPES = ("bf16", "q8_0")
 

@@ -11,21 +11,23 @@ Tensors are renamed to the Hugging Face names the models load (blk.3.attn_q.weig
 model.layers.3.self_attn.q_proj.weight; a mixture's stacked experts split one per expert) and
 read as follows:
 - F32, F16, BF16: as they are.
-- Q8_0, Q4_0, Q5_0, Q4_K and Q5_K attention and MLP projections, and LM head (a tied model's
-  embedding table) under --lm-head-quantization auto: held as they are, in minisgl's quantized
-  layout (a scale per 32 weights; 8-bit codes q + 128 and zero point 128 for Q8_0, 4-bit codes
-  and zero point 8 for Q4_0, Q5_0's 5-bit values as 8-bit codes with zero point 16; Q4_K's
-  4-bit and Q5_K's 5-bit codes with zero point 0, each group's scale d * sc and its min
-  dmin * m), which the CPU kernels (and the CUDA path) run as they run GPTQ's, the K-quants'
-  mins' term subtracted after them (each group's min times the inputs' sum over the group).
-- An untied embedding table (the file has output.weight) in one of those types or in Q6_K
-  (on any device: looked up, not multiplied): held the same way, a lookup dequantizing only
-  the rows it reads (Qwen3-8B's Q4_K table: 0.5 GB held where bf16 takes 1.2 GB).
-- Q6_K attention and MLP projections (a mixture's experts included), where the CPU kernels
-  take its groups of 16 (the VNNI panels: an AVX512-VNNI build; loads with `hold_q6_k`): held
-  as 8-bit codes q with zero point 32 and scale d * sc per group of 16; elsewhere (AVX2, a
-  GPU), dequantized at load as below.
-- Every other type (Q2_K, Q3_K, IQ, Q4_1, ...), and a quantized router: dequantized at
+- Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q4_K and Q5_K attention and MLP projections,
+  and LM head (a tied model's embedding table) under --lm-head-quantization auto: held as they
+  are, in minisgl's quantized layout (a scale per 32 weights; 8-bit codes q + 128 and zero
+  point 128 for Q8_0, 4-bit codes and zero point 8 for Q4_0, Q5_0's 5-bit values as 8-bit
+  codes with zero point 16, IQ4's table values as 8-bit codes with zero point 128; Q4_1's
+  4-bit and Q5_1's 5-bit codes with zero point 0 and min -m, Q4_K's 4-bit and Q5_K's 5-bit
+  ones with each group's scale d * sc and its min dmin * m), which the CPU kernels (and the
+  CUDA path) run as they run GPTQ's, the mins' term subtracted after them (each group's min
+  times the inputs' sum over the group).
+- An untied embedding table (the file has output.weight) in one of those types or in Q6_K or
+  Q3_K (on any device: looked up, not multiplied): held the same way, a lookup dequantizing
+  only the rows it reads (Qwen3-8B's Q4_K table: 0.5 GB held where bf16 takes 1.2 GB).
+- Q6_K and Q3_K attention and MLP projections (a mixture's experts included), where the CPU
+  kernels take their groups of 16 (the VNNI panels: an AVX512-VNNI build; loads with
+  `hold_groups_of_16`): held as 8-bit codes q with zero point 32 (Q3_K: 4) and scale d * sc
+  per group of 16; elsewhere (AVX2, a GPU), dequantized at load as below.
+- Every other type (Q2_K, IQ2/IQ3, TQ, MXFP4, ...), and a quantized router: dequantized at
   load by gguf-py (llama.cpp's own Python package), said in one log line; so are a layer's
   gate/up experts stored in two types (minisgl holds them as one weight). q/k/v or gate/up of
   mixed types (a Q4_K_M file's Q6_K v beside Q4_K q and k) are held in parts, each projection
@@ -50,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from minisgl.cache import cache_dir
-from minisgl.quant.scheme import GGUF_PROJECTION_TYPES, GGUF_Q6_K, GGUF_TYPES
+from minisgl.quant.scheme import GGUF_GROUP_16_TYPES, GGUF_PROJECTION_TYPES, GGUF_TYPES
 
 logger = logging.getLogger("minisgl.models.gguf")  # also as `python -m` (__main__)
 
@@ -65,8 +67,9 @@ MODEL_FILE = "model.gguf"  # the link to the file in its prepared directory
 EMBEDDING = "token_embd.weight"
 # In the prepared directory's key: a directory prepared by an earlier minisgl whose config.json
 # says less than the loader now reads (2: an untied table held quantized; 3: q/k/v and gate/up
-# of mixed types held per projection; 4: Q6_K projections named as held) is prepared anew.
-PREPARED_FORMAT = 4
+# of mixed types held per projection; 4: Q6_K projections named as held; 5: Q4_1, Q5_1, IQ4_NL,
+# IQ4_XS and Q3_K named as held) is prepared anew.
+PREPARED_FORMAT = 5
 
 # blk.N.<name> -> model.layers.N.<name> (`{e}`: one of a mixture's stacked experts).
 _LAYER_TENSORS = {
@@ -158,12 +161,14 @@ class Tensor:
 class GgufFile:
     """A GGUF file's metadata and tensors, read with gguf-py's reader (memory-mapped)."""
 
-    def __init__(self, path: str | Path, hold_head: bool = False, hold_q6_k: bool = False) -> None:
+    def __init__(
+        self, path: str | Path, hold_head: bool = False, hold_groups_of_16: bool = False
+    ) -> None:
         """`hold_head`: read an LM head (a tied model's embedding table) of a type minisgl holds
         (GGUF_TYPES) as its raw blocks, for --lm-head-quantization auto to hold as stored; else
-        as floats. `hold_q6_k`: read Q6_K projections as their blocks (where the kernels take
-        them: the loader's choice; the prepared config names them either way), else as
-        floats."""
+        as floats. `hold_groups_of_16`: read Q6_K and Q3_K projections as their blocks
+        (where the kernels take groups of 16: the loader's choice; the prepared config names
+        them either way), else as floats."""
         from gguf import GGUFReader
 
         self.path = Path(path)
@@ -190,10 +195,11 @@ class GgufFile:
         held = {self.head} if hold_head else set()
         if self.head != EMBEDDING:
             held.add(EMBEDDING)
-        self.hold_q6_k = hold_q6_k
-        # an untied table is looked up, not multiplied: held in Q6_K too, whatever the kernels
+        self.hold_groups_of_16 = hold_groups_of_16
+        # an untied table is looked up, not multiplied: held in groups of 16 too, whatever the
+        # kernels
         table = {EMBEDDING} if self.head != EMBEDDING else set()
-        self.tensors = _tensors(self._reader.tensors, held, table, hold_q6_k)
+        self.tensors = _tensors(self._reader.tensors, held, table, hold_groups_of_16)
 
     def tokenizer_digest(self) -> str:
         """A digest of every tokenizer.* field, as stored."""
@@ -233,11 +239,12 @@ class GgufFile:
         floated = [self._raw[t.gguf_name] for t in self.tensors if t.held != t.stored]
         held = sum(int(r.n_elements) for r in floated) * itemsize / 2**30
         stored = sum(int(r.n_bytes) for r in floated) / 2**30
-        q6_k = (
-            "Q6_K projections and untied tables too"
-            if self.hold_q6_k
+        g16 = "/".join(GGUF_GROUP_16_TYPES)
+        sixteens = (
+            f"{g16} projections and untied tables too"
+            if self.hold_groups_of_16
             else (
-                "Q6_K untied tables too, Q6_K projections only where the CPU kernels take "
+                f"{g16} untied tables too, {g16} projections only where the CPU kernels take "
                 "groups of 16 (an AVX512-VNNI build; not here)"
             )
         )
@@ -245,7 +252,7 @@ class GgufFile:
             f"GGUF {self.path.name}: {kinds} tensor(s) dequantized at load to {dtype} (up to "
             f"{held:.2f} GiB in memory for {stored:.2f} GiB in the file; minisgl's kernels run "
             f"{', '.join(GGUF_TYPES)} projections, LM heads and embedding tables as they are "
-            f"stored, {q6_k}; other types, routers and a layer's gate/up experts of mixed "
+            f"stored, {sixteens}; other types, routers and a layer's gate/up experts of mixed "
             "types are read as floats)"
         )
 
@@ -404,10 +411,11 @@ class GgufFile:
         return _FILE_DTYPES.get(int(self.fields.get("general.file_type", -1)), "bfloat16")
 
 
-def _tensors(raw: list[Any], held_whole: set[str], table: set[str], q6_k: bool) -> list[Tensor]:
+def _tensors(raw: list[Any], held_whole: set[str], table: set[str], g16: bool) -> list[Tensor]:
     """Every tensor renamed, with the type minisgl reads it as (`held_whole`: the LM head's
     tensor, an untied embedding table's: read as their blocks where minisgl holds their
-    type; `table`: an untied table's, in Q6_K too; `q6_k`: Q6_K projections held)."""
+    type; `table`: an untied table's, in groups of 16 too; `g16`: Q6_K / Q3_K projections
+    held)."""
     stored = {t.name: t.tensor_type.name for t in raw}
     out = []
     for t in raw:
@@ -416,12 +424,12 @@ def _tensors(raw: list[Any], held_whole: set[str], table: set[str], q6_k: bool) 
         names = (hf,) if "{e}" not in hf else tuple(hf.format(e=e) for e in range(shape[0]))
         kind = stored[t.name]
         whole = (t.name in held_whole and kind in GGUF_TYPES) or (
-            t.name in table and kind == GGUF_Q6_K
+            t.name in table and kind in GGUF_GROUP_16_TYPES
         )
         if whole:
             held = kind
         else:
-            held = _held(t.name, part, stored, q6_k)
+            held = _held(t.name, part, stored, g16)
         out.append(Tensor(t.name, names, shape, kind, held))
     return out
 
@@ -440,12 +448,12 @@ def _hf_name(name: str) -> tuple[str, str]:
     )
 
 
-def _held(name: str, part: str, stored: dict[str, str], q6_k: bool) -> str:
+def _held(name: str, part: str, stored: dict[str, str], g16: bool) -> str:
     kind = stored[name]
     if kind in FLOATS:
         return kind
-    q6_k = q6_k and kind == GGUF_Q6_K
-    if not (kind in GGUF_TYPES or q6_k) or part not in _PROJECTIONS or not name.endswith(".weight"):
+    g16 = g16 and kind in GGUF_GROUP_16_TYPES
+    if not (kind in GGUF_TYPES or g16) or part not in _PROJECTIONS or not name.endswith(".weight"):
         return "F32"
     for fused in _FUSED:
         if part in fused:
@@ -491,7 +499,7 @@ def _prepare(path: Path, out: Path) -> None:
     import shutil
 
     logger.info("GGUF %s: writing its config and tokenizer to %s (once per file)", path, out)
-    model = GgufFile(path, hold_q6_k=True)  # the config names them; each load decides
+    model = GgufFile(path, hold_groups_of_16=True)  # the config names them; each load decides
     tokenizer = _tokenizer_dir(model, out.parent / "tokenizers")
     tmp = out.with_name(f".{out.name}.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

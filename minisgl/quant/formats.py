@@ -21,21 +21,24 @@
   (symmetric false) `weight_zero_point`, packed along the output features as the codes along
   the inputs ([N * b / 32, G] int32) or int8 [N, G] unpacked; `weight_g_idx` [K] where
   actorder group scattered the groups. weight = (q - zero_point) * scale.
-- gguf (llama.cpp's files, models/gguf.py): the projection's `weight` as its raw blocks,
-  uint8 [N, K / 32 * block bytes], a block being 32 weights of a row: Q8_0 a float16 scale d
-  and 32 int8 codes q (weight = q * d); Q4_0 a float16 d and 16 bytes whose low nibbles are
-  weights 0..15 and high nibbles 16..31 (weight = (q - 8) * d); Q5_0 a float16 d, a 32-bit
-  word whose bit i is weight i's fifth bit, then Q4_0's 16 bytes of low nibbles
-  (weight = (q - 16) * d), held as 8-bit codes. The K-quants, in super-blocks of 256 weights
-  of a row: Q4_K a float16 d and dmin, 12 bytes packing eight 6-bit scales sc and mins m (one
-  per group of 32), then 128 bytes whose low nibbles are weights 0..31 of each 64 and high
-  nibbles 32..63; Q5_K the same with 32 bytes (bit g of byte i: weight i of group g's fifth
-  bit) before the nibbles; weight = d * sc * q - dmin * m, held as codes q, scale d * sc and
-  min dmin * m per group (both exact in float32). Q6_K: 128 bytes of low nibbles (byte i of
-  each half's 64: weight i's, then weight 64 + i's), 64 bytes of high bit pairs (byte i of each
-  half's 32: weights i, 32 + i, 64 + i, 96 + i at bits 0, 2, 4, 6), 16 int8 scales sc (one per
-  group of 16), then the float16 d; weight = d * sc * (q - 32), held as 8-bit codes q, zero
-  point 32 and scale d * sc per group of 16 (exact in float32).
+- gguf (llama.cpp's files, models/gguf.py): the projection's `weight` as its raw blocks, uint8 [N,
+  K / 32 * block bytes], a block being 32 weights of a row: Q8_0 a float16 scale d and 32 int8
+  codes q (weight = q * d); Q4_0 a float16 d and 16 bytes whose low nibbles are weights 0..15 and
+  high nibbles 16..31 (weight = (q - 8) * d); Q5_0 a float16 d, a 32-bit word whose bit i is
+  weight i's fifth bit, then Q4_0's 16 bytes of low nibbles (weight = (q - 16) * d), held as 8-bit
+  codes; Q4_1 / Q5_1 as Q4_0 / Q5_0 with a float16 m after d (weight = d * q + m, held with min
+  -m); IQ4_NL as Q4_0, its nibbles indices into IQ4_VALUES (weight = d * table[q], held as 8-bit
+  codes table[q] + 128). The K-quants, in super-blocks of 256 weights of a row: Q4_K a float16 d
+  and dmin, 12 bytes packing eight 6-bit scales sc and mins m (one per group of 32), then 128
+  bytes whose low nibbles are weights 0..31 of each 64 and high nibbles 32..63; Q5_K the same with
+  32 bytes (bit g of byte i: weight i of group g's fifth bit) before the nibbles; weight = d * sc
+  * q - dmin * m, held as codes q, scale d * sc and min dmin * m per group (both exact in
+  float32). Q6_K: 128 bytes of low nibbles (byte i of each half's 64: weight i's, then weight 64 +
+  i's), 64 bytes of high bit pairs (byte i of each half's 32: weights i, 32 + i, 64 + i, 96 + i at
+  bits 0, 2, 4, 6), 16 int8 scales sc (one per group of 16), then the float16 d; weight = d * sc *
+  (q - 32), held as 8-bit codes q, zero point 32 and scale d * sc per group of 16 (exact in
+  float32). Q3_K: _q3_k's layout; codes 0..7 with zero point 4, scale d * (sc - 32) per 16.
+  IQ4_XS: _iq4_xs's layout; IQ4_NL's values with a scale d * (ls - 32) per 32.
 """
 
 from __future__ import annotations
@@ -44,12 +47,8 @@ import torch
 
 from minisgl.quant.qtensor import FP8, QTensor, pack_nibbles
 from minisgl.quant.scheme import (
-    GGUF_BLOCK,
     GGUF_K_TYPES,
     GGUF_PROJECTION_TYPES,
-    GGUF_Q6_K,
-    GGUF_Q6_K_GROUP,
-    GGUF_SUPER_BLOCK,
     QuantScheme,
 )
 
@@ -274,15 +273,22 @@ def _gptq(prefix: str, got: dict[str, torch.Tensor], scheme: QuantScheme) -> QTe
     )  # fmt: skip
 
 
+# GGUF type -> (weights a block, bytes a block) of a row's blocks.
+_GGUF_BLOCKS = {
+    "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+    "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "Q4_K": (256, 144), "Q5_K": (256, 176),
+    "Q6_K": (256, 210), "Q3_K": (256, 110),
+}  # fmt: skip
+# IQ4_NL's and IQ4_XS's table: 4-bit index -> int8 value (held as code value + 128).
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# A block's decoding: codes [n, S, weights a block] uint8 as held, scales [n, S, groups]
+# float32, the zero point, mins [n, S, groups] float32 or None.
+Decoded = tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]
+
+
 def _gguf(prefix: str, blocks: torch.Tensor, scheme: QuantScheme) -> QTensor:
     kind, n = scheme.gguf_type, blocks.shape[0]
-    stored = GGUF_PROJECTION_TYPES[kind]  # bits a weight
-    if kind == GGUF_Q6_K:  # the nibbles, the high bit pairs, 16 scales, d
-        per, per_block = GGUF_SUPER_BLOCK, 16 + 2 + GGUF_SUPER_BLOCK * stored // 8
-    elif kind in GGUF_K_TYPES:  # d, dmin, 12 bytes of scales and mins, the high bits, nibbles
-        per, per_block = GGUF_SUPER_BLOCK, 16 + GGUF_SUPER_BLOCK * stored // 8
-    else:  # d and the codes
-        per, per_block = GGUF_BLOCK, 2 + GGUF_BLOCK * stored // 8
+    per, per_block = _GGUF_BLOCKS[kind]
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % per_block:
         raise ValueError(
             f"{prefix}.weight is {blocks.dtype} {list(blocks.shape)}, not {kind} "
@@ -290,24 +296,42 @@ def _gguf(prefix: str, blocks: torch.Tensor, scheme: QuantScheme) -> QTensor:
         )
     b = blocks.reshape(n, -1, per_block)
     k = b.shape[1] * per
-    if kind == GGUF_Q6_K:
-        q, scales = _q6_k(b)
-        zeros = torch.full((n, k // GGUF_Q6_K_GROUP), 32, dtype=torch.uint8)
-        return QTensor(q.reshape(n, k), scales.reshape(n, -1), zeros, None, 8, scheme.group_size, k)
-    if kind in GGUF_K_TYPES:
-        q, scales, mins = _k_quant(b, stored)
-    else:
-        q, scales, mins = _block_quant(b, kind), _halves(b[..., :2]), None
-        if kind == "Q8_0":  # int8 q -> q + 128: flipping the sign bit
-            q = q ^ 0x80
-    groups = k // GGUF_BLOCK
+    q, scales, zero, mins = _gguf_decode(b, kind)
     codes = q.reshape(n, k)
     codes = codes if scheme.bits == 8 else pack_nibbles(codes)  # minisgl pairs 2j, 2j + 1
-    zero = 0 if mins is not None else 1 << (stored - 1)
+    groups = k // scheme.group_size
     zeros = torch.full((n, groups), zero, dtype=torch.uint8)
-    scales = scales.reshape(n, groups)
-    mins = mins.reshape(n, groups) if mins is not None else None
-    return QTensor(codes.contiguous(), scales, zeros, None, scheme.bits, scheme.group_size, k, mins)
+    held_mins = mins.reshape(n, groups) if mins is not None else None
+    return QTensor(
+        codes.contiguous(), scales.reshape(n, groups), zeros, None, scheme.bits,
+        scheme.group_size, k, held_mins,
+    )  # fmt: skip
+
+
+def _gguf_decode(b: torch.Tensor, kind: str) -> Decoded:
+    if kind == "Q6_K":
+        q, scales = _q6_k(b)
+        return q, scales, 32, None
+    if kind == "Q3_K":
+        q, scales = _q3_k(b)
+        return q, scales, 4, None
+    if kind in GGUF_K_TYPES:
+        return _k_quant(b, GGUF_PROJECTION_TYPES[kind])
+    if kind == "IQ4_XS":
+        return _iq4_xs(b)
+    d = _halves(b[..., :2]).unsqueeze(-1)
+    if kind == "Q8_0":  # int8 q -> q + 128: flipping the sign bit
+        return b[..., 2:] ^ 0x80, d, 128, None
+    low = _nibbles(b[..., -16:])
+    if kind == "IQ4_NL":
+        return _iq4_codes(low), d, 128, None
+    if kind in ("Q5_0", "Q5_1"):  # bit i of the word before the nibbles: weight i's fifth bit
+        low |= (b[..., -20:-16].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8) & 1).flatten(
+            -2
+        ) << 4
+    if kind in ("Q4_1", "Q5_1"):  # weight = d * q + m: held with min -m
+        return low, d, 0, -_halves(b[..., 2:4]).unsqueeze(-1)
+    return low, d, 1 << (GGUF_PROJECTION_TYPES[kind] - 1), None
 
 
 def _halves(b: torch.Tensor) -> torch.Tensor:
@@ -315,15 +339,46 @@ def _halves(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).squeeze(-1).float()
 
 
-def _block_quant(b: torch.Tensor, kind: str) -> torch.Tensor:
-    """Q8_0 / Q4_0 / Q5_0 blocks [n, B, bytes] -> their codes [n, B, 32] as stored."""
-    if kind == "Q8_0":
-        return b[..., 2:]
-    low = b[..., -16:]  # weights j and j + 16 of a block share byte j
-    q = torch.cat((low & 15, low >> 4), dim=-1)
-    if kind == "Q5_0":  # bit i of the block's word: weight i's fifth bit
-        q |= (b[..., 2:6].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8) & 1).flatten(-2) << 4
-    return q
+def _nibbles(b: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32] codes: byte j's low nibble is weight j, its high j + 16."""
+    return torch.cat((b & 15, b >> 4), dim=-1)
+
+
+def _iq4_codes(index: torch.Tensor) -> torch.Tensor:
+    """IQ4 4-bit indices -> their table values + 128 (8-bit codes, zero point 128)."""
+    table = torch.tensor(IQ4_VALUES, dtype=torch.int16) + 128
+    return table.to(torch.uint8)[index.long()]
+
+
+def _iq4_xs(b: torch.Tensor) -> Decoded:
+    """IQ4_XS super-blocks [n, S, 136]: float16 d, a 16-bit word of the 8 groups' scales' high
+    bit pairs (group g at bits 2g), 4 bytes of their low nibbles (group g: byte g / 2, low
+    nibble for even g), 8 x 16 bytes of IQ4_NL indices; weight = d * (ls - 32) * table[q]."""
+    d = _halves(b[..., 0:2]).unsqueeze(-1)
+    high = b[..., 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    groups = torch.arange(8, dtype=torch.int32)
+    low = (b[..., 4:8].repeat_interleave(2, dim=-1).to(torch.int32) >> (4 * (groups % 2))) & 15
+    ls = low | (((high >> (2 * groups)) & 3) << 4)
+    q = _iq4_codes(_nibbles(b[..., 8:].reshape(*b.shape[:2], 8, 16)))
+    return q.reshape(*b.shape[:2], 256), d * (ls - 32).float(), 128, None
+
+
+def _q3_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q3_K super-blocks [n, S, 110] -> codes q + 4 [n, S, 256] (0..7) and scales d * sc
+    [n, S, 16]: 32 bytes of high bits (weight 32j + i: bit j of byte i, set for the upper
+    half of -4..3), 64 bytes of low bit pairs (weight 128h + 32j + i: byte 32h + i at bits 2j),
+    12 bytes of 6-bit scales less 32 (group s: the low nibble of byte s, s < 8, or the high one
+    of byte s - 8; above them bits 2(s / 4) of byte 8 + s % 4), the float16 d."""
+    lead = b.shape[:2]
+    shifts = torch.arange(4, dtype=torch.uint8).view(4, 1) * 2
+    low = (b[..., 32:96].reshape(*lead, 2, 1, 32) >> shifts) & 3  # [.., half, j, i]
+    high = (b[..., :32].unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1
+    q = low.reshape(*lead, 256) | (high.reshape(*lead, 256) << 2)
+    sb = b[..., 96:108]
+    nib = torch.cat((sb[..., :8] & 15, sb[..., :8] >> 4), dim=-1)
+    top = (sb[..., 8:12].unsqueeze(-2) >> shifts) & 3  # [.., s / 4, s % 4]
+    sc = (nib | (top.reshape(*lead, 16) << 4)).to(torch.int32) - 32
+    return q, _halves(b[..., 108:110]).unsqueeze(-1) * sc.float()
 
 
 def _q6_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -340,7 +395,7 @@ def _q6_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, _halves(b[..., 208:210]).unsqueeze(-1) * sc
 
 
-def _k_quant(b: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _k_quant(b: torch.Tensor, bits: int) -> Decoded:
     """Q4_K / Q5_K super-blocks [n, S, bytes] -> codes [n, S, 8, 32], scales and mins
     [n, S, 8] (group g of a super-block is its weights 32g..32g + 31)."""
     d, dmin = _halves(b[..., 0:2]), _halves(b[..., 2:4])
@@ -355,4 +410,4 @@ def _k_quant(b: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, to
     if bits == 5:
         high = b[..., 16:48].unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
         q = q | ((high & 1) << 4)
-    return q, d.unsqueeze(-1) * sc.float(), dmin.unsqueeze(-1) * m.float()
+    return q, d.unsqueeze(-1) * sc.float(), 0, dmin.unsqueeze(-1) * m.float()

@@ -29,27 +29,45 @@ SUPPORTED = (
     "false, checkpoint_format gptq or gptq_v2, GPTQModel's dynamic per-module overrides)",
     "auto-round (Intel's AutoRound: data_type int, packing_format auto_round:auto_gptq with "
     "bits 4 or 8, or auto_round:auto_awq with bits 4; extra_config per layer)",
-    "GGUF files (--model path/to/model.gguf or <owner>/<repo>:<type>; Q8_0, Q4_0, Q5_0, Q4_K "
-    "and Q5_K projections held as they are, Q6_K ones where the CPU kernels take groups of 16 "
-    "(untied Q6_K embedding tables everywhere), other types dequantized at load)",
+    "GGUF files (--model path/to/model.gguf or <owner>/<repo>:<type>; Q8_0, Q4_0, Q4_1, Q5_0, "
+    "Q5_1, IQ4_NL, IQ4_XS, Q4_K and Q5_K projections held as they are, Q6_K and Q3_K ones where "
+    "the CPU kernels take groups of 16 (untied Q6_K / Q3_K embedding tables everywhere), other "
+    "types dequantized at load)",
 )
-# GGUF types held as they are -> the bits a weight they store (minisgl holds 4-bit ones as 4-bit
-# codes, the others as 8-bit ones, a scale per 32 weights); models/gguf.py writes the config
-# naming them. Q8_0 / Q4_0 / Q5_0: blocks of 32 codes and a float16 scale. The K-quants
-# (GGUF_K_TYPES): super-blocks of 256, each group of 32 with a 6-bit scale and a 6-bit min
-# under the super-block's float16 d and dmin, weight = d * sc * q - dmin * m (held with mins).
-GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q5_0": 5, "Q4_K": 4, "Q5_K": 5}
+# GGUF types held as they are -> the bits a weight they store; models/gguf.py writes the config
+# naming them. Blocks of 32 weights of a row with a float16 scale d: Q8_0 / Q4_0 / Q5_0 (codes
+# q, weight = (q - zero) * d), Q4_1 / Q5_1 (and a float16 m: weight = d * q + m), IQ4_NL (4-bit
+# indices into a table of 16 int8 values, GGUF_LOOKUP_TYPES: weight = d * table[q]). Super-blocks
+# of 256: the K-quants with mins (GGUF_K_TYPES), each group of 32 with a 6-bit scale and a 6-bit
+# min under the super-block's float16 d and dmin (weight = d * sc * q - dmin * m); IQ4_XS, IQ4_NL's
+# values with a 6-bit scale per 32 under d. 4-bit codes are held as 4-bit codes, the others (and
+# the table's values) as 8-bit ones, a scale (and a min: GGUF_MIN_TYPES) per 32.
+GGUF_TYPES = {
+    "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "IQ4_NL": 4, "IQ4_XS": 4,
+    "Q4_K": 4, "Q5_K": 5,
+}  # fmt: skip
 GGUF_K_TYPES = frozenset(("Q4_K", "Q5_K"))
+GGUF_MIN_TYPES = GGUF_K_TYPES | {"Q4_1", "Q5_1"}
+GGUF_LOOKUP_TYPES = frozenset(("IQ4_NL", "IQ4_XS"))
 GGUF_BLOCK = 32  # weights per block (a K-quant's group)
 GGUF_SUPER_BLOCK = 256  # weights per K-quant super-block
-# Q6_K (super-blocks of 256: per group of 16 a signed 8-bit multiple sc of the float16 d, codes
-# q in 0..63, weight = d * sc * (q - 32)): held as 8-bit codes with zero point 32 and scale
-# d * sc per group of 16, for attention and MLP projections (experts included) where the CPU
-# kernels take groups of 16 (models/gguf.py decides per load; its LM head stays int8 per row),
-# and for an untied embedding table on any device (looked up, not multiplied).
-GGUF_Q6_K = "Q6_K"
-GGUF_Q6_K_GROUP = 16
-GGUF_PROJECTION_TYPES = {**GGUF_TYPES, GGUF_Q6_K: 6}
+# Types with a scale per group of 16, held as 8-bit codes with a zero point and scale d * sc
+# per 16 (exact in float32) for attention and MLP projections (experts included) where the CPU
+# kernels take groups of 16 (models/gguf.py decides per load; an LM head in them stays int8
+# per row), and for an untied embedding table on any device (looked up, not multiplied). Q6_K:
+# sc a signed 8-bit multiple of the float16 d, codes 0..63, weight = d * sc * (q - 32). Q3_K:
+# sc a 6-bit multiple less 32, codes 0..7, weight = d * sc * (q - 4).
+GGUF_GROUP_16_TYPES = {"Q6_K": 6, "Q3_K": 3}
+GGUF_GROUP_16 = 16
+GGUF_PROJECTION_TYPES = {**GGUF_TYPES, **GGUF_GROUP_16_TYPES}
+
+
+def gguf_held_bits(kind: str) -> int:
+    """The bits of the codes minisgl holds a GGUF type's weights in: 4 for 4-bit codes, else 8
+    (5- and 6-bit codes, IQ4's table values)."""
+    return 4 if GGUF_PROJECTION_TYPES[kind] == 4 and kind not in GGUF_LOOKUP_TYPES else 8
+
+
 INT4_GROUP = 128  # --quantization int4's group
 FP8_BLOCK = 128  # --quantization fp8's block (rows x input features)
 
@@ -93,8 +111,8 @@ class QuantScheme:
 
     @property
     def mins(self) -> bool:
-        """Whether groups carry a float min besides the scale (GGUF's K-quants)."""
-        return self.gguf_type in GGUF_K_TYPES
+        """Whether groups carry a float min besides the scale (GGUF's K-quants, Q4_1, Q5_1)."""
+        return self.gguf_type in GGUF_MIN_TYPES
 
     def for_module(self, prefix: str) -> QuantScheme | None:
         """The scheme module `prefix` (an HF module name) is stored in; None: in float."""
@@ -385,9 +403,8 @@ def _gguf(raw: dict[str, Any]) -> QuantScheme:
     base = counts.most_common(1)[0][0] if counts else "Q8_0"
 
     def scheme(kind: str) -> QuantScheme:
-        bits = 4 if GGUF_PROJECTION_TYPES[kind] == 4 else 8
-        group = GGUF_Q6_K_GROUP if kind == GGUF_Q6_K else GGUF_BLOCK
-        return QuantScheme("gguf", bits, group, gguf_type=kind, origin="llama.cpp")
+        group = GGUF_GROUP_16 if kind in GGUF_GROUP_16_TYPES else GGUF_BLOCK
+        return QuantScheme("gguf", gguf_held_bits(kind), group, gguf_type=kind, origin="llama.cpp")
 
     others = tuple((m, scheme(k)) for m, k in modules.items() if k != base)
     head = raw.get("lm_head")

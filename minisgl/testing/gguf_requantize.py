@@ -5,10 +5,10 @@ C tool needs a build). Every metadata key is copied; `types` picks each tensor's
 types the converter does not write (Q4_0, Q4_1, the K-quants) and of mixed types.
 
 gguf-py has no quantizer for the K-quants llama-quantize writes (Q4_K, Q5_K: its Q4_K_M and
-Q5_K_M files' bulk; Q6_K: their LM head, and v and down in some layers); `quantize` makes them
-here by plain rounding (llama.cpp searches each group's scale and min a little further): any
-such bytes are valid blocks, and what the tests check is that minisgl reads them as gguf-py's
-reference dequantizer does."""
+Q5_K_M files' bulk; Q6_K: their LM head, and v and down in some layers; Q3_K: Q3_K_M's bulk)
+nor for IQ4_NL / IQ4_XS; `quantize` makes them here by plain rounding (llama.cpp searches each
+group's scale and min a little further): any such bytes are valid blocks, and what the tests
+check is that minisgl reads them as gguf-py's reference dequantizer does."""
 
 from __future__ import annotations
 
@@ -62,6 +62,12 @@ def quantize(values: np.ndarray, kind: str) -> np.ndarray:
         return _k_quantize(values.astype(np.float32), K_BITS[kind])
     if kind == "Q6_K":
         return _q6_k_quantize(values.astype(np.float32))
+    if kind == "Q3_K":
+        return _q3_k_quantize(values.astype(np.float32))
+    if kind == "IQ4_NL":
+        return _iq4_nl_quantize(values.astype(np.float32))
+    if kind == "IQ4_XS":
+        return _iq4_xs_quantize(values.astype(np.float32))
     return quants.quantize(values, GGMLQuantizationType[kind])
 
 
@@ -131,4 +137,80 @@ def _q6_k_quantize(values: np.ndarray) -> np.ndarray:
     pairs = (q6.reshape(-1, 2, 4, 32) >> 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]
     parts = [low.reshape(-1, 128), pairs.sum(axis=2, dtype=np.uint8).reshape(-1, 64)]
     parts += [sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)]
+    return np.concatenate(parts, axis=-1).reshape(*lead, -1)
+
+
+def _signed_groups(x: np.ndarray, top: int) -> np.ndarray:
+    """Each group's (last axis) scale, its largest magnitude at code -top (as llama.cpp signs
+    it)."""
+    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+    return -peak / top
+
+
+def _q3_k_quantize(values: np.ndarray) -> np.ndarray:
+    """Q3_K super-blocks of 256: per group of 16 a 6-bit multiple sc - 32 of the float16 d,
+    codes q in -4..3, weight = d * (sc - 32) * q; stored as 32 bytes of high bits (q >= 0),
+    64 of low bit pairs, 12 of scales, d."""
+    lead = values.shape[:-1]
+    x = values.reshape(-1, 16, 16)
+    scale = _signed_groups(x, 4)
+    d = _half(np.abs(scale).max(-1) / 32)
+    u = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(np.where(u > 0, np.rint(scale / u), 0), -32, 31)
+        step = (u * sc)[..., None]
+        q = np.where(step != 0, np.rint(x / step), 0)
+    code = (np.clip(q, -4, 3) + 4).astype(np.uint8).reshape(-1, 256)
+    low = (code & 3).reshape(-1, 2, 4, 32) << (2 * np.arange(4, dtype=np.uint8))[:, None]
+    high = (code >> 2).reshape(-1, 8, 32) << np.arange(8, dtype=np.uint8)[:, None]
+    ls = (sc + 32).astype(np.uint8)  # [blocks, 16]
+    nibbles = (ls[:, :8] & 15) | ((ls[:, 8:] & 15) << 4)
+    tops = (ls >> 4).reshape(-1, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]
+    parts = [high.sum(axis=1, dtype=np.uint8), low.sum(axis=2, dtype=np.uint8).reshape(-1, 64)]
+    parts += [nibbles, tops.sum(axis=1, dtype=np.uint8), d.view(np.uint8).reshape(-1, 2)]
+    return np.concatenate(parts, axis=-1).reshape(*lead, -1)
+
+
+def _iq4_indices(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """The table's nearest value to each x / step (step: x's shape but the last axis, 1)."""
+    from minisgl.quant.formats import IQ4_VALUES
+
+    table = np.array(IQ4_VALUES, dtype=np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(step != 0, x / step, 0)
+    return np.abs(t[..., None] - table).argmin(-1).astype(np.uint8)
+
+
+def _iq4_pack(index: np.ndarray) -> np.ndarray:
+    """[..., 32] indices -> 16 bytes: weight j's in byte j's low nibble, j + 16's in its high."""
+    return index[..., :16] | (index[..., 16:] << 4)
+
+
+def _iq4_nl_quantize(values: np.ndarray) -> np.ndarray:
+    """IQ4_NL blocks of 32: a float16 d, 16 bytes of indices into IQ4_VALUES;
+    weight = d * table[q]."""
+    lead = values.shape[:-1]
+    x = values.reshape(-1, 32)
+    d = _half(_signed_groups(x, 127))
+    index = _iq4_indices(x, d.astype(np.float32)[:, None])
+    parts = [d.view(np.uint8).reshape(-1, 2), _iq4_pack(index)]
+    return np.concatenate(parts, axis=-1).reshape(*lead, -1)
+
+
+def _iq4_xs_quantize(values: np.ndarray) -> np.ndarray:
+    """IQ4_XS super-blocks of 256: a float16 d, per group of 32 a 6-bit multiple ls - 32 of it
+    (the high bit pairs in a 16-bit word, the low nibbles in 4 bytes), the groups' indices as
+    IQ4_NL's; weight = d * (ls - 32) * table[q]."""
+    lead = values.shape[:-1]
+    x = values.reshape(-1, 8, 32)
+    scale = _signed_groups(x, 127)
+    d = _half(np.abs(scale).max(-1) / 32)
+    u = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ls = np.clip(np.where(u > 0, np.rint(scale / u), 0), -32, 31).astype(np.int32) + 32
+    index = _iq4_indices(x, (u * (ls - 32))[..., None])
+    high = ((ls >> 4) << (2 * np.arange(8))).sum(-1).astype(np.uint16)
+    low = ((ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)).astype(np.uint8)
+    parts = [d.view(np.uint8).reshape(-1, 2), high.view(np.uint8).reshape(-1, 2), low]
+    parts.append(_iq4_pack(index).reshape(-1, 128))
     return np.concatenate(parts, axis=-1).reshape(*lead, -1)

@@ -2,7 +2,7 @@
 
 The files are written by llama.cpp's own converter (convert_hf_to_gguf.py from its source tree,
 fetched once from PyPI: minisgl/testing/llama_cpp_converter.py) from the random fixture
-checkpoint; types the converter does not write (Q4_0, Q4_1, mixed files) are re-encoded from its
+checkpoint; types the converter does not write (Q4_0, MXFP4, mixed files) are re-encoded from its
 float file with gguf-py's quantizers, as llama-quantize does. The reference is the "twin": the
 fixture checkpoint with each tensor replaced by gguf-py's quantize-then-dequantize of it in the
 type the file stores it in, loaded as a plain safetensors checkpoint (by minisgl and by
@@ -31,7 +31,8 @@ from minisgl.quant import cpu_gemv, cpu_vpanel, formats
 from minisgl.quant.loading import weights_info
 from minisgl.quant.qtensor import dequantize
 from minisgl.quant.scheme import (
-    GGUF_K_TYPES,
+    GGUF_GROUP_16_TYPES,
+    GGUF_MIN_TYPES,
     GGUF_PROJECTION_TYPES,
     parse_quantization_config,
 )
@@ -41,7 +42,7 @@ from minisgl.testing.scratch_cache import scratch_cache
 
 # The HF projections the Q4_0 / MoE files below store in another type than their bulk: the
 # GGUF name and the HF name of each, written out here as the oracle of the loader's renaming.
-Q4_1_DOWN = ("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight")
+OTHER_DOWN = ("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight")
 Q8_0_V = ("blk.0.attn_v.weight", "model.layers.0.self_attn.v_proj.weight")
 Q5_0_DOWN = ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight")
 PROJECTION = re.compile(r"blk\.\d+\.(attn_[qkv]|attn_output|ffn_(gate|up|down))(_exps)?\.weight")
@@ -87,27 +88,27 @@ def _twin(src: Path, out: Path, types: Callable[[str, np.ndarray], str | None]) 
 
 
 def _q4_types(gguf_name: str) -> str | None:
-    if gguf_name == Q4_1_DOWN[0]:
-        return "Q4_1"  # no kernel runs it: dequantized at load
+    if gguf_name == OTHER_DOWN[0]:
+        return "MXFP4"  # no kernel runs it: dequantized at load
     if gguf_name == Q8_0_V[0]:
         return "Q8_0"  # v unlike q and k: held as a part of its own
     if gguf_name == Q5_0_DOWN[0]:
         return "Q5_0"  # held as 8-bit codes
     if PROJECTION.fullmatch(gguf_name):
         return "Q4_0"
-    return "Q4_1" if gguf_name == "token_embd.weight" else None
+    return "MXFP4" if gguf_name == "token_embd.weight" else None
 
 
 def _q4_twin_types(name: str, values: np.ndarray) -> str | None:
-    if name == Q4_1_DOWN[1]:
-        return "Q4_1"
+    if name == OTHER_DOWN[1]:
+        return "MXFP4"
     if name == Q8_0_V[1]:
         return "Q8_0"
     if name == Q5_0_DOWN[1]:
         return "Q5_0"
     if HF_PROJECTION.fullmatch(name):
         return "Q4_0"
-    return "Q4_1" if name == "model.embed_tokens.weight" else None
+    return "MXFP4" if name == "model.embed_tokens.weight" else None
 
 
 def test_q8_0_file_from_llama_cpp_converter(files, tmp_path: Path, caplog) -> None:
@@ -131,8 +132,8 @@ def test_q8_0_file_from_llama_cpp_converter(files, tmp_path: Path, caplog) -> No
 
 def test_q4_0_file_with_other_types(files, tmp_path: Path, caplog) -> None:
     """Q4_0 projections held as they are, a Q5_0 down_proj in 8-bit codes; q/k/v of mixed
-    types (Q4_0 q and k, a Q8_0 v) held in two parts, each as stored; a Q4_1 down_proj read as
-    floats; a Q4_1 head (the tied embedding) held in int8 per row, as --lm-head-quantization
+    types (Q4_0 q and k, a Q8_0 v) held in two parts, each as stored; an MXFP4 down_proj read as
+    floats; an MXFP4 head (the tied embedding) held in int8 per row, as --lm-head-quantization
     int8 makes it from the same values; the same tokens as the twin's, at TP=1 and TP=2."""
     path = requantize(files["f32"], tmp_path / "model-q4_0.gguf", _q4_types)
     twin = _twin(source("quant"), tmp_path / "twin", _q4_twin_types)
@@ -149,11 +150,11 @@ def test_q4_0_file_with_other_types(files, tmp_path: Path, caplog) -> None:
     assert "LM head: int8 8-bit, per channel" in caplog.text
     assert "quantized in 9 weights" in caplog.text
     # down_proj (128 x 256), the table (151936 x 128) in float32, against their blocks' bytes
-    # (20 a block of 32)
+    # (17 a block of 32)
     weights = 128 * 256 + 151936 * 128
-    stored = (128 * 256 + 151936 * 128) * 20 // 32
+    stored = (128 * 256 + 151936 * 128) * 17 // 32
     assert (
-        f"GGUF model.gguf: 2 Q4_1 tensor(s) dequantized at load to float32 (up to "
+        f"GGUF model.gguf: 2 MXFP4 tensor(s) dequantized at load to float32 (up to "
         f"{weights * 4 / 2**30:.2f} GiB in memory for {stored / 2**30:.2f} GiB in the file;"
     ) in caplog.text
     assert greedy(path, tp_size=2)[0] == reference
@@ -161,20 +162,20 @@ def test_q4_0_file_with_other_types(files, tmp_path: Path, caplog) -> None:
 
 def test_qwen3_moe_file(files, tmp_path: Path, caplog) -> None:
     """A Qwen3-MoE's stacked experts split one per expert: Q8_0 experts and Q4_0 attention held
-    as they are, the router float, a layer's Q4_1 down_proj experts floats beside its held
+    as they are, the router float, a layer's MXFP4 down_proj experts floats beside its held
     Q8_0 gate/up."""
     src = source("quant-moe-sparse")
 
     def types(name: str) -> str | None:
         if name == "blk.1.ffn_down_exps.weight":
-            return "Q4_1"
+            return "MXFP4"
         if name.endswith("_exps.weight"):
             return "Q8_0"
         return "Q4_0" if PROJECTION.fullmatch(name) else None
 
     def twin_types(name: str, values: np.ndarray) -> str | None:
         if name.startswith("model.layers.1.mlp.experts.") and name.endswith("down_proj.weight"):
-            return "Q4_1"
+            return "MXFP4"
         if ".mlp.experts." in name:
             return "Q8_0"
         return "Q4_0" if HF_PROJECTION.fullmatch(name) else None
@@ -286,40 +287,35 @@ def test_blocks_read_as_gguf_py_decodes_them(kind: str) -> None:
     assert torch.equal(dequantize(q, torch.float32), torch.from_numpy(want))
 
 
-@pytest.mark.parametrize("kind", sorted(GGUF_K_TYPES))
-def test_any_k_quant_bytes_read_as_gguf_py_decodes_them(kind: str) -> None:
-    """Every bit pattern of a Q4_K / Q5_K super-block (random bytes under finite d and dmin):
-    each group's 6-bit scale and min, its codes and fifth bits, bit for bit as gguf-py reads
-    them."""
+# GGUF type -> (bytes a block of it, where its float16 fields lie: d, and m / dmin).
+_BLOCK_HALVES = {
+    "Q8_0": (34, (0,)), "Q4_0": (18, (0,)), "Q4_1": (20, (0, 2)), "Q5_0": (22, (0,)),
+    "Q5_1": (24, (0, 2)), "IQ4_NL": (18, (0,)), "IQ4_XS": (136, (0,)), "Q4_K": (144, (0, 2)),
+    "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)), "Q3_K": (110, (108,)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(GGUF_PROJECTION_TYPES))
+def test_any_block_bytes_read_as_gguf_py_decodes_them(kind: str) -> None:
+    """Every bit pattern of a block (random bytes under finite float16 fields): its codes,
+    high bits, table indices, packed scales and mins, bit for bit as gguf-py reads them, held
+    as the type's codes (4-bit where it stores 4-bit codes; IQ4's table values as 8-bit codes
+    with zero point 128), group (16 for Q6_K and Q3_K, else 32) and mins (Q4_1, Q5_1 and the
+    K-quants)."""
     rng = np.random.default_rng(1)
-    per = {"Q4_K": 144, "Q5_K": 176}[kind]
-    blocks = rng.integers(0, 256, (16, 4, per), dtype=np.uint8)
-    halves = rng.standard_normal((16, 4, 2)) * rng.uniform(1e-3, 1, (16, 4, 1))
-    blocks[..., :4] = halves.astype(np.float16).view(np.uint8).reshape(16, 4, 4)
-    blocks = blocks.reshape(16, -1)
+    per, halves = _BLOCK_HALVES[kind]
+    blocks = rng.integers(0, 256, (16, 1024 * per // (256 if per > 34 else 32)), dtype=np.uint8)
+    b = blocks.reshape(16, -1, per)
+    for at in halves:
+        h = rng.standard_normal((16, b.shape[1])) * rng.uniform(1e-3, 1, (16, 1))
+        b[..., at : at + 2] = h.astype(np.float16).view(np.uint8).reshape(16, -1, 2)
     want = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind])
     scheme = parse_quantization_config({"quant_method": "gguf", "modules": {"x": kind}})
-    assert scheme is not None and scheme.mins
+    assert scheme is not None and scheme.mins == (kind in GGUF_MIN_TYPES)
     q = formats.read_linear("x", {"weight": torch.from_numpy(blocks)}, scheme)
-    assert q.mins is not None and q.group_size == 32 and q.shape == (16, 1024)
-    assert torch.equal(dequantize(q, torch.float32), torch.from_numpy(want))
-
-
-def test_any_q6_k_bytes_read_as_gguf_py_decodes_them() -> None:
-    """Every bit pattern of a Q6_K super-block (random bytes under a finite d): its low nibbles,
-    high bit pairs and signed scales, held as 8-bit codes with zero point 32 and a scale per 16,
-    bit for bit as gguf-py reads them."""
-    rng = np.random.default_rng(2)
-    blocks = rng.integers(0, 256, (16, 4, 210), dtype=np.uint8)
-    d = rng.standard_normal((16, 4, 1)) * rng.uniform(1e-3, 1, (16, 4, 1))
-    blocks[..., 208:] = d.astype(np.float16).view(np.uint8).reshape(16, 4, 2)
-    blocks = blocks.reshape(16, -1)
-    want = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q6_K)
-    scheme = parse_quantization_config({"quant_method": "gguf", "modules": {"x": "Q6_K"}})
-    assert scheme is not None and not scheme.mins
-    q = formats.read_linear("x", {"weight": torch.from_numpy(blocks)}, scheme)
-    assert q.bits == 8 and q.group_size == 16 and q.shape == (16, 1024) and q.mins is None
-    assert q.zeros is not None and bool((q.zeros == 32).all())
+    group = 16 if kind in GGUF_GROUP_16_TYPES else 32
+    assert q.shape == (16, 1024) and q.group_size == group and (q.mins is not None) == scheme.mins
+    assert q.bits == (4 if kind in ("Q4_0", "Q4_1", "Q4_K") else 8)
     assert torch.equal(dequantize(q, torch.float32), torch.from_numpy(want))
 
 
@@ -422,6 +418,79 @@ def test_q6_k_file(files, tmp_path: Path, caplog) -> None:
             "none",
             "int8",
         )
+
+
+# The file below: (layer, GGUF projection) -> type; its table (the tied head) IQ4_XS.
+_MORE_TYPES = {
+    (0, "attn_q"): "IQ4_XS", (0, "attn_k"): "IQ4_XS", (0, "attn_v"): "IQ4_XS",
+    (0, "attn_output"): "IQ4_NL", (0, "ffn_gate"): "Q5_1", (0, "ffn_up"): "Q5_1",
+    (0, "ffn_down"): "Q3_K", (1, "attn_q"): "Q4_1", (1, "attn_k"): "Q4_1", (1, "attn_v"): "Q3_K",
+    (1, "attn_output"): "Q3_K", (1, "ffn_gate"): "IQ4_NL", (1, "ffn_up"): "IQ4_NL",
+    (1, "ffn_down"): "Q4_1",
+}  # fmt: skip
+_HF_PARTS = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def _more_types(gguf_name: str) -> str | None:
+    if gguf_name == "token_embd.weight":
+        return "IQ4_XS"
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    return _MORE_TYPES.get((int(m.group(1)), m.group(2))) if m else None
+
+
+def _more_twin_types(name: str, values: np.ndarray) -> str | None:
+    if name == "model.embed_tokens.weight":
+        return "IQ4_XS"
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.*)\.weight", name)
+    part = _HF_PARTS.get(m.group(2)) if m else None
+    return _MORE_TYPES.get((int(m.group(1)), part)) if m and part else None
+
+
+@pytest.fixture(scope="module")
+def more_types(files, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list]:
+    """The file below, its twin and the twin's greedy tokens, made once."""
+    out = tmp_path_factory.mktemp("gguf-more")
+    path = requantize(files["k-f32"], out / "model-mixed.gguf", _more_types)
+    twin = _twin(source("quant-k"), out / "twin", _more_twin_types)
+    return path, twin, greedy(twin)[0]
+
+
+@pytest.mark.parametrize("g16", ["where the kernels take it", "read as floats"])
+def test_q4_1_q5_1_iq4_and_q3_k_file(
+    g16: str, more_types, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """The other types llama-quantize writes for its Q4_1, Q5_1, IQ4_NL, IQ4_XS and Q3_K_M
+    files, mixed: Q4_1 and Q5_1 projections held as 4-bit / 8-bit codes with a scale and a min
+    per 32, IQ4_NL and IQ4_XS ones as their table's values in 8-bit codes with a scale per 32
+    (every kernel takes them), Q3_K ones as 8-bit codes with zero point 4 and a scale per 16
+    where the CPU kernels take groups of 16, else read as floats (as on an AVX2 CPU, forced
+    here); layer 1's Q4_1 q/k held as a part beside its Q3_K v; the IQ4_XS head (the tied
+    table) held as stored: the twin's tokens (and transformers', and at TP=2, where held)."""
+    if g16 == "read as floats":
+        monkeypatch.setattr(cpu_vpanel, "takes_groups_of_16", lambda: False)
+    held = cpu_vpanel.takes_groups_of_16()
+    path, twin, reference = more_types
+    with caplog.at_level(logging.INFO):
+        assert greedy(path)[0] == reference
+    assert "LM head: gguf IQ4_XS (8-bit, a scale per 32)" in caplog.text
+    for kind in ("Q4_1 (4", "Q5_1 (8", "IQ4_NL (8", "IQ4_XS (8"):  # codes' bits; mins of 1s
+        per = "a scale and a min" if kind[-5] == "1" else "a scale"
+        assert f"gguf {kind}-bit, {per} per 32)" in caplog.text
+    # layer 0's qkv, o, gate_up (and down), layer 1's q/k part (and v part, o), gate_up, down,
+    # the head; the three Q3_K ones read as floats where groups of 16 are not taken
+    assert f"quantized in {10 if held else 7} weights" in caplog.text
+    if held:
+        assert "dequantized at load" not in caplog.text
+        assert "u8-g16 [1+:vnni_panel]" in caplog.text
+    else:
+        assert "GGUF model.gguf: 3 Q3_K tensor(s) dequantized at load" in caplog.text
+        return  # the rest as above
+    assert reference == transformers_greedy(twin)
+    assert greedy(path, tp_size=2)[0] == reference
 
 
 def _panels_where_built(monkeypatch: pytest.MonkeyPatch) -> None:
