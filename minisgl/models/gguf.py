@@ -20,14 +20,15 @@ read as follows:
   ones with each group's scale d * sc and its min dmin * m), which the CPU kernels (and the
   CUDA path) run as they run GPTQ's, the mins' term subtracted after them (each group's min
   times the inputs' sum over the group).
-- An untied embedding table (the file has output.weight) in one of those types or in Q6_K or
-  Q3_K (on any device: looked up, not multiplied): held the same way, a lookup dequantizing
+- An untied embedding table (the file has output.weight) in one of those types or in Q6_K,
+  Q3_K or Q2_K (on any device: looked up, not multiplied): held the same way, a lookup dequantizing
   only the rows it reads (Qwen3-8B's Q4_K table: 0.5 GB held where bf16 takes 1.2 GB).
-- Q6_K and Q3_K attention and MLP projections (a mixture's experts included), where the CPU
-  kernels take their groups of 16 (the VNNI panels: an AVX512-VNNI build; loads with
-  `hold_groups_of_16`): held as 8-bit codes q with zero point 32 (Q3_K: 4) and scale d * sc
-  per group of 16; elsewhere (AVX2, a GPU), dequantized at load as below.
-- Every other type (Q2_K, IQ2/IQ3, TQ, MXFP4, ...), and a quantized router: dequantized at
+- Q6_K, Q3_K and Q2_K attention and MLP projections (a mixture's experts included), where the
+  CPU kernels take their groups of 16 (the VNNI panels: an AVX512-VNNI build; loads with
+  `hold_groups_of_16`): held as 8-bit codes q with zero point 32 (Q3_K: 4; Q2_K: 0 and a min
+  dmin * m) and scale d * sc per group of 16; elsewhere (AVX2, a GPU), dequantized at load as
+  below.
+- Every other type (IQ1/IQ2/IQ3, TQ, MXFP4, ...), and a quantized router: dequantized at
   load by gguf-py (llama.cpp's own Python package), said in one log line; so are a layer's
   gate/up experts stored in two types (minisgl holds them as one weight). q/k/v or gate/up of
   mixed types (a Q4_K_M file's Q6_K v beside Q4_K q and k) are held in parts, each projection
@@ -68,7 +69,7 @@ EMBEDDING = "token_embd.weight"
 # In the prepared directory's key: a directory prepared by an earlier minisgl whose config.json
 # says less than the loader now reads (2: an untied table held quantized; 3: q/k/v and gate/up
 # of mixed types held per projection; 4: Q6_K projections named as held; 5: Q4_1, Q5_1, IQ4_NL,
-# IQ4_XS and Q3_K named as held) is prepared anew.
+# IQ4_XS, Q3_K and Q2_K named as held) is prepared anew.
 PREPARED_FORMAT = 5
 
 # blk.N.<name> -> model.layers.N.<name> (`{e}`: one of a mixture's stacked experts).
@@ -166,7 +167,7 @@ class GgufFile:
     ) -> None:
         """`hold_head`: read an LM head (a tied model's embedding table) of a type minisgl holds
         (GGUF_TYPES) as its raw blocks, for --lm-head-quantization auto to hold as stored; else
-        as floats. `hold_groups_of_16`: read Q6_K and Q3_K projections as their blocks
+        as floats. `hold_groups_of_16`: read Q6_K, Q3_K and Q2_K projections as their blocks
         (where the kernels take groups of 16: the loader's choice; the prepared config names
         them either way), else as floats."""
         from gguf import GGUFReader
@@ -414,8 +415,8 @@ class GgufFile:
 def _tensors(raw: list[Any], held_whole: set[str], table: set[str], g16: bool) -> list[Tensor]:
     """Every tensor renamed, with the type minisgl reads it as (`held_whole`: the LM head's
     tensor, an untied embedding table's: read as their blocks where minisgl holds their
-    type; `table`: an untied table's, in groups of 16 too; `g16`: Q6_K / Q3_K projections
-    held)."""
+    type; `table`: an untied table's, in groups of 16 too; `g16`: Q6_K / Q3_K / Q2_K
+    projections held)."""
     stored = {t.name: t.tensor_type.name for t in raw}
     out = []
     for t in raw:

@@ -226,8 +226,8 @@ def load_model(
     if gguf.is_gguf(files[0]):
         # A head in a type minisgl holds is held as stored under --lm-head-quantization auto.
         held_head = lm_head_quantization == "auto" and not quantization
-        # Q6_K's and Q3_K's groups of 16: only the VNNI panels take them (a GPU dequantizes
-        # 8-bit codes)
+        # The groups of 16 of Q6_K, Q3_K and Q2_K: only the VNNI panels take them (a GPU
+        # dequantizes 8-bit codes)
         g16 = device.type == "cpu" and prepack and cpu_vpanel.takes_groups_of_16()
         gguf_file = gguf.GgufFile(files[0], hold_head=held_head, hold_groups_of_16=g16)
     if gguf_file is not None and tp_rank == 0 and gguf_file.dequantized():

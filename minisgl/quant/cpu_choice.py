@@ -277,7 +277,7 @@ def choose(
     C kernels cannot take them (the torch dequantizing path then runs). `packable`: whether
     the weights may be repacked for vnni_panel (picks of vnni_panel in every bucket mean the
     caller must: QuantWeight.pack_vnni). Weights only the panels take (8-bit codes in groups
-    of 16, GGUF's Q6_K and Q3_K) choose among the panels' kernels alone."""
+    of 16, GGUF's Q6_K, Q3_K, Q2_K) choose among the panels' kernels alone."""
     probe = torch.empty(1, weights[0].in_features, dtype=x_dtype)
     row_major = cpu_gemv.usable(probe, weights[0])
     if not row_major and not (packable and cpu_vpanel.takes(weights[0], x_dtype)):

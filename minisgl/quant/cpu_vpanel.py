@@ -50,7 +50,7 @@ _WIDE_SHAPE = (2048, 1024)
 def takes(w: QTensor, x_dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether this build and CPU run vnni_panel for w against x of `x_dtype`: 8- or 4-bit
     integer codes, or fp8 codes against bf16 x, in contiguous groups of a multiple of 32
-    features (8-bit codes also of 16: GGUF's Q6_K and Q3_K), N a multiple of 32 (ROWS)."""
+    features (8-bit codes also of 16: GGUF's Q6_K, Q3_K, Q2_K), N a multiple of 32 (ROWS)."""
     lib = cpu_kernels.load()
     if lib is None or lib.qvpanel_takes is None or w.g_idx is not None:
         return False
@@ -62,8 +62,8 @@ def takes(w: QTensor, x_dtype: torch.dtype = torch.bfloat16) -> bool:
 
 
 def takes_groups_of_16() -> bool:
-    """Whether this build and CPU run 8-bit codes in groups of 16 (GGUF's Q6_K, Q3_K), which only
-    vnni_panel takes: models/gguf.py holds such weights only then."""
+    """Whether this build and CPU run 8-bit codes in groups of 16 (GGUF's Q6_K, Q3_K, Q2_K),
+    which only vnni_panel takes: models/gguf.py holds such weights only then."""
     lib = cpu_kernels.load()
     if lib is None or lib.qvpanel_takes is None or "u8" not in lib.qvpanel:
         return False
@@ -73,8 +73,8 @@ def takes_groups_of_16() -> bool:
 def rounds_x_in_int8(w: QTensor) -> bool:
     """Whether --cpu-quantized-activations int8 rounds x for w: weights the C kernels' 8-bit
     path takes (cpu_gemv.takes_int8_activations), and integer codes only the panels take
-    (8-bit codes in groups of 16: GGUF's Q6_K, Q3_K), whose x vnni_panel rounds as it does every
-    integer weight's."""
+    (8-bit codes in groups of 16: GGUF's Q6_K, Q3_K, Q2_K), whose x vnni_panel rounds as it
+    does every integer weight's."""
     if cpu_gemv.takes_int8_activations(w):
         return True
     probe = torch.empty(1, w.in_features, dtype=torch.bfloat16)

@@ -38,7 +38,8 @@
   bits 0, 2, 4, 6), 16 int8 scales sc (one per group of 16), then the float16 d; weight = d * sc *
   (q - 32), held as 8-bit codes q, zero point 32 and scale d * sc per group of 16 (exact in
   float32). Q3_K: _q3_k's layout; codes 0..7 with zero point 4, scale d * (sc - 32) per 16.
-  IQ4_XS: _iq4_xs's layout; IQ4_NL's values with a scale d * (ls - 32) per 32.
+  IQ4_XS: _iq4_xs's layout; IQ4_NL's values with a scale d * (ls - 32) per 32. Q2_K: _q2_k's
+  layout; codes 0..3, a scale d * sc and a min dmin * m per 16.
 """
 
 from __future__ import annotations
@@ -277,7 +278,7 @@ def _gptq(prefix: str, got: dict[str, torch.Tensor], scheme: QuantScheme) -> QTe
 _GGUF_BLOCKS = {
     "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
     "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "Q4_K": (256, 144), "Q5_K": (256, 176),
-    "Q6_K": (256, 210), "Q3_K": (256, 110),
+    "Q6_K": (256, 210), "Q3_K": (256, 110), "Q2_K": (256, 84),
 }  # fmt: skip
 # IQ4_NL's and IQ4_XS's table: 4-bit index -> int8 value (held as code value + 128).
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -315,6 +316,8 @@ def _gguf_decode(b: torch.Tensor, kind: str) -> Decoded:
     if kind == "Q3_K":
         q, scales = _q3_k(b)
         return q, scales, 4, None
+    if kind == "Q2_K":
+        return _q2_k(b)
     if kind in GGUF_K_TYPES:
         return _k_quant(b, GGUF_PROJECTION_TYPES[kind])
     if kind == "IQ4_XS":
@@ -371,14 +374,30 @@ def _q3_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     of byte s - 8; above them bits 2(s / 4) of byte 8 + s % 4), the float16 d."""
     lead = b.shape[:2]
     shifts = torch.arange(4, dtype=torch.uint8).view(4, 1) * 2
-    low = (b[..., 32:96].reshape(*lead, 2, 1, 32) >> shifts) & 3  # [.., half, j, i]
+    low = _bit_pairs(b[..., 32:96])
     high = (b[..., :32].unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1
-    q = low.reshape(*lead, 256) | (high.reshape(*lead, 256) << 2)
+    q = low | (high.reshape(*lead, 256) << 2)
     sb = b[..., 96:108]
     nib = torch.cat((sb[..., :8] & 15, sb[..., :8] >> 4), dim=-1)
     top = (sb[..., 8:12].unsqueeze(-2) >> shifts) & 3  # [.., s / 4, s % 4]
     sc = (nib | (top.reshape(*lead, 16) << 4)).to(torch.int32) - 32
     return q, _halves(b[..., 108:110]).unsqueeze(-1) * sc.float()
+
+
+def _bit_pairs(b: torch.Tensor) -> torch.Tensor:
+    """[n, S, 64] bytes -> [n, S, 256] 2-bit values: weight 128h + 32j + i at bits 2j of byte
+    32h + i (Q2_K's codes, Q3_K's low bits)."""
+    shifts = torch.arange(4, dtype=torch.uint8).view(4, 1) * 2
+    return ((b.reshape(*b.shape[:2], 2, 1, 32) >> shifts) & 3).reshape(*b.shape[:2], 256)
+
+
+def _q2_k(b: torch.Tensor) -> Decoded:
+    """Q2_K super-blocks [n, S, 84]: 16 bytes of a 4-bit scale sc (low nibble) and min m (high)
+    per group of 16, 64 bytes of 2-bit codes (_bit_pairs), the float16 d and dmin; weight =
+    d * sc * q - dmin * m."""
+    d, dmin = _halves(b[..., 80:82]).unsqueeze(-1), _halves(b[..., 82:84]).unsqueeze(-1)
+    sc, m = (b[..., :16] & 15).float(), (b[..., :16] >> 4).float()
+    return _bit_pairs(b[..., 16:80]), d * sc, 0, dmin * m
 
 
 def _q6_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,9 +30,9 @@ SUPPORTED = (
     "auto-round (Intel's AutoRound: data_type int, packing_format auto_round:auto_gptq with "
     "bits 4 or 8, or auto_round:auto_awq with bits 4; extra_config per layer)",
     "GGUF files (--model path/to/model.gguf or <owner>/<repo>:<type>; Q8_0, Q4_0, Q4_1, Q5_0, "
-    "Q5_1, IQ4_NL, IQ4_XS, Q4_K and Q5_K projections held as they are, Q6_K and Q3_K ones where "
-    "the CPU kernels take groups of 16 (untied Q6_K / Q3_K embedding tables everywhere), other "
-    "types dequantized at load)",
+    "Q5_1, IQ4_NL, IQ4_XS, Q4_K and Q5_K projections held as they are, Q6_K, Q3_K and Q2_K ones "
+    "where the CPU kernels take groups of 16 (untied tables in them everywhere), other types "
+    "dequantized at load)",
 )
 # GGUF types held as they are -> the bits a weight they store; models/gguf.py writes the config
 # naming them. Blocks of 32 weights of a row with a float16 scale d: Q8_0 / Q4_0 / Q5_0 (codes
@@ -47,7 +47,7 @@ GGUF_TYPES = {
     "Q4_K": 4, "Q5_K": 5,
 }  # fmt: skip
 GGUF_K_TYPES = frozenset(("Q4_K", "Q5_K"))
-GGUF_MIN_TYPES = GGUF_K_TYPES | {"Q4_1", "Q5_1"}
+GGUF_MIN_TYPES = GGUF_K_TYPES | {"Q4_1", "Q5_1", "Q2_K"}
 GGUF_LOOKUP_TYPES = frozenset(("IQ4_NL", "IQ4_XS"))
 GGUF_BLOCK = 32  # weights per block (a K-quant's group)
 GGUF_SUPER_BLOCK = 256  # weights per K-quant super-block
@@ -56,8 +56,9 @@ GGUF_SUPER_BLOCK = 256  # weights per K-quant super-block
 # kernels take groups of 16 (models/gguf.py decides per load; an LM head in them stays int8
 # per row), and for an untied embedding table on any device (looked up, not multiplied). Q6_K:
 # sc a signed 8-bit multiple of the float16 d, codes 0..63, weight = d * sc * (q - 32). Q3_K:
-# sc a 6-bit multiple less 32, codes 0..7, weight = d * sc * (q - 4).
-GGUF_GROUP_16_TYPES = {"Q6_K": 6, "Q3_K": 3}
+# sc a 6-bit multiple less 32, codes 0..7, weight = d * sc * (q - 4). Q2_K: 4-bit multiples sc
+# of d and m of dmin, codes 0..3, weight = d * sc * q - dmin * m (held with a min per 16).
+GGUF_GROUP_16_TYPES = {"Q6_K": 6, "Q3_K": 3, "Q2_K": 2}
 GGUF_GROUP_16 = 16
 GGUF_PROJECTION_TYPES = {**GGUF_TYPES, **GGUF_GROUP_16_TYPES}
 

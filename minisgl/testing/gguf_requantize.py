@@ -5,10 +5,11 @@ C tool needs a build). Every metadata key is copied; `types` picks each tensor's
 types the converter does not write (Q4_0, Q4_1, the K-quants) and of mixed types.
 
 gguf-py has no quantizer for the K-quants llama-quantize writes (Q4_K, Q5_K: its Q4_K_M and
-Q5_K_M files' bulk; Q6_K: their LM head, and v and down in some layers; Q3_K: Q3_K_M's bulk)
-nor for IQ4_NL / IQ4_XS; `quantize` makes them here by plain rounding (llama.cpp searches each
-group's scale and min a little further): any such bytes are valid blocks, and what the tests
-check is that minisgl reads them as gguf-py's reference dequantizer does."""
+Q5_K_M files' bulk; Q6_K: their LM head, and v and down in some layers; Q3_K / Q2_K: Q3_K_M's
+and Q2_K's bulk) nor for IQ4_NL / IQ4_XS; `quantize` makes them here by plain rounding
+(llama.cpp searches each group's scale and min a little further): any such bytes are valid
+blocks, and what the tests check is that minisgl reads them as gguf-py's reference dequantizer
+does."""
 
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ def quantize(values: np.ndarray, kind: str) -> np.ndarray:
         return _q6_k_quantize(values.astype(np.float32))
     if kind == "Q3_K":
         return _q3_k_quantize(values.astype(np.float32))
+    if kind == "Q2_K":
+        return _q2_k_quantize(values.astype(np.float32))
     if kind == "IQ4_NL":
         return _iq4_nl_quantize(values.astype(np.float32))
     if kind == "IQ4_XS":
@@ -161,12 +164,11 @@ def _q3_k_quantize(values: np.ndarray) -> np.ndarray:
         step = (u * sc)[..., None]
         q = np.where(step != 0, np.rint(x / step), 0)
     code = (np.clip(q, -4, 3) + 4).astype(np.uint8).reshape(-1, 256)
-    low = (code & 3).reshape(-1, 2, 4, 32) << (2 * np.arange(4, dtype=np.uint8))[:, None]
     high = (code >> 2).reshape(-1, 8, 32) << np.arange(8, dtype=np.uint8)[:, None]
     ls = (sc + 32).astype(np.uint8)  # [blocks, 16]
     nibbles = (ls[:, :8] & 15) | ((ls[:, 8:] & 15) << 4)
     tops = (ls >> 4).reshape(-1, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]
-    parts = [high.sum(axis=1, dtype=np.uint8), low.sum(axis=2, dtype=np.uint8).reshape(-1, 64)]
+    parts = [high.sum(axis=1, dtype=np.uint8), _bit_pairs(code & 3)]
     parts += [nibbles, tops.sum(axis=1, dtype=np.uint8), d.view(np.uint8).reshape(-1, 2)]
     return np.concatenate(parts, axis=-1).reshape(*lead, -1)
 
@@ -213,4 +215,33 @@ def _iq4_xs_quantize(values: np.ndarray) -> np.ndarray:
     low = ((ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)).astype(np.uint8)
     parts = [d.view(np.uint8).reshape(-1, 2), high.view(np.uint8).reshape(-1, 2), low]
     parts.append(_iq4_pack(index).reshape(-1, 128))
+    return np.concatenate(parts, axis=-1).reshape(*lead, -1)
+
+
+def _bit_pairs(code: np.ndarray) -> np.ndarray:
+    """[blocks, 256] 2-bit values -> 64 bytes: weight 128h + 32j + i at bits 2j of byte
+    32h + i."""
+    low = code.reshape(-1, 2, 4, 32) << (2 * np.arange(4, dtype=np.uint8))[:, None]
+    return low.sum(axis=2, dtype=np.uint8).reshape(-1, 64)
+
+
+def _q2_k_quantize(values: np.ndarray) -> np.ndarray:
+    """Q2_K super-blocks of 256: per group of 16, scale (max - min) / 3 and min -min(values, 0)
+    as 4-bit multiples of the float16 d and dmin, codes q in 0..3, weight = d * sc * q -
+    dmin * m; stored as 16 bytes of sc | m << 4, 64 of codes, d, dmin."""
+    lead = values.shape[:-1]
+    x = values.reshape(-1, 16, 16)
+    low = np.minimum(x.min(-1), 0)
+    scale, mins = (x.max(-1) - low) / 3, -low
+    d, dmin = _half(scale.max(-1) / 15), _half(mins.max(-1) / 15)
+    units = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc, m = (np.clip(np.where(u > 0, np.rint(v / u), 0), 0, 15) for v, u in
+                 ((scale, units[0]), (mins, units[1])))  # fmt: skip
+        step, offset = units[0] * sc, units[1] * m
+        q = np.where(step[..., None] > 0, np.rint((x + offset[..., None]) / step[..., None]), 0)
+    code = np.clip(q, 0, 3).astype(np.uint8).reshape(-1, 256)
+    packed = (sc.astype(np.uint8) | (m.astype(np.uint8) << 4)).astype(np.uint8)
+    parts = [packed, _bit_pairs(code), d.view(np.uint8).reshape(-1, 2)]
+    parts.append(dmin.view(np.uint8).reshape(-1, 2))
     return np.concatenate(parts, axis=-1).reshape(*lead, -1)

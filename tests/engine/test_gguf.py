@@ -274,8 +274,8 @@ def test_prepared_directory_is_the_models_config_and_tokenizer(files) -> None:
 
 @pytest.mark.parametrize("kind", sorted(GGUF_PROJECTION_TYPES))
 def test_blocks_read_as_gguf_py_decodes_them(kind: str) -> None:
-    """Q8_0 / Q4_0 / ... / Q6_K blocks in minisgl's layout are the weights gguf-py's reference dequantizer
-    reads from them, bit for bit."""
+    """Blocks of every held type (the test's quantizers') in minisgl's layout are the weights
+    gguf-py's reference dequantizer reads from them, bit for bit."""
     rng = np.random.default_rng(0)
     values = (rng.standard_normal((64, 256)) * rng.uniform(0.01, 3, (64, 1))).astype(np.float32)
     qtype = gguf.GGMLQuantizationType[kind]
@@ -291,7 +291,7 @@ def test_blocks_read_as_gguf_py_decodes_them(kind: str) -> None:
 _BLOCK_HALVES = {
     "Q8_0": (34, (0,)), "Q4_0": (18, (0,)), "Q4_1": (20, (0, 2)), "Q5_0": (22, (0,)),
     "Q5_1": (24, (0, 2)), "IQ4_NL": (18, (0,)), "IQ4_XS": (136, (0,)), "Q4_K": (144, (0, 2)),
-    "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)), "Q3_K": (110, (108,)),
+    "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)), "Q3_K": (110, (108,)), "Q2_K": (84, (80, 82)),
 }  # fmt: skip
 
 
@@ -300,8 +300,8 @@ def test_any_block_bytes_read_as_gguf_py_decodes_them(kind: str) -> None:
     """Every bit pattern of a block (random bytes under finite float16 fields): its codes,
     high bits, table indices, packed scales and mins, bit for bit as gguf-py reads them, held
     as the type's codes (4-bit where it stores 4-bit codes; IQ4's table values as 8-bit codes
-    with zero point 128), group (16 for Q6_K and Q3_K, else 32) and mins (Q4_1, Q5_1 and the
-    K-quants)."""
+    with zero point 128), group (16 for Q6_K, Q3_K and Q2_K, else 32) and mins (Q4_1, Q5_1 and
+    the K-quants)."""
     rng = np.random.default_rng(1)
     per, halves = _BLOCK_HALVES[kind]
     blocks = rng.integers(0, 256, (16, 1024 * per // (256 if per > 34 else 32)), dtype=np.uint8)
@@ -425,7 +425,7 @@ _MORE_TYPES = {
     (0, "attn_q"): "IQ4_XS", (0, "attn_k"): "IQ4_XS", (0, "attn_v"): "IQ4_XS",
     (0, "attn_output"): "IQ4_NL", (0, "ffn_gate"): "Q5_1", (0, "ffn_up"): "Q5_1",
     (0, "ffn_down"): "Q3_K", (1, "attn_q"): "Q4_1", (1, "attn_k"): "Q4_1", (1, "attn_v"): "Q3_K",
-    (1, "attn_output"): "Q3_K", (1, "ffn_gate"): "IQ4_NL", (1, "ffn_up"): "IQ4_NL",
+    (1, "attn_output"): "Q2_K", (1, "ffn_gate"): "IQ4_NL", (1, "ffn_up"): "IQ4_NL",
     (1, "ffn_down"): "Q4_1",
 }  # fmt: skip
 _HF_PARTS = {
@@ -460,14 +460,15 @@ def more_types(files, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, P
 
 
 @pytest.mark.parametrize("g16", ["where the kernels take it", "read as floats"])
-def test_q4_1_q5_1_iq4_and_q3_k_file(
+def test_q4_1_q5_1_iq4_q3_k_and_q2_k_file(
     g16: str, more_types, monkeypatch: pytest.MonkeyPatch, caplog
 ) -> None:
-    """The other types llama-quantize writes for its Q4_1, Q5_1, IQ4_NL, IQ4_XS and Q3_K_M
+    """The other types llama-quantize writes for its Q4_1, Q5_1, IQ4_NL, IQ4_XS, Q3_K_M and Q2_K
     files, mixed: Q4_1 and Q5_1 projections held as 4-bit / 8-bit codes with a scale and a min
     per 32, IQ4_NL and IQ4_XS ones as their table's values in 8-bit codes with a scale per 32
-    (every kernel takes them), Q3_K ones as 8-bit codes with zero point 4 and a scale per 16
-    where the CPU kernels take groups of 16, else read as floats (as on an AVX2 CPU, forced
+    (every kernel takes them), Q3_K ones as 8-bit codes with zero point 4 and a scale per 16,
+    a Q2_K one as 8-bit codes with a scale and a min per 16, where the CPU kernels take groups
+    of 16, else read as floats (as on an AVX2 CPU, forced
     here); layer 1's Q4_1 q/k held as a part beside its Q3_K v; the IQ4_XS head (the tied
     table) held as stored: the twin's tokens (and transformers', and at TP=2, where held)."""
     if g16 == "read as floats":
@@ -477,17 +478,20 @@ def test_q4_1_q5_1_iq4_and_q3_k_file(
     with caplog.at_level(logging.INFO):
         assert greedy(path)[0] == reference
     assert "LM head: gguf IQ4_XS (8-bit, a scale per 32)" in caplog.text
-    for kind in ("Q4_1 (4", "Q5_1 (8", "IQ4_NL (8", "IQ4_XS (8"):  # codes' bits; mins of 1s
-        per = "a scale and a min" if kind[-5] == "1" else "a scale"
-        assert f"gguf {kind}-bit, {per} per 32)" in caplog.text
+    if held:
+        assert "gguf Q2_K (8-bit, a scale and a min per 16)" in caplog.text
+    mins, scale = "a scale and a min", "a scale"
+    for kind, bits, per in (("Q4_1", 4, mins), ("Q5_1", 8, mins), ("IQ4_NL", 8, scale),
+                            ("IQ4_XS", 8, scale)):  # fmt: skip
+        assert f"gguf {kind} ({bits}-bit, {per} per 32)" in caplog.text
     # layer 0's qkv, o, gate_up (and down), layer 1's q/k part (and v part, o), gate_up, down,
-    # the head; the three Q3_K ones read as floats where groups of 16 are not taken
+    # the head; the Q3_K and Q2_K ones read as floats where groups of 16 are not taken
     assert f"quantized in {10 if held else 7} weights" in caplog.text
     if held:
         assert "dequantized at load" not in caplog.text
         assert "u8-g16 [1+:vnni_panel]" in caplog.text
     else:
-        assert "GGUF model.gguf: 3 Q3_K tensor(s) dequantized at load" in caplog.text
+        assert "GGUF model.gguf: 1 Q2_K, 2 Q3_K tensor(s) dequantized at load" in caplog.text
         return  # the rest as above
     assert reference == transformers_greedy(twin)
     assert greedy(path, tp_size=2)[0] == reference
