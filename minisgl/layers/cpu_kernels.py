@@ -247,6 +247,12 @@ class _Lib:
         # amx_panel's values, bf16 x only), AMX tiles or VDPBF16PS as qamx.
         packed = _tile_kernels(lib, "qamx", ("p4", "p8"))
         self.qamx_packed = {k: packed[p] for k, p in (("u4", "p4"), ("u8", "p8")) if p in packed}
+        # Both with each group's min folded into the panel (weights whose groups carry mins:
+        # GGUF's Q4_K, Q4_1, Q2_K ...), row-major and packed, where qamx runs.
+        mins = _quant_kernels(lib, "qamx_mins", ("u4", "u8", "p4", "p8"), _QMM_MINS_ARGS)
+        mins = mins if self.qamx else {}
+        self.qamx_mins = {k: mins[k] for k in ("u4", "u8") if k in mins}
+        self.qamx_mins_packed = {k: mins[p] for k, p in (("u4", "p4"), ("u8", "p8")) if p in mins}
         self.qvpanel_takes: Any = getattr(lib, "qvpanel_takes", None)
         # Whether its one-row form prefetches into L2 (cpu_vpanel measures it once).
         self.vp_row_prefetch = (
@@ -1305,6 +1311,8 @@ def _store_rows(
 _QMM_ARGS: list[Any] = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
 _QMM_ARGS += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
 _QMM_ARGS += [ctypes.c_int64] * 4
+# qamx's *_mins: the same with the mins (fp32 [N, G]) and their row stride after the zeros'.
+_QMM_MINS_ARGS: list[Any] = _QMM_ARGS[:7] + [ctypes.c_void_p, ctypes.c_int64] + _QMM_ARGS[7:]
 # qdequant's (codes, code row stride, scales, zeros, group row stride, out, first row, end
 # row, K, group size): the row dequantizers.
 _QROWS_ARGS: list[Any] = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]

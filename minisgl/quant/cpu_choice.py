@@ -126,6 +126,10 @@ class QuantKernel:
         run = self._table[kernel_choice.table_index(x.shape[0])]
         return run(x, w) if out_dtype is None else run(x, w, out_dtype)
 
+    def pick(self, rows: int) -> str:
+        """The pick that runs `rows` rows of x."""
+        return kernel_choice.row_table(self.picks)[kernel_choice.table_index(rows)]
+
 
 def kernel_fn(lib: Any, name: str, kind: str, x_bf16: int) -> Any | None:
     """The C function (a ctypes function of `lib`, cpu_kernels.load()) that quantized pick

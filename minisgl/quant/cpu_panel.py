@@ -97,9 +97,34 @@ def x8_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) 
     return run_c(lib.qvnni[cpu_gemv.kind(w)], x, w, out_dtype)
 
 
-def run_c(fn, x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None) -> torch.Tensor:  # noqa: ANN001
-    """fn, a C kernel taking qgemv's arguments, over x and w's operands: y [M, N] in
-    `out_dtype` (default x's), written by the kernel (fp32 or bf16) and converted otherwise."""
+def mins_folded(pick: str, x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None):  # noqa: ANN201
+    """x @ W.T for a weight with group mins by `pick`'s panel kernel with the mins folded into
+    its bf16 panel (qamx.c's *_mins: the values of the weight dequantized with its mins,
+    rounded to bf16), where `pick` is amx_panel (row-major codes) or amx_bf16_vpanel (packed)
+    and this build has it for bf16 x; else None."""
+    lib = cpu_kernels.load()
+    if lib is None or x.dtype != torch.bfloat16 or w.mins is None or w.g_idx is not None:
+        return None
+    if pick == "amx_panel" and not cpu_gemv.usable(x, w):  # row-major: groups of 32n
+        return None
+    table = {"amx_panel": lib.qamx_mins, "amx_bf16_vpanel": lib.qamx_mins_packed}.get(pick)
+    fn = table.get(cpu_gemv.kind(w)) if table is not None else None
+    if fn is None:
+        return None
+    mins = w.mins
+    return run_c(fn, x, w, out_dtype, (mins.data_ptr(), mins.stride(0)))
+
+
+def run_c(
+    fn,  # noqa: ANN001
+    x: torch.Tensor,
+    w: QTensor,
+    out_dtype: torch.dtype | None,
+    extra: tuple[int, ...] = (),
+) -> torch.Tensor:
+    """fn, a C kernel taking qgemv's arguments (`extra` ones after the weight's: qamx's
+    mins), over x and w's operands: y [M, N] in `out_dtype` (default x's), written by the
+    kernel (fp32 or bf16) and converted otherwise."""
     ops = cpu_gemv.operands(w)  # the weight's arguments, built once (as qgemv's)
     out_dtype = out_dtype or x.dtype
     x_bf16 = x.dtype == torch.bfloat16
@@ -110,5 +135,5 @@ def run_c(fn, x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None) -> tor
     y_bf16 = out_dtype == torch.bfloat16
     y = torch.empty(m, ops.n, dtype=torch.bfloat16 if y_bf16 else torch.float32)
     if m:  # the AMX kernels fault on tiles of 0 rows (an LM head call with no row to sample)
-        fn(xc.data_ptr(), x_bf16, *ops.args, y.data_ptr(), y_bf16, m, *ops.sizes)
+        fn(xc.data_ptr(), x_bf16, *ops.args, *extra, y.data_ptr(), y_bf16, m, *ops.sizes)
     return y if y.dtype == out_dtype else y.to(out_dtype)

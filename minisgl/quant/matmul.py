@@ -8,13 +8,22 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.layers import cpu_kernels
-from minisgl.quant import cpu_gemv
+from minisgl.quant import cpu_gemv, cpu_panel
 from minisgl.quant.cpu_choice import QuantKernel
 from minisgl.quant.qtensor import QTensor, dequantize, without_mins
 
 # Elements of weight dequantized at once per matmul call: bounds the transient memory
 # (16 MiB of fp32) while keeping each F.linear large enough to run at full speed.
 CHUNK_ELEMENTS = 1 << 22
+
+
+# Rows of x from which the picks that dequantize panels into bf16 (amx_panel, amx_bf16_vpanel)
+# take a weight's group mins into the panel's values (cpu_panel.mins_folded) instead of
+# qmins.c's term after the matmul (M x N x groups multiply-adds: ~375 ms of the 641 a Q4_1
+# file's 1024-token prefill lost to bf16 on a Zen 4): past the decode chain's steps
+# (layers/cpu_chain.MAX_ROWS rows), whose bits the layer path keeps by the same kernels and
+# term.
+FOLD_MINS_ROWS = 65
 
 
 def qlinear(
@@ -31,12 +40,16 @@ def qlinear(
     `kernel` is the path set up at load (cuda_matmul.py) over buffers it converted. The C
     kernels write `out_dtype` themselves (a float32 LM head's logits unrounded); the others'
     results are converted. A weight with group mins: their term subtracted after the kernels
-    (minus_mins); the dequantizing path below includes them itself."""
+    (minus_mins), or, from FOLD_MINS_ROWS rows, folded into the panels of a pick that
+    dequantizes them (mins_folded); the dequantizing path below includes them itself."""
     if kernel is not None and x.device.type != "cpu":
         return through(kernel, x, w, out_dtype)
     if cpu_gemv.usable(x, w):
         if w.mins is None:
             return _c_kernels(x, w, kernel, out_dtype)
+        folded = mins_folded(kernel, x, w, out_dtype)
+        if folded is not None:
+            return folded
         bare = without_mins(w)
         return minus_mins(lambda x, dtype: _c_kernels(x, bare, kernel, dtype), x, w, out_dtype)
     n = w.codes.shape[0]
@@ -79,6 +92,19 @@ def through(
 
 def _as(y: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return y if dtype is None else y.to(dtype)
+
+
+def mins_folded(
+    kernel: Callable[[torch.Tensor, QTensor], torch.Tensor] | None,
+    x: torch.Tensor,
+    w: QTensor,
+    out_dtype: torch.dtype | None,
+) -> torch.Tensor | None:
+    """x @ W.T for a weight with group mins where FOLD_MINS_ROWS or more rows of x run on a
+    pick of `kernel` that folds them into its panel (cpu_panel.mins_folded); else None."""
+    if x.shape[0] < FOLD_MINS_ROWS or not isinstance(kernel, QuantKernel):
+        return None
+    return cpu_panel.mins_folded(kernel.pick(x.shape[0]), x, w, out_dtype)
 
 
 def minus_mins(

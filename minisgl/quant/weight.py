@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from minisgl.quant import cpu_gemv, cpu_vpanel
-from minisgl.quant.matmul import minus_mins, qlinear, through
+from minisgl.quant.matmul import mins_folded, minus_mins, qlinear, through
 from minisgl.quant.qtensor import FP8, QTensor, dequantize, per_feature, take_rows, without_mins
 
 # Embedding lookups of at most this many ids (decode steps) dequantize row by row in C.
@@ -245,12 +245,15 @@ class QuantWeight(nn.Module):
         return qlinear(x, w, self.kernel)
 
     def _panels(self, x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None) -> torch.Tensor:
-        """x @ w.T by the panels' own kernel, whatever the rows (less the mins' term where the
-        weight has group mins, as qlinear)."""
+        """x @ w.T by the panels' own kernel, whatever the rows (with the group mins, where the
+        weight has them, as qlinear takes them)."""
         kernel = self.kernel
         assert kernel is not None
         if w.mins is None:
             return through(kernel, x, w, out_dtype)
+        folded = mins_folded(kernel, x, w, out_dtype)
+        if folded is not None:
+            return folded
         bare = without_mins(w)
         return minus_mins(lambda x, dtype: through(kernel, x, bare, dtype), x, w, out_dtype)
 

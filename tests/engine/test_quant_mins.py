@@ -12,10 +12,11 @@ import torch
 from quant_parity import needs_vnni_panel
 from torch import nn
 
-from minisgl.layers import cpu_kernels
-from minisgl.quant import cpu_choice, cpu_gemv, formats
+from minisgl.layers import cpu_chain, cpu_kernels
+from minisgl.quant import cpu_choice, cpu_gemv, cpu_vpanel, formats, matmul
 from minisgl.quant import cuda_matmul as cm
-from minisgl.quant.qtensor import QTensor, dequantize, take_rows
+from minisgl.quant.matmul import through
+from minisgl.quant.qtensor import QTensor, dequantize, take_rows, without_mins
 from minisgl.quant.scheme import parse_quantization_config
 from minisgl.quant.weight import QuantWeight
 from minisgl.testing.gguf_requantize import quantize
@@ -184,6 +185,55 @@ def test_vnni_panels_then_the_mins_term(monkeypatch: pytest.MonkeyPatch) -> None
     ref = x @ ref_w.t()
     assert (h.matmul(x) - ref).norm() / ref.norm() < 3e-4  # the panels round x to 16 bits
     assert torch.equal(h.rows(torch.tensor([7]), torch.float32), ref_w[7:8])
+
+
+@pytest.mark.parametrize(
+    "kind, pick",
+    [("Q4_K", "amx_panel"), ("Q4_K", "amx_bf16_vpanel"), ("Q5_K", "amx_bf16_vpanel"),
+     ("Q2_K", "amx_bf16_vpanel")],
+)  # fmt: skip
+def test_a_prefills_rows_take_the_mins_into_the_bf16_panels(
+    kind: str, pick: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From matmul.FOLD_MINS_ROWS rows of bf16 x (a prefill's: more than the decode chain's
+    steps), the picks that dequantize panels into bf16 take each group's min into the panel's
+    values (qamx.c's *_mins): the product of x and the weight dequantized with its mins and
+    rounded to bf16, a bf16 twin's weight, to fp32 sum order; before, qmins.c's term after the
+    matmul left a product further from it (~6e-4 of its size) at up to a third of a Q4_1
+    prefill's time. Fewer rows keep the kernel and that term, the decode chain's bits. Builds
+    without those kernels (no AVX512-BF16) keep the term at every row count."""
+    assert matmul.FOLD_MINS_ROWS > cpu_chain.MAX_ROWS  # the chain's steps keep the term
+    monkeypatch.setenv("MINISGL_CPU_QUANT_LINEAR", pick)
+    h = _holder(_k_weight(kind, n=96, k=512))
+    (h.kernel,), _ = cpu_choice.kernels_for([[h.view()]], torch.bfloat16, "off")
+    lib = cpu_kernels.load()
+    assert lib is not None
+    packed = pick == "amx_bf16_vpanel" and bool(lib.qvpanel)  # (AVX2: the defaults run)
+    if kind == "Q2_K" and not packed:  # groups of 16: no kernel here, and no file holds them
+        assert not cpu_vpanel.takes_groups_of_16()
+        return
+    twin = dequantize(h.whole(), torch.float32).bfloat16().float()
+    if packed:
+        h.pack_vnni()
+    table = lib.qamx_mins_packed if packed else lib.qamx_mins
+    w = h.whole()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(matmul.FOLD_MINS_ROWS + 7, 512, generator=g).bfloat16()
+    y = h.matmul(x, torch.float32)
+    bare = without_mins(w)
+
+    def term_after(rows: torch.Tensor) -> torch.Tensor:
+        assert h.kernel is not None
+        run = h.kernel
+        return matmul.minus_mins(lambda a, dt: through(run, a, bare, dt), rows, w, torch.float32)
+
+    if cpu_gemv.kind(w) in table:
+        size = x.float().abs() @ twin.abs().T
+        assert bool(((y - x.float() @ twin.T).abs() <= 2e-5 * size).all())
+    else:
+        assert torch.equal(y, term_after(x))
+    few = x[: matmul.FOLD_MINS_ROWS - 1]
+    assert torch.equal(h.matmul(few, torch.float32), term_after(few))
 
 
 @pytest.mark.parametrize("experts", [0, 3])

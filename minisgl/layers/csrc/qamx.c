@@ -12,9 +12,12 @@
    from memory and the dequantization costs ~1/M of the arithmetic per weight.
 
    Values: qtensor.dequantize's fp32 ((code - zero) exact, one rounding in the multiply by the
-   scale) rounded once to bf16 (nearest even), the weights a bf16 twin of the dequantized model
-   holds; products exact in fp32, sums in fp32. fp8 e4m3 widens exactly through fp16, times
-   2^-8 folded into the scale (as qdequant.c).
+   scale, one more in subtracting a group's min where the weight has them: the *_mins entry
+   points, GGUF's Q4_K / Q4_1 / Q2_K ...) rounded once to bf16 (nearest even), the weights a
+   bf16 twin of the dequantized model holds; products exact in fp32, sums in fp32. A min
+   folded into the panel costs nothing per row of x, where qmins.c's term after the matmul
+   (M x N x groups multiply-adds) took ~a third of what such a prefill lost to bf16's. fp8
+   e4m3 widens exactly through fp16, times 2^-8 folded into the scale (as qdequant.c).
 
    Compiled where the build targets AMX-TILE, AMX-BF16 and AVX512-BF16 (cpu_build.py); the
    entry points run only after amx_ready() (amx.h) granted the tiles. A build with
@@ -36,7 +39,7 @@ enum { QA_U8 = 0, QA_U4 = 1, QA_FP8 = 2, QA_P8 = 3, QA_P4 = 4 };
    as 16 dwords: dword p holds features k + 2p (low half) and k + 2p + 1. */
 static inline __attribute__((always_inline)) __m512i qa_deq32(int kind, const uint8_t* c,
                                                                int64_t k, float scale,
-                                                               float zero) {
+                                                               float zero, float min) {
     __m512 a, b;
     if (kind == QA_FP8) { /* byte -> top of an fp16, sign kept, exponent+mantissa down one */
         __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(c + k)));
@@ -57,21 +60,23 @@ static inline __attribute__((always_inline)) __m512i qa_deq32(int kind, const ui
             lo = _mm_unpacklo_epi8(l, h);
             hi = _mm_unpackhi_epi8(l, h);
         }
-        __m512 s = _mm512_set1_ps(scale), z = _mm512_set1_ps(zero);
+        __m512 s = _mm512_set1_ps(scale), z = _mm512_set1_ps(zero), mn = _mm512_set1_ps(min);
         a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
         b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
-        a = _mm512_mul_ps(_mm512_sub_ps(a, z), s); /* as qtensor.dequantize */
-        b = _mm512_mul_ps(_mm512_sub_ps(b, z), s);
+        a = _mm512_sub_ps(_mm512_mul_ps(_mm512_sub_ps(a, z), s), mn); /* as qtensor.dequantize */
+        b = _mm512_sub_ps(_mm512_mul_ps(_mm512_sub_ps(b, z), s), mn); /* (x - 0: x, exactly) */
     }
     return (__m512i)_mm512_cvtne2ps_pbh(b, a); /* a: the low 16 features */
 }
 
 
-/* 4-bit codes: the 16 values a (row, group) can take, (code - zero) * scale rounded to bf16,
-   as a table VPERMW looks 32 codes up in at once (exact: each entry is dequantize's value). */
-static inline __m512i qa_u4_table(float scale, float zero) {
+/* 4-bit codes: the 16 values a (row, group) can take, (code - zero) * scale - min rounded to
+   bf16, as a table VPERMW looks 32 codes up in at once (exact: each entry is dequantize's
+   value). */
+static inline __m512i qa_u4_table(float scale, float zero, float min) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 v = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(zero)), _mm512_set1_ps(scale));
+    v = _mm512_sub_ps(v, _mm512_set1_ps(min));
     return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));
 }
 
@@ -90,10 +95,10 @@ static inline __m512i qa_u4_lookup(const uint8_t* c, __m512i table) {
    rows: each feature of the line becomes a vector of the 16 rows' values, (code - zero) *
    scale in fp32 as qa_deq32 computes it, rounded to bf16 by the same instruction (so the
    values of the row-major codes' panel, to the bit), and two features' vectors interleave
-   into one row of wb. */
+   into one row of wb. Group mins (none: 0) stay row-major [N, G] (row stride mstride). */
 static inline void qa_dequant16_packed(int kind, const uint8_t* codes, const float* scales,
-                                       const uint8_t* zeros, int64_t n0, int64_t K,
-                                       int64_t gs, uint16_t* wb) {
+                                       const uint8_t* zeros, const float* mins, int64_t mstride,
+                                       int64_t n0, int64_t K, int64_t gs, uint16_t* wb) {
     const int bits = kind == QA_P8 ? 8 : 4, per = 32 / bits; /* features per dword */
     const int64_t G = K / gs, p = n0 / 32, h = (n0 % 32) / 16;
     const uint32_t* P = (const uint32_t*)(codes + p * 32 * K * bits / 8);
@@ -108,6 +113,9 @@ static inline void qa_dequant16_packed(int kind, const uint8_t* codes, const flo
         const __m512 z = zeros ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                                      _mm_loadu_si128((const __m128i*)(zeros + at))))
                                : _mm512_setzero_ps();
+        float mf[16] = {0};
+        for (int j = 0; mins && j < 16; j++) mf[j] = mins[(n0 + j) * mstride + g];
+        const __m512 mn = _mm512_loadu_ps(mf);
         for (int64_t q = g * gs / per; q < (g + 1) * gs / per; q++) {
             __m512i d = _mm512_loadu_si512((const void*)(P + q * 32 + 16 * h));
             for (int f = 0; f < per; f += 2) {
@@ -115,8 +123,8 @@ static inline void qa_dequant16_packed(int kind, const uint8_t* codes, const flo
                     _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, bits * f), mask));
                 __m512 b = _mm512_cvtepi32_ps(
                     _mm512_and_si512(_mm512_srli_epi32(d, bits * (f + 1)), mask));
-                a = _mm512_mul_ps(_mm512_sub_ps(a, z), s);
-                b = _mm512_mul_ps(_mm512_sub_ps(b, z), s);
+                a = _mm512_sub_ps(_mm512_mul_ps(_mm512_sub_ps(a, z), s), mn);
+                b = _mm512_sub_ps(_mm512_mul_ps(_mm512_sub_ps(b, z), s), mn);
                 __m512i v = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(b, a));
                 _mm512_store_si512((__m512i*)(wb + (q * per + f) * 16), v);
             }
@@ -128,28 +136,30 @@ static inline void qa_dequant16_packed(int kind, const uint8_t* codes, const flo
    time: each row's scale and zero point (or 4-bit table) read once per group. */
 static inline __attribute__((always_inline)) void qa_dequant16(
     int kind, const uint8_t* codes, int64_t cstride, const float* scales, const uint8_t* zeros,
-    int64_t gstride, int64_t n0, int64_t N, int64_t K, int64_t gs, uint16_t* wb) {
+    int64_t gstride, const float* mins, int64_t mstride, int64_t n0, int64_t N, int64_t K,
+    int64_t gs, uint16_t* wb) {
     if (kind == QA_P8 || kind == QA_P4) {
-        qa_dequant16_packed(kind, codes, scales, zeros, n0, K, gs, wb);
+        qa_dequant16_packed(kind, codes, scales, zeros, mins, mstride, n0, K, gs, wb);
         return;
     }
     int live = N - n0 < 16 ? (int)(N - n0) : 16;
     const uint8_t* row[16];
     for (int j = 0; j < 16; j++) row[j] = codes + (n0 + (j < live ? j : 0)) * cstride;
-    float sf[16], zf[16];
+    float sf[16], zf[16], mf[16];
     __m512i tab[16];
     for (int64_t g0 = 0, g = 0; g0 < K; g0 += gs, g++) {
         for (int j = 0; j < live; j++) {
             sf[j] = scales[(n0 + j) * gstride + g];
             zf[j] = kind == QA_FP8 ? 0.0f : (float)zeros[(n0 + j) * gstride + g];
-            if (kind == QA_U4) tab[j] = qa_u4_table(sf[j], zf[j]);
+            mf[j] = mins ? mins[(n0 + j) * mstride + g] : 0.0f;
+            if (kind == QA_U4) tab[j] = qa_u4_table(sf[j], zf[j], mf[j]);
         }
         for (int64_t k = g0; k < g0 + gs; k += 32) {
             __m512i r[16];
             for (int j = 0; j < 16; j++) {
                 if (j >= live) r[j] = _mm512_setzero_si512();
                 else if (kind == QA_U4) r[j] = qa_u4_lookup(row[j] + k / 2, tab[j]);
-                else r[j] = qa_deq32(kind, row[j], k, sf[j], zf[j]);
+                else r[j] = qa_deq32(kind, row[j], k, sf[j], zf[j], mf[j]);
             }
             transpose16(r); /* r[p]: feature pair p of the 16 rows */
             for (int p = 0; p < 16; p++)
@@ -233,8 +243,8 @@ static inline void qa_tile1x2(const uint16_t* x, int64_t M, const uint16_t* wb0,
 
 static inline __attribute__((always_inline)) void qamx_kind(
     int kind, const uint16_t* x, const uint8_t* codes, int64_t cstride, const float* scales,
-    const uint8_t* zeros, int64_t gstride, void* y, int out_bf16, int64_t M, int64_t N,
-    int64_t K, int64_t gs) {
+    const uint8_t* zeros, int64_t gstride, const float* mins, int64_t mstride, void* y,
+    int out_bf16, int64_t M, int64_t N, int64_t K, int64_t gs) {
     /* the last partial block of 32 input rows, zero-padded (A tiles are 16 full rows) */
     int64_t full = M / 32 * 32;
     int small = M <= 16;
@@ -265,8 +275,8 @@ static inline __attribute__((always_inline)) void qamx_kind(
         for (int64_t q = 0; q < panels; q++) {
             int64_t p0 = q * np, rows = N - p0 < np ? (N - p0 + 31) / 32 * 32 : np;
             for (int64_t s = 0; s < rows; s += 16)
-                qa_dequant16(kind, codes, cstride, scales, zeros, gstride, p0 + s, N, K, gs,
-                             wb + s * K);
+                qa_dequant16(kind, codes, cstride, scales, zeros, gstride, mins, mstride,
+                             p0 + s, N, K, gs, wb + s * K);
             for (int64_t s = 0; small && s < rows; s += 32)
                 qa_tile1x2(x, M, wb + s * K, wb + (s + 16) * K, K, cbuf, y, out_bf16, p0 + s, N);
             for (int64_t m0 = 0; !small && m0 < M; m0 += 32) {
@@ -349,8 +359,8 @@ static void qb_tile_rows(int mr, const int32_t* xp, const uint16_t* wb0, const u
 
 static inline __attribute__((always_inline)) void qamx_kind(
     int kind, const uint16_t* x, const uint8_t* codes, int64_t cstride, const float* scales,
-    const uint8_t* zeros, int64_t gstride, void* y, int out_bf16, int64_t M, int64_t N,
-    int64_t K, int64_t gs) {
+    const uint8_t* zeros, int64_t gstride, const float* mins, int64_t mstride, void* y,
+    int out_bf16, int64_t M, int64_t N, int64_t K, int64_t gs) {
     /* panel rows: a multiple of 32, within QB_PANEL_BYTES, and about 4 panels a thread,
        handed out as the threads come for them (a thread slowed by other work on its core
        holds the call up for one panel, not for a quarter of N: 2 threads on a loaded Zen 4
@@ -384,8 +394,8 @@ static inline __attribute__((always_inline)) void qamx_kind(
         for (int64_t q = 0; q < panels; q++) {
             int64_t p0 = q * np, rows = N - p0 < np ? (N - p0 + 31) / 32 * 32 : np;
             for (int64_t s = 0; s < rows; s += 16)
-                qa_dequant16(kind, codes, cstride, scales, zeros, gstride, p0 + s, N, K, gs,
-                             wb + s * K);
+                qa_dequant16(kind, codes, cstride, scales, zeros, gstride, mins, mstride,
+                             p0 + s, N, K, gs, wb + s * K);
             for (int64_t m0 = 0; m0 < M; m0 += QB_MR) {
                 int mr = M - m0 < QB_MR ? (int)(M - m0) : QB_MR;
                 for (int64_t s = 0; s < rows; s += 32)
@@ -404,20 +414,34 @@ int qamx_ready(void) { return 1; }
 #endif /* AMX tiles, or AVX512-BF16 only */
 
 /* y[M, N] (fp32, or bf16 where out_bf16) = x[M, K] (bf16 only: x_bf16 must be 1) @ W.T; the
-   arguments are qgemv.c's. */
+   arguments are qgemv.c's. NAME_mins: the same with each group's min (mins [N, G] fp32, row
+   stride mstride) folded into the panel's values, for integer codes. */
 #define QAMX(NAME, KIND)                                                                      \
     void NAME(const void* x, int x_bf16, const uint8_t* codes, int64_t cstride,             \
               const float* scales, const uint8_t* zeros, int64_t gstride, void* y,          \
               int out_bf16, int64_t M, int64_t N, int64_t K, int64_t gs) {                   \
         (void)x_bf16;                                                                       \
-        qamx_kind(KIND, (const uint16_t*)x, codes, cstride, scales, zeros, gstride, y,      \
+        qamx_kind(KIND, (const uint16_t*)x, codes, cstride, scales, zeros, gstride, 0, 0, y, \
                   out_bf16, M, N, K, gs);                                                   \
+    }
+#define QAMX_MINS(NAME, KIND)                                                                 \
+    void NAME(const void* x, int x_bf16, const uint8_t* codes, int64_t cstride,             \
+              const float* scales, const uint8_t* zeros, int64_t gstride, const float* mins, \
+              int64_t mstride, void* y, int out_bf16, int64_t M, int64_t N, int64_t K,       \
+              int64_t gs) {                                                                 \
+        (void)x_bf16;                                                                       \
+        qamx_kind(KIND, (const uint16_t*)x, codes, cstride, scales, zeros, gstride, mins,   \
+                  mstride, y, out_bf16, M, N, K, gs);                                       \
     }
 QAMX(qamx_u8, QA_U8)
 QAMX(qamx_u4, QA_U4)
 QAMX(qamx_fp8, QA_FP8)
 QAMX(qamx_p8, QA_P8)
 QAMX(qamx_p4, QA_P4)
+QAMX_MINS(qamx_mins_u8, QA_U8)
+QAMX_MINS(qamx_mins_u4, QA_U4)
+QAMX_MINS(qamx_mins_p8, QA_P8)
+QAMX_MINS(qamx_mins_p4, QA_P4)
 
 #else
 typedef int qamx_not_built; /* no AMX in this build: no entry points (cpu_kernels.py) */
