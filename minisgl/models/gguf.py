@@ -21,8 +21,9 @@ read as follows:
   CUDA path) run as they run GPTQ's, the mins' term subtracted after them (each group's min
   times the inputs' sum over the group).
 - An untied embedding table (the file has output.weight) in one of those types or in Q6_K,
-  Q3_K or Q2_K (on any device: looked up, not multiplied): held the same way, a lookup dequantizing
-  only the rows it reads (Qwen3-8B's Q4_K table: 0.5 GB held where bf16 takes 1.2 GB).
+  Q3_K or Q2_K (on any device: looked up, not multiplied): held the same way, a lookup
+  dequantizing only the rows it reads (Qwen3-8B's Q4_K table: 0.5 GB held where bf16 takes
+  1.2 GB).
 - Q6_K, Q3_K and Q2_K attention and MLP projections (a mixture's experts included), where the
   CPU kernels take their groups of 16 (the VNNI panels: an AVX512-VNNI build; loads with
   `hold_groups_of_16`): held as 8-bit codes q with zero point 32 (Q3_K: 4; Q2_K: 0 and a min
@@ -197,8 +198,7 @@ class GgufFile:
         if self.head != EMBEDDING:
             held.add(EMBEDDING)
         self.hold_groups_of_16 = hold_groups_of_16
-        # an untied table is looked up, not multiplied: held in groups of 16 too, whatever the
-        # kernels
+        # an untied table is looked up, not multiplied: held in groups of 16 too, any kernels
         table = {EMBEDDING} if self.head != EMBEDDING else set()
         self.tensors = _tensors(self._reader.tensors, held, table, hold_groups_of_16)
 

@@ -31,7 +31,8 @@ The candidates (cpu_gemv.py), all reading the quantized weight as loaded (no sec
   for the row counts it runs faster (on an AMX Xeon 8-bit codes from 2 rows, 4-bit from 5-9),
   vnni_panel's for the others;
 - "amx_bf16_vpanel": the same panels dequantized once per call into bf16 and multiplied by bf16
-  x (amx_panel's kernel and values, over the packed layout): the packed layout's prefill.
+  x (amx_panel's kernel and values, over the packed layout): the packed layout's prefill. Both
+  take a weight's group mins into the panel from matmul.FOLD_MINS_ROWS rows (timed without).
 MINISGL_CPU_QUANT_LINEAR=<candidate> forces one everywhere it can run (tests, benchmarks).
 Which wins at which row count depends on the CPU (FMA width, integer multiply rate, MKL), so
 nothing is a fixed row limit: each shape and code kind is timed per bucket at start-up, or read

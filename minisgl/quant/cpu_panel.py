@@ -97,7 +97,9 @@ def x8_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) 
     return run_c(lib.qvnni[cpu_gemv.kind(w)], x, w, out_dtype)
 
 
-def mins_folded(pick: str, x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None):  # noqa: ANN201
+def mins_folded(
+    pick: str, x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None
+) -> torch.Tensor | None:
     """x @ W.T for a weight with group mins by `pick`'s panel kernel with the mins folded into
     its bf16 panel (qamx.c's *_mins: the values of the weight dequantized with its mins,
     rounded to bf16), where `pick` is amx_panel (row-major codes) or amx_bf16_vpanel (packed)
