@@ -127,13 +127,10 @@ def _q6_k_quantize(values: np.ndarray) -> np.ndarray:
     bit pairs, the 16 scales, d."""
     lead = values.shape[:-1]
     x = values.reshape(-1, 16, 16)
-    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
-    scale = -peak / 32  # the group's largest magnitude at code -32 (as llama.cpp signs it)
-    d = _half(np.abs(scale).max(-1) / 127)
-    u = d.astype(np.float32)[:, None]
+    d, scales = _multiples(_signed_groups(x, 32), 127, 127)
+    sc = scales.astype(np.int8)
+    step = (d.astype(np.float32)[:, None] * sc)[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.clip(np.where(u > 0, np.rint(scale / u), 0), -128, 127).astype(np.int8)
-        step = (u * sc)[..., None]
         q = np.where(step != 0, np.rint(x / step), 0)
     q6 = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 2, 64)  # [half, s, i]
     low = (q6[:, :, 0] & 15) | ((q6[:, :, 1] & 15) << 4)  # weight 64s + i of a half: nibble s
@@ -141,6 +138,15 @@ def _q6_k_quantize(values: np.ndarray) -> np.ndarray:
     parts = [low.reshape(-1, 128), pairs.sum(axis=2, dtype=np.uint8).reshape(-1, 64)]
     parts += [sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)]
     return np.concatenate(parts, axis=-1).reshape(*lead, -1)
+
+
+def _multiples(scale: np.ndarray, below: int, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per super-block (scale [blocks, groups]) a float16 d, max |scale| / below, and each
+    group's scale as a whole multiple of it in -below..top."""
+    d = _half(np.abs(scale).max(-1) / below)
+    u = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return d, np.clip(np.where(u > 0, np.rint(scale / u), 0), -below, top)
 
 
 def _signed_groups(x: np.ndarray, top: int) -> np.ndarray:
@@ -156,12 +162,9 @@ def _q3_k_quantize(values: np.ndarray) -> np.ndarray:
     64 of low bit pairs, 12 of scales, d."""
     lead = values.shape[:-1]
     x = values.reshape(-1, 16, 16)
-    scale = _signed_groups(x, 4)
-    d = _half(np.abs(scale).max(-1) / 32)
-    u = d.astype(np.float32)[:, None]
+    d, sc = _multiples(_signed_groups(x, 4), 32, 31)
+    step = (d.astype(np.float32)[:, None] * sc)[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.clip(np.where(u > 0, np.rint(scale / u), 0), -32, 31)
-        step = (u * sc)[..., None]
         q = np.where(step != 0, np.rint(x / step), 0)
     code = (np.clip(q, -4, 3) + 4).astype(np.uint8).reshape(-1, 256)
     high = (code >> 2).reshape(-1, 8, 32) << np.arange(8, dtype=np.uint8)[:, None]
@@ -205,12 +208,9 @@ def _iq4_xs_quantize(values: np.ndarray) -> np.ndarray:
     IQ4_NL's; weight = d * (ls - 32) * table[q]."""
     lead = values.shape[:-1]
     x = values.reshape(-1, 8, 32)
-    scale = _signed_groups(x, 127)
-    d = _half(np.abs(scale).max(-1) / 32)
-    u = d.astype(np.float32)[:, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ls = np.clip(np.where(u > 0, np.rint(scale / u), 0), -32, 31).astype(np.int32) + 32
-    index = _iq4_indices(x, (u * (ls - 32))[..., None])
+    d, sc = _multiples(_signed_groups(x, 127), 32, 31)
+    index = _iq4_indices(x, (d.astype(np.float32)[:, None] * sc)[..., None])
+    ls = sc.astype(np.int32) + 32
     high = ((ls >> 4) << (2 * np.arange(8))).sum(-1).astype(np.uint16)
     low = ((ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)).astype(np.uint8)
     parts = [d.view(np.uint8).reshape(-1, 2), high.view(np.uint8).reshape(-1, 2), low]
