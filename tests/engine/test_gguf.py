@@ -210,10 +210,11 @@ def test_float_file_generates_the_sources_tokens(tmp_path: Path) -> None:
     assert greedy(path)[0] == greedy(src)[0]
 
 
-@pytest.mark.parametrize("table", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("table", ["Q4_K", "Q6_K", "Q2_K"])
 def test_untied_embedding_table_held_as_stored(table: str, tmp_path: Path, caplog) -> None:
     """An untied model's token_embd in a type minisgl holds (a Qwen3-8B Q4_K_M file's Q4_K
-    table, mins and all; a Q6_K file's Q6_K table, on any CPU: it is looked up, not multiplied)
+    table, mins and all; a Q6_K file's Q6_K table, on any CPU: it is looked up, not multiplied;
+    a Q2_K one, groups of 16 with mins)
     is held as its blocks and looked up row by row, no float copy of it made (before:
     dequantized at load, 1.2 GB of bf16 for Qwen3-8B): the twin's tokens and transformers',
     the head held as stored beside it. (A table without mins takes the decode chain's lookup,
