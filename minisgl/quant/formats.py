@@ -329,9 +329,8 @@ def _gguf_decode(b: torch.Tensor, kind: str) -> Decoded:
     if kind == "IQ4_NL":
         return _iq4_codes(low), d, 128, None
     if kind in ("Q5_0", "Q5_1"):  # bit i of the word before the nibbles: weight i's fifth bit
-        low |= (b[..., -20:-16].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8) & 1).flatten(
-            -2
-        ) << 4
+        fifth = b[..., -20:-16].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8) & 1
+        low |= fifth.flatten(-2) << 4
     if kind in ("Q4_1", "Q5_1"):  # weight = d * q + m: held with min -m
         return low, d, 0, -_halves(b[..., 2:4]).unsqueeze(-1)
     return low, d, 1 << (GGUF_PROJECTION_TYPES[kind] - 1), None
