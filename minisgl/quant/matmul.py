@@ -41,17 +41,14 @@ def qlinear(
     kernels write `out_dtype` themselves (a float32 LM head's logits unrounded); the others'
     results are converted. A weight with group mins: their term subtracted after the kernels
     (minus_mins), or, from FOLD_MINS_ROWS rows, folded into the panels of a pick that
-    dequantizes them (mins_folded); the dequantizing path below includes them itself."""
+    dequantizes them (with_mins); the dequantizing path below includes them itself."""
     if kernel is not None and x.device.type != "cpu":
         return through(kernel, x, w, out_dtype)
     if cpu_gemv.usable(x, w):
         if w.mins is None:
             return _c_kernels(x, w, kernel, out_dtype)
-        folded = mins_folded(kernel, x, w, out_dtype)
-        if folded is not None:
-            return folded
-        bare = without_mins(w)
-        return minus_mins(lambda x, dtype: _c_kernels(x, bare, kernel, dtype), x, w, out_dtype)
+        return with_mins(lambda x, bare, dtype: _c_kernels(x, bare, kernel, dtype), kernel, x, w,
+                         out_dtype)  # fmt: skip
     n = w.codes.shape[0]
     rows = max(1, CHUNK_ELEMENTS // max(w.in_features, 1))
     if rows >= n:
@@ -94,17 +91,23 @@ def _as(y: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return y if dtype is None else y.to(dtype)
 
 
-def mins_folded(
+def with_mins(
+    run: Callable[[torch.Tensor, QTensor, torch.dtype], torch.Tensor],
     kernel: Callable[[torch.Tensor, QTensor], torch.Tensor] | None,
     x: torch.Tensor,
     w: QTensor,
     out_dtype: torch.dtype | None,
-) -> torch.Tensor | None:
-    """x @ W.T for a weight with group mins where FOLD_MINS_ROWS or more rows of x run on a
-    pick of `kernel` that folds them into its panel (cpu_panel.mins_folded); else None."""
-    if x.shape[0] < FOLD_MINS_ROWS or not isinstance(kernel, QuantKernel):
-        return None
-    return cpu_panel.mins_folded(kernel.pick(x.shape[0]), x, w, out_dtype)
+) -> torch.Tensor:
+    """x @ W.T for a weight with group mins: where FOLD_MINS_ROWS or more rows of x run on a
+    pick of `kernel` that folds them into its panel, that (cpu_panel.mins_folded); else
+    `run(x, bare, dtype)`, x times the weight without its mins in `dtype`, less their term
+    (minus_mins)."""
+    if x.shape[0] >= FOLD_MINS_ROWS and isinstance(kernel, QuantKernel):
+        folded = cpu_panel.mins_folded(kernel.pick(x.shape[0]), x, w, out_dtype)
+        if folded is not None:
+            return folded
+    bare = without_mins(w)
+    return minus_mins(lambda x, dtype: run(x, bare, dtype), x, w, out_dtype)
 
 
 def minus_mins(

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from minisgl.quant import cpu_gemv, cpu_vpanel
-from minisgl.quant.matmul import mins_folded, minus_mins, qlinear, through
+from minisgl.quant.matmul import qlinear, through, with_mins
 from minisgl.quant.qtensor import FP8, QTensor, dequantize, per_feature, take_rows, without_mins
 
 # Embedding lookups of at most this many ids (decode steps) dequantize row by row in C.
@@ -251,11 +251,8 @@ class QuantWeight(nn.Module):
         assert kernel is not None
         if w.mins is None:
             return through(kernel, x, w, out_dtype)
-        folded = mins_folded(kernel, x, w, out_dtype)
-        if folded is not None:
-            return folded
-        bare = without_mins(w)
-        return minus_mins(lambda x, dtype: through(kernel, x, bare, dtype), x, w, out_dtype)
+        return with_mins(lambda x, bare, dtype: through(kernel, x, bare, dtype), kernel, x, w,
+                         out_dtype)  # fmt: skip
 
     def extra_repr(self) -> str:
         return f"shape={list(self.shape)}, bits={self.bits}, group_size={self.group_size}"
