@@ -46,7 +46,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -192,15 +192,15 @@ class GgufFile:
             )
         self._raw = {t.name: t for t in self._reader.tensors}
         self.head = "output.weight" if "output.weight" in self._raw else EMBEDDING
-        # An untied table (the head is output.weight) is held as stored where minisgl holds
-        # its type: its lookups dequantize only the rows they read.
-        held = {self.head} if hold_head else set()
+        # Whole tensors read as their blocks -> the types they are so in: the head in those
+        # the kernels multiply; an untied table (the head is output.weight) in any held type,
+        # groups of 16 included whatever the kernels (it is looked up, not multiplied: its
+        # lookups dequantize only the rows they read).
+        held: dict[str, Collection[str]] = {self.head: GGUF_TYPES} if hold_head else {}
         if self.head != EMBEDDING:
-            held.add(EMBEDDING)
+            held[EMBEDDING] = GGUF_PROJECTION_TYPES
         self.hold_groups_of_16 = hold_groups_of_16
-        # an untied table is looked up, not multiplied: held in groups of 16 too, any kernels
-        table = {EMBEDDING} if self.head != EMBEDDING else set()
-        self.tensors = _tensors(self._reader.tensors, held, table, hold_groups_of_16)
+        self.tensors = _tensors(self._reader.tensors, held, hold_groups_of_16)
 
     def tokenizer_digest(self) -> str:
         """A digest of every tokenizer.* field, as stored."""
@@ -412,11 +412,10 @@ class GgufFile:
         return _FILE_DTYPES.get(int(self.fields.get("general.file_type", -1)), "bfloat16")
 
 
-def _tensors(raw: list[Any], held_whole: set[str], table: set[str], g16: bool) -> list[Tensor]:
-    """Every tensor renamed, with the type minisgl reads it as (`held_whole`: the LM head's
-    tensor, an untied embedding table's: read as their blocks where minisgl holds their
-    type; `table`: an untied table's, in groups of 16 too; `g16`: Q6_K / Q3_K / Q2_K
-    projections held)."""
+def _tensors(raw: list[Any], whole: dict[str, Collection[str]], g16: bool) -> list[Tensor]:
+    """Every tensor renamed, with the type minisgl reads it as (`whole`: the LM head's and an
+    untied embedding table's names -> the types they are read as their blocks in; `g16`:
+    Q6_K / Q3_K / Q2_K projections held)."""
     stored = {t.name: t.tensor_type.name for t in raw}
     out = []
     for t in raw:
@@ -424,13 +423,7 @@ def _tensors(raw: list[Any], held_whole: set[str], table: set[str], g16: bool) -
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the innermost first
         names = (hf,) if "{e}" not in hf else tuple(hf.format(e=e) for e in range(shape[0]))
         kind = stored[t.name]
-        whole = (t.name in held_whole and kind in GGUF_TYPES) or (
-            t.name in table and kind in GGUF_GROUP_16_TYPES
-        )
-        if whole:
-            held = kind
-        else:
-            held = _held(t.name, part, stored, g16)
+        held = kind if kind in whole.get(t.name, ()) else _held(t.name, part, stored, g16)
         out.append(Tensor(t.name, names, shape, kind, held))
     return out
 
