@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from minisgl.cache import cache_dir
+from minisgl.models.gguf_header import GgufHeader, TensorInfo
 from minisgl.quant.scheme import GGUF_GROUP_16_TYPES, GGUF_PROJECTION_TYPES, GGUF_TYPES
 
 logger = logging.getLogger("minisgl.models.gguf")  # also as `python -m` (__main__)
@@ -161,7 +162,7 @@ class Tensor:
 
 
 class GgufFile:
-    """A GGUF file's metadata and tensors, read with gguf-py's reader (memory-mapped)."""
+    """A GGUF file's metadata and tensors (memory-mapped: gguf_header)."""
 
     def __init__(
         self, path: str | Path, hold_head: bool = False, hold_groups_of_16: bool = False
@@ -171,26 +172,22 @@ class GgufFile:
         as floats. `hold_groups_of_16`: read Q6_K, Q3_K and Q2_K projections as their blocks
         (where the kernels take groups of 16: the loader's choice; the prepared config names
         them either way), else as floats."""
-        from gguf import GGUFReader
-
         self.path = Path(path)
-        self._reader = GGUFReader(str(self.path))
-        self.fields: dict[str, Any] = {}
-        for key, f in self._reader.fields.items():
-            if key in (
-                "tokenizer.ggml.tokens",
-                "tokenizer.ggml.merges",
-                "tokenizer.ggml.token_type",
-            ):
-                continue  # 150k-entry arrays: the tokenizer conversion reads them itself
-            self.fields[key] = f.contents()
+        self._header = GgufHeader(self.path)
+        self.fields: dict[str, Any] = {
+            key: self._header.value(key)
+            for key in self._header.fields
+            # 150k-entry arrays: the tokenizer conversion reads them itself
+            if key not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                           "tokenizer.ggml.token_type")
+        }  # fmt: skip
         self.architecture = str(self.fields.get("general.architecture", ""))
         if self.architecture not in ARCHITECTURES:
             raise ValueError(
                 f"{self.path}: unsupported GGUF architecture {self.architecture!r}; minisgl "
                 f"reads {', '.join(ARCHITECTURES)}"
             )
-        self._raw = {t.name: t for t in self._reader.tensors}
+        self._raw = {t.name: t for t in self._header.tensors}
         self.head = "output.weight" if "output.weight" in self._raw else EMBEDDING
         # Whole tensors read as their blocks -> the types they are so in: the head in those
         # the kernels multiply; an untied table (the head is output.weight) in any held type,
@@ -200,16 +197,15 @@ class GgufFile:
         if self.head != EMBEDDING:
             held[EMBEDDING] = GGUF_PROJECTION_TYPES
         self.hold_groups_of_16 = hold_groups_of_16
-        self.tensors = _tensors(self._reader.tensors, held, hold_groups_of_16)
+        self.tensors = _tensors(self._header.tensors, held, hold_groups_of_16)
 
     def tokenizer_digest(self) -> str:
         """A digest of every tokenizer.* field, as stored."""
         h = hashlib.sha256()
-        for key, f in self._reader.fields.items():
+        for key in self._header.fields:
             if key.startswith("tokenizer."):
                 h.update(key.encode())
-                for part in f.parts:
-                    h.update(part.tobytes())
+                h.update(self._header.raw(key))
         return h.hexdigest()[:16]
 
     def meta(self, key: str, default: Any = None) -> Any:
@@ -412,15 +408,15 @@ class GgufFile:
         return _FILE_DTYPES.get(int(self.fields.get("general.file_type", -1)), "bfloat16")
 
 
-def _tensors(raw: list[Any], whole: dict[str, Collection[str]], g16: bool) -> list[Tensor]:
+def _tensors(raw: list[TensorInfo], whole: dict[str, Collection[str]], g16: bool) -> list[Tensor]:
     """Every tensor renamed, with the type minisgl reads it as (`whole`: the LM head's and an
     untied embedding table's names -> the types they are read as their blocks in; `g16`:
     Q6_K / Q3_K / Q2_K projections held)."""
-    stored = {t.name: t.tensor_type.name for t in raw}
+    stored = {t.name: t.type for t in raw}
     out = []
     for t in raw:
         hf, part = _hf_name(t.name)
-        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the innermost first
+        shape = tuple(reversed(t.dims))  # GGUF lists the innermost first
         names = (hf,) if "{e}" not in hf else tuple(hf.format(e=e) for e in range(shape[0]))
         kind = stored[t.name]
         held = kind if kind in whole.get(t.name, ()) else _held(t.name, part, stored, g16)

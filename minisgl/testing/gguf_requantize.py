@@ -22,25 +22,25 @@ from minisgl.quant.scheme import GGUF_K_TYPES, GGUF_TYPES
 
 
 def requantize(src: Path, out: Path, types: Callable[[str], str | None]) -> Path:
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, quants
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
 
-    reader = GGUFReader(str(src))
-    arch = reader.fields["general.architecture"].contents()
-    writer = GGUFWriter(str(out), arch)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue  # the writer's own header fields
+    from minisgl.models.gguf_header import GgufHeader
+
+    header = GgufHeader(src)
+    writer = GGUFWriter(str(out), header.value("general.architecture"))
+    for key, field in header.fields.items():
+        if key == "general.architecture":
+            continue  # the writer's own header field
         if key == "general.file_type":
             continue  # mixed now: llama.cpp reads the tensors' own types
-        main = field.types[0]
-        sub = field.types[-1] if main == GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), main, sub)
-    for t in reader.tensors:
+        sub = GGUFValueType(field.sub) if field.sub is not None else None
+        writer.add_key_value(key, header.value(key), GGUFValueType(field.type), sub)
+    for t in header.tensors:
         want = types(t.name)
-        if want is None or want == t.tensor_type.name:
-            data, qtype = np.array(t.data), t.tensor_type
-        else:
-            values = quants.dequantize(np.array(t.data), t.tensor_type).astype(np.float32)
+        qtype = GGMLQuantizationType[t.type]
+        data = np.array(t.data)
+        if want is not None and want != t.type:
+            values = quants.dequantize(data, qtype).astype(np.float32)
             qtype = GGMLQuantizationType[want]
             data = quantize(values, want)
         writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=qtype)

@@ -10,6 +10,7 @@ transformers), so a misnamed, transposed or misdecoded tensor changes the tokens
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -27,6 +28,7 @@ from minisgl import LLM
 from minisgl.layers import cpu_kernels
 from minisgl.models import gguf as gguf_model
 from minisgl.models.config import ModelConfig
+from minisgl.models.gguf_header import GgufHeader
 from minisgl.quant import cpu_gemv, cpu_vpanel, formats
 from minisgl.quant.loading import weights_info
 from minisgl.quant.qtensor import dequantize
@@ -271,6 +273,73 @@ def test_prepared_directory_is_the_models_config_and_tokenizer(files) -> None:
     assert tok(text).input_ids == ref(text).input_ids
     assert gguf_model.prepared_dir(path) == prepared
     assert (prepared / "model.gguf").resolve() == path.resolve()
+
+
+def _same_as_gguf_py(path: Path) -> gguf.GGUFReader:
+    """gguf_header reads every metadata value, every entry's bytes and every tensor of `path`
+    as gguf-py's GGUFReader does (returned: 6-7 s to open a file with Qwen's vocabulary)."""
+    ours, theirs = GgufHeader(path), gguf.GGUFReader(str(path))
+    fields = {k: f for k, f in theirs.fields.items() if not k.startswith("GGUF.")}  # its own
+    assert list(ours.fields) == list(fields)
+    for key, f in fields.items():
+        value = ours.value(key)
+        if f.types[:2] == [gguf.GGUFValueType.ARRAY] * 2:  # gguf-py flattens arrays of arrays
+            value = [item for inner in value for item in inner]
+        assert value == f.contents(), key
+        assert ours.raw(key) == b"".join(part.tobytes() for part in f.parts), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.type, a.dims) == (b.tensor_type.name, tuple(int(d) for d in b.shape))
+        assert (a.n_elements, a.n_bytes) == (b.n_elements, b.n_bytes)
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+        assert np.array_equal(a.data, b.data, equal_nan=True)
+    return theirs
+
+
+def test_header_reads_as_gguf_py(files, tmp_path: Path) -> None:
+    """The file's header and tensors as llama.cpp's reader (gguf-py) has them: the converter's
+    file (Qwen's 151k-token vocabulary and merges, Q8_0 and F32 tensors), and a file with every
+    metadata value type (arrays of arrays, 64-bit and bool values, a non-default alignment) and
+    other tensor types and shapes; the tokenizer's digest as before (the prepared directories'
+    tokenizers are kept under it)."""
+    reader = _same_as_gguf_py(files["q8_0"])
+    w = gguf.GGUFWriter(str(tmp_path / "all.gguf"), "qwen3")
+    w.add_uint32("general.alignment", 64)
+    w.add_key_value("x.nested", [[1, 2], [3]], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.ARRAY)
+    for i, (value, kind) in enumerate([(7, "UINT8"), (-7, "INT8"), (70000, "UINT32"),
+                                       (-2**40, "INT64"), (2**63, "UINT64"), (0.1, "FLOAT64"),
+                                       (True, "BOOL"), ("héllo", "STRING")]):  # fmt: skip
+        w.add_key_value(f"x.{i}", value, gguf.GGUFValueType[kind])
+    w.add_array("x.floats", [0.5, -1.0])
+    w.add_array("x.strings", ["a", "", "你好"])
+    rng = np.random.default_rng(0)
+    w.add_tensor("t.f16", rng.standard_normal((3, 32)).astype(np.float16))
+    q4 = quantize(rng.standard_normal((2, 256)).astype(np.float32), "Q4_K")
+    w.add_tensor("t.q4_k", q4, raw_shape=q4.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    w.add_tensor("t.i32", np.arange(5, dtype=np.int32))
+    w.add_tensor("t.experts", rng.standard_normal((2, 3, 32)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _same_as_gguf_py(tmp_path / "all.gguf")
+    assert GgufHeader(tmp_path / "all.gguf").value("x.nested") == [[1, 2], [3]]
+    # the digest of every tokenizer.* entry as gguf-py's parts gave it
+    h = hashlib.sha256()
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer."):
+            h.update(key.encode())
+            for part in f.parts:
+                h.update(part.tobytes())
+    assert gguf_model.GgufFile(files["q8_0"]).tokenizer_digest() == h.hexdigest()[:16]
+    (tmp_path / "big-endian.gguf").write_bytes(b"GGUF" + (3).to_bytes(4, "big") + bytes(16))
+    with pytest.raises(ValueError, match="GGUF version 50331648 .* reads little-endian"):
+        GgufHeader(tmp_path / "big-endian.gguf")
+    whole = files["q8_0"].read_bytes()
+    for cut, where in ((100_000, "its header"), (len(whole) - 1, "tensor ")):
+        (tmp_path / "cut.gguf").write_bytes(whole[:cut])
+        with pytest.raises(ValueError, match=f"a truncated GGUF file \\({where}"):
+            GgufHeader(tmp_path / "cut.gguf")
 
 
 @pytest.mark.parametrize("kind", sorted(GGUF_PROJECTION_TYPES))
