@@ -79,6 +79,8 @@ class GgufHeader:
         self.fields: dict[str, Field] = {}
         for _ in range(n_fields):
             key, field = self._field(at)
+            if key in self.fields:
+                raise ValueError(f"{self.path}: metadata key {key!r} twice")
             self.fields[key] = field
             at = field.end
         infos = []
@@ -89,7 +91,11 @@ class GgufHeader:
             kind, offset = struct.unpack_from("<IQ", self._map, at + 4 + 8 * n_dims)
             infos.append((name, dims, kind, offset))
             at += 4 + 8 * n_dims + 12
-        align = int(self.value("general.alignment", DEFAULT_ALIGNMENT))
+        if len({info[0] for info in infos}) < len(infos):
+            raise ValueError(f"{self.path}: a tensor name twice")
+        align = self.value("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise ValueError(f"{self.path}: general.alignment {align!r} is not a power of two")
         start = -(-at // align) * align
         self.tensors: list[TensorInfo] = []
         for name, dims, kind, offset in infos:

@@ -335,6 +335,12 @@ def test_header_reads_as_gguf_py(files, tmp_path: Path) -> None:
     (tmp_path / "big-endian.gguf").write_bytes(b"GGUF" + (3).to_bytes(4, "big") + bytes(16))
     with pytest.raises(ValueError, match="GGUF version 50331648 .* reads little-endian"):
         GgufHeader(tmp_path / "big-endian.gguf")
+    two = _tiny_file(tmp_path / "two.gguf", "qwen3", {n: np.zeros(4, np.float32) for n in "ab"})
+    name_b = (1).to_bytes(8, "little") + b"b"  # as the file lists it: its length, then it
+    twice = two.read_bytes().replace(name_b, (1).to_bytes(8, "little") + b"a")
+    (tmp_path / "twice.gguf").write_bytes(twice)
+    with pytest.raises(ValueError, match="a tensor name twice"):
+        GgufHeader(tmp_path / "twice.gguf")
     whole = files["q8_0"].read_bytes()
     for cut, where in ((100_000, "its header"), (len(whole) - 1, "tensor ")):
         (tmp_path / "cut.gguf").write_bytes(whole[:cut])
