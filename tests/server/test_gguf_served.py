@@ -110,7 +110,7 @@ def test_a_file_that_is_not_gguf_stops_the_start_with_its_reason(tmp_path: Path)
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
     assert done.returncode == 1
-    assert f"cannot open GGUF file {bad}: GGUF magic invalid" in done.stderr
+    assert f"cannot open GGUF file {bad}: {bad} is not a GGUF file (no GGUF magic)" in done.stderr
     assert "Traceback" not in done.stderr
 
 
