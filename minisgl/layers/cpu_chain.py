@@ -385,7 +385,7 @@ class Chain:
             args = (xa, self.bf16, *weight_args, ya, out_bf16, self.rows, n, k, group)
             self._emit(OP_QMM, fn, *args, label=label)
             return
-        # Group mins (matmul.minus_mins): the kernel into float32, then their term into out.
+        # Group mins (cpu_panel.minus_mins): the kernel into float32, then their term into out.
         acc = self._arg(self.buffer("mins_acc", n, dtype=torch.float32))
         self._emit(OP_QMM, fn, xa, self.bf16, *weight_args, acc, 0, self.rows, n, k, group,
                    label=label)  # fmt: skip

@@ -32,7 +32,9 @@ The candidates (cpu_gemv.py), all reading the quantized weight as loaded (no sec
   vnni_panel's for the others;
 - "amx_bf16_vpanel": the same panels dequantized once per call into bf16 and multiplied by bf16
   x (amx_panel's kernel and values, over the packed layout): the packed layout's prefill. Both
-  take a weight's group mins into the panel from matmul.FOLD_MINS_ROWS rows (timed without).
+  take a weight's group mins into the panel from cpu_panel.FOLD_MINS_ROWS rows.
+A weight with group mins is timed as its layer runs it (cpu_panel.run_mins): each pick's
+kernel, then the mins' term, or the kernel that folds them into its panel.
 MINISGL_CPU_QUANT_LINEAR=<candidate> forces one everywhere it can run (tests, benchmarks).
 Which wins at which row count depends on the CPU (FMA width, integer multiply rate, MKL), so
 nothing is a fixed row limit: each shape and code kind is timed per bucket at start-up, or read
@@ -48,6 +50,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
@@ -262,7 +265,8 @@ def _packed_pick(timings: kernel_choice.Timings, b: int) -> str:
 
 def shape_key(w: QTensor, x_dtype: torch.dtype) -> ShapeKey:
     dt = str(x_dtype).removeprefix("torch.")
-    return ShapeKey(w.codes.shape[0], w.in_features, f"{cpu_gemv.kind(w)}-g{w.group_size}", dt, dt)
+    kind = f"{cpu_gemv.kind(w)}-g{w.group_size}" + ("-mins" if w.mins is not None else "")
+    return ShapeKey(w.codes.shape[0], w.in_features, kind, dt, dt)
 
 
 def machine_key() -> MachineKey:
@@ -362,8 +366,20 @@ def _timed_pass(
     cpu_kernels.flush(_pass_tensors(group, name))
     t0 = clock()
     for w in group:
-        _RUN[name](x, w)
+        _as_layer(name, x, w)
     return clock() - t0
+
+
+def _as_layer(name: str, x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """What a layer runs for a pick of `name`: a weight with group mins as cpu_panel.run_mins
+    runs it (a packed pick on the packed copy, its mins beside the panels as a layer keeps
+    them)."""
+    if w.mins is None:
+        return _RUN[name](x, w)
+    if name in PACKED_KERNELS:
+        packed = replace(cpu_vpanel.packed_copy(w), mins=w.mins)
+        return cpu_panel.run_mins(name, _PACKED_RUN[name], x, packed, None)
+    return cpu_panel.run_mins(name, _RUN[name], x, w, None)
 
 
 def measure(
@@ -385,10 +401,10 @@ def measure(
         group = _timing_set(weights, rows)
         x = torch.randn(rows, group[0].in_features).to(x_dtype)
         live = [name for name in CANDIDATES if name in names]
-        for name in live:
-            _RUN[name](x, group[0])  # warm-up
         if PACKED in live:  # its copies made before its passes, not in the first one
             cpu_vpanel.pack_copies(group)
+        for name in live:
+            _as_layer(name, x, group[0])  # warm-up
         best = {name: float("inf") for name in live}
         worst = {name: 0.0 for name in live}
         for rep in range(_MAX_REPEATS):

@@ -14,11 +14,21 @@ codes with AVX512-VNNI (qvnni.c; --cpu-quantized-activations int8 only). Candida
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from minisgl.layers import cpu_kernels
 from minisgl.quant import cpu_gemv
-from minisgl.quant.qtensor import QTensor
+from minisgl.quant.qtensor import QTensor, without_mins
+
+# Rows of x from which the picks that dequantize panels into bf16 (amx_panel, amx_bf16_vpanel)
+# take a weight's group mins into the panel's values (cpu_panel.mins_folded) instead of
+# qmins.c's term after the matmul (M x N x groups multiply-adds: ~375 ms of the 641 a Q4_1
+# file's 1024-token prefill lost to bf16 on a Zen 4): past the decode chain's steps
+# (layers/cpu_chain.MAX_ROWS rows), whose bits the layer path keeps by the same kernels and
+# term.
+FOLD_MINS_ROWS = 65
 
 
 def dequant_panel(
@@ -97,6 +107,25 @@ def x8_panel(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) 
     return run_c(lib.qvnni[cpu_gemv.kind(w)], x, w, out_dtype)
 
 
+def run_mins(
+    pick: str | None,
+    run: Callable[[torch.Tensor, QTensor, torch.dtype], torch.Tensor],
+    x: torch.Tensor,
+    w: QTensor,
+    out_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """x @ W.T for a weight with group mins, as a layer runs it for the kernel choice's `pick`
+    at x's rows (None: a kernel outside the choice): from FOLD_MINS_ROWS rows on a pick that
+    folds them into its panel, that (mins_folded); else `run(x, bare, dtype)`, x times the
+    weight without its mins in `dtype`, less their term (minus_mins)."""
+    if pick is not None and x.shape[0] >= FOLD_MINS_ROWS:
+        folded = mins_folded(pick, x, w, out_dtype)
+        if folded is not None:
+            return folded
+    bare = without_mins(w)
+    return minus_mins(lambda x, dtype: run(x, bare, dtype), x, w, out_dtype)
+
+
 def mins_folded(
     pick: str, x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None
 ) -> torch.Tensor | None:
@@ -115,6 +144,33 @@ def mins_folded(
         return None
     mins = w.mins
     return run_c(fn, x, w, out_dtype, (mins.data_ptr(), mins.stride(0)))
+
+
+def minus_mins(
+    run: Callable[[torch.Tensor, torch.dtype], torch.Tensor],
+    x: torch.Tensor,
+    w: QTensor,
+    out_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """x @ W.T for a weight with group mins (weight = (code - zero) * scale - min), where
+    `run(x, dtype)` multiplies by the rest in `dtype` on the CPU: that in float32, less each
+    group's min times the sum of x over the group, rounded once to `out_dtype` (default x's),
+    by csrc/qmins.c (the decode chain's call: the same bits)."""
+    lib = cpu_kernels.load()
+    assert lib is not None and w.mins is not None and w.g_idx is None and x.dim() == 2
+    x = x.contiguous()
+    acc = run(x, torch.float32)
+    dtype = out_dtype or x.dtype
+    y = acc if dtype == torch.float32 else torch.empty_like(acc, dtype=dtype)
+    n, k = acc.shape[1], w.in_features
+    done = lib.qmins(
+        x.data_ptr(), int(x.dtype == torch.bfloat16), acc.data_ptr(), w.mins.data_ptr(),
+        w.mins.stride(0), y.data_ptr(), int(dtype == torch.bfloat16), x.shape[0], n, k,
+        w.group_size or k,
+    )  # fmt: skip
+    if not done:
+        raise MemoryError(f"no memory for the group sums of {x.shape[0]} rows of x (qmins)")
+    return y
 
 
 def run_c(

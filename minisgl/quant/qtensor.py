@@ -17,7 +17,7 @@ FP8, AWQ, GPTQ, compressed-tensors and the formats made at load:
                                                                     (fp8: code * scale)
 
 The kernels read codes, scales and zero points; a weight with mins gets their term,
-sum_g min[n, g] * (sum of x over group g), subtracted after them (matmul.minus_mins).
+sum_g min[n, g] * (sum of x over group g), subtracted after them (cpu_panel.minus_mins).
 
 `QTensor` is that set of tensors (a full checkpoint tensor, or a view into a layer's buffers);
 `narrow` cuts a tensor-parallel shard out of it and `copy_` fills a layer's buffers from it,

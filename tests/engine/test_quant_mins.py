@@ -6,6 +6,8 @@ rows, the CPU kernels with the mins' term after them, VNNI panels, and the GPU c
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,8 @@ from quant_parity import needs_vnni_panel
 from torch import nn
 
 from minisgl.layers import cpu_chain, cpu_kernels
-from minisgl.quant import cpu_choice, cpu_gemv, cpu_vpanel, formats, matmul
+from minisgl.layers.kernel_choice import TIMED_ROWS
+from minisgl.quant import cpu_choice, cpu_gemv, cpu_panel, cpu_vpanel, formats
 from minisgl.quant import cuda_matmul as cm
 from minisgl.quant.matmul import through
 from minisgl.quant.qtensor import QTensor, dequantize, take_rows, without_mins
@@ -195,14 +198,14 @@ def test_vnni_panels_then_the_mins_term(monkeypatch: pytest.MonkeyPatch) -> None
 def test_a_prefills_rows_take_the_mins_into_the_bf16_panels(
     kind: str, pick: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """From matmul.FOLD_MINS_ROWS rows of bf16 x (a prefill's: more than the decode chain's
+    """From cpu_panel.FOLD_MINS_ROWS rows of bf16 x (a prefill's: more than the decode chain's
     steps), the picks that dequantize panels into bf16 take each group's min into the panel's
     values (qamx.c's *_mins): the product of x and the weight dequantized with its mins and
     rounded to bf16, a bf16 twin's weight, to fp32 sum order; before, qmins.c's term after the
     matmul left a product further from it (~6e-4 of its size) at up to a third of a Q4_1
     prefill's time. Fewer rows keep the kernel and that term, the decode chain's bits. Builds
     without those kernels (no AVX512-BF16) keep the term at every row count."""
-    assert matmul.FOLD_MINS_ROWS > cpu_chain.MAX_ROWS  # the chain's steps keep the term
+    assert cpu_panel.FOLD_MINS_ROWS > cpu_chain.MAX_ROWS  # the chain's steps keep the term
     monkeypatch.setenv("MINISGL_CPU_QUANT_LINEAR", pick)
     h = _holder(_k_weight(kind, n=96, k=512))
     (h.kernel,), _ = cpu_choice.kernels_for([[h.view()]], torch.bfloat16, "off")
@@ -218,22 +221,65 @@ def test_a_prefills_rows_take_the_mins_into_the_bf16_panels(
     table = lib.qamx_mins_packed if packed else lib.qamx_mins
     w = h.whole()
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(matmul.FOLD_MINS_ROWS + 7, 512, generator=g).bfloat16()
+    x = torch.randn(cpu_panel.FOLD_MINS_ROWS + 7, 512, generator=g).bfloat16()
     y = h.matmul(x, torch.float32)
     bare = without_mins(w)
 
     def term_after(rows: torch.Tensor) -> torch.Tensor:
         assert h.kernel is not None
         run = h.kernel
-        return matmul.minus_mins(lambda a, dt: through(run, a, bare, dt), rows, w, torch.float32)
+        return cpu_panel.minus_mins(lambda a, dt: through(run, a, bare, dt), rows, w, torch.float32)
 
     if cpu_gemv.kind(w) in table:
         size = x.float().abs() @ twin.abs().T
         assert bool(((y - x.float() @ twin.T).abs() <= 2e-5 * size).all())
     else:
         assert torch.equal(y, term_after(x))
-    few = x[: matmul.FOLD_MINS_ROWS - 1]
+    few = x[: cpu_panel.FOLD_MINS_ROWS - 1]
     assert torch.equal(h.matmul(few, torch.float32), term_after(few))
+
+
+def test_the_chooser_times_a_weight_with_mins_as_its_layer_runs_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A weight with group mins is timed as its layer runs it: each candidate's kernel and the
+    mins' term after it, or, from FOLD_MINS_ROWS rows, for a candidate that folds the mins into
+    its panels, that kernel alone. So a folding kernel a little slower than another (less than
+    the term) wins the prefill rows and loses the others (before: the kernels were timed
+    alone, and it lost every row count). Kernels, term and clock are stand-ins here: each
+    call moves the clock by its cost."""
+    now = [0.0]
+
+    def costing(seconds: float) -> cpu_choice.Run:
+        def run(x: torch.Tensor, w: QTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+            now[0] += seconds
+            return torch.zeros(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
+
+        return run
+
+    def folded(pick: str, x: torch.Tensor, w: QTensor, dtype: torch.dtype | None) -> Any:
+        return costing(1.5)(x, w, dtype) if pick == "amx_panel" else None
+
+    def term(run: Any, x: torch.Tensor, w: QTensor, dtype: torch.dtype | None) -> torch.Tensor:
+        now[0] += 1.0
+        return run(x, torch.float32)
+
+    monkeypatch.setitem(cpu_choice._RUN, "qgemv", costing(1.0))
+    monkeypatch.setitem(cpu_choice._RUN, "amx_panel", costing(1.5))
+    monkeypatch.setattr(cpu_panel, "mins_folded", folded)
+    monkeypatch.setattr(cpu_panel, "minus_mins", term)
+    w = _holder(_k_weight("Q4_K")).view()
+    assert w.mins is not None
+    timings = cpu_choice.measure(
+        [w], torch.bfloat16, clock=lambda: now[0], names=("qgemv", "amx_panel")
+    )
+    for b, rows in enumerate(TIMED_ROWS):
+        want = (2.0, 1.5) if rows >= cpu_panel.FOLD_MINS_ROWS else (2.0, 2.5)
+        assert (timings["qgemv"][b], timings["amx_panel"][b]) == want, rows
+    # the tuning cache keeps them apart from the same codes without mins
+    assert cpu_choice.shape_key(w, torch.bfloat16) != cpu_choice.shape_key(
+        without_mins(w), torch.bfloat16
+    )
 
 
 @pytest.mark.parametrize("experts", [0, 3])
@@ -298,7 +344,7 @@ def test_experts_with_mins_in_one_c_call_give_the_per_expert_loops_bits(
 
 def test_without_memory_for_the_sums_of_x_nothing_is_computed_and_it_says_so() -> None:
     """qmins.c returns 0 where it cannot allocate x's group sums (the decode chain then raises,
-    as for a matmul that computed nothing; matmul.minus_mins raises MemoryError): 2^40 rows'
+    as for a matmul that computed nothing; cpu_panel.minus_mins raises MemoryError): 2^40 rows'
     sums (4 TiB) are refused before any row is read."""
     from minisgl.layers import cpu_kernels
 
