@@ -25,10 +25,10 @@ read as follows:
   dequantizing only the rows it reads (Qwen3-8B's Q4_K table: 0.5 GB held where bf16 takes
   1.2 GB).
 - Q6_K, Q3_K and Q2_K attention and MLP projections (a mixture's experts included), where the
-  CPU kernels take their groups of 16 (the VNNI panels: an AVX512-VNNI build; loads with
-  `hold_groups_of_16`): held as 8-bit codes q with zero point 32 (Q3_K: 4; Q2_K: 0 and a min
-  dmin * m) and scale d * sc per group of 16; elsewhere (AVX2, a GPU), dequantized at load as
-  below.
+  CPU kernels take their groups of 16 (the VNNI panels in an AVX512-VNNI build, qgemv and the
+  dequantizing kernels in the others; loads with `hold_groups_of_16`): held as 8-bit codes q
+  with zero point 32 (Q3_K: 4; Q2_K: 0 and a min dmin * m) and scale d * sc per group of 16;
+  elsewhere (a GPU), dequantized at load as below.
 - Every other type (IQ1/IQ2/IQ3, TQ, MXFP4, ...), and a quantized router: dequantized at
   load by gguf-py (llama.cpp's own Python package), said in one log line; so are a layer's
   gate/up experts stored in two types (minisgl holds them as one weight). q/k/v or gate/up of
@@ -241,8 +241,7 @@ class GgufFile:
             f"{g16} projections and untied tables too"
             if self.hold_groups_of_16
             else (
-                f"{g16} untied tables too, {g16} projections only where the CPU kernels take "
-                "groups of 16 (an AVX512-VNNI build; not here)"
+                f"{g16} untied tables too, {g16} projections where the CPU kernels run (not here)"
             )
         )
         return (

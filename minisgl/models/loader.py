@@ -17,7 +17,7 @@ from minisgl.models.checkpoint import mismatches, surplus_layers
 from minisgl.models.config import ModelConfig
 from minisgl.models.qwen3 import Qwen3ForCausalLM, plain_submodules
 from minisgl.models.registry import model_class
-from minisgl.quant import cpu_gemv, cpu_vpanel
+from minisgl.quant import cpu_choice, cpu_gemv, cpu_vpanel
 from minisgl.quant import loading as quant_loading
 from minisgl.quant.weight import multiplied_weights
 
@@ -226,9 +226,9 @@ def load_model(
     if gguf.is_gguf(files[0]):
         # A head in a type minisgl holds is held as stored under --lm-head-quantization auto.
         held_head = lm_head_quantization == "auto" and not quantization
-        # The groups of 16 of Q6_K, Q3_K and Q2_K: only the VNNI panels take them (a GPU
+        # The groups of 16 of Q6_K, Q3_K and Q2_K: the CPU kernels take them (a GPU
         # dequantizes 8-bit codes)
-        g16 = device.type == "cpu" and prepack and cpu_vpanel.takes_groups_of_16()
+        g16 = device.type == "cpu" and prepack and cpu_choice.takes_groups_of_16()
         gguf_file = gguf.GgufFile(files[0], hold_head=held_head, hold_groups_of_16=g16)
     if gguf_file is not None and tp_rank == 0 and gguf_file.dequantized():
         name = str(dtype).removeprefix("torch.")

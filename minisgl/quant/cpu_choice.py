@@ -163,6 +163,14 @@ def kernel_fn(lib: Any, name: str, kind: str, x_bf16: int) -> Any | None:
     return None
 
 
+def takes_groups_of_16() -> bool:
+    """Whether this build's kernels run 8-bit codes in groups of 16 (GGUF's Q6_K, Q3_K, Q2_K):
+    the VNNI panels alone where the build has them (the AVX-512 build on a CPU with
+    AVX512-VNNI), else qgemv and the dequantizing kernels (models/gguf.py holds such weights
+    only then)."""
+    return cpu_vpanel.takes_groups_of_16() or cpu_gemv.takes_g16()
+
+
 def default_picks(
     kind: str | None = None, x_dtype: torch.dtype = torch.bfloat16, x8: bool = False
 ) -> tuple[str, ...]:
@@ -212,7 +220,8 @@ def default_picks(
 def offered(
     weights: Sequence[QTensor], packable: bool = False, x_dtype: torch.dtype = torch.bfloat16
 ) -> tuple[str, ...]:
-    """The candidates timed for these weights: x8_panel only under --cpu-quantized-activations
+    """The candidates timed for these weights: int16_panel for groups of 32n only; x8_panel
+    only under --cpu-quantized-activations
     int8 and where its kernel takes them (outside that mode it would change the numerics);
     vnni_panel only where the weights may be repacked (`packable`) and its kernel takes them
     (under int8 activations it rounds x as x8_panel does; fp8 codes: bf16 x only), its AMX
@@ -221,6 +230,8 @@ def offered(
     x8 = cpu_kernels.quantized_activations() == "int8" and cpu_panel.x8_takes(weights[0])
     packed = packable and cpu_vpanel.takes(weights[0], x_dtype)
     extra = {
+        # its runs of 32 features: not groups of 16 (which usable takes in some builds)
+        "int16_panel": (weights[0].group_size or weights[0].in_features) % 32 == 0,
         "x8_panel": x8,
         PACKED: packed,
         "amx_vpanel": packed and cpu_vpanel.takes_amx(weights[0]),

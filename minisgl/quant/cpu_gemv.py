@@ -33,7 +33,10 @@ def kind(w: QTensor) -> str:
 
 
 def usable(x: torch.Tensor, w: QTensor) -> bool:
-    """Whether the C kernels can multiply x by w (any row count)."""
+    """Whether the C kernels can multiply x by w (any row count): groups of a multiple of 32
+    features, or 8-bit codes in groups of 16 where the build has no VNNI panels (which take
+    those: cpu_vpanel.takes_groups_of_16; here qgemv and the dequantizing kernels do, not
+    int16_panel)."""
     k = w.in_features
     gs = w.group_size or k
     return (
@@ -41,7 +44,7 @@ def usable(x: torch.Tensor, w: QTensor) -> bool:
         and x.dim() == 2
         and w.g_idx is None
         and k % gs == 0
-        and gs % 32 == 0
+        and (gs % 32 == 0 or (gs == 16 and k % 32 == 0 and kind(w) == "u8" and takes_g16()))
         and w.scales.shape[1] == k // gs
         and w.codes.stride(1) == 1
         and w.scales.stride(1) == 1
@@ -67,6 +70,13 @@ def takes_8_bit_codes() -> bool:
     """Whether --cpu-quantized-activations int8 takes 8-bit codes here (AVX512-VNNI builds)."""
     lib = cpu_kernels.load()
     return lib is not None and bool(lib.qgemv_x8_takes(8, 1024, 1024))
+
+
+def takes_g16() -> bool:
+    """Whether qgemv and the dequantizing kernels run 8-bit codes in groups of 16 (GGUF's Q6_K,
+    Q3_K, Q2_K) here: in builds without the VNNI panels, which take them there (AVX2)."""
+    lib = cpu_kernels.load()
+    return lib is not None and "u8" in lib.qgemv and "u8" not in lib.qvpanel
 
 
 def _lib_qgemv() -> dict:

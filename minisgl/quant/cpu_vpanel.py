@@ -62,8 +62,9 @@ def takes(w: QTensor, x_dtype: torch.dtype = torch.bfloat16) -> bool:
 
 
 def takes_groups_of_16() -> bool:
-    """Whether this build and CPU run 8-bit codes in groups of 16 (GGUF's Q6_K, Q3_K, Q2_K),
-    which only vnni_panel takes: models/gguf.py holds such weights only then."""
+    """Whether this build and CPU run 8-bit codes in groups of 16 (GGUF's Q6_K, Q3_K, Q2_K) in
+    vnni_panel, the one kernel of this build that takes them (cpu_choice.takes_groups_of_16:
+    builds without it run them row-major)."""
     lib = cpu_kernels.load()
     if lib is None or lib.qvpanel_takes is None or "u8" not in lib.qvpanel:
         return False

@@ -31,8 +31,7 @@ SUPPORTED = (
     "bits 4 or 8, or auto_round:auto_awq with bits 4; extra_config per layer)",
     "GGUF files (--model path/to/model.gguf or <owner>/<repo>:<type>; Q8_0, Q4_0, Q4_1, Q5_0, "
     "Q5_1, IQ4_NL, IQ4_XS, Q4_K and Q5_K projections held as they are, Q6_K, Q3_K and Q2_K ones "
-    "where the CPU kernels take groups of 16 (untied tables in them everywhere), other types "
-    "dequantized at load)",
+    "on the CPU (untied tables in them everywhere), other types dequantized at load)",
 )
 # GGUF types held as they are -> the bits a weight they store; models/gguf.py writes the config
 # naming them. Blocks of 32 weights of a row with a float16 scale d: Q8_0 / Q4_0 / Q5_0 (codes
@@ -52,8 +51,8 @@ GGUF_LOOKUP_TYPES = frozenset(("IQ4_NL", "IQ4_XS"))
 GGUF_BLOCK = 32  # weights per block (a K-quant's group)
 GGUF_SUPER_BLOCK = 256  # weights per K-quant super-block
 # Types with a scale per group of 16, held as 8-bit codes with a zero point and scale d * sc
-# per 16 (exact in float32) for attention and MLP projections (experts included) where the CPU
-# kernels take groups of 16 (models/gguf.py decides per load; an LM head in them stays int8
+# per 16 (exact in float32) for attention and MLP projections (experts included) on the CPU
+# (models/gguf.py decides per load; an LM head in them stays int8
 # per row), and for an untied embedding table on any device (looked up, not multiplied). Q6_K:
 # sc a signed 8-bit multiple of the float16 d, codes 0..63, weight = d * sc * (q - 32). Q3_K:
 # sc a 6-bit multiple less 32, codes 0..7, weight = d * sc * (q - 4). Q2_K: 4-bit multiples sc

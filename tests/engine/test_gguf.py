@@ -13,8 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -29,7 +32,7 @@ from minisgl.layers import cpu_kernels
 from minisgl.models import gguf as gguf_model
 from minisgl.models.config import ModelConfig
 from minisgl.models.gguf_header import GgufHeader
-from minisgl.quant import cpu_gemv, cpu_vpanel, formats
+from minisgl.quant import cpu_choice, cpu_gemv, cpu_vpanel, formats
 from minisgl.quant.loading import weights_info
 from minisgl.quant.qtensor import dequantize
 from minisgl.quant.scheme import (
@@ -430,8 +433,8 @@ def test_k_quant_file(q6_k: str, k_files, monkeypatch: pytest.MonkeyPatch, caplo
     floats (as on an AVX2 CPU, forced here), the Q6_K head held in int8 per row: the twin's
     tokens and transformers', at TP=1 and TP=2 (each rank's q/k part its heads')."""
     if q6_k == "read as floats":
-        monkeypatch.setattr(cpu_vpanel, "takes_groups_of_16", lambda: False)
-    held = cpu_vpanel.takes_groups_of_16()
+        monkeypatch.setattr(cpu_choice, "takes_groups_of_16", lambda: False)
+    held = cpu_choice.takes_groups_of_16()
     path, twin = k_files
     reference, _ = greedy(twin, lm_head_quantization="int8")
     with caplog.at_level(logging.INFO):
@@ -446,7 +449,7 @@ def test_k_quant_file(q6_k: str, k_files, monkeypatch: pytest.MonkeyPatch, caplo
     # v, down and the table; or the table alone
     assert f"GGUF model.gguf: {1 if held else 3} Q6_K tensor(s) dequantized" in caplog.text
     if held:
-        assert "128x256 u8-g16 [1+:vnni_panel]" in caplog.text  # layer 0's v part
+        _assert_g16_pick("128x256 ", caplog.text)  # layer 0's v part
     # with the head in float (the Q6_K table's values): transformers' tokens on the twin
     assert greedy(path, lm_head_quantization="none")[0] == transformers_greedy(twin)
     assert greedy(path, tp_size=2)[0] == reference
@@ -456,25 +459,32 @@ def _q6_k_types(gguf_name: str) -> str | None:
     return "Q6_K" if PROJECTION.fullmatch(gguf_name) or gguf_name == "token_embd.weight" else None
 
 
-def test_q6_k_file(files, tmp_path: Path, caplog) -> None:
+@pytest.fixture(scope="module")
+def q6_k_file(files, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
+    """The Q6_K file and its twin's greedy tokens (the head in int8 per row), made once."""
+    out = tmp_path_factory.mktemp("gguf-q6-k")
+    path = requantize(files["k-f32"], out / "model-q6_k.gguf", _q6_k_types)
+    twin = _twin(source("quant-k"), out / "twin", lambda n, v: "Q6_K" if v.ndim == 2 else None)
+    return path, greedy(twin, lm_head_quantization="int8")[0]
+
+
+def test_q6_k_file(q6_k_file, caplog) -> None:
     """A Q6_K file (llama-quantize's Q6_K: every projection and the table in Q6_K): where the
     CPU kernels take groups of 16, each projection held as 8-bit codes and a scale and zero
-    point per 16, in VNNI panels for every row count (prefill, batched decode, the C chain);
-    the head (the tied table) in int8 per row. The twin's tokens at TP=1 and TP=2 (each rank's
-    o and down 128 of the 256 input features: whole groups)."""
-    src = source("quant-k")
-    path = requantize(files["k-f32"], tmp_path / "model-q6_k.gguf", _q6_k_types)
-    twin = _twin(src, tmp_path / "twin", lambda n, v: "Q6_K" if v.ndim == 2 else None)
-    reference, _ = greedy(twin, lm_head_quantization="int8")
+    point per 16, in VNNI panels for every row count (prefill, batched decode, the C chain)
+    where the build has them (else row-major: the next test); the head (the tied table) in
+    int8 per row. The twin's tokens at TP=1 and TP=2 (each rank's o and down 128 of the 256
+    input features: whole groups)."""
+    path, reference = q6_k_file
     with caplog.at_level(logging.INFO):
         assert greedy(path)[0] == reference
-    held = cpu_vpanel.takes_groups_of_16()
+    held = cpu_choice.takes_groups_of_16()
     # the table alone (its values make the int8 head), or with the 14 projections
     assert f"GGUF model.gguf: {1 if held else 15} Q6_K tensor(s) dequantized" in caplog.text
     if held:
         assert "gguf Q6_K (8-bit, a scale per 16) (from the checkpoint, llama.cpp)" in caplog.text
         assert "quantized in 9 weights" in caplog.text  # 4 a layer and the head
-        assert "512x256 u8-g16 [1+:vnni_panel]" in caplog.text  # qkv
+        _assert_g16_pick("512x256 ", caplog.text)  # qkv
         assert "a step of 1 rows runs layer by layer" not in caplog.text  # the chain runs
     assert greedy(path, tp_size=2)[0] == reference
     if held and cpu_gemv.takes_8_bit_codes():
@@ -494,6 +504,31 @@ def test_q6_k_file(files, tmp_path: Path, caplog) -> None:
             "none",
             "int8",
         )
+
+
+def test_q6_k_file_in_the_avx2_build(q6_k_file) -> None:
+    """The same file in the AVX2 build (MINISGL_CPU_ISA=avx2 in a process of its own, on any
+    CPU: what CPUs without AVX512-VNNI run, Intel's client cores among them): its projections
+    held as 8-bit codes per 16 as in the panels (before: read as floats), run by the integer
+    GEMV (a step of 32 features flushed as two groups) and the dequantizing kernels; the
+    twin's tokens."""
+    path, reference = q6_k_file
+    code = (
+        "import json, logging, sys\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from quant_parity import greedy\n"
+        "print('TOKENS', json.dumps(greedy(sys.argv[1])[0]))\n"
+    )
+    env = {**os.environ, "MINISGL_CPU_ISA": "avx2"}
+    done = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "CPU kernels: the avx2 build" in done.stderr
+    assert "GGUF model.gguf: 1 Q6_K tensor(s) dequantized" in done.stderr  # the table alone
+    assert re.search(r"512x256 u8-g16 \[1(-\d+)?:qgemv[ \]]", done.stderr), done.stderr[-3000:]
+    tokens = next(line for line in done.stdout.splitlines() if line.startswith("TOKENS "))
+    assert json.loads(tokens.removeprefix("TOKENS ")) == reference
 
 
 # The file below: (layer, GGUF projection) -> type; its table (the tied head) IQ4_XS.
@@ -548,8 +583,8 @@ def test_q4_1_q5_1_iq4_q3_k_and_q2_k_file(
     here); layer 1's Q4_1 q/k held as a part beside its Q3_K v; the IQ4_XS head (the tied
     table) held as stored: the twin's tokens (and transformers', and at TP=2, where held)."""
     if g16 == "read as floats":
-        monkeypatch.setattr(cpu_vpanel, "takes_groups_of_16", lambda: False)
-    held = cpu_vpanel.takes_groups_of_16()
+        monkeypatch.setattr(cpu_choice, "takes_groups_of_16", lambda: False)
+    held = cpu_choice.takes_groups_of_16()
     path, twin, reference = more_types
     with caplog.at_level(logging.INFO):
         assert greedy(path)[0] == reference
@@ -565,12 +600,21 @@ def test_q4_1_q5_1_iq4_q3_k_and_q2_k_file(
     assert f"quantized in {10 if held else 7} weights" in caplog.text
     if held:
         assert "dequantized at load" not in caplog.text
-        assert "u8-g16 [1+:vnni_panel]" in caplog.text
+        _assert_g16_pick("", caplog.text)
     else:
         assert "GGUF model.gguf: 1 Q2_K, 2 Q3_K tensor(s) dequantized at load" in caplog.text
         return  # the rest as above
     assert reference == transformers_greedy(twin)
     assert greedy(path, tp_size=2)[0] == reference
+
+
+def _assert_g16_pick(shape: str, text: str) -> None:
+    """The start-up line's pick for weights of `shape` ("NxK ", or any) in 8-bit codes per 16:
+    the VNNI panels where the build has them, else the row-major kernels (qgemv for a row)."""
+    if cpu_vpanel.takes_groups_of_16():
+        assert f"{shape}u8-g16 [1+:vnni_panel]" in text
+    else:
+        assert re.search(rf"{shape}u8-g16 \[1(-\d+)?:qgemv[ \]]", text), text
 
 
 def _panels_where_built(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -638,10 +682,10 @@ def test_k_quant_moe_file(files, tmp_path: Path, caplog) -> None:
     with caplog.at_level(logging.INFO):
         assert greedy(path)[0] == reference
     # qkv and o of both layers, layer 0's w13 and w2, layer 1's w13 (and w2 where Q6_K is held)
-    held = cpu_vpanel.takes_groups_of_16()
+    held = cpu_choice.takes_groups_of_16()
     assert f"quantized in {8 if held else 7} weights" in caplog.text
     if held:
-        assert "256x256 u8-g16 [1+:vnni_panel]" in caplog.text
+        _assert_g16_pick("256x256 ", caplog.text)
         assert "a step of 1 rows runs layer by layer" not in caplog.text  # one call, chained
     else:
         assert "1 Q6_K tensor(s) dequantized at load" in caplog.text

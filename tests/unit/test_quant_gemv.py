@@ -106,6 +106,29 @@ def test_every_group_size_and_row_count(kind: str, group: int) -> None:
             assert _close(x.to(dtype), w, cpu_gemv.qgemv(x.to(dtype), w)), (rows, dtype)
 
 
+def test_8_bit_codes_in_groups_of_16() -> None:
+    """8-bit codes in groups of 16 (GGUF's Q6_K, Q3_K, Q2_K, held so where the build has no VNNI
+    panels): qgemv's steps of 32 features are two groups each, every row count (K = 1056 =
+    33 steps, 37 weight rows: a last short block), and the dequantizing kernels read them as
+    qtensor.dequantize does. Called here in any build (only builds without the panels offer
+    them the chooser)."""
+    g = torch.Generator().manual_seed(16)
+    w = _random("int8", 37, 1056, 16, g)
+    lib = cpu_kernels.load()
+    assert lib is not None
+    assert cpu_gemv.takes_g16() == ("u8" not in lib.qvpanel)
+    deq = dequantize(w, torch.float32)
+    for rows in (1, 2, 3, 4, 5, 9, 40):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, 1056, generator=g).to(dtype)
+            ops = cpu_gemv.operands(w)
+            y = torch.empty(rows, 37, dtype=torch.float32)
+            lib.qgemv["u8"](x.data_ptr(), int(dtype == torch.bfloat16), *ops.args,
+                            y.data_ptr(), 0, rows, *ops.sizes)  # fmt: skip
+            assert _close(x, w, y), (rows, dtype)
+    assert torch.equal(cpu_gemv.dequant_rows(w, 0, 37), deq)
+
+
 def test_a_row_long_group_stops_at_the_row_end() -> None:
     """Per-channel 8-bit weights (one group per row) with K = 1536 (Qwen2.5-1.5B's hidden
     size): the kernel sums a long group 1024 features at a time, and the second chunk must

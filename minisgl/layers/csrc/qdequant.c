@@ -17,7 +17,8 @@
    The values are qtensor.dequantize's exactly: (code - zero) as an exact fp32 difference, one
    rounding in the multiply by the scale (fp8 e4m3: a byte widened through fp16, times 2^-8
    folded into the scale, as in qgemv.c); products and sums in fp32.
-   Groups are contiguous runs of gs input features (gs % 32 == 0, K % gs == 0). */
+   Groups are contiguous runs of gs input features (gs % 32 == 0, K % gs == 0; 8-bit codes
+   also gs == 16: GGUF's Q6_K, Q3_K and Q2_K where the build has no VNNI panels). */
 #include "common.h"
 #include "fp8.h"
 
@@ -32,7 +33,7 @@ static inline __attribute__((always_inline)) void dequant_row(
     int kind, const uint8_t* c, const float* scales, const uint8_t* zeros, int64_t k0,
     int64_t kc, int64_t gs, float* out) {
     for (int64_t k = k0; k < k0 + kc; k += 16) {
-        int64_t g = k / gs; /* a 16-run never crosses a group (gs % 32 == 0) */
+        int64_t g = k / gs; /* a 16-run never crosses a group (gs % 16 == 0) */
         __m256 s = _mm256_set1_ps(kind == QD_FP8 ? scales[g] * 256.0f : scales[g]);
         __m256 w0, w1;
         if (kind == QD_FP8) {

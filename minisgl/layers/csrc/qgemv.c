@@ -4,7 +4,8 @@
 
      y[m, n] = sum_g scale[n, g] * (sum_{k in g} x[m, k] * code[n, k] - zero[n, g] * xsum[m, g])
 
-   Groups are contiguous runs of `gs` input features (gs % 32 == 0, K % gs == 0).
+   Groups are contiguous runs of `gs` input features (gs % 32 == 0, K % gs == 0; 8-bit codes
+   also gs == 16, K % 32 == 0: block_int_g16).
 
    Integer codes meet x as 16-bit integers: x is quantized per row (one scale, max|x| / 32767:
    15 bits, far finer than the bf16 activations it comes from) and one VPMADDWD does 16
@@ -245,6 +246,51 @@ static float x_step(const void* x, int x_bf16, int64_t m, int64_t K) {
     return amax > 0 ? amax / XMAX : 1.0f;
 }
 
+/* x row m's step of features from k, quantized by inv into int16 codes in `kind`'s layout at
+   q + k; their sum into sum8. */
+static inline void quantize_step(int kind, const float* xf, const uint16_t* xb, int x_bf16,
+                                 int64_t k, __m256 inv, __m256i* sum8, int16_t* q) {
+    __m256i* out = (__m256i*)(q + k);
+    if (x_bf16) {
+        __m256i e0, o0;
+        codes_even_odd_bf16(xb + k, inv, sum8, &e0, &o0);
+        if (kind != Q_U4) {
+            _mm256_storeu_si256(out, e0);
+            _mm256_storeu_si256(out + 1, o0);
+            return;
+        }
+        __m256i e1, o1;
+        codes_even_odd_bf16(xb + k + 32, inv, sum8, &e1, &o1);
+        store_quad_order(out, e0, o0, e1, o1);
+        return;
+    }
+    const int S = step_features(kind);
+    __m256i c[4];
+    for (int v = 0; v < S / 16; v++) {
+        int64_t at = k + 16 * v;
+        c[v] = codes16(_mm256_loadu_ps(xf + at), _mm256_loadu_ps(xf + at + 8), inv, sum8);
+    }
+    if (kind == Q_U4) {
+        __m256i e0, o0, e1, o1;
+        split_even_odd(c[0], c[1], &e0, &o0);
+        split_even_odd(c[2], c[3], &e1, &o1);
+        store_quad_order(out, e0, o0, e1, o1);
+    } else {
+        __m256i e, o;
+        split_even_odd(c[0], c[1], &e, &o);
+        _mm256_storeu_si256(out, e);
+        _mm256_storeu_si256(out + 1, o);
+    }
+}
+
+static int32_t sum_lanes(__m256i sum8) {
+    int32_t lanes[8];
+    _mm256_storeu_si256((__m256i*)lanes, sum8);
+    int32_t sum = 0;
+    for (int j = 0; j < 8; j++) sum += lanes[j];
+    return sum;
+}
+
 static void quantize_x(int kind, const void* x, int x_bf16, int64_t m, int64_t K, int64_t gs,
                        int16_t* xq, float* xscale, float* xsum) {
     const float* xf = (const float*)x + m * K;
@@ -255,47 +301,25 @@ static void quantize_x(int kind, const void* x, int x_bf16, int64_t m, int64_t K
     int16_t* q = xq + m * K;
     int64_t G = K / gs;
     const int S = step_features(kind);
+    if (gs < S) { /* 8-bit codes in groups of 16: a step is two groups, each summed apart */
+        __m256i unused = _mm256_setzero_si256();
+        for (int64_t k = 0; k < K; k += S) {
+            quantize_step(kind, xf, xb, x_bf16, k, inv, &unused, q);
+            int32_t lo = 0, hi = 0; /* evens then odds: features 0-15 are each's first 8 */
+            for (int i = 0; i < 8; i++) {
+                lo += q[k + i] + q[k + 16 + i];
+                hi += q[k + 8 + i] + q[k + 24 + i];
+            }
+            xsum[m * G + k / 16] = (float)lo;
+            xsum[m * G + k / 16 + 1] = (float)hi;
+        }
+        return;
+    }
     for (int64_t g = 0; g < G; g++) {
         __m256i sum8 = _mm256_setzero_si256();
-        for (int64_t k = g * gs; k < (g + 1) * gs; k += S) { /* steps never cross groups */
-            __m256i* out = (__m256i*)(q + k);
-            if (x_bf16) {
-                __m256i e0, o0;
-                codes_even_odd_bf16(xb + k, inv, &sum8, &e0, &o0);
-                if (kind != Q_U4) {
-                    _mm256_storeu_si256(out, e0);
-                    _mm256_storeu_si256(out + 1, o0);
-                    continue;
-                }
-                __m256i e1, o1;
-                codes_even_odd_bf16(xb + k + 32, inv, &sum8, &e1, &o1);
-                store_quad_order(out, e0, o0, e1, o1);
-                continue;
-            }
-            __m256i c[4];
-            for (int v = 0; v < S / 16; v++) {
-                int64_t at = k + 16 * v;
-                __m256 lo = x_bf16 ? load_bf16(xb + at) : _mm256_loadu_ps(xf + at);
-                __m256 hi = x_bf16 ? load_bf16(xb + at + 8) : _mm256_loadu_ps(xf + at + 8);
-                c[v] = codes16(lo, hi, inv, &sum8);
-            }
-            if (kind == Q_U4) {
-                __m256i e0, o0, e1, o1;
-                split_even_odd(c[0], c[1], &e0, &o0);
-                split_even_odd(c[2], c[3], &e1, &o1);
-                store_quad_order(out, e0, o0, e1, o1);
-            } else {
-                __m256i e, o;
-                split_even_odd(c[0], c[1], &e, &o);
-                _mm256_storeu_si256(out, e);
-                _mm256_storeu_si256(out + 1, o);
-            }
-        }
-        int32_t lanes[8];
-        _mm256_storeu_si256((__m256i*)lanes, sum8);
-        int32_t sum = 0;
-        for (int j = 0; j < 8; j++) sum += lanes[j];
-        xsum[m * G + g] = (float)sum;
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += S) /* steps never cross groups */
+            quantize_step(kind, xf, xb, x_bf16, k, inv, &sum8, q);
+        xsum[m * G + g] = (float)sum_lanes(sum8);
     }
 }
 
@@ -460,6 +484,33 @@ static inline __attribute__((always_inline)) void block_int(
         for (int j = 0; j < 4; j++)
             acc->v[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[j]),
                                            _mm256_broadcast_ss(sr[j] + g), acc->v[j][0]);
+    }
+}
+
+/* block_int for 8-bit codes in groups of 16 (GGUF's Q6_K, Q3_K, Q2_K, where the build has no
+   VNNI panels) against input row m, into acc column i: a step's 32 features are two groups,
+   and its int32 lanes 0-3 hold the first one's products (features 4l..4l+3 in lane l: the
+   evens' and odds' pairs), lanes 4-7 the second's, so each step is flushed with the two
+   scales spread over the lanes. */
+static inline __attribute__((always_inline)) void block_int_g16(
+    const int16_t* xq, const uint8_t* const* wr, const float* const* sr, int64_t m, int i,
+    int64_t K, Prefetch* pf, Acc* acc) {
+    const int16_t* x0 = xq + m * K;
+    const int two = pf->lines == 2 * pf->steps;
+    const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    for (int j = 0; j < 4; j++) acc->v[j][i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        qprefetch_row(pf, two);
+        const __m256i xe = _mm256_loadu_si256((const __m256i*)(x0 + k));
+        const __m256i xo = _mm256_loadu_si256((const __m256i*)(x0 + k + 16));
+        for (int j = 0; j < 4; j++) {
+            __m256i e[4];
+            extract(Q_U8, wr[j] + k, e);
+            __m256i a = DOT16(DOT16(_mm256_setzero_si256(), e[0], xe), e[1], xo);
+            __m128 pair = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)(sr[j] + k / 16)));
+            __m256 scales = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), halves);
+            acc->v[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), scales, acc->v[j][i]);
+        }
     }
 }
 
@@ -2192,10 +2243,11 @@ static void qgemv_kind(
     int32_t* xcorr = NULL;
     float* xsb = NULL; /* x8: x's scale per block (x8v: per chunk and lane) */
     int x8v = 0;       /* x in 8 bits with AVX512-VNNI (block_x8v) */
+    int g16 = kind == Q_U8 && gs < step_features(Q_U8); /* groups of 16: block_int_g16 */
 #ifdef QBYTES
     int bkind = kind == Q_U8 ? Q_U8 : Q_U4; /* 4-bit codes in groups of 32 (Q_U4W) too */
-    x8v = qgemv_x8 && M <= X8V_ROWS && x8v_takes(kind, K, gs);
-    bytes = !x8v && qgemv_byte_path && bytes_usable(kind, M, K, gs);
+    x8v = !g16 && qgemv_x8 && M <= X8V_ROWS && x8v_takes(kind, K, gs);
+    bytes = !g16 && !x8v && qgemv_byte_path && bytes_usable(kind, M, K, gs);
     __m512i lanes = (bytes || x8v) && gs < bytes_step(bkind) ? bytes_lanes(bkind, gs)
                                                              : _mm512_setzero_si512();
     if (qgemv_gfni < 0) qgemv_gfni = cpu_gfni();
@@ -2230,7 +2282,8 @@ static void qgemv_kind(
        per pair of rows, block_int for a last odd one); more: once per block (integer codes
        into a scratch per segment, block_int_many; fp8 to fp32 with its scales,
        block_fp8_many) and every pass over that scratch. */
-    int many = !x8 && !x8v && !bytes && M > (kind == Q_FP8 ? FP8_PAIRS_MAX : INT_PAIRS_MAX);
+    int many = !g16 && !x8 && !x8v && !bytes &&
+               M > (kind == Q_FP8 ? FP8_PAIRS_MAX : INT_PAIRS_MAX);
     int64_t steps = kind == Q_FP8 ? K / 32 * ((M + 1) / 2 + (many ? 4 : 0))
                                   : (many ? K / step_features(kind) * 4 + K / 32 * ((M + 1) / 2)
                                           : K / (x8 ? 64 : step_features(kind)) * M);
@@ -2323,6 +2376,8 @@ static void qgemv_kind(
 #endif
                 if (x8 && mr == 2) block_u4x8_2((const int8_t*)xq, xsb, wr, sr, m, K, gs, &pf, acc);
                 else if (x8) block_u4x8((const int8_t*)xq, xsb, wr, sr, m, K, gs, &pf, acc);
+                else if (g16)
+                    for (int i = 0; i < mr; i++) block_int_g16(xq, wr, sr, m + i, i, K, &pf, acc);
                 else if (!many) run_block(kind, 0, xq, xf, wr, sr, m, M, K, gs, &pf, NULL, acc);
                 if (kind != Q_FP8 && zeros && !zero4) zero_points(sr, zr, xsum, m, mr, G, acc);
                 for (int i = 0; i < mr; i++) {
