@@ -221,8 +221,8 @@ def offered(
     weights: Sequence[QTensor], packable: bool = False, x_dtype: torch.dtype = torch.bfloat16
 ) -> tuple[str, ...]:
     """The candidates timed for these weights: int16_panel for groups of 32n only; x8_panel
-    only under --cpu-quantized-activations
-    int8 and where its kernel takes them (outside that mode it would change the numerics);
+    only under --cpu-quantized-activations int8 and where its kernel takes them (outside that
+    mode it would change the numerics);
     vnni_panel only where the weights may be repacked (`packable`) and its kernel takes them
     (under int8 activations it rounds x as x8_panel does; fp8 codes: bf16 x only), its AMX
     forms beside it where their kernels run here (amx_vpanel: integer codes, exact or 8-bit
@@ -362,12 +362,13 @@ def _timing_set(weights: Sequence[QTensor], rows: int) -> list[QTensor]:
 
 def _pass_tensors(group: Sequence[QTensor], name: str) -> list[torch.Tensor]:
     """The tensors candidate `name`'s pass over `group` reads (codes, scales, zero points; for
-    vnni_panel those of the packed copies), flushed from the caches before each timed pass so
-    it reads them from memory as a step does, whatever the last-level cache holds (as
-    cpu_linear._cooler)."""
+    vnni_panel those of the packed copies; group mins), flushed from the caches before each
+    timed pass so it reads them from memory as a step does, whatever the last-level cache
+    holds (as cpu_linear._cooler)."""
     packed = name in PACKED_KERNELS
     ws = [cpu_vpanel.held_copy(w) or w for w in group] if packed else list(group)
-    return [t for w in ws for t in streamed(w)]
+    mins = [w.mins for w in group if w.mins is not None]
+    return [t for w in ws for t in streamed(w)] + mins
 
 
 def _timed_pass(

@@ -23,7 +23,7 @@ from minisgl.quant import cpu_gemv
 from minisgl.quant.qtensor import QTensor, without_mins
 
 # Rows of x from which the picks that dequantize panels into bf16 (amx_panel, amx_bf16_vpanel)
-# take a weight's group mins into the panel's values (cpu_panel.mins_folded) instead of
+# take a weight's group mins into the panel's values (mins_folded) instead of
 # qmins.c's term after the matmul (M x N x groups multiply-adds: ~375 ms of the 641 a Q4_1
 # file's 1024-token prefill lost to bf16 on a Zen 4): past the decode chain's steps
 # (layers/cpu_chain.MAX_ROWS rows), whose bits the layer path keeps by the same kernels and

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.layers import cpu_kernels, kernel_choice
-from minisgl.quant import cpu_gemv, matmul
+from minisgl.quant import cpu_gemv, cpu_panel, matmul
 from minisgl.quant.attach import Regrouped, regrouped_line, x8_takes_4_bit
 from minisgl.quant.qtensor import FP8, QTensor, dequantize, pack_nibbles
 from minisgl.quant.quantize import quantize
@@ -126,6 +126,7 @@ def test_8_bit_codes_in_groups_of_16() -> None:
             lib.qgemv["u8"](x.data_ptr(), int(dtype == torch.bfloat16), *ops.args,
                             y.data_ptr(), 0, rows, *ops.sizes)  # fmt: skip
             assert _close(x, w, y), (rows, dtype)
+            assert _close(x, w, cpu_panel.dequant_panel(x, w, torch.float32)), (rows, dtype)
     assert torch.equal(cpu_gemv.dequant_rows(w, 0, 37), deq)
 
 
