@@ -50,7 +50,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
@@ -384,13 +383,11 @@ def _timed_pass(
 
 def _as_layer(name: str, x: torch.Tensor, w: QTensor) -> torch.Tensor:
     """What a layer runs for a pick of `name`: a weight with group mins as cpu_panel.run_mins
-    runs it (a packed pick on the packed copy, its mins beside the panels as a layer keeps
-    them)."""
+    runs it (a packed pick on the packed copy, which keeps the mins as a packed layer does)."""
     if w.mins is None:
         return _RUN[name](x, w)
     if name in PACKED_KERNELS:
-        packed = replace(cpu_vpanel.packed_copy(w), mins=w.mins)
-        return cpu_panel.run_mins(name, _PACKED_RUN[name], x, packed, None)
+        return cpu_panel.run_mins(name, _PACKED_RUN[name], x, cpu_vpanel.packed_copy(w), None)
     return cpu_panel.run_mins(name, _RUN[name], x, w, None)
 
 

@@ -167,10 +167,10 @@ def _measure_wide_rows() -> None:
 
 
 def pack(w: QTensor) -> QTensor:
-    """w's tensors in the panel layout (new tensors; `w` is not changed). Its tensors may have
-    leading dims (several experts' [E, N, X]: each packed as its own weight). The first in a
-    process measures the one-row form's prefetch (_measure_row_prefetch) and the many-row
-    form's widening (_measure_wide_rows)."""
+    """w's tensors in the panel layout (new tensors, but its group mins: row-major, shared; `w`
+    is not changed). Its tensors may have leading dims (several experts' [E, N, X]: each
+    packed as its own weight). The first in a process measures the one-row form's prefetch
+    (_measure_row_prefetch) and the many-row form's widening (_measure_wide_rows)."""
     _measure_row_prefetch()
     _measure_wide_rows()
     return _pack(w)
@@ -184,7 +184,8 @@ def _pack(w: QTensor) -> QTensor:
         )
     codes = _panels(w.codes, 4)  # a dword: 4 8-bit codes or 8 4-bit ones of one row
     zeros = _panels(w.zeros, 1) if w.zeros is not None else None
-    return QTensor(codes, scales, zeros, None, w.bits, w.group_size, w.in_features)
+    # group mins stay row-major beside the panels (the same tensor), as a packed layer keeps them
+    return QTensor(codes, scales, zeros, None, w.bits, w.group_size, w.in_features, w.mins)
 
 
 def _rows_of(t: torch.Tensor, unit: int, ids: torch.Tensor) -> torch.Tensor:
