@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,24 +33,50 @@ def init_distributed(
     device: str = "auto",
     backend: str | None = None,
     timeout_s: float = 600.0,
+    store: dist.TCPStore | None = None,
 ) -> None:
-    """Join the tensor-parallel group: gloo on CPU, NCCL on CUDA (unless `backend` says)."""
-    _STATE.rank, _STATE.size = rank, world_size
+    """Join the tensor-parallel group: gloo on CPU, NCCL on CUDA (unless `backend` says).
+    With `store` (every rank's, see `rendezvous_store`) `init_method` is not used."""
     if world_size == 1:
+        _STATE.rank, _STATE.size = rank, world_size
         return
-    if backend is None:
-        on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-        backend = "nccl" if on_cuda else "gloo"
-    from datetime import timedelta
-
+    backend = backend or default_backend(device)
+    where = {"init_method": init_method} if store is None else {"store": store}
     dist.init_process_group(
         backend=backend,
-        init_method=init_method,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
+        **where,  # type: ignore[arg-type]
     )
-    logger.info("tensor parallel: rank %d of %d (%s, %s)", rank, world_size, backend, init_method)
+    _STATE.rank, _STATE.size = rank, world_size  # only once joined: a failed join leaves none
+    logger.info(
+        "tensor parallel: rank %d of %d (%s, %s)",
+        rank,
+        world_size,
+        backend,
+        init_method if store is None else f"store port {store.port}",
+    )
+
+
+def default_backend(device: str) -> str:
+    on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    return "nccl" if on_cuda else "gloo"
+
+
+def rendezvous_store(
+    host: str, port: int, world_size: int, rank: int, timeout_s: float = 600.0
+) -> dist.TCPStore:
+    """The group's key-value store (torch's TCPStore): rank 0 serves it, the others connect.
+    Rank 0 may pass port 0: the kernel's pick, listening from here on (see its `.port`)."""
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
 
 
 def destroy_distributed() -> None:

@@ -16,7 +16,13 @@ logged and dropped, never a crash.
 Start-up never waits on a rank that is gone: each follower checks in (over the same PUSH
 socket) before it joins torch.distributed, whose rendezvous would otherwise wait for a dead
 rank for its whole timeout; a follower that fails reports its error there, and one that dies
-before running (spawn could not start it) is noticed by its exit.
+before running (spawn could not start it) is noticed by its exit; rank 0 joins torch.distributed
+only once every follower is inside its rendezvous, so one that fails on its way in is reported
+at once too.
+
+On one node every port is the kernel's pick, bound by rank 0 before a follower starts (the
+group's store included): a port picked, released and bound later could be taken in between, by
+an outbound connection's source port among others.
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
-import socket
 import time
 from typing import Any
 
@@ -34,6 +39,7 @@ import msgpack
 import zmq
 
 from minisgl.config import EngineArgs
+from minisgl.distributed import default_backend, init_distributed, rendezvous_store
 from minisgl.engine import curve
 from minisgl.engine.engine import Engine, StepOutput
 from minisgl.engine.multinode import (
@@ -63,14 +69,13 @@ def split_host_port(addr: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port or 0)
 
 
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def _zmq_addr(host: str, port: int) -> str:
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    where = port or "*"  # 0: the kernel's pick
+    return f"tcp://[{host}]:{where}" if ":" in host else f"tcp://{host}:{where}"
+
+
+def _bound_port(sock: zmq.Socket) -> int:
+    return int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,22 +94,15 @@ class Rendezvous:
         if args.nnodes > 1:
             # Fixed ports next to the rendezvous: every node must know them in advance.
             return cls(host, port, port + 1, port + 2, port + 3, secret)
-        return cls(host, port or free_port(host), free_port(host), free_port(host), 0, secret)
+        return cls(host, port, 0, 0, 0, secret)  # 0: the kernel's pick, once rank 0 binds
 
 
-def _init_distributed(args: EngineArgs, rank: int, rdv: Rendezvous) -> None:
+def _join_group(args: EngineArgs, rank: int, store: Any) -> None:
     import torch
-
-    from minisgl.distributed import init_distributed
 
     if args.device in ("auto", "cuda") and torch.cuda.is_available():
         torch.cuda.set_device(rank_device(rank, args, torch.cuda.device_count()))
-    init_distributed(
-        rank=rank,
-        world_size=args.tp_size,
-        init_method=f"tcp://{rdv.host}:{rdv.dist_port}",
-        device=args.device,
-    )
+    init_distributed(rank=rank, world_size=args.tp_size, device=args.device, store=store)
 
 
 class TPRankError(RuntimeError):
@@ -119,6 +117,7 @@ class TPEngine:
         self._closed_sockets = False
         check_args(args)
         self.rdv = Rendezvous.for_args(args)
+        self._store = rendezvous_store(self.rdv.host, self.rdv.dist_port, args.tp_size, 0)
         secret = bytes.fromhex(self.rdv.secret)
         # Multi-node: only where the other nodes reach node 0, never every interface.
         bind = bind_address(self.rdv.host) if args.nnodes > 1 else self.rdv.host
@@ -129,6 +128,7 @@ class TPEngine:
         self._pub.setsockopt(zmq.LINGER, 1000)
         self._ack = self._ctx.socket(zmq.PULL)
         self._ack.setsockopt(zmq.LINGER, 0)
+        ports = []
         for sock, port, what in (
             (self._pub, self.rdv.pub_port, "step broadcast"),
             (self._ack, self.rdv.ack_port, "acks"),
@@ -136,8 +136,12 @@ class TPEngine:
             curve.serve(sock, secret)
             sock.setsockopt(zmq.IPV6, ":" in bind)
             sock.bind(_zmq_addr(bind, port))
-            self._guard.watch(sock, f"tensor-parallel {what} port {port}")
+            ports.append(_bound_port(sock))
+            self._guard.watch(sock, f"tensor-parallel {what} port {ports[-1]}")
         self._guard.start()
+        self.rdv = dataclasses.replace(
+            self.rdv, dist_port=self._store.port, pub_port=ports[0], ack_port=ports[1]
+        )
         self._link: NodeLink | None = None
         spawn = mp.get_context("spawn")
         self._procs = [
@@ -159,7 +163,8 @@ class TPEngine:
             )
         try:
             self._wait_checked_in()
-            _init_distributed(args, 0, self.rdv)
+            self._wait_joining(args)
+            _join_group(args, 0, self._store)
             self.engine = Engine(args, tp_rank=0)
             self._handshake(self._num_followers)
         except BaseException as exc:
@@ -313,6 +318,21 @@ class TPEngine:
             msg = self._recv_start_message(50)
             if isinstance(msg, list) and msg[0] == _UP and 0 < msg[1] <= self._num_followers:
                 up.add(msg[1])
+
+    def _wait_joining(self, args: EngineArgs) -> None:
+        """Until every follower is inside torch.distributed's rendezvous: gloo's rank 0 would
+        wait there, for the group's whole timeout, for a rank that failed on its way in. Each
+        follower's address in the group's store says it is in (rank 0 adds its own only when
+        it joins); one that dies after that fails rank 0's connection to it at once. NCCL
+        joins lazily: its rank 0 waits for nobody there."""
+        if default_backend(args.device) != "gloo":
+            return
+        deadline = time.monotonic() + _HANDSHAKE_TIMEOUT_S
+        while self._store.num_keys() < self._num_followers:
+            self._check_followers()
+            if time.monotonic() > deadline:
+                raise TPRankError("tensor-parallel ranks did not join torch.distributed in time")
+            self._recv_start_message(20)  # a failure report raises
 
     def _handshake(self, num_followers: int) -> None:
         confirmed: set[int] = set()
@@ -485,7 +505,8 @@ def _follower_start(
     _connect(sub, rdv, rdv.pub_port)
     ack.send(msgpack.packb([_UP, rank, ""]))
     try:
-        _init_distributed(args, rank, rdv)
+        store = rendezvous_store(rdv.host, rdv.dist_port, args.tp_size, rank)
+        _join_group(args, rank, store)
         engine = Engine(args, tp_rank=rank)
     except BaseException:
         sub.close(0)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 FREE = {0: 6 << 20, 1: (6 << 20) - (600 << 10)}
 
 
-def _rank(model: str, rank: int, port: int, out: Any) -> None:
+def _rank(model: str, rank: int, port: int, out: Any, store: Any = None) -> None:
     """One rank: join the group, build the model runner with this rank's free memory."""
     from minisgl import distributed
     from minisgl.config import EngineArgs
@@ -37,7 +37,8 @@ def _rank(model: str, rank: int, port: int, out: Any) -> None:
     log.addHandler(keep)
     log.setLevel(logging.INFO)
     try:
-        distributed.init_distributed(rank, 2, f"tcp://127.0.0.1:{port}", device="cpu")
+        store = store or distributed.rendezvous_store("127.0.0.1", port, 2, rank)
+        distributed.init_distributed(rank, 2, device="cpu", store=store)
         args = EngineArgs(
             model=model, dtype="float32", device="cpu", tp_size=2, cpu_kernel_tuning="off"
         )
@@ -54,18 +55,20 @@ def _rank(model: str, rank: int, port: int, out: Any) -> None:
 def test_tp_ranks_with_different_free_memory_build_the_smallest_pool(tiny_model_dir, monkeypatch):
     import torch
 
+    from minisgl.distributed import rendezvous_store
     from minisgl.engine import memory
     from minisgl.engine.memory import default_num_pages
-    from minisgl.engine.tp_engine import free_port
     from minisgl.kvcache.kv_pool import KVPool
     from minisgl.models.config import ModelConfig
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = free_port("127.0.0.1")
-    follower = ctx.Process(target=_rank, args=(str(tiny_model_dir), 1, port, out), daemon=True)
+    store = rendezvous_store("127.0.0.1", 0, 2, 0)  # the kernel's port, listening already
+    follower = ctx.Process(
+        target=_rank, args=(str(tiny_model_dir), 1, store.port, out), daemon=True
+    )
     follower.start()
-    _rank(str(tiny_model_dir), 0, port, out)  # rank 0 here, as the server runs it
+    _rank(str(tiny_model_dir), 0, store.port, out, store)  # rank 0 here, as the server runs it
     results = {}
     for _ in range(2):
         rank, num_pages, pool_pages, logs = out.get(timeout=100)

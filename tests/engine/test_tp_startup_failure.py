@@ -6,9 +6,12 @@ timeout (ten minutes), and a script run from stdin hung there forever-looking.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -47,6 +50,21 @@ def test_rank_error_reaches_the_caller(tiny_model_dir, monkeypatch):
     before = _ranks()
     with pytest.raises(TPRankError, match="rank 1 failed during start-up: ValueError"):
         LLM(str(tiny_model_dir), dtype="float32", num_pages=64, tp_size=2)
+    assert not _ranks() - before, "a rank outlived the failure"
+
+
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_rank_that_fails_joining_the_group_is_reported_at_once(tiny_model_dir, monkeypatch, how):
+    """Rank 1 checks in, then fails inside torch.distributed's rendezvous: before, rank 0 sat in
+    that rendezvous, waiting for it, for the group's whole timeout (ten minutes)."""
+    hook = Path(__file__).parent / "tp_join_hook"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("MINISGL_TEST_JOIN_FAILURE", how)
+    before, start = _ranks(), time.monotonic()
+    expected = "could not join the group" if how == "raise" else "rank 1 .*exited with code 3"
+    with pytest.raises(TPRankError, match=expected):
+        LLM(str(tiny_model_dir), dtype="float32", num_pages=64, tp_size=2)
+    assert time.monotonic() - start < DEADLINE_S
     assert not _ranks() - before, "a rank outlived the failure"
 
 
