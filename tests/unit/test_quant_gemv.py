@@ -109,9 +109,10 @@ def test_every_group_size_and_row_count(kind: str, group: int) -> None:
 def test_8_bit_codes_in_groups_of_16() -> None:
     """8-bit codes in groups of 16 (GGUF's Q6_K, Q3_K, Q2_K, held so where the build has no VNNI
     panels): qgemv's steps of 32 features are two groups each, every row count (K = 1056 =
-    33 steps, 37 weight rows: a last short block), and the dequantizing kernels read them as
-    qtensor.dequantize does. Called here in any build (only builds without the panels offer
-    them the chooser)."""
+    33 steps, 37 weight rows: a last short block), each row to the same bits whether it
+    shares a step's codes with another row or not (qgemv_g16_pairs), and the dequantizing
+    kernels read them as qtensor.dequantize does. Called here in any build (only builds
+    without the panels offer them the chooser)."""
     g = torch.Generator().manual_seed(16)
     w = _random("int8", 37, 1056, 16, g)
     lib = cpu_kernels.load()
@@ -122,10 +123,18 @@ def test_8_bit_codes_in_groups_of_16() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(rows, 1056, generator=g).to(dtype)
             ops = cpu_gemv.operands(w)
-            y = torch.empty(rows, 37, dtype=torch.float32)
-            lib.qgemv["u8"](x.data_ptr(), int(dtype == torch.bfloat16), *ops.args,
-                            y.data_ptr(), 0, rows, *ops.sizes)  # fmt: skip
-            assert _close(x, w, y), (rows, dtype)
+            ys = []
+            for pairs in (1, 0):
+                _switch("qgemv_g16_pairs").value = pairs
+                y = torch.empty(rows, 37, dtype=torch.float32)
+                try:
+                    lib.qgemv["u8"](x.data_ptr(), int(dtype == torch.bfloat16), *ops.args,
+                                    y.data_ptr(), 0, rows, *ops.sizes)  # fmt: skip
+                finally:
+                    _switch("qgemv_g16_pairs").value = 1
+                assert _close(x, w, y), (rows, dtype, pairs)
+                ys.append(y)
+            assert torch.equal(ys[0], ys[1]), (rows, dtype)
             assert _close(x, w, cpu_panel.dequant_panel(x, w, torch.float32)), (rows, dtype)
     assert torch.equal(cpu_gemv.dequant_rows(w, 0, 37), deq)
 

@@ -488,29 +488,42 @@ static inline __attribute__((always_inline)) void block_int(
 }
 
 /* block_int for 8-bit codes in groups of 16 (GGUF's Q6_K, Q3_K, Q2_K, where the build has no
-   VNNI panels) against input row m, into acc column i: a step's 32 features are two groups,
-   and its int32 lanes 0-3 hold the first one's products (features 4l..4l+3 in lane l: the
-   evens' and odds' pairs), lanes 4-7 the second's, so each step is flushed with the two
-   scales spread over the lanes. */
+   VNNI panels) against input rows m .. m + MR - 1 (MR 1 or 2), into acc columns 0 .. MR - 1: a
+   step's 32 features are two groups, and its int32 lanes 0-3 hold the first one's products
+   (features 4l..4l+3 in lane l: the evens' and odds' pairs), lanes 4-7 the second's, so each
+   step is flushed with the two scales spread over the lanes. A pair of rows shares a step's
+   extracted codes and scales (each row's sums and roundings as it has alone). */
 static inline __attribute__((always_inline)) void block_int_g16(
-    const int16_t* xq, const uint8_t* const* wr, const float* const* sr, int64_t m, int i,
+    int MR, const int16_t* xq, const uint8_t* const* wr, const float* const* sr, int64_t m,
     int64_t K, Prefetch* pf, Acc* acc) {
     const int16_t* x0 = xq + m * K;
+    const int16_t* x1 = MR == 2 ? x0 + K : x0;
     const int two = pf->lines == 2 * pf->steps;
     const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    for (int j = 0; j < 4; j++) acc->v[j][i] = _mm256_setzero_ps();
+    __m256 c0[4], c1[4]; /* in registers: acc's slots are reloaded and stored every step */
+    for (int j = 0; j < 4; j++) c0[j] = c1[j] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
         qprefetch_row(pf, two);
         const __m256i xe = _mm256_loadu_si256((const __m256i*)(x0 + k));
         const __m256i xo = _mm256_loadu_si256((const __m256i*)(x0 + k + 16));
+        const __m256i ye = _mm256_loadu_si256((const __m256i*)(x1 + k));
+        const __m256i yo = _mm256_loadu_si256((const __m256i*)(x1 + k + 16));
         for (int j = 0; j < 4; j++) {
             __m256i e[4];
             extract(Q_U8, wr[j] + k, e);
-            __m256i a = DOT16(DOT16(_mm256_setzero_si256(), e[0], xe), e[1], xo);
             __m128 pair = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)(sr[j] + k / 16)));
             __m256 scales = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), halves);
-            acc->v[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), scales, acc->v[j][i]);
+            __m256i a = DOT16(DOT16(_mm256_setzero_si256(), e[0], xe), e[1], xo);
+            c0[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), scales, c0[j]);
+            if (MR == 2) {
+                __m256i b = DOT16(DOT16(_mm256_setzero_si256(), e[0], ye), e[1], yo);
+                c1[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), scales, c1[j]);
+            }
         }
+    }
+    for (int j = 0; j < 4; j++) {
+        acc->v[j][0] = c0[j];
+        if (MR == 2) acc->v[j][1] = c1[j];
     }
 }
 
@@ -2181,6 +2194,10 @@ static __attribute__((noinline)) void one_row_u4(int gfni, const uint8_t* xb,
    loop (block_bytes). The same bits; a switch for the tests and benchmarks. */
 int qgemv_one_row_u4 = 1;
 
+/* 1: pairs of x's rows share a step of 8-bit codes in groups of 16 (block_int_g16), 0: each row
+   extracts them anew. The same bits; a switch for the tests and benchmarks. */
+int qgemv_g16_pairs = 1;
+
 /* 1: one row of x runs as bytes (block_bytes) where the build has AVX512-VNNI; 0: as int16
    (block_int). A switch for the tests and benchmarks, which compare the two. */
 int qgemv_byte_path = 1;
@@ -2286,7 +2303,8 @@ static void qgemv_kind(
                M > (kind == Q_FP8 ? FP8_PAIRS_MAX : INT_PAIRS_MAX);
     int64_t steps = kind == Q_FP8 ? K / 32 * ((M + 1) / 2 + (many ? 4 : 0))
                                   : (many ? K / step_features(kind) * 4 + K / 32 * ((M + 1) / 2)
-                                          : K / (x8 ? 64 : step_features(kind)) * M);
+                                          : K / (x8 ? 64 : step_features(kind)) *
+                                                (g16 && qgemv_g16_pairs ? (M + 1) / 2 : M));
     Share shares[SHARE_MAX] __attribute__((aligned(64)));
     int parts = share_parts();
     shares_init(shares, parts, blocks);
@@ -2363,7 +2381,7 @@ static void qgemv_kind(
                                 _mm_setr_ps((float)zr[0][0], (float)zr[1][0], (float)zr[2][0],
                                             (float)zr[3][0]));
             for (int64_t m = 0; m < M; m += 2) {
-                Acc one;
+                Acc one, one_more;
                 Acc* acc = accs ? &accs[m / 2] : &one;
                 int mr = M - m >= 2 ? 2 : 1;
 #ifdef QBYTES
@@ -2376,8 +2394,14 @@ static void qgemv_kind(
 #endif
                 if (x8 && mr == 2) block_u4x8_2((const int8_t*)xq, xsb, wr, sr, m, K, gs, &pf, acc);
                 else if (x8) block_u4x8((const int8_t*)xq, xsb, wr, sr, m, K, gs, &pf, acc);
+                else if (g16 && mr == 2 && qgemv_g16_pairs)
+                    block_int_g16(2, xq, wr, sr, m, K, &pf, acc);
                 else if (g16)
-                    for (int i = 0; i < mr; i++) block_int_g16(xq, wr, sr, m + i, i, K, &pf, acc);
+                    for (int i = 0; i < mr; i++) {
+                        Acc* row = i ? &one_more : acc;
+                        block_int_g16(1, xq, wr, sr, m + i, K, &pf, row);
+                        if (i) for (int j = 0; j < 4; j++) acc->v[j][1] = one_more.v[j][0];
+                    }
                 else if (!many) run_block(kind, 0, xq, xf, wr, sr, m, M, K, gs, &pf, NULL, acc);
                 if (kind != Q_FP8 && zeros && !zero4) zero_points(sr, zr, xsum, m, mr, G, acc);
                 for (int i = 0; i < mr; i++) {
