@@ -8,6 +8,7 @@ explicitly (weights are sharded per rank at load time); only the collectives com
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -68,7 +69,16 @@ def rendezvous_store(
     host: str, port: int, world_size: int, rank: int, timeout_s: float = 600.0
 ) -> dist.TCPStore:
     """The group's key-value store (torch's TCPStore): rank 0 serves it, the others connect.
-    Rank 0 may pass port 0: the kernel's pick, listening from here on (see its `.port`)."""
+    Rank 0 listens on `host`'s address alone (torch's own listener takes every interface, and
+    the store has no key), on `port` or, at 0, the kernel's pick (see the store's `.port`)."""
+    listen_fd = None
+    if rank == 0:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's listener
+            sock.bind((host, port))
+            sock.listen(1024)
+            port, listen_fd = sock.getsockname()[1], sock.detach()  # the store closes it
     return dist.TCPStore(
         host,
         port,
@@ -76,6 +86,7 @@ def rendezvous_store(
         is_master=rank == 0,
         timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,
+        master_listen_fd=listen_fd,
     )
 
 

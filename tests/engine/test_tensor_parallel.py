@@ -74,6 +74,10 @@ def test_tp2_abort_frees_pages_on_every_rank(tiny_model_dir):
         str(tiny_model_dir), dtype="float32", cpu_kernel_tuning="off", num_pages=64, tp_size=2
     ) as tp2:
         engine = tp2.engine
+        # Rank 0's ports, the group's store among them (torch's own listener took every
+        # interface), listen on the rendezvous address alone.
+        ports = {engine.rdv.dist_port, engine.rdv.pub_port, engine.rdv.ack_port}
+        assert _listening_addresses(ports) == {"127.0.0.1"}
         long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
         for i, prompt in enumerate(_prompts(3, seed=12)):
             engine.add_request(f"r{i}", prompt, long)
@@ -91,6 +95,14 @@ def test_tp2_abort_frees_pages_on_every_rank(tiny_model_dir):
     # Closed: said so (it was 'rank 1 exited with code 0: its error is printed above ...').
     with pytest.raises(RuntimeError, match="this LLM was shut down"):
         tp2.generate(_prompts(1, seed=13), SamplingParams(max_tokens=2))
+
+
+def _listening_addresses(ports: set[int]) -> set[str]:
+    return {
+        c.laddr.ip
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port in ports
+    }
 
 
 def _check_rich_sampling(tp2: LLM, model: str, prompts: list[list[int]]) -> None:
