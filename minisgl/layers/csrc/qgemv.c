@@ -455,7 +455,8 @@ static inline __attribute__((always_inline)) void block_int(
     const int S = step_features(kind), V = step_vectors(kind);
     const int16_t* x0 = xq + m * K;
     const int two = pf->lines == 2 * pf->steps;
-    for (int j = 0; j < 4; j++) acc->v[j][0] = _mm256_setzero_ps();
+    __m256 c[4]; /* in registers: acc's slots, behind a pointer, were reloaded every flush */
+    for (int j = 0; j < 4; j++) c[j] = _mm256_setzero_ps();
     for (int64_t c0 = 0, g = 0, end; c0 < K; c0 = end, g += end == (g + 1) * gs) {
         end = (g + 1) * gs < c0 + FLUSH ? (g + 1) * gs : c0 + FLUSH;
         __m256i a[4];
@@ -482,9 +483,9 @@ static inline __attribute__((always_inline)) void block_int(
             }
         }
         for (int j = 0; j < 4; j++)
-            acc->v[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[j]),
-                                           _mm256_broadcast_ss(sr[j] + g), acc->v[j][0]);
+            c[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[j]), _mm256_broadcast_ss(sr[j] + g), c[j]);
     }
+    for (int j = 0; j < 4; j++) acc->v[j][0] = c[j];
 }
 
 /* block_int for 8-bit codes in groups of 16 (GGUF's Q6_K, Q3_K, Q2_K, where the build has no
