@@ -20,9 +20,9 @@ before running (spawn could not start it) is noticed by its exit; rank 0 joins t
 only once every follower is inside its rendezvous, so one that fails on its way in is reported
 at once too.
 
-On one node every port is the kernel's pick, bound by rank 0 before a follower starts (the
-group's store included): a port picked, released and bound later could be taken in between, by
-an outbound connection's source port among others.
+On one node rank 0 binds every port (the group's store's included) before a follower starts, on
+the kernel's pick (but a rendezvous port --dist-init-addr names): a port picked, released and
+bound later could be taken in between, by an outbound connection's source port among others.
 """
 
 from __future__ import annotations
@@ -117,10 +117,10 @@ class TPEngine:
         self._closed_sockets = False
         check_args(args)
         self.rdv = Rendezvous.for_args(args)
-        self._store = rendezvous_store(self.rdv.host, self.rdv.dist_port, args.tp_size, 0)
         secret = bytes.fromhex(self.rdv.secret)
         # Multi-node: only where the other nodes reach node 0, never every interface.
         bind = bind_address(self.rdv.host) if args.nnodes > 1 else self.rdv.host
+        self._store = rendezvous_store(bind, self.rdv.dist_port, args.tp_size, 0)
         self._num_followers = args.tp_size - 1  # on every node
         self._ctx = zmq.Context()
         self._guard = curve.PortGuard(self._ctx, secret)
