@@ -42,13 +42,13 @@ def init_distributed(
         _STATE.rank, _STATE.size = rank, world_size
         return
     backend = backend or default_backend(device)
-    where = {"init_method": init_method} if store is None else {"store": store}
     dist.init_process_group(
         backend=backend,
+        init_method=init_method if store is None else None,
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
-        **where,  # type: ignore[arg-type]
     )
     _STATE.rank, _STATE.size = rank, world_size  # only once joined: a failed join leaves none
     logger.info(
