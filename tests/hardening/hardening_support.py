@@ -147,7 +147,10 @@ def assert_worker_kill_is_fatal(srv: ServerProcess, worker: str) -> None:
     killed = time.monotonic()
     os.kill(workers[worker], signal.SIGKILL)
     unhealthy = None
-    while srv.proc.poll() is None and time.monotonic() - killed < 15:
+    while time.monotonic() - killed < 15:
+        if srv.proc.poll() is not None:  # gone between two probes: its /health fails too
+            unhealthy = unhealthy or time.monotonic() - killed
+            break
         try:
             if httpx.get(f"{srv.url}/health", timeout=1).status_code == 503 and unhealthy is None:
                 unhealthy = time.monotonic() - killed
