@@ -33,7 +33,7 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import zmq
@@ -56,6 +56,9 @@ from minisgl.process import freeze_startup_objects, ignore_group_signals, leave_
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.scheduler import SchedulerStats
 from minisgl.structured.compile_worker import CompileOutcome
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +100,7 @@ class Rendezvous:
         return cls(host, port, 0, 0, 0, secret)  # 0: the kernel's pick, once rank 0 binds
 
 
-def _join_group(args: EngineArgs, rank: int, store: Any) -> None:
+def _join_group(args: EngineArgs, rank: int, store: TCPStore) -> None:
     import torch
 
     if args.device in ("auto", "cuda") and torch.cuda.is_available():

@@ -167,7 +167,7 @@ def takes_groups_of_16() -> bool:
     the VNNI panels alone where the build has them (the AVX-512 build on a CPU with
     AVX512-VNNI), else qgemv and the dequantizing kernels (models/gguf.py holds such weights
     only then)."""
-    return cpu_vpanel.takes_groups_of_16() or cpu_gemv.takes_g16()
+    return cpu_vpanel.takes_groups_of_16() or cpu_gemv.takes_groups_of_16()
 
 
 def default_picks(

@@ -44,7 +44,9 @@ def usable(x: torch.Tensor, w: QTensor) -> bool:
         and x.dim() == 2
         and w.g_idx is None
         and k % gs == 0
-        and (gs % 32 == 0 or (gs == 16 and k % 32 == 0 and kind(w) == "u8" and takes_g16()))
+        and (
+            gs % 32 == 0 or (gs == 16 and k % 32 == 0 and kind(w) == "u8" and takes_groups_of_16())
+        )
         and w.scales.shape[1] == k // gs
         and w.codes.stride(1) == 1
         and w.scales.stride(1) == 1
@@ -72,7 +74,7 @@ def takes_8_bit_codes() -> bool:
     return lib is not None and bool(lib.qgemv_x8_takes(8, 1024, 1024))
 
 
-def takes_g16() -> bool:
+def takes_groups_of_16() -> bool:
     """Whether qgemv and the dequantizing kernels run 8-bit codes in groups of 16 (GGUF's Q6_K,
     Q3_K, Q2_K) here: in builds without the VNNI panels, which take them there (AVX2)."""
     lib = cpu_kernels.load()

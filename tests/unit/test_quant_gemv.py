@@ -117,7 +117,7 @@ def test_8_bit_codes_in_groups_of_16() -> None:
     w = _random("int8", 37, 1056, 16, g)
     lib = cpu_kernels.load()
     assert lib is not None
-    assert cpu_gemv.takes_g16() == ("u8" not in lib.qvpanel)
+    assert cpu_gemv.takes_groups_of_16() == ("u8" not in lib.qvpanel)
     deq = dequantize(w, torch.float32)
     for rows in (1, 2, 3, 4, 5, 9, 40):
         for dtype in (torch.float32, torch.bfloat16):

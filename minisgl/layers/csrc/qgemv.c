@@ -489,14 +489,14 @@ static inline __attribute__((always_inline)) void block_int(
 }
 
 /* block_int for 8-bit codes in groups of 16 (GGUF's Q6_K, Q3_K, Q2_K, where the build has no
-   VNNI panels) against input rows m .. m + MR - 1 (MR 1 or 2), into acc columns 0 .. MR - 1: a
+   VNNI panels) against input rows m .. m + MR - 1 (MR 1 or 2), into acc columns i .. i + MR - 1: a
    step's 32 features are two groups, and its int32 lanes 0-3 hold the first one's products
    (features 4l..4l+3 in lane l: the evens' and odds' pairs), lanes 4-7 the second's, so each
    step is flushed with the two scales spread over the lanes. A pair of rows shares a step's
    extracted codes and scales (each row's sums and roundings as it has alone). */
 static inline __attribute__((always_inline)) void block_int_g16(
     int MR, const int16_t* xq, const uint8_t* const* wr, const float* const* sr, int64_t m,
-    int64_t K, Prefetch* pf, Acc* acc) {
+    int i, int64_t K, Prefetch* pf, Acc* acc) {
     const int16_t* x0 = xq + m * K;
     const int16_t* x1 = MR == 2 ? x0 + K : x0;
     const int two = pf->lines == 2 * pf->steps;
@@ -523,8 +523,8 @@ static inline __attribute__((always_inline)) void block_int_g16(
         }
     }
     for (int j = 0; j < 4; j++) {
-        acc->v[j][0] = c0[j];
-        if (MR == 2) acc->v[j][1] = c1[j];
+        acc->v[j][i] = c0[j];
+        if (MR == 2) acc->v[j][i + 1] = c1[j];
     }
 }
 
@@ -2382,7 +2382,7 @@ static void qgemv_kind(
                                 _mm_setr_ps((float)zr[0][0], (float)zr[1][0], (float)zr[2][0],
                                             (float)zr[3][0]));
             for (int64_t m = 0; m < M; m += 2) {
-                Acc one, one_more;
+                Acc one;
                 Acc* acc = accs ? &accs[m / 2] : &one;
                 int mr = M - m >= 2 ? 2 : 1;
 #ifdef QBYTES
@@ -2396,13 +2396,10 @@ static void qgemv_kind(
                 if (x8 && mr == 2) block_u4x8_2((const int8_t*)xq, xsb, wr, sr, m, K, gs, &pf, acc);
                 else if (x8) block_u4x8((const int8_t*)xq, xsb, wr, sr, m, K, gs, &pf, acc);
                 else if (g16 && mr == 2 && qgemv_g16_pairs)
-                    block_int_g16(2, xq, wr, sr, m, K, &pf, acc);
+                    block_int_g16(2, xq, wr, sr, m, 0, K, &pf, acc);
                 else if (g16)
-                    for (int i = 0; i < mr; i++) {
-                        Acc* row = i ? &one_more : acc;
-                        block_int_g16(1, xq, wr, sr, m + i, K, &pf, row);
-                        if (i) for (int j = 0; j < 4; j++) acc->v[j][1] = one_more.v[j][0];
-                    }
+                    for (int i = 0; i < mr; i++)
+                        block_int_g16(1, xq, wr, sr, m + i, i, K, &pf, acc);
                 else if (!many) run_block(kind, 0, xq, xf, wr, sr, m, M, K, gs, &pf, NULL, acc);
                 if (kind != Q_FP8 && zeros && !zero4) zero_points(sr, zr, xsum, m, mr, G, acc);
                 for (int i = 0; i < mr; i++) {
