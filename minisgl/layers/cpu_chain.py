@@ -389,7 +389,8 @@ class Chain:
         acc = self._arg(self.buffer("mins_acc", n, dtype=torch.float32))
         self._emit(OP_QMM, fn, xa, self.bf16, *weight_args, acc, 0, self.rows, n, k, group,
                    label=label)  # fmt: skip
-        mins = (self._arg(w.mins), w.mins.stride(0))
+        self._held += [t for t in (w.mins, w.mins_scales) if t is not None]
+        mins = w.mins_args()
         sizes = (self.rows, n, k, group)
         self._emit(OP_MINS, self.lib.qmins, xa, self.bf16, acc, *mins, ya, out_bf16, *sizes,
                    label=f"C group mins {n}x{k}")  # fmt: skip

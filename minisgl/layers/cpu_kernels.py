@@ -150,8 +150,8 @@ class _Lib:
         self.qgemv = _quant_kernels(lib, "qgemv", codes, _QMM_ARGS)
         self.qdequant = _quant_kernels(lib, "qdequant", codes, _QROWS_ARGS)
         # A weight's group mins' term after one of them (qmins.c; minisgl/quant/matmul.py):
-        # (x, x_bf16, fp32 product, mins, group row stride, y, out_bf16, M, N, K, group size).
-        lib.qmins.argtypes = [ptr, ctypes.c_int, ptr, ptr, i64, ptr, ctypes.c_int,
+        # (x, x_bf16, fp32 product, the mins' MINS_ARGS, y, out_bf16, M, N, K, group size).
+        lib.qmins.argtypes = [ptr, ctypes.c_int, ptr, *MINS_ARGS, ptr, ctypes.c_int,
                               i64, i64, i64, i64]  # fmt: skip
         lib.qmins.restype = ctypes.c_int  # 0: no memory for the sums of x
         self.qmins = lib.qmins
@@ -1311,8 +1311,13 @@ def _store_rows(
 _QMM_ARGS: list[Any] = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
 _QMM_ARGS += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
 _QMM_ARGS += [ctypes.c_int64] * 4
-# qamx's *_mins: the same with the mins (fp32 [N, G]) and their row stride after the zeros'.
-_QMM_MINS_ARGS: list[Any] = _QMM_ARGS[:7] + [ctypes.c_void_p, ctypes.c_int64] + _QMM_ARGS[7:]
+# A weight's group mins as qmins.c and qamx's *_mins take them (common.h's Mins; QTensor's
+# mins_args): the mins (fp32, or u8 m), their row stride, the compact form's dmin (0: none),
+# its row stride, groups per dmin.
+MINS_ARGS: list[Any] = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+MINS_ARGS += [ctypes.c_int64]
+# qamx's *_mins: the same with the mins' arguments after the zeros' group row stride.
+_QMM_MINS_ARGS: list[Any] = _QMM_ARGS[:7] + MINS_ARGS + _QMM_ARGS[7:]
 # qdequant's (codes, code row stride, scales, zeros, group row stride, out, first row, end
 # row, K, group size): the row dequantizers.
 _QROWS_ARGS: list[Any] = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]

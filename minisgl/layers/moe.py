@@ -348,10 +348,22 @@ def _q_words(x: torch.Tensor, w: QuantWeight) -> tuple[torch.Tensor, int] | None
         [zeros.data_ptr(), zeros.stride(0) * zeros.element_size()] if zeros is not None else [0, 0]
     )
     words += [scales.stride(1), codes.shape[1], w.in_features, w.group_size or w.in_features]
-    mins = w.mins  # group mins (GGUF's K-quants): their term after each expert's kernel
-    words += [mins.data_ptr(), mins.stride(0) * 4, mins.stride(1)] if mins is not None else [0] * 3
+    words += _mins_words(w)
     words += kernels + [0] * (cpu_kernels.MAX_ROWS - len(kernels))
     return torch.tensor(words, dtype=torch.int64), len(kernels)
+
+
+def _mins_words(w: QuantWeight) -> list[int]:
+    """moe.c's words of the experts' group mins (GGUF's K-quants: their term after each expert's
+    kernel): the mins, bytes an expert, row stride, then the compact form's dmin likewise (0s:
+    float32 mins) and groups per dmin; all 0: no mins."""
+    m, d = w.mins, w.mins_scales
+    if m is None:
+        return [0] * 7
+    words = [m.data_ptr(), m.stride(0) * m.element_size(), m.stride(1)]
+    if d is None:
+        return words + [0] * 4
+    return words + [d.data_ptr(), d.stride(0) * d.element_size(), d.stride(1), w.mins_per]
 
 
 def _group_by_expert(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

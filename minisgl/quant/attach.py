@@ -91,6 +91,10 @@ def _holder(
     else:
         g = rank_group(g, k, k_full)
         groups = -(-k // g) if g else 1
+    # compact mins where the rank holds whole super-blocks (a cut inside one: float32 mins,
+    # as QTensor.narrow gives them)
+    per = scheme.mins_per
+    mins_per = per if per and g == scheme.group_size and groups % per == 0 else 0
     return QuantWeight(
         n,
         k,
@@ -101,6 +105,7 @@ def _holder(
         scattered_groups=scheme.desc_act,
         experts=experts,
         mins=scheme.mins,
+        mins_per=mins_per,
     )
 
 

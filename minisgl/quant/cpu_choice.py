@@ -366,7 +366,7 @@ def _pass_tensors(group: Sequence[QTensor], name: str) -> list[torch.Tensor]:
     holds (as cpu_linear._cooler)."""
     packed = name in PACKED_KERNELS
     ws = [cpu_vpanel.held_copy(w) or w for w in group] if packed else list(group)
-    mins = [w.mins for w in group if w.mins is not None]
+    mins = [t for w in group for t in (w.mins, w.mins_scales) if t is not None]
     return [t for w in ws for t in streamed(w)] + mins
 
 

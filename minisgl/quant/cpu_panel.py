@@ -142,8 +142,7 @@ def mins_folded(
     fn = table.get(cpu_gemv.kind(w)) if table is not None else None
     if fn is None:
         return None
-    mins = w.mins
-    return run_c(fn, x, w, out_dtype, (mins.data_ptr(), mins.stride(0)))
+    return run_c(fn, x, w, out_dtype, w.mins_args())
 
 
 def minus_mins(
@@ -164,9 +163,8 @@ def minus_mins(
     y = acc if dtype == torch.float32 else torch.empty_like(acc, dtype=dtype)
     n, k = acc.shape[1], w.in_features
     done = lib.qmins(
-        x.data_ptr(), int(x.dtype == torch.bfloat16), acc.data_ptr(), w.mins.data_ptr(),
-        w.mins.stride(0), y.data_ptr(), int(dtype == torch.bfloat16), x.shape[0], n, k,
-        w.group_size or k,
+        x.data_ptr(), int(x.dtype == torch.bfloat16), acc.data_ptr(), *w.mins_args(),
+        y.data_ptr(), int(dtype == torch.bfloat16), x.shape[0], n, k, w.group_size or k,
     )  # fmt: skip
     if not done:
         raise MemoryError(f"no memory for the group sums of {x.shape[0]} rows of x (qmins)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -185,7 +186,7 @@ def _pack(w: QTensor) -> QTensor:
     codes = _panels(w.codes, 4)  # a dword: 4 8-bit codes or 8 4-bit ones of one row
     zeros = _panels(w.zeros, 1) if w.zeros is not None else None
     # group mins stay row-major beside the panels (the same tensor), as a packed layer keeps them
-    return QTensor(codes, scales, zeros, None, w.bits, w.group_size, w.in_features, w.mins)
+    return replace(w, codes=codes, scales=scales, zeros=zeros, g_idx=None)
 
 
 def _rows_of(t: torch.Tensor, unit: int, ids: torch.Tensor) -> torch.Tensor:

@@ -111,8 +111,9 @@ def int4_scales_and_zeros(w: QTensor) -> torch.Tensor:
     assert w.zeros is not None
     scales = w.scales.float()
     zeros = (8.0 - w.zeros.float()) * scales
-    if w.mins is not None:
-        zeros -= w.mins
+    mins = w.float_mins()
+    if mins is not None:
+        zeros -= mins
     return torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
 
@@ -193,6 +194,7 @@ def _per_expert(w: QuantWeight, fn: Callable[[QTensor], tuple[torch.Tensor, ...]
 def _replace(w: QuantWeight, codes: torch.Tensor, scales: torch.Tensor, kernel: Kernel) -> None:
     # The mins are in the new operands (the int4 zeros, the dense weight) or none (fp8).
     w.codes, w.scales, w.zeros, w.g_idx, w.mins = codes, scales, None, None, None
+    w.mins_scales, w.mins_per = None, 0
     w.kernel = kernel
 
 

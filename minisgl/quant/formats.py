@@ -32,14 +32,14 @@
   and dmin, 12 bytes packing eight 6-bit scales sc and mins m (one per group of 32), then 128
   bytes whose low nibbles are weights 0..31 of each 64 and high nibbles 32..63; Q5_K the same with
   32 bytes (bit g of byte i: weight i of group g's fifth bit) before the nibbles; weight = d * sc
-  * q - dmin * m, held as codes q, scale d * sc and min dmin * m per group (both exact in
-  float32). Q6_K: 128 bytes of low nibbles (byte i of each half's 64: weight i's, then weight 64 +
+  * q - dmin * m, held as codes q, scale d * sc per group (exact in float32) and the mins in
+  qtensor's compact form (m per group, dmin per super-block). Q6_K: 128 bytes of low nibbles (byte i of each half's 64: weight i's, then weight 64 +
   i's), 64 bytes of high bit pairs (byte i of each half's 32: weights i, 32 + i, 64 + i, 96 + i at
   bits 0, 2, 4, 6), 16 int8 scales sc (one per group of 16), then the float16 d; weight = d * sc *
   (q - 32), held as 8-bit codes q, zero point 32 and scale d * sc per group of 16 (exact in
   float32). Q3_K: _q3_k's layout; codes 0..7 with zero point 4, scale d * (sc - 32) per 16.
   IQ4_XS: _iq4_xs's layout; IQ4_NL's values with a scale d * (ls - 32) per 32. Q2_K: _q2_k's
-  layout; codes 0..3, a scale d * sc and a min dmin * m per 16.
+  layout; codes 0..3, a scale d * sc per 16 and the mins compact (m per 16, dmin per 256).
 """
 
 from __future__ import annotations
@@ -283,8 +283,11 @@ _GGUF_BLOCKS = {
 # IQ4_NL's and IQ4_XS's table: 4-bit index -> int8 value (held as code value + 128).
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # A block's decoding: codes [n, S, weights a block] uint8 as held, scales [n, S, groups]
-# float32, the zero point, mins [n, S, groups] float32 or None.
-Decoded = tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]
+# float32, the zero point, mins [n, S, groups] float32, or the K-quants' (m [n, S, groups]
+# uint8, dmin [n, S, 1] float32) (min = dmin * m), or None.
+Decoded = tuple[
+    torch.Tensor, torch.Tensor, int, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
+]
 
 
 def _gguf(prefix: str, blocks: torch.Tensor, scheme: QuantScheme) -> QTensor:
@@ -302,11 +305,17 @@ def _gguf(prefix: str, blocks: torch.Tensor, scheme: QuantScheme) -> QTensor:
     codes = codes if scheme.bits == 8 else pack_nibbles(codes)  # minisgl pairs 2j, 2j + 1
     groups = k // scheme.group_size
     zeros = torch.full((n, groups), zero, dtype=torch.uint8)
-    held_mins = mins.reshape(n, groups) if mins is not None else None
-    return QTensor(
+    w = QTensor(
         codes.contiguous(), scales.reshape(n, groups), zeros, None, scheme.bits,
-        scheme.group_size, k, held_mins,
+        scheme.group_size, k,
     )  # fmt: skip
+    if isinstance(mins, tuple):  # qtensor's compact form: m per group, dmin per super-block
+        m, dmin = mins
+        w.mins, w.mins_scales = m.reshape(n, groups).contiguous(), dmin.reshape(n, -1)
+        w.mins_per = m.shape[-1]
+    elif mins is not None:
+        w.mins = mins.reshape(n, groups)
+    return w
 
 
 def _gguf_decode(b: torch.Tensor, kind: str) -> Decoded:
@@ -395,8 +404,8 @@ def _q2_k(b: torch.Tensor) -> Decoded:
     per group of 16, 64 bytes of 2-bit codes (_bit_pairs), the float16 d and dmin; weight =
     d * sc * q - dmin * m."""
     d, dmin = _halves(b[..., 80:82]).unsqueeze(-1), _halves(b[..., 82:84]).unsqueeze(-1)
-    sc, m = (b[..., :16] & 15).float(), (b[..., :16] >> 4).float()
-    return _bit_pairs(b[..., 16:80]), d * sc, 0, dmin * m
+    sc, m = (b[..., :16] & 15).float(), b[..., :16] >> 4
+    return _bit_pairs(b[..., 16:80]), d * sc, 0, (m, dmin)
 
 
 def _q6_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -428,4 +437,4 @@ def _k_quant(b: torch.Tensor, bits: int) -> Decoded:
     if bits == 5:
         high = b[..., 16:48].unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
         q = q | ((high & 1) << 4)
-    return q, d.unsqueeze(-1) * sc.float(), 0, dmin.unsqueeze(-1) * m.float()
+    return q, d.unsqueeze(-1) * sc.float(), 0, (m, dmin.unsqueeze(-1))

@@ -12,6 +12,10 @@ FP8, AWQ, GPTQ, compressed-tensors and the formats made at load:
                      (GPTQ desc_act); otherwise input feature k is in group k // group_size
     mins    [N, G]   float32, only for formats whose groups carry a float offset (llama.cpp's
                      K-quants: weight = d * q - m, m no whole multiple of d)
+            [N, G]   uint8, the compact form of the K-quants whose min is a super-block's
+                     dmin times a small integer m (Q4_K, Q5_K, Q2_K): m, with
+    mins_scales [N, G / mins_per] float32 dmin (min = dmin * m, exact in float32: the same
+                     mins as the float32 form, in 1 + 4 / mins_per bytes a group for 4)
 
     weight[n, k] = (code[n, k] - zero[n, g(k)]) * scale[n, g(k)] - min[n, g(k)]
                                                                     (fp8: code * scale)
@@ -28,6 +32,7 @@ weights with.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -46,6 +51,8 @@ class QTensor:
     group_size: int  # input features per group; 0: the whole row is one group
     in_features: int
     mins: torch.Tensor | None = None
+    mins_scales: torch.Tensor | None = None
+    mins_per: int = 0  # groups per entry of mins_scales (0: float32 mins)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -55,49 +62,52 @@ class QTensor:
         return 2
 
     def nbytes(self) -> int:
-        parts = (self.codes, self.scales, self.zeros, self.g_idx, self.mins)
+        parts = (self.codes, self.scales, self.zeros, self.g_idx, self.mins, self.mins_scales)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def narrow(self, dim: int, start: int, length: int) -> QTensor:
         """Rows (dim 0) or input features (dim 1) [start, start + length)."""
         if dim == 0:
             zeros = self.zeros.narrow(0, start, length) if self.zeros is not None else None
-            mins = self.mins.narrow(0, start, length) if self.mins is not None else None
-            return QTensor(
-                self.codes.narrow(0, start, length),
-                self.scales.narrow(0, start, length),
-                zeros,
-                self.g_idx,
-                self.bits,
-                self.group_size,
-                self.in_features,
-                mins,
+            return replace(
+                self,
+                codes=self.codes.narrow(0, start, length),
+                scales=self.scales.narrow(0, start, length),
+                zeros=zeros,
+                **_mins_part(self, lambda t: t.narrow(0, start, length)),
             )
         per_byte = 2 if self.codes.dtype == torch.uint8 and self.bits == 4 else 1
         if start % per_byte or length % per_byte:
             raise ValueError("a 4-bit weight splits only at even input features")
         codes = self.codes.narrow(1, start // per_byte, length // per_byte)
         if self.g_idx is not None:  # groups are scattered: keep every group's scale
-            return QTensor(
-                codes,
-                self.scales,
-                self.zeros,
-                self.g_idx.narrow(0, start, length),
-                self.bits,
-                self.group_size,
-                length,
-                self.mins,
-            )
+            g_idx = self.g_idx.narrow(0, start, length)
+            return replace(self, codes=codes, g_idx=g_idx, in_features=length)
         g = self.group_size
         if g and (start % g or length % g) and (start, length) != (0, self.in_features):
             return self._regrouped(codes, start, length)
-        scales, zeros, mins = self.scales, self.zeros, self.mins
-        if g:
-            first, count = start // g, -(-length // g)
-            scales = scales.narrow(1, first, count)
-            zeros = zeros.narrow(1, first, count) if zeros is not None else None
-            mins = mins.narrow(1, first, count) if mins is not None else None
-        return QTensor(codes, scales, zeros, None, self.bits, g, length, mins)
+        if not g:
+            return replace(self, codes=codes, in_features=length)
+        first, count = start // g, -(-length // g)
+        zeros = self.zeros.narrow(1, first, count) if self.zeros is not None else None
+        scales = self.scales.narrow(1, first, count)
+        mins = self._mins_narrowed(first, count)
+        return replace(self, codes=codes, scales=scales, zeros=zeros, in_features=length, **mins)
+
+    def _mins_narrowed(self, first: int, count: int) -> dict:
+        """Groups [first, first + count) of the mins as QTensor's fields: compact where they
+        are whole super-blocks, else in float32."""
+        m, d, per = self.mins, self.mins_scales, self.mins_per
+        if m is None or d is None:
+            return {"mins": m.narrow(1, first, count) if m is not None else None}
+        if first % per or count % per:  # a cut inside a super-block
+            m = self.float_mins()
+            assert m is not None
+            return {"mins": m.narrow(1, first, count), "mins_scales": None, "mins_per": 0}
+        return {
+            "mins": m.narrow(1, first, count),
+            "mins_scales": d.narrow(1, first // per, count // per),
+        }
 
     def _regrouped(self, codes: torch.Tensor, start: int, length: int) -> QTensor:
         """Input features [start, start + length) cut inside a group (a tensor-parallel rank's
@@ -108,9 +118,32 @@ class QTensor:
         first = torch.arange(start, start + length, g, device=self.scales.device)
         of = first // self.group_size  # each new group's group in the source
         zeros = self.zeros.index_select(1, of) if self.zeros is not None else None
-        mins = self.mins.index_select(1, of) if self.mins is not None else None
+        float_mins = self.float_mins()
+        mins = float_mins.index_select(1, of) if float_mins is not None else None
         scales = self.scales.index_select(1, of)
         return QTensor(codes, scales, zeros, None, self.bits, g, length, mins)
+
+    def float_mins(self, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The group mins [N, G] (or those of `rows`) in float32, whichever form holds them
+        (the compact form's dmin * m: exact in float32)."""
+        m, d = self.mins, self.mins_scales
+        if m is None:
+            return None
+        if rows is not None:
+            m = m.index_select(0, rows)
+            d = d.index_select(0, rows) if d is not None else None
+        return m if d is None else m.float() * d.repeat_interleave(self.mins_per, dim=-1)
+
+    def mins_args(self) -> tuple[int, int, int, int, int]:
+        """The mins as the C kernels take them (cpu_kernels.MINS_ARGS; common.h's Mins): their
+        pointer and row stride, the compact form's dmin pointer and row stride (0, 0: float32
+        mins), groups per dmin."""
+        m, d = self.mins, self.mins_scales
+        assert m is not None and m.stride(-1) == 1
+        if d is None:
+            return (m.data_ptr(), m.stride(-2), 0, 0, 0)
+        assert d.stride(-1) == 1 and self.mins_per % 8 == 0
+        return (m.data_ptr(), m.stride(-2), d.data_ptr(), d.stride(-2), self.mins_per)
 
     def copy_(self, src: QTensor) -> QTensor:
         """Fill these (buffer view) tensors from `src`, checking it has the same layout."""
@@ -131,9 +164,20 @@ class QTensor:
             _copy("zero points", self.zeros, src.zeros)
         if (self.mins is None) != (src.mins is None):
             raise ValueError("a quantized weight with group mins where none are held, or none")
-        if self.mins is not None:
-            assert src.mins is not None
-            _copy("mins", self.mins, src.mins.float())
+        if self.mins is None or src.mins is None:
+            return self._copy_g_idx(src)
+        if self.mins_scales is not None:  # the compact form where the source has it
+            if src.mins_scales is None or src.mins_per != self.mins_per:
+                raise ValueError("group mins in another form than the layer holds")
+            _copy("mins", self.mins, src.mins)
+            _copy("mins' scales", self.mins_scales, src.mins_scales.float())
+        else:
+            float_mins = src.float_mins()
+            assert float_mins is not None
+            _copy("mins", self.mins, float_mins.float())
+        return self._copy_g_idx(src)
+
+    def _copy_g_idx(self, src: QTensor) -> QTensor:
         if self.g_idx is not None:
             if src.g_idx is None:
                 raise ValueError("a weight without g_idx where desc_act needs one")
@@ -168,17 +212,21 @@ def take_rows(w: QTensor, ids: torch.Tensor) -> QTensor:
     gathered, for an embedding lookup from a quantized table."""
     flat = ids.reshape(-1)
     zeros = w.zeros.index_select(0, flat) if w.zeros is not None else None
-    mins = w.mins.index_select(0, flat) if w.mins is not None else None
-    return QTensor(
-        w.codes.index_select(0, flat),
-        w.scales.index_select(0, flat),
-        zeros,
-        w.g_idx,
-        w.bits,
-        w.group_size,
-        w.in_features,
-        mins,
+    return replace(
+        w,
+        codes=w.codes.index_select(0, flat),
+        scales=w.scales.index_select(0, flat),
+        zeros=zeros,
+        **_mins_part(w, lambda t: t.index_select(0, flat)),
     )
+
+
+def _mins_part(w: QTensor, rows: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+    """w's mins (either form) with `rows` applied: QTensor fields for `replace`."""
+    return {
+        "mins": rows(w.mins) if w.mins is not None else None,
+        "mins_scales": rows(w.mins_scales) if w.mins_scales is not None else None,
+    }
 
 
 def without_mins(w: QTensor) -> QTensor:
@@ -187,7 +235,7 @@ def without_mins(w: QTensor) -> QTensor:
     (cpu_gemv.operands), and a layer's whole view is asked for it at every matmul."""
     bare: QTensor | None = w.__dict__.get("_without_mins")
     if bare is None or bare.codes is not w.codes or bare.scales is not w.scales:
-        bare = w.__dict__["_without_mins"] = replace(w, mins=None)
+        bare = w.__dict__["_without_mins"] = replace(w, mins=None, mins_scales=None, mins_per=0)
     return bare
 
 
@@ -234,6 +282,7 @@ def dequantize(
         assert w.zeros is not None
         values = q.float() - per_feature(w.zeros[start:end].float(), w)
     values = values * per_feature(w.scales[start:end], w)
-    if w.mins is not None:
-        values -= per_feature(w.mins[start:end], w)
+    mins = w.float_mins()
+    if mins is not None:
+        values -= per_feature(mins[start:end], w)
     return values.to(dtype)

@@ -38,6 +38,7 @@ class QuantWeight(nn.Module):
     zeros: torch.Tensor | None
     g_idx: torch.Tensor | None
     mins: torch.Tensor | None
+    mins_scales: torch.Tensor | None
 
     def __init__(
         self,
@@ -51,6 +52,7 @@ class QuantWeight(nn.Module):
         scattered_groups: bool,
         experts: int = 0,
         mins: bool = False,
+        mins_per: int = 0,
     ) -> None:
         super().__init__()
         lead = (experts,) if experts else ()
@@ -70,8 +72,13 @@ class QuantWeight(nn.Module):
         self.register_buffer("zeros", zeros)
         g_idx = torch.empty(*lead, k, dtype=torch.int32) if scattered_groups else None
         self.register_buffer("g_idx", g_idx)
-        group_mins = torch.empty(*lead, n, groups, dtype=torch.float32) if mins else None
+        # group mins: float32, or qtensor's compact form (m, and a dmin per mins_per groups)
+        mins_dtype = torch.uint8 if mins_per else torch.float32
+        group_mins = torch.empty(*lead, n, groups, dtype=mins_dtype) if mins else None
         self.register_buffer("mins", group_mins)
+        dmin = torch.empty(*lead, n, groups // mins_per) if mins and mins_per else None
+        self.register_buffer("mins_scales", dmin)
+        self.mins_per = mins_per
         # The CPU matmul measured fastest per row count for this shape (cpu_choice.py), set
         # at start-up; None: the untuned policy.
         self.kernel: Callable[[torch.Tensor, QTensor], torch.Tensor] | None = None
@@ -127,6 +134,8 @@ class QuantWeight(nn.Module):
             self.group_size,
             self.in_features,
             pick(self.mins) if self.mins is not None else None,
+            pick(self.mins_scales) if self.mins_scales is not None else None,
+            self.mins_per,
         )
 
     def __getitem__(self, key: int | slice | tuple[int, slice]) -> QTensor:
@@ -151,7 +160,9 @@ class QuantWeight(nn.Module):
         w = self.whole()
         if w.mins is not None:  # the rest's values in float32, less the mins, rounded once
             values = self._rows(ids, without_mins(w), torch.float32)
-            mins = per_feature(w.mins.index_select(0, ids.reshape(-1)), w)
+            mins = w.float_mins(ids.reshape(-1))
+            assert mins is not None
+            mins = per_feature(mins, w)
             return (values - mins.view_as(values)).to(dtype)
         return self._rows(ids, w, dtype)
 
@@ -186,6 +197,8 @@ class QuantWeight(nn.Module):
         self.scales[n:].zero_()  # a zero scale: every padding weight dequantizes to 0
         if self.mins is not None:
             self.mins[n:].zero_()
+        if self.mins_scales is not None:
+            self.mins_scales[n:].zero_()
 
     def whole(self) -> QTensor:
         """view() of every row, kept while the buffers are the same tensors (a GPU conversion
@@ -198,6 +211,7 @@ class QuantWeight(nn.Module):
             or w.zeros is not b["zeros"]
             or w.g_idx is not b["g_idx"]
             or w.mins is not b["mins"]
+            or w.mins_scales is not b["mins_scales"]
         ):
             w = self._whole = self.view()
             self._cpu_ok, self._c_rows = {}, None

@@ -35,11 +35,14 @@ def _k_weight(kind: str, n: int = 96, k: int = 512, seed: int = 0) -> QTensor:
     return formats.read_linear("x", {"weight": torch.from_numpy(blocks)}, scheme)
 
 
-def _holder(w: QTensor, experts: int = 0) -> QuantWeight:
+def _holder(w: QTensor, experts: int = 0, compact: bool = True) -> QuantWeight:
+    """A layer's buffers filled with w (each expert's), its mins compact where w's are and
+    `compact`, else float32."""
     n, k = w.shape
     h = QuantWeight(
         n, k, bits=w.bits, fp8=False, group_size=w.group_size, groups=w.scales.shape[1],
         scattered_groups=False, experts=experts, mins=True,
+        mins_per=w.mins_per if compact else 0,
     )  # fmt: skip
     for e in range(max(experts, 1)):
         (h.view(e) if experts else h.view()).copy_(w)
@@ -52,6 +55,10 @@ def test_tensor_parallel_cuts_and_rows_keep_each_weights_min(kind: str) -> None:
     full = dequantize(w, torch.float32)
     assert torch.equal(dequantize(w.narrow(0, 32, 40), torch.float32), full[32:72])
     assert torch.equal(dequantize(w.narrow(1, 256, 256), torch.float32), full[:, 256:])
+    assert w.narrow(1, 256, 256).mins_per == 8  # whole super-blocks: the mins stay compact
+    inside = w.narrow(1, 128, 256)  # half a super-block each side: float32 mins
+    assert inside.mins_per == 0 and inside.mins is not None and inside.mins.dtype == torch.float32
+    assert torch.equal(dequantize(inside, torch.float32), full[:, 128:384])
     # a cut inside a group of 32 (regrouped into groups of 16, each keeping its min)
     cut = w.narrow(1, 16, 48)
     assert cut.group_size == 16
@@ -139,7 +146,7 @@ def test_the_mins_term_is_each_rows_own_whatever_rows_share_the_call(n: int, k: 
         y = torch.empty_like(ar, dtype=out)
         done = lib.qmins(
             xr.data_ptr(), int(dtype == torch.bfloat16), ar.data_ptr(), mins.data_ptr(),
-            groups, y.data_ptr(), int(out == torch.bfloat16), xr.shape[0], n, k, 32,
+            groups, None, 0, 0, y.data_ptr(), int(out == torch.bfloat16), xr.shape[0], n, k, 32,
         )  # fmt: skip
         assert done
         return y
@@ -156,6 +163,69 @@ def test_the_mins_term_is_each_rows_own_whatever_rows_share_the_call(n: int, k: 
             assert torch.equal(run(rows, dtype), many[rows]), (dtype, rows)
         for rows in (slice(0, 1), slice(63, 66), slice(139, 140)):
             assert torch.equal(run(rows, dtype, torch.bfloat16), rounded[rows]), (dtype, rows)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q2_K"])
+def test_compact_mins_are_the_float32_mins_to_the_bit(kind: str) -> None:
+    """The K-quants' mins as a GGUF file's layer holds them: each group's m (6 bits, Q2_K's 4)
+    as a byte and each super-block's dmin in float32, 1 + 4 / per bytes a group where float32
+    mins took 4 (a Q4_K weight: 0.70 bytes a weight, not 0.78). min = dmin * m is exact in
+    float32, so every path gives the float32 form's bits: the kernels then the mins' term at a
+    decode's and a prefill's rows, the panels that fold the mins in, embedding rows."""
+    w = _k_weight(kind)
+    compact, plain = _holder(w), _holder(w, compact=False)
+    assert compact.mins is not None and compact.mins_scales is not None
+    assert compact.mins.dtype == torch.uint8 and plain.mins_scales is None
+    assert torch.equal(compact.view().float_mins(), plain.mins)
+    n, groups, per = 96, w.scales.shape[1], w.mins_per
+    assert plain.nbytes() - compact.nbytes() == n * groups * 3 - n * groups // per * 4
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for rows in (1, 5, 70):
+        for dtype in (torch.bfloat16, torch.float32):
+            assert torch.equal(compact.matmul(x[:rows], dtype), plain.matmul(x[:rows], dtype))
+    ids = torch.tensor([[3, 90], [0, 95]])
+    assert torch.equal(compact.rows(ids, torch.float32), plain.rows(ids, torch.float32))
+    folded = 0
+    for pick in ("amx_panel", "amx_bf16_vpanel"):
+        ws = [h.whole() for h in (compact, plain)]
+        if pick == "amx_bf16_vpanel":
+            ws = [cpu_vpanel.packed_copy(v) for v in ws]
+        y = [cpu_panel.mins_folded(pick, x, v, torch.float32) for v in ws]
+        assert (y[0] is None) == (y[1] is None)
+        if y[0] is not None and y[1] is not None:
+            assert torch.equal(y[0], y[1])
+            folded += 1
+    lib = cpu_kernels.load()
+    assert folded or lib is None or not lib.qamx_mins  # a build with the folding kernels ran one
+
+
+@pytest.mark.parametrize("n, k, per", [(37, 1024, 8), (19, 2048, 16), (64, 512, 8)])
+def test_compact_mins_term_has_the_float32_terms_bits_at_any_rows(n: int, k: int, per: int) -> None:
+    """qmins.c with the mins compact (m bytes, a dmin per `per` groups): eight rows of mins at
+    a time at one row of x, each block turned to fp32 once per run at more; every row of y the
+    float32 form's bits, alone or in any batch (rows of mins past a multiple of 8: 37, 19)."""
+    lib = cpu_kernels.load()
+    assert lib is not None
+    g = torch.Generator().manual_seed(n)
+    groups, m = k // 32, 140
+    codes = torch.randint(0, 64, (n, groups), generator=g, dtype=torch.uint8)
+    dmin = torch.rand(n, groups // per, generator=g) / 64
+    mins = codes.float() * dmin.repeat_interleave(per, dim=1)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    acc = torch.randn(m, n, generator=g)
+
+    def run(rows: slice, compact: bool) -> torch.Tensor:
+        xr, ar = x[rows].contiguous(), acc[rows].contiguous()
+        y = torch.empty_like(ar, dtype=torch.bfloat16)
+        form = (codes.data_ptr(), groups, dmin.data_ptr(), groups // per, per) if compact else (
+            mins.data_ptr(), groups, None, 0, 0)  # fmt: skip
+        assert lib.qmins(xr.data_ptr(), 1, ar.data_ptr(), *form, y.data_ptr(), 1, xr.shape[0],
+                         n, k, 32)  # fmt: skip
+        return y.view(torch.int16)
+
+    want = run(slice(0, m), False)
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 5), slice(1, 9), slice(0, m), slice(60, 130)):
+        assert torch.equal(run(rows, True), want[rows]), rows
 
 
 def test_embedding_rows_subtract_the_mins() -> None:
@@ -321,7 +391,7 @@ def test_experts_with_mins_in_one_c_call_give_the_per_expert_loops_bits(
     for e in range(experts):  # each expert its own weights: scaled codes' scales and mins
         for h in (w13, w2):
             h.scales[e] *= e + 1
-            h.mins[e] *= e + 1  # type: ignore[index]
+            h.mins_scales[e] *= e + 1  # type: ignore[index]  # the compact mins' dmin
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
@@ -351,9 +421,9 @@ def test_without_memory_for_the_sums_of_x_nothing_is_computed_and_it_says_so() -
     lib = cpu_kernels.load()
     if lib is None:
         pytest.skip("no CPU kernels here")
-    assert lib.qmins(0, 0, 0, 0, 1, 0, 0, 1 << 40, 1, 32, 32) == 0
+    assert lib.qmins(0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1 << 40, 1, 32, 32) == 0
     x, acc, mins = torch.ones(1, 32), torch.full((1, 1), 5.0), torch.full((1, 1), 0.5)
     y = torch.empty(1, 1)
-    assert lib.qmins(x.data_ptr(), 0, acc.data_ptr(), mins.data_ptr(), 1, y.data_ptr(), 0,
-                     1, 1, 32, 32) == 1  # fmt: skip
+    assert lib.qmins(x.data_ptr(), 0, acc.data_ptr(), mins.data_ptr(), 1, 0, 0, 0, y.data_ptr(),
+                     0, 1, 1, 32, 32) == 1  # fmt: skip
     assert y.item() == 5.0 - 0.5 * 32

@@ -43,9 +43,10 @@ typedef int (*MatmulIntFn)(const void*, const void*, void*, int64_t, int64_t, in
 /* qgemv_* and the kernels that take its arguments */
 typedef void (*QMatmulFn)(const void*, int, const void*, int64_t, const void*, const void*,
                           int64_t, void*, int, int64_t, int64_t, int64_t, int64_t);
-/* qmins: (x, x_bf16, fp32 product, mins, group stride, y, out_bf16, M, N, K, group size) */
-typedef int (*MinsFn)(const void*, int, const float*, const float*, int64_t, void*, int,
-                      int64_t, int64_t, int64_t, int64_t);
+/* qmins: (x, x_bf16, fp32 product, mins, group stride, dmin, its stride, groups per dmin, y,
+   out_bf16, M, N, K, group size) */
+typedef int (*MinsFn)(const void*, int, const float*, const void*, int64_t, const float*,
+                      int64_t, int64_t, void*, int, int64_t, int64_t, int64_t, int64_t);
 /* moe_route: (logits, logits_bf16, T, E, k, renorm, weights, weights_bf16, ids) */
 typedef void (*RouteFn)(const void*, int, int64_t, int64_t, int64_t, int, void*, int, int64_t*);
 /* moe_decode_bf16, moe_decode_q, moe_decode_f: (x, x_bf16, w13, w2, E, ids, weights,
@@ -206,7 +207,8 @@ static int64_t run_moe(const int64_t* op, const int64_t* step) {
 static int64_t run_mins(const int64_t* op, const int64_t* step) {
     const int64_t* a = op + 2;
     return ((MinsFn)ptr(op[1]))(input(a[0], step), (int)a[1], ptr(a[2]), ptr(a[3]), a[4],
-                                input(a[5], step), (int)a[6], a[7], a[8], a[9], a[10])
+                                ptr(a[5]), a[6], a[7], input(a[8], step), (int)a[9], a[10],
+                                a[11], a[12], a[13])
                ? 0
                : -2;
 }

@@ -281,3 +281,35 @@ static inline void transpose8_store(const __m256* r, float* dst) {
     _mm256_storeu_ps(dst + 6 * 16, _mm256_permute2f128_ps(u2, u6, 0x31));
     _mm256_storeu_ps(dst + 7 * 16, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
+
+/* A quantized weight's group mins (GGUF's K-quants: weight = (code - zero) * scale - min), as
+   qmins.c and qamx.c's *_mins read them: fp32 [N, G] (d null; row stride `stride`), or, for
+   the K-quants whose mins are a super-block's dmin times a small integer m (Q4_K, Q5_K: 6 bits
+   a group of 32; Q2_K: 4 bits a group of 16), m as u8 [N, G] (row stride `stride`) with dmin
+   fp32 [N, G / per] (row stride dstride; per = 2^shift): 1 + 4 / per bytes a group where fp32
+   took 4. The product dmin * m (an fp16 times at most 63) is exact in fp32, so both forms give
+   every min, and every result, the same bits. */
+typedef struct {
+    const void* m;
+    const float* d;
+    int64_t stride, dstride, shift; /* a shift, not a division: this runs every 8 mins */
+} Mins;
+
+/* Mins of the C entry points' arguments (per: 8 or 16 where mscale is given). */
+static inline Mins mins_of(const void* m, int64_t stride, const float* d, int64_t dstride,
+                           int64_t per) {
+    return (Mins){m, d, stride, dstride, d ? (per == 16 ? 4 : 3) : 0};
+}
+
+static inline float min_at(const Mins* s, int64_t n, int64_t g) {
+    if (!s->d) return ((const float*)s->m)[n * s->stride + g];
+    float d = s->d[n * s->dstride + (g >> s->shift)];
+    return d * (float)((const uint8_t*)s->m)[n * s->stride + g];
+}
+/* Groups g .. g + 7 of row n (g % 8 == 0; the compact form: per % 8 == 0, so one dmin). */
+static inline __m256 min8(const Mins* s, int64_t n, int64_t g) {
+    if (!s->d) return _mm256_loadu_ps((const float*)s->m + n * s->stride + g);
+    __m128i b = _mm_loadl_epi64((const __m128i*)((const uint8_t*)s->m + n * s->stride + g));
+    __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+    return _mm256_mul_ps(_mm256_set1_ps(s->d[n * s->dstride + (g >> s->shift)]), m);
+}

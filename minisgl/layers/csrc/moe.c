@@ -17,8 +17,9 @@
 
 void silu_mul_bf16(const uint16_t* x, uint16_t* out, int64_t M, int64_t I);
 void silu_mul_f32(const float* x, float* out, int64_t M, int64_t I);
-int qmins(const void* x, int x_bf16, const float* acc, const float* mins, int64_t gstride,
-          void* y, int y_bf16, int64_t M, int64_t N, int64_t K, int64_t gs);
+int qmins(const void* x, int x_bf16, const float* acc, const void* mins, int64_t gstride,
+          const float* mscale, int64_t sstride, int64_t per, void* y, int y_bf16, int64_t M,
+          int64_t N, int64_t K, int64_t gs);
 
 /* The experts with rows, ascending: expert[g]'s rows are [start[g], start[g] + count[g]) of
    the (token, slot) pairs sorted by expert, stably (fused_moe's _group_by_expert): sorted row r
@@ -187,12 +188,15 @@ int64_t moe_decode_bf16(const void* x, int bf, const uint16_t* w13, const uint16
    qgemv, qvpanel, the AMX kernels...), as int64 words: codes, codes per expert (bytes), code
    row stride (bytes), scales, scales per expert (bytes), zero points (0: none), zero points per
    expert (bytes), group row stride (elements), N, K, group size, group mins (0: none; GGUF's
-   K-quants), mins per expert (bytes), their row stride (elements), then the kernel for M = 1,
-   2, ... rows (as many as the caller lets an expert have). */
+   K-quants), mins per expert (bytes), their row stride (elements), the compact mins' dmin
+   (0: fp32 mins; else the mins are u8 m: common.h's Mins), dmin per expert (bytes), its row
+   stride (elements), groups per dmin, then the kernel for M = 1, 2, ... rows (as many as the
+   caller lets an expert have). */
 typedef void (*QMatmulFn)(const void*, int, const void*, int64_t, const void*, const void*,
                           int64_t, void*, int, int64_t, int64_t, int64_t, int64_t);
 enum { Q_CODES, Q_CODES_E, Q_CSTRIDE, Q_SCALES, Q_SCALES_E, Q_ZEROS, Q_ZEROS_E, Q_GSTRIDE, Q_N,
-       Q_K, Q_GS, Q_MINS, Q_MINS_E, Q_MSTRIDE, Q_KERNELS };
+       Q_K, Q_GS, Q_MINS, Q_MINS_E, Q_MSTRIDE, Q_MSCALE, Q_MSCALE_E, Q_SSTRIDE, Q_PER,
+       Q_KERNELS };
 
 static inline const char* at_expert(int64_t base, int64_t per_expert, int64_t e) {
     return base ? (const char*)(intptr_t)base + e * per_expert : 0;
@@ -202,7 +206,8 @@ static inline const char* at_expert(int64_t base, int64_t per_expert, int64_t e)
    group mins, the kernel into fp32 and qmins.c's term into y (matmul.minus_mins' calls): 0
    where there was no memory for either. */
 static int q_expert(const int64_t* q, int64_t e, const void* x, int bf, void* y, int64_t M) {
-    const float* mins = (const float*)at_expert(q[Q_MINS], q[Q_MINS_E], e);
+    const void* mins = at_expert(q[Q_MINS], q[Q_MINS_E], e);
+    const float* mscale = (const float*)at_expert(q[Q_MSCALE], q[Q_MSCALE_E], e);
     float* acc = mins ? malloc(sizeof(float) * M * q[Q_N]) : 0;
     if (mins && !acc) return 0;
     ((QMatmulFn)(intptr_t)q[Q_KERNELS + M - 1])(
@@ -211,7 +216,8 @@ static int q_expert(const int64_t* q, int64_t e, const void* x, int bf, void* y,
         q[Q_GSTRIDE], mins ? (void*)acc : y, mins ? 0 : bf, M, q[Q_N], q[Q_K], q[Q_GS]);
     int ok = 1;
     if (mins) {
-        ok = qmins(x, bf, acc, mins, q[Q_MSTRIDE], y, bf, M, q[Q_N], q[Q_K], q[Q_GS]);
+        ok = qmins(x, bf, acc, mins, q[Q_MSTRIDE], mscale, q[Q_SSTRIDE], q[Q_PER], y, bf, M,
+                   q[Q_N], q[Q_K], q[Q_GS]);
         free(acc);
     }
     return ok;

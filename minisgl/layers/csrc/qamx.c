@@ -95,10 +95,10 @@ static inline __m512i qa_u4_lookup(const uint8_t* c, __m512i table) {
    rows: each feature of the line becomes a vector of the 16 rows' values, (code - zero) *
    scale in fp32 as qa_deq32 computes it, rounded to bf16 by the same instruction (so the
    values of the row-major codes' panel, to the bit), and two features' vectors interleave
-   into one row of wb. Group mins (none: 0) stay row-major [N, G] (row stride mstride). */
+   into one row of wb. Group mins (none: 0) stay row-major (common.h's Mins). */
 static inline void qa_dequant16_packed(int kind, const uint8_t* codes, const float* scales,
-                                       const uint8_t* zeros, const float* mins, int64_t mstride,
-                                       int64_t n0, int64_t K, int64_t gs, uint16_t* wb) {
+                                       const uint8_t* zeros, const Mins* mins, int64_t n0,
+                                       int64_t K, int64_t gs, uint16_t* wb) {
     const int bits = kind == QA_P8 ? 8 : 4, per = 32 / bits; /* features per dword */
     const int64_t G = K / gs, p = n0 / 32, h = (n0 % 32) / 16;
     const uint32_t* P = (const uint32_t*)(codes + p * 32 * K * bits / 8);
@@ -114,7 +114,7 @@ static inline void qa_dequant16_packed(int kind, const uint8_t* codes, const flo
                                      _mm_loadu_si128((const __m128i*)(zeros + at))))
                                : _mm512_setzero_ps();
         float mf[16] = {0};
-        for (int j = 0; mins && j < 16; j++) mf[j] = mins[(n0 + j) * mstride + g];
+        for (int j = 0; mins && j < 16; j++) mf[j] = min_at(mins, n0 + j, g);
         const __m512 mn = _mm512_loadu_ps(mf);
         for (int64_t q = g * gs / per; q < (g + 1) * gs / per; q++) {
             __m512i d = _mm512_loadu_si512((const void*)(P + q * 32 + 16 * h));
@@ -136,10 +136,10 @@ static inline void qa_dequant16_packed(int kind, const uint8_t* codes, const flo
    time: each row's scale and zero point (or 4-bit table) read once per group. */
 static inline __attribute__((always_inline)) void qa_dequant16(
     int kind, const uint8_t* codes, int64_t cstride, const float* scales, const uint8_t* zeros,
-    int64_t gstride, const float* mins, int64_t mstride, int64_t n0, int64_t N, int64_t K,
-    int64_t gs, uint16_t* wb) {
+    int64_t gstride, const Mins* mins, int64_t n0, int64_t N, int64_t K, int64_t gs,
+    uint16_t* wb) {
     if (kind == QA_P8 || kind == QA_P4) {
-        qa_dequant16_packed(kind, codes, scales, zeros, mins, mstride, n0, K, gs, wb);
+        qa_dequant16_packed(kind, codes, scales, zeros, mins, n0, K, gs, wb);
         return;
     }
     int live = N - n0 < 16 ? (int)(N - n0) : 16;
@@ -151,7 +151,7 @@ static inline __attribute__((always_inline)) void qa_dequant16(
         for (int j = 0; j < live; j++) {
             sf[j] = scales[(n0 + j) * gstride + g];
             zf[j] = kind == QA_FP8 ? 0.0f : (float)zeros[(n0 + j) * gstride + g];
-            mf[j] = mins ? mins[(n0 + j) * mstride + g] : 0.0f;
+            mf[j] = mins ? min_at(mins, n0 + j, g) : 0.0f;
             if (kind == QA_U4) tab[j] = qa_u4_table(sf[j], zf[j], mf[j]);
         }
         for (int64_t k = g0; k < g0 + gs; k += 32) {
@@ -243,8 +243,8 @@ static inline void qa_tile1x2(const uint16_t* x, int64_t M, const uint16_t* wb0,
 
 static inline __attribute__((always_inline)) void qamx_kind(
     int kind, const uint16_t* x, const uint8_t* codes, int64_t cstride, const float* scales,
-    const uint8_t* zeros, int64_t gstride, const float* mins, int64_t mstride, void* y,
-    int out_bf16, int64_t M, int64_t N, int64_t K, int64_t gs) {
+    const uint8_t* zeros, int64_t gstride, const Mins* mins, void* y, int out_bf16, int64_t M,
+    int64_t N, int64_t K, int64_t gs) {
     /* the last partial block of 32 input rows, zero-padded (A tiles are 16 full rows) */
     int64_t full = M / 32 * 32;
     int small = M <= 16;
@@ -275,8 +275,8 @@ static inline __attribute__((always_inline)) void qamx_kind(
         for (int64_t q = 0; q < panels; q++) {
             int64_t p0 = q * np, rows = N - p0 < np ? (N - p0 + 31) / 32 * 32 : np;
             for (int64_t s = 0; s < rows; s += 16)
-                qa_dequant16(kind, codes, cstride, scales, zeros, gstride, mins, mstride,
-                             p0 + s, N, K, gs, wb + s * K);
+                qa_dequant16(kind, codes, cstride, scales, zeros, gstride, mins, p0 + s, N, K,
+                             gs, wb + s * K);
             for (int64_t s = 0; small && s < rows; s += 32)
                 qa_tile1x2(x, M, wb + s * K, wb + (s + 16) * K, K, cbuf, y, out_bf16, p0 + s, N);
             for (int64_t m0 = 0; !small && m0 < M; m0 += 32) {
@@ -359,8 +359,8 @@ static void qb_tile_rows(int mr, const int32_t* xp, const uint16_t* wb0, const u
 
 static inline __attribute__((always_inline)) void qamx_kind(
     int kind, const uint16_t* x, const uint8_t* codes, int64_t cstride, const float* scales,
-    const uint8_t* zeros, int64_t gstride, const float* mins, int64_t mstride, void* y,
-    int out_bf16, int64_t M, int64_t N, int64_t K, int64_t gs) {
+    const uint8_t* zeros, int64_t gstride, const Mins* mins, void* y, int out_bf16, int64_t M,
+    int64_t N, int64_t K, int64_t gs) {
     /* panel rows: a multiple of 32, within QB_PANEL_BYTES, and about 4 panels a thread,
        handed out as the threads come for them (a thread slowed by other work on its core
        holds the call up for one panel, not for a quarter of N: 2 threads on a loaded Zen 4
@@ -394,8 +394,8 @@ static inline __attribute__((always_inline)) void qamx_kind(
         for (int64_t q = 0; q < panels; q++) {
             int64_t p0 = q * np, rows = N - p0 < np ? (N - p0 + 31) / 32 * 32 : np;
             for (int64_t s = 0; s < rows; s += 16)
-                qa_dequant16(kind, codes, cstride, scales, zeros, gstride, mins, mstride,
-                             p0 + s, N, K, gs, wb + s * K);
+                qa_dequant16(kind, codes, cstride, scales, zeros, gstride, mins, p0 + s, N, K,
+                             gs, wb + s * K);
             for (int64_t m0 = 0; m0 < M; m0 += QB_MR) {
                 int mr = M - m0 < QB_MR ? (int)(M - m0) : QB_MR;
                 for (int64_t s = 0; s < rows; s += 32)
@@ -414,24 +414,26 @@ int qamx_ready(void) { return 1; }
 #endif /* AMX tiles, or AVX512-BF16 only */
 
 /* y[M, N] (fp32, or bf16 where out_bf16) = x[M, K] (bf16 only: x_bf16 must be 1) @ W.T; the
-   arguments are qgemv.c's. NAME_mins: the same with each group's min (mins [N, G] fp32, row
-   stride mstride) folded into the panel's values, for integer codes. */
+   arguments are qgemv.c's. NAME_mins: the same with each group's min folded into the panel's
+   values, for integer codes: mins [N, G] fp32 (mscale null), or u8 m with fp32 dmin mscale
+   [N, G / per] (common.h's Mins; row strides mstride and sstride). */
 #define QAMX(NAME, KIND)                                                                      \
     void NAME(const void* x, int x_bf16, const uint8_t* codes, int64_t cstride,             \
               const float* scales, const uint8_t* zeros, int64_t gstride, void* y,          \
               int out_bf16, int64_t M, int64_t N, int64_t K, int64_t gs) {                   \
         (void)x_bf16;                                                                       \
-        qamx_kind(KIND, (const uint16_t*)x, codes, cstride, scales, zeros, gstride, 0, 0, y, \
+        qamx_kind(KIND, (const uint16_t*)x, codes, cstride, scales, zeros, gstride, 0, y,    \
                   out_bf16, M, N, K, gs);                                                   \
     }
 #define QAMX_MINS(NAME, KIND)                                                                 \
     void NAME(const void* x, int x_bf16, const uint8_t* codes, int64_t cstride,             \
-              const float* scales, const uint8_t* zeros, int64_t gstride, const float* mins, \
-              int64_t mstride, void* y, int out_bf16, int64_t M, int64_t N, int64_t K,       \
-              int64_t gs) {                                                                 \
+              const float* scales, const uint8_t* zeros, int64_t gstride, const void* mins,  \
+              int64_t mstride, const float* mscale, int64_t sstride, int64_t per, void* y,   \
+              int out_bf16, int64_t M, int64_t N, int64_t K, int64_t gs) {                   \
         (void)x_bf16;                                                                       \
-        qamx_kind(KIND, (const uint16_t*)x, codes, cstride, scales, zeros, gstride, mins,   \
-                  mstride, y, out_bf16, M, N, K, gs);                                       \
+        const Mins m = mins_of(mins, mstride, mscale, sstride, per);                        \
+        qamx_kind(KIND, (const uint16_t*)x, codes, cstride, scales, zeros, gstride, &m, y,   \
+                  out_bf16, M, N, K, gs);                                                   \
     }
 QAMX(qamx_u8, QA_U8)
 QAMX(qamx_u4, QA_U4)
