@@ -6,11 +6,11 @@ panel kernel's), so the result is the dequantized weight's matmul to fp32 roundi
 cpu_gemv.usable takes them. `int16_panel`: the same blocking with x quantized per row to int16
 and integer codes multiplied in int32 (VPMADDWD), where that is faster. `amx_panel`: on AMX
 tiles, or VDPBF16PS where the CPU has AVX512-BF16 and no AMX, the panel dequantized once into
-bf16 (qamx.c). `amx_int`: few rows (decode) straight
-from the codes on AMX tiles: integer codes on AMX-INT8 (qamxi.c), x quantized per row to int16
-as the decode GEMV does; fp8 codes converted exactly to bf16 on AMX-BF16 (qamxf.c), bf16 x.
-`x8_panel`: many rows of x rounded to 8 bits per row and block of features against integer
-codes with AVX512-VNNI (qvnni.c; --cpu-quantized-activations int8 only). Candidates of the quantized chooser (cpu_choice.py)."""
+bf16 (qamx.c). `amx_int`: few rows (decode) straight from the codes on AMX tiles: integer
+codes on AMX-INT8 (qamxi.c), x quantized per row to int16 as the decode GEMV does; fp8 codes
+converted exactly to bf16 on AMX-BF16 (qamxf.c), bf16 x. `x8_panel`: many rows of x rounded to
+8 bits per row and block of features against integer codes with AVX512-VNNI (qvnni.c;
+--cpu-quantized-activations int8 only). Candidates of the quantized chooser (cpu_choice.py)."""
 
 from __future__ import annotations
 

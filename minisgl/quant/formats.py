@@ -33,13 +33,14 @@
   bytes whose low nibbles are weights 0..31 of each 64 and high nibbles 32..63; Q5_K the same with
   32 bytes (bit g of byte i: weight i of group g's fifth bit) before the nibbles; weight = d * sc
   * q - dmin * m, held as codes q, scale d * sc per group (exact in float32) and the mins in
-  qtensor's compact form (m per group, dmin per super-block). Q6_K: 128 bytes of low nibbles (byte i of each half's 64: weight i's, then weight 64 +
-  i's), 64 bytes of high bit pairs (byte i of each half's 32: weights i, 32 + i, 64 + i, 96 + i at
-  bits 0, 2, 4, 6), 16 int8 scales sc (one per group of 16), then the float16 d; weight = d * sc *
-  (q - 32), held as 8-bit codes q, zero point 32 and scale d * sc per group of 16 (exact in
-  float32). Q3_K: _q3_k's layout; codes 0..7 with zero point 4, scale d * (sc - 32) per 16.
-  IQ4_XS: _iq4_xs's layout; IQ4_NL's values with a scale d * (ls - 32) per 32. Q2_K: _q2_k's
-  layout; codes 0..3, a scale d * sc per 16 and the mins compact (m per 16, dmin per 256).
+  qtensor's compact form (m per group, dmin per super-block). Q6_K: 128 bytes of low nibbles
+  (byte i of each half's 64: weight i's, then weight 64 + i's), 64 bytes of high bit pairs (byte
+  i of each half's 32: weights i, 32 + i, 64 + i, 96 + i at bits 0, 2, 4, 6), 16 int8 scales sc
+  (one per group of 16), then the float16 d; weight = d * sc * (q - 32), held as 8-bit codes q,
+  zero point 32 and scale d * sc per group of 16 (exact in float32). Q3_K: _q3_k's layout;
+  codes 0..7 with zero point 4, scale d * (sc - 32) per 16. IQ4_XS: _iq4_xs's layout; IQ4_NL's
+  values with a scale d * (ls - 32) per 32. Q2_K: _q2_k's layout; codes 0..3, a scale d * sc per
+  16 and the mins compact (m per 16, dmin per 256).
 """
 
 from __future__ import annotations
