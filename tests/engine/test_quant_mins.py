@@ -199,11 +199,14 @@ def test_compact_mins_are_the_float32_mins_to_the_bit(kind: str) -> None:
     assert folded or lib is None or not lib.qamx_mins  # a build with the folding kernels ran one
 
 
-@pytest.mark.parametrize("n, k, per", [(37, 1024, 8), (19, 2048, 16), (64, 512, 8)])
+@pytest.mark.parametrize(
+    "n, k, per", [(37, 1024, 8), (19, 2048, 16), (64, 512, 8), (9, 2056 * 32, 8)]
+)
 def test_compact_mins_term_has_the_float32_terms_bits_at_any_rows(n: int, k: int, per: int) -> None:
     """qmins.c with the mins compact (m bytes, a dmin per `per` groups): eight rows of mins at
-    a time at one row of x, each block turned to fp32 once per run at more; every row of y the
-    float32 form's bits, alone or in any batch (rows of mins past a multiple of 8: 37, 19)."""
+    a time at one row of x, each block turned to fp32 once per run at more (on the stack; past
+    2048 groups converted as they are read); every row of y the float32 form's bits, alone or
+    in any batch (rows of mins past a multiple of 8: 37, 19, 9)."""
     lib = cpu_kernels.load()
     assert lib is not None
     g = torch.Generator().manual_seed(n)

@@ -306,9 +306,11 @@ static inline float min_at(const Mins* s, int64_t n, int64_t g) {
     float d = s->d[n * s->dstride + (g >> s->shift)];
     return d * (float)((const uint8_t*)s->m)[n * s->stride + g];
 }
-/* Groups g .. g + 7 of row n (g % 8 == 0; the compact form: per % 8 == 0, so one dmin). */
-static inline __m256 min8(const Mins* s, int64_t n, int64_t g) {
-    if (!s->d) return _mm256_loadu_ps((const float*)s->m + n * s->stride + g);
+/* Groups g .. g + 7 of row n (g % 8 == 0; the compact form: per % 8 == 0, so one dmin), the
+   form a constant at the call (s->d set where `compact`), so each form's loop has no test. */
+static inline __attribute__((always_inline)) __m256 min8(const Mins* s, int64_t n, int64_t g,
+                                                         const int compact) {
+    if (!compact) return _mm256_loadu_ps((const float*)s->m + n * s->stride + g);
     __m128i b = _mm_loadl_epi64((const __m128i*)((const uint8_t*)s->m + n * s->stride + g));
     __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
     return _mm256_mul_ps(_mm256_set1_ps(s->d[n * s->dstride + (g >> s->shift)]), m);

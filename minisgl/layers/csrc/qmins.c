@@ -35,23 +35,17 @@ static inline float sum_pairs(__m256 a) {
     return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
-/* Groups whole .. G - 1 of row n (G % 8 of them, masked; only fp32 mins have a tail: the
-   compact form's G is whole super-blocks of 8 or 16 groups). */
-static inline __m256 min_tail(const Mins* mins, int64_t n, int64_t whole, __m256i mask) {
-    return _mm256_maskload_ps((const float*)mins->m + n * mins->stride + whole, mask);
-}
-
-/* Row n of mins against one row of x's group sums: 8 lanes, lane l summing groups g = l mod 8
-   in g's order (the last G % 8 groups masked in), then sum_pairs. */
-static inline float mins_dot(const Mins* mins, int64_t n, const float* xs, int64_t G) {
+/* One row of fp32 mins against one row of x's group sums: 8 lanes, lane l summing groups g = l
+   mod 8 in g's order (the last G % 8 groups masked in), then sum_pairs. */
+static inline float mins_dot(const float* mins, const float* xs, int64_t G) {
     __m256 a = _mm256_setzero_ps();
     const int64_t whole = G / 8 * 8;
     for (int64_t g = 0; g < whole; g += 8)
-        a = _mm256_fmadd_ps(min8(mins, n, g), _mm256_loadu_ps(xs + g), a);
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(mins + g), _mm256_loadu_ps(xs + g), a);
     if (whole < G) {
         __m256i mask = tail_mask(G);
-        a = _mm256_fmadd_ps(min_tail(mins, n, whole, mask), _mm256_maskload_ps(xs + whole, mask),
-                            a);
+        a = _mm256_fmadd_ps(_mm256_maskload_ps(mins + whole, mask),
+                            _mm256_maskload_ps(xs + whole, mask), a);
     }
     return sum_pairs(a);
 }
@@ -59,21 +53,23 @@ static inline float mins_dot(const Mins* mins, int64_t n, const float* xs, int64
 /* mins_dot for rows r0 .. r0 + rows - 1 of mins (rows <= 8) at once, the same bits: eight FMA
    chains in flight, then one reduction for the eight rows in sum_pairs' order. The sums as one
    vector (rows past `rows`: 0). */
-static inline __m256 mins_dot8(const Mins* mins, int64_t r0, int rows, const float* xs,
-                               int64_t G) {
+static inline __attribute__((always_inline)) __m256 mins_dot8(const Mins* mins, int64_t r0,
+                                                               int rows, const float* xs,
+                                                               int64_t G, const int compact) {
     __m256 a[8];
     for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
     const int64_t whole = G / 8 * 8;
     for (int64_t g = 0; g < whole; g += 8) {
         __m256 xv = _mm256_loadu_ps(xs + g);
         for (int j = 0; j < rows; j++) /* 8 but in the last block (qmins) */
-            a[j] = _mm256_fmadd_ps(min8(mins, r0 + j, g), xv, a[j]);
+            a[j] = _mm256_fmadd_ps(min8(mins, r0 + j, g, compact), xv, a[j]);
     }
-    if (whole < G) {
+    if (whole < G) { /* fp32 mins only: the compact form's G is whole super-blocks */
         __m256i mask = tail_mask(G);
         __m256 xv = _mm256_maskload_ps(xs + whole, mask);
+        const float* m = (const float*)mins->m + r0 * mins->stride + whole;
         for (int j = 0; j < rows; j++)
-            a[j] = _mm256_fmadd_ps(min_tail(mins, r0 + j, whole, mask), xv, a[j]);
+            a[j] = _mm256_fmadd_ps(_mm256_maskload_ps(m + j * mins->stride, mask), xv, a[j]);
     }
     __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
     __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
@@ -98,11 +94,11 @@ static inline void store8(void* y, int64_t at, const float* acc, __m256 sums, in
 /* y[m, n0 .. n0 + rows - 1] = acc - the sums of rows r0 .. r0 + rows - 1 of mins (they stay
    in L1 across the rows of x) against rows m0 .. m1 - 1 of x. A whole block's eight outputs
    are one vector's subtraction and rounding (the same bits as `store` one by one). */
-static inline void mins_block(const Mins* mins, int64_t r0, int64_t n0, int rows,
-                              const float* xs, int64_t G, const float* acc, void* y, int y_bf16,
-                              int64_t m0, int64_t m1, int64_t N) {
+static inline __attribute__((always_inline)) void mins_block(
+    const Mins* mins, int64_t r0, int64_t n0, int rows, const float* xs, int64_t G,
+    const float* acc, void* y, int y_bf16, int64_t m0, int64_t m1, int64_t N, const int compact) {
     for (int64_t m = m0; m < m1; m++) {
-        __m256 sums = mins_dot8(mins, r0, rows, xs + m * G, G);
+        __m256 sums = mins_dot8(mins, r0, rows, xs + m * G, G, compact);
         if (rows == 8) {
             store8(y, m * N + n0, acc, sums, y_bf16);
             continue;
@@ -114,6 +110,7 @@ static inline void mins_block(const Mins* mins, int64_t r0, int64_t n0, int rows
     }
 }
 
+#define MINS_EXPAND_MAX 2048 /* groups a block of compact mins expands on the stack: 64 KB */
 #define MINS_ROWS 64 /* rows of x a run (mins_block's m0 .. m1): 8 KB of sums at G = 32 */
 
 /* 1, or 0 where it computed nothing (no memory for the sums of x).
@@ -131,18 +128,19 @@ static inline void mins_block(const Mins* mins, int64_t r0, int64_t n0, int rows
    strides gstride and sstride; per 8 or 16, G % per == 0). The compact form takes eight rows
    at a time at one row of x too (their bytes one short run), and at more rows turns each
    block's mins to fp32 once per run of rows of x (converted inline, per row of x, 8 rows took
-   1.2-1.3x longer). A 6144x1024 Q4_K weight's term from memory (28 weights in turn, the forms
-   alternating, both builds alike, AMD EPYC Zen 4, 2 threads): one row 20.5 us compact, 24.4
-   fp32; 8 rows 71.7 and 81.5. */
+   2.5-3.4x as long). A 6144x1024 Q4_K weight's term from memory (28 weights in turn, the forms
+   alternating in one process, AMD EPYC Zen 4, 2 threads, the AVX-512 build; AVX2 alike): one
+   row 12.1 us compact, 17.6 fp32; 8 rows 38.3 and 68.2; 64 rows 202 and 263. */
 int qmins(const void* x, int x_bf16, const float* acc, const void* mins, int64_t gstride,
           const float* mscale, int64_t sstride, int64_t per, void* y, int y_bf16, int64_t M,
           int64_t N, int64_t K, int64_t gs) {
     const int64_t G = K / gs, blocks = (N + 7) / 8;
     const Mins mn = mins_of(mins, gstride, mscale, sstride, per);
-    /* x's group sums, then (compact mins, more than one row of x) each thread's block of eight
-       rows of mins in fp32, made once for the block's run of rows of x */
-    const int64_t expand = mscale && M > 1 ? 8 * G : 0;
-    float* xs = malloc(sizeof(float) * (size_t)(M * G + expand * omp_get_max_threads()));
+    /* compact mins at more than one row of x: each block of eight rows turned to fp32 once
+       per run of rows of x, on the thread's stack (a buffer beside xs on the heap ran 1.5x
+       slower at 64 rows) */
+    const int expand = mscale && G <= MINS_EXPAND_MAX;
+    float* xs = malloc(sizeof(float) * (size_t)(M * G));
     if (!xs) return 0;
     /* split over the threads from norm_parallel_min values (measured when the library loads,
        elementwise.c), as a norm's rows: both read each value once for a few flops */
@@ -155,14 +153,18 @@ int qmins(const void* x, int x_bf16, const float* acc, const void* mins, int64_t
         if (M == 1 && !mscale) {
             #pragma omp for schedule(static)
             for (int64_t n = 0; n < N; n++)
-                store(y, n, acc[n] - mins_dot(&mn, n, xs, G), y_bf16);
+                store(y, n, acc[n] - mins_dot((const float*)mins + n * gstride, xs, G),
+                      y_bf16);
         } else if (M == 1) {
             /* compact mins: eight rows at a time (their bytes one short run of 8 x G), one
                reduction for the eight where row by row took one each */
             #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) {
                 int rows = N - b * 8 < 8 ? (int)(N - b * 8) : 8;
-                mins_block(&mn, b * 8, b * 8, rows, xs, G, acc, y, y_bf16, 0, 1, N);
+                if (rows == 8)
+                    mins_block(&mn, b * 8, b * 8, 8, xs, G, acc, y, y_bf16, 0, 1, N, 1);
+                else
+                    mins_block(&mn, b * 8, b * 8, rows, xs, G, acc, y, y_bf16, 0, 1, N, 1);
             }
         } else {
             /* the rows of x in runs of MINS_ROWS, each over every block of mins: a run's sums
@@ -174,20 +176,24 @@ int qmins(const void* x, int x_bf16, const float* acc, const void* mins, int64_t
                 int64_t b = t % blocks, m0 = t / blocks * MINS_ROWS;
                 int64_t m1 = M - m0 < MINS_ROWS ? M : m0 + MINS_ROWS;
                 int rows = N - b * 8 < 8 ? (int)(N - b * 8) : 8;
-                Mins block = mn; /* compact: dmin * m once per block and run, not per row of x */
+                if (mscale && !expand) { /* more groups than the stack takes: inline */
+                    mins_block(&mn, b * 8, b * 8, rows, xs, G, acc, y, y_bf16, m0, m1, N, 1);
+                    continue;
+                }
+                float buf[expand ? 8 * G : 1];
+                Mins block = mn;
                 int64_t r0 = b * 8;
                 if (expand) {
-                    float* buf = xs + M * G + expand * omp_get_thread_num();
                     for (int j = 0; j < rows; j++)
                         for (int64_t g = 0; g < G; g += 8)
-                            _mm256_storeu_ps(buf + j * G + g, min8(&mn, b * 8 + j, g));
+                            _mm256_storeu_ps(buf + j * G + g, min8(&mn, b * 8 + j, g, 1));
                     block = (Mins){buf, 0, G, 0, 0}, r0 = 0;
                 }
                 /* the same call twice: with a constant 8 the compiler unrolls the 8 chains */
                 if (rows == 8)
-                    mins_block(&block, r0, b * 8, 8, xs, G, acc, y, y_bf16, m0, m1, N);
+                    mins_block(&block, r0, b * 8, 8, xs, G, acc, y, y_bf16, m0, m1, N, 0);
                 else
-                    mins_block(&block, r0, b * 8, rows, xs, G, acc, y, y_bf16, m0, m1, N);
+                    mins_block(&block, r0, b * 8, rows, xs, G, acc, y, y_bf16, m0, m1, N, 0);
             }
         }
     }
