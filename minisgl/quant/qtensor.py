@@ -142,8 +142,9 @@ class QTensor:
         assert m is not None and m.stride(-1) == 1
         if d is None:
             return (m.data_ptr(), m.stride(-2), 0, 0, 0)
-        assert d.stride(-1) == 1 and self.mins_per % 8 == 0
-        return (m.data_ptr(), m.stride(-2), d.data_ptr(), d.stride(-2), self.mins_per)
+        per = self.mins_per  # a power of 2 of at least 8 (the C reads 8 mins under one dmin)
+        assert d.stride(-1) == 1 and per >= 8 and per & (per - 1) == 0
+        return (m.data_ptr(), m.stride(-2), d.data_ptr(), d.stride(-2), per)
 
     def copy_(self, src: QTensor) -> QTensor:
         """Fill these (buffer view) tensors from `src`, checking it has the same layout."""

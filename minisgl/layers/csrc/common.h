@@ -295,10 +295,10 @@ typedef struct {
     int64_t stride, dstride, shift; /* a shift, not a division: this runs every 8 mins */
 } Mins;
 
-/* Mins of the C entry points' arguments (per: 8 or 16 where mscale is given). */
+/* Mins of the C entry points' arguments (per: a power of 2, >= 8, where mscale is given). */
 static inline Mins mins_of(const void* m, int64_t stride, const float* d, int64_t dstride,
                            int64_t per) {
-    return (Mins){m, d, stride, dstride, d ? (per == 16 ? 4 : 3) : 0};
+    return (Mins){m, d, stride, dstride, d ? __builtin_ctzll((unsigned long long)per) : 0};
 }
 
 static inline float min_at(const Mins* s, int64_t n, int64_t g) {
