@@ -355,15 +355,13 @@ def _q_words(x: torch.Tensor, w: QuantWeight) -> tuple[torch.Tensor, int] | None
 
 def _mins_words(w: QuantWeight) -> list[int]:
     """moe.c's words of the experts' group mins (GGUF's K-quants: their term after each expert's
-    kernel): the mins, bytes an expert, row stride, then the compact form's dmin likewise (0s:
-    float32 mins) and groups per dmin; all 0: no mins."""
+    kernel): QTensor.mins_args' with the bytes an expert after each pointer; all 0: no mins."""
     m, d = w.mins, w.mins_scales
     if m is None:
         return [0] * 7
-    words = [m.data_ptr(), m.stride(0) * m.element_size(), m.stride(1)]
-    if d is None:
-        return words + [0] * 4
-    return words + [d.data_ptr(), d.stride(0) * d.element_size(), d.stride(1), w.mins_per]
+    mins, stride, dmin, dstride, per = w.view().mins_args()
+    d_bytes = d.stride(0) * d.element_size() if d is not None else 0
+    return [mins, m.stride(0) * m.element_size(), stride, dmin, d_bytes, dstride, per]
 
 
 def _group_by_expert(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

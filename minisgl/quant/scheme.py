@@ -47,9 +47,9 @@ GGUF_TYPES = {
 }  # fmt: skip
 GGUF_K_TYPES = frozenset(("Q4_K", "Q5_K"))
 GGUF_MIN_TYPES = GGUF_K_TYPES | {"Q4_1", "Q5_1", "Q2_K"}
-# Types whose min is a super-block's dmin times a small integer m -> groups a super-block: held
-# in qtensor's compact form (m and dmin; Q4_1 / Q5_1 store each block's min as a float16).
-GGUF_COMPACT_MINS = {"Q4_K": 8, "Q5_K": 8, "Q2_K": 16}
+# Types whose min is a super-block's dmin times a small integer m: held in qtensor's compact
+# form (m and dmin; Q4_1 / Q5_1 store each block's min as a float16).
+GGUF_COMPACT_MINS = frozenset(("Q4_K", "Q5_K", "Q2_K"))
 GGUF_LOOKUP_TYPES = frozenset(("IQ4_NL", "IQ4_XS"))
 GGUF_BLOCK = 32  # weights per block (a K-quant's group)
 GGUF_SUPER_BLOCK = 256  # weights per K-quant super-block
@@ -120,7 +120,8 @@ class QuantScheme:
     @property
     def mins_per(self) -> int:
         """Groups under one dmin where the mins are held compact (qtensor), else 0."""
-        return GGUF_COMPACT_MINS.get(self.gguf_type, 0)
+        compact = self.gguf_type in GGUF_COMPACT_MINS
+        return GGUF_SUPER_BLOCK // self.group_size if compact else 0
 
     def for_module(self, prefix: str) -> QuantScheme | None:
         """The scheme module `prefix` (an HF module name) is stored in; None: in float."""
