@@ -87,6 +87,26 @@ def test_equals_the_int16_emulation_at_one_and_two_threads(
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 16), (8, 0)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9])
+def test_panels_whose_zero_points_are_all_0_skip_only_theirs(
+    bits: int, group: int, rows: int
+) -> None:
+    """A panel whose zero points are all 0 (GGUF's K-quants hold their codes so) skips the
+    zero-point term: panel 0 all 0, panel 1 random, panel 2 all 0 but one group of one row
+    (its term still subtracted), each row within the emulation's bound."""
+    w = random_qtensor(96, 512, bits, group, seed=2)
+    w.zeros[:32] = 0
+    w.zeros[64:] = 0
+    w.zeros[95, -1] = 2**bits - 1
+    packed = cpu_vpanel.pack(w)
+    x = (torch.randn(rows, 512) * 4).to(torch.bfloat16)
+    y = cpu_vpanel.vnni_panel(x, packed, torch.float32).double()
+    ref = _emulate(x, w)
+    assert (y - ref).abs().max().item() <= 2e-6 * ref.abs().amax().item()
+
+
+@needs_kernel
 @pytest.mark.parametrize("bits,group", [(4, 128), (8, 0), (8, 128)])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits: int, group: int) -> None:
     """Each row of a 19-row call (tiles of 8, 8 and 3) equals that row alone (the one-row
