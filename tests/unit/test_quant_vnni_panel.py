@@ -89,16 +89,19 @@ def test_equals_the_int16_emulation_at_one_and_two_threads(
 @needs_kernel
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 16), (8, 0)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9])
-def test_panels_whose_zero_points_are_all_0_skip_only_theirs(
-    bits: int, group: int, rows: int
+@pytest.mark.parametrize("zero", [0, 1, "top"])
+def test_panels_of_one_zero_point_take_it_once(
+    bits: int, group: int, rows: int, zero: int | str
 ) -> None:
-    """A panel whose zero points are all 0 (GGUF's K-quants hold their codes so) skips the
-    zero-point term: panel 0 all 0, panel 1 random, panel 2 all 0 but one group of one row
-    (its term still subtracted), each row within the emulation's bound."""
+    """A panel whose zero points are all one value (0: GGUF's K-quants; Q6_K's 32, Q8_0's
+    128) subtracts it without a multiply per lane, or skips the term at 0: panel 0 all that
+    value, panel 1 random, panel 2 that value but in one group of one row, each row within the
+    emulation's bound."""
+    value = 2**bits - 1 if zero == "top" else int(zero)
     w = random_qtensor(96, 512, bits, group, seed=2)
-    w.zeros[:32] = 0
-    w.zeros[64:] = 0
-    w.zeros[95, -1] = 2**bits - 1
+    w.zeros[:32] = value
+    w.zeros[64:] = value
+    w.zeros[95, -1] = 2**bits - 1 - value
     packed = cpu_vpanel.pack(w)
     x = (torch.randn(rows, 512) * 4).to(torch.bfloat16)
     y = cpu_vpanel.vnni_panel(x, packed, torch.float32).double()

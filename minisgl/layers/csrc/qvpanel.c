@@ -252,7 +252,8 @@ static inline __attribute__((always_inline)) void vp_pairs16(__m512i d, const in
    scale (xsc). Each broadcast of x serves both halves, as the bf16 panels' do (one broadcast
    per product instruction, 16-row panels, took 1.2-1.4x the time at 8 rows). */
 static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, const float* S,
-                                                           const uint8_t* Z, const int32_t* xt,
+                                                           const uint8_t* Z, const int zu,
+                                                           const int32_t* xt,
                                                            const int32_t* xs, const float* xsc,
                                                            int64_t K, int64_t gs, int64_t L,
                                                            const int bits, const int x8,
@@ -337,8 +338,9 @@ static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, con
         for (int h = 0; h < 2; h++) {
             const __m512 sc = _mm512_loadu_ps(S + VP_ROWS * g + 16 * h);
             const int64_t zat = VP_ROWS * g + 16 * h;
-            const __m512i z = Z ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(Z + zat)))
-                                : _mm512_setzero_si512();
+            const __m512i z = Z && zu < 0
+                                  ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(Z + zat)))
+                                  : _mm512_setzero_si512();
 #pragma GCC unroll 12
             for (int r = 0; r < R; r++) {
                 __m512i t = acc[r * A][h];
@@ -347,11 +349,15 @@ static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, con
                     t = _mm512_slli_epi32(t, 8);
                     for (int a = 0; a < A; a++) t = _mm512_add_epi32(t, lo[a][h]);
                 }
-                /* zero points all 0 (vp_zero_points): no VPMULLD per row and chunk (8 rows
-                   of Q4_K's codes, from memory: 1.03-1.06x as fast) */
+                /* zero points all 0 or all one value (vp_zero_points): no VPMULLD per row
+                   and chunk (8 rows of Q4_K's codes, from memory: 1.03-1.06x as fast); the
+                   product's low 32 bits, as VPMULLD's */
+                const int32_t xsum = xs[r * nch + c];
+                const int32_t zx = (int32_t)((uint32_t)zu * (uint32_t)xsum);
                 if (Z)
-                    t = _mm512_sub_epi32(t,
-                                         _mm512_mullo_epi32(z, _mm512_set1_epi32(xs[r * nch + c])));
+                    t = _mm512_sub_epi32(t, zu >= 0
+                                                ? _mm512_set1_epi32(zx)
+                                                : _mm512_mullo_epi32(z, _mm512_set1_epi32(xsum)));
                 __m512 scale = x8 ? _mm512_mul_ps(sc, _mm512_set1_ps(xsc[r * nch + c])) : sc;
                 __m512 sum = fr ? f[r][h] : _mm512_loadu_ps(out + 32 * r + 16 * h);
                 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, sum);
@@ -366,19 +372,20 @@ static inline __attribute__((always_inline)) void vp_tile(const uint32_t* P, con
 
 #define VP_TILE_CASE(n)                                                                    \
     case n:                                                                                \
-        if (x8 && bits == 8) vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 8, 1, 0, n, out);     \
-        else if (x8) vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 4, 1, 0, n, out);             \
+        if (x8 && bits == 8) vp_tile(P, S, Z, zu, xt, xs, xsc, K, gs, L, 8, 1, 0, n, out); \
+        else if (x8) vp_tile(P, S, Z, zu, xt, xs, xsc, K, gs, L, 4, 1, 0, n, out);         \
         else if (n <= VP_TILE && bits == 8)                                                \
-            vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 8, 0, 0, n, out);                      \
+            vp_tile(P, S, Z, zu, xt, xs, xsc, K, gs, L, 8, 0, 0, n, out);                  \
         else if (n == 1 && vp_split(bits, 1)) /* n first: no split tile built for more */ \
-            vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 4, 0, 1, n, out);                      \
-        else if (n <= VP_TILE) vp_tile(P, S, Z, xt, xs, xsc, K, gs, L, 4, 0, 0, n, out);   \
+            vp_tile(P, S, Z, zu, xt, xs, xsc, K, gs, L, 4, 0, 1, n, out);                  \
+        else if (n <= VP_TILE)                                                             \
+            vp_tile(P, S, Z, zu, xt, xs, xsc, K, gs, L, 4, 0, 0, n, out);                  \
         break;
 
 /* vp_tile for a tile of R rows (R <= VP_TILE exact, <= VP_TILE8 with x in 8 bits). */
-static void vp_tile_any(const uint32_t* P, const float* S, const uint8_t* Z, const int32_t* xt,
-                        const int32_t* xs, const float* xsc, int64_t K, int64_t gs, int64_t L,
-                        int bits, int x8, int R, float* out) {
+static void vp_tile_any(const uint32_t* P, const float* S, const uint8_t* Z, int zu,
+                        const int32_t* xt, const int32_t* xs, const float* xsc, int64_t K,
+                        int64_t gs, int64_t L, int bits, int x8, int R, float* out) {
     switch (R) {
         VP_TILE_CASE(1)
         VP_TILE_CASE(2)
@@ -493,9 +500,9 @@ static void vp_tile_wide_any(const int16_t* W, const float* sc, const int32_t* x
 /* Panel P against all M rows of x (tiles of VP_TILE, quantized exactly), fp32 results in
    out[M][32]: chunk by chunk, each widened once into W (L * 32 int16). A 4-bit tile of one
    row (its x laid out as split bytes) runs vp_tile over the codes as they are. */
-static void vp_panel_wide(const uint32_t* P, const float* S, const uint8_t* Z, const int32_t* xt,
-                          const int32_t* xs, int64_t M, int64_t K, int64_t gs, int64_t L,
-                          int bits, int16_t* W, float* out) {
+static void vp_panel_wide(const uint32_t* P, const float* S, const uint8_t* Z, int zu,
+                          const int32_t* xt, const int32_t* xs, int64_t M, int64_t K, int64_t gs,
+                          int64_t L, int bits, int16_t* W, float* out) {
     const int nv = bits == 8 ? 2 : 4;
     const int64_t fpl = bits == 8 ? 4 : 8, nq = L / fpl, nch = K / L, xdw = K / 2;
     for (int64_t i = 0; i < M * VP_ROWS; i += 16) _mm512_storeu_ps(out + i, _mm512_setzero_ps());
@@ -511,20 +518,27 @@ static void vp_panel_wide(const uint32_t* P, const float* S, const uint8_t* Z, c
     }
     int64_t m0 = M - M % VP_TILE; /* the last tile, where it is one split row */
     if (m0 < M && vp_split(bits, (int)(M - m0)))
-        vp_tile_any(P, S, Z, xt + m0 * xdw, xs + m0 * nch, NULL, K, gs, L, bits, 0,
+        vp_tile_any(P, S, Z, zu, xt + m0 * xdw, xs + m0 * nch, NULL, K, gs, L, bits, 0,
                     (int)(M - m0), out + m0 * VP_ROWS);
 }
 
 /* Panel p's zero points, or NULL where they are all 0 (the K-quants' codes are held with zero
-   point 0): its tiles then skip the zero-point term (vp_tile), the same bits. Its G * 32
-   bytes are read here instead of in the tiles. */
-static const uint8_t* vp_zero_points(const uint8_t* zeros, int64_t p, int64_t G) {
+   point 0), and in *zu their one value where they are all the same (Q6_K's 32, Q8_0's and
+   IQ4's 128), else -1: its tiles then skip the zero-point term, or subtract that value times
+   x's sum without a VPMULLD (vp_tile), the same bits (Q6_K-shaped weights, 8 rows, from
+   memory: 1.05-1.06x as fast). Its G * 32 bytes are read here instead of in the tiles. */
+static const uint8_t* vp_zero_points(const uint8_t* zeros, int64_t p, int64_t G, int* zu) {
+    *zu = -1;
     if (!zeros) return NULL;
     const uint8_t* Z = zeros + p * G * VP_ROWS;
-    __m256i any = _mm256_setzero_si256();
+    const __m256i first = _mm256_set1_epi8((char)Z[0]);
+    __m256i other = _mm256_setzero_si256();
     for (int64_t i = 0; i < G * VP_ROWS; i += 32)
-        any = _mm256_or_si256(any, _mm256_loadu_si256((const __m256i*)(Z + i)));
-    return _mm256_testz_si256(any, any) ? NULL : Z;
+        other = _mm256_or_si256(other, _mm256_xor_si256(first, _mm256_loadu_si256(
+                                                            (const __m256i*)(Z + i))));
+    if (!_mm256_testz_si256(other, other)) return Z;
+    *zu = Z[0];
+    return Z[0] ? Z : NULL;
 }
 
 /* y = x @ W.T over the panels, exact or with x in 8 bits (qgemv_x8, set per step). x is
@@ -561,15 +575,16 @@ static void vp_matmul(int bits, const void* x, int x_bf16, const uint8_t* codes,
         for (int64_t p; (p = share_next(shares, parts, omp_get_thread_num())) >= 0;) {
             const uint32_t* P = (const uint32_t*)(codes + p * pbytes);
             const float* S = scales + p * G * VP_ROWS;
-            const uint8_t* Z = vp_zero_points(zeros, p, G);
+            int zu;
+            const uint8_t* Z = vp_zero_points(zeros, p, G, &zu);
             float tile_out[VP_TILE8 * VP_ROWS] __attribute__((aligned(64)));
-            if (widened) vp_panel_wide(P, S, Z, xt, xs, M, K, gs, L, bits, W, all);
+            if (widened) vp_panel_wide(P, S, Z, zu, xt, xs, M, K, gs, L, bits, W, all);
             for (int64_t m0 = 0; m0 < M; m0 += T) {
                 int R = M - m0 < T ? (int)(M - m0) : T;
                 float* out = widened ? all + m0 * VP_ROWS : tile_out;
                 if (!widened)
-                    vp_tile_any(P, S, Z, xt + m0 * xdw, xs + m0 * nch, x8 ? xsc + m0 * nch : NULL,
-                                K, gs, L, bits, x8, R, out);
+                    vp_tile_any(P, S, Z, zu, xt + m0 * xdw, xs + m0 * nch,
+                                x8 ? xsc + m0 * nch : NULL, K, gs, L, bits, x8, R, out);
                 for (int r = 0; r < R; r++) {
                     __m512 rs = _mm512_set1_ps(x8 ? 1.0f : xsc[m0 + r]); /* x8: in each chunk */
                     for (int h = 0; h < 2; h++)
