@@ -96,17 +96,19 @@ def test_panels_of_one_zero_point_take_it_once(
     """A panel whose zero points are all one value (0: GGUF's K-quants; Q6_K's 32, Q8_0's
     128) subtracts it without a multiply per lane, or skips the term at 0: panel 0 all that
     value, panel 1 random, panel 2 that value but in one group of one row, each row within the
-    emulation's bound."""
+    emulation's bound; and panel 2's other rows have the bits they have where that row's
+    value is the panel's too (the one value's path against the lanes' multiply)."""
     value = 2**bits - 1 if zero == "top" else int(zero)
     w = random_qtensor(96, 512, bits, group, seed=2)
     w.zeros[:32] = value
     w.zeros[64:] = value
-    w.zeros[95, -1] = 2**bits - 1 - value
-    packed = cpu_vpanel.pack(w)
     x = (torch.randn(rows, 512) * 4).to(torch.bfloat16)
-    y = cpu_vpanel.vnni_panel(x, packed, torch.float32).double()
+    uniform = cpu_vpanel.vnni_panel(x, cpu_vpanel.pack(w), torch.float32)
+    w.zeros[95, -1] = 2**bits - 1 - value
+    y = cpu_vpanel.vnni_panel(x, cpu_vpanel.pack(w), torch.float32)
     ref = _emulate(x, w)
-    assert (y - ref).abs().max().item() <= 2e-6 * ref.abs().amax().item()
+    assert (y.double() - ref).abs().max().item() <= 2e-6 * ref.abs().amax().item()
+    assert torch.equal(y[:, :95], uniform[:, :95])
 
 
 @needs_kernel
