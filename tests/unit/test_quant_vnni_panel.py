@@ -90,24 +90,34 @@ def test_equals_the_int16_emulation_at_one_and_two_threads(
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 16), (8, 0)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9])
 @pytest.mark.parametrize("zero", [0, 1, "top"])
+@pytest.mark.parametrize("x8", [False, True])
 def test_panels_of_one_zero_point_take_it_once(
-    bits: int, group: int, rows: int, zero: int | str
+    bits: int, group: int, rows: int, zero: int | str, x8: bool
 ) -> None:
     """A panel whose zero points are all one value (0: GGUF's K-quants; Q6_K's 32, Q8_0's
-    128) subtracts it without a multiply per lane, or skips the term at 0: panel 0 all that
-    value, panel 1 random, panel 2 that value but in one group of one row, each row within the
-    emulation's bound; and panel 2's other rows have the bits they have where that row's
-    value is the panel's too (the one value's path against the lanes' multiply)."""
+    128) subtracts it without a multiply per lane, or skips the term at 0, x in 16 bits or 8:
+    panel 0 all that value, panel 1 random, panel 2 that value but in one group of one row,
+    each row the emulation's (x8_panel's bits where it takes the weight); and panel 2's other
+    rows have the bits they have where that row's value is the panel's too (the one value's
+    path against the lanes' multiply)."""
     value = 2**bits - 1 if zero == "top" else int(zero)
     w = random_qtensor(96, 512, bits, group, seed=2)
     w.zeros[:32] = value
     w.zeros[64:] = value
     x = (torch.randn(rows, 512) * 4).to(torch.bfloat16)
-    uniform = cpu_vpanel.vnni_panel(x, cpu_vpanel.pack(w), torch.float32)
-    w.zeros[95, -1] = 2**bits - 1 - value
-    y = cpu_vpanel.vnni_panel(x, cpu_vpanel.pack(w), torch.float32)
-    ref = _emulate(x, w)
-    assert (y.double() - ref).abs().max().item() <= 2e-6 * ref.abs().amax().item()
+    cpu_kernels.set_quantized_activations("int8" if x8 else "int16")
+    try:
+        uniform = cpu_vpanel.vnni_panel(x, cpu_vpanel.pack(w), torch.float32)
+        w.zeros[95, -1] = 2**bits - 1 - value
+        y = cpu_vpanel.vnni_panel(x, cpu_vpanel.pack(w), torch.float32)
+        want = cpu_panel.x8_panel(x, w, torch.float32) if x8 and group != 16 else None
+    finally:
+        cpu_kernels.set_quantized_activations("int16")
+    if want is not None:
+        assert torch.equal(y, want)
+    else:
+        ref = (_emulate_x8 if x8 else _emulate)(x, w)
+        assert (y.double() - ref).abs().max().item() <= 2e-6 * ref.abs().amax().item()
     assert torch.equal(y[:, :95], uniform[:, :95])
 
 
