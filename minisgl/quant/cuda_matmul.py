@@ -194,7 +194,7 @@ def _per_expert(w: QuantWeight, fn: Callable[[QTensor], tuple[torch.Tensor, ...]
 def _replace(w: QuantWeight, codes: torch.Tensor, scales: torch.Tensor, kernel: Kernel) -> None:
     # The mins are in the new operands (the int4 zeros, the dense weight) or none (fp8).
     w.codes, w.scales, w.zeros, w.g_idx, w.mins = codes, scales, None, None, None
-    w.mins_scales, w.mins_per = None, 0
+    w.mins_scales = None
     w.kernel = kernel
 
 

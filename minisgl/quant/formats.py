@@ -313,7 +313,6 @@ def _gguf(prefix: str, blocks: torch.Tensor, scheme: QuantScheme) -> QTensor:
     if isinstance(mins, tuple):  # qtensor's compact form: m per group, dmin per super-block
         m, dmin = mins
         w.mins, w.mins_scales = m.reshape(n, groups).contiguous(), dmin.reshape(n, -1)
-        w.mins_per = m.shape[-1]
     elif mins is not None:
         w.mins = mins.reshape(n, groups)
     return w

@@ -52,7 +52,11 @@ class QTensor:
     in_features: int
     mins: torch.Tensor | None = None
     mins_scales: torch.Tensor | None = None
-    mins_per: int = 0  # groups per entry of mins_scales (0: float32 mins)
+
+    @property
+    def mins_per(self) -> int:
+        """Groups under each entry of mins_scales (0: float32 mins, or none)."""
+        return _per(self.mins, self.mins_scales)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -103,7 +107,7 @@ class QTensor:
         if first % per or count % per:  # a cut inside a super-block
             m = self.float_mins()
             assert m is not None
-            return {"mins": m.narrow(1, first, count), "mins_scales": None, "mins_per": 0}
+            return {"mins": m.narrow(1, first, count), "mins_scales": None}
         return {
             "mins": m.narrow(1, first, count),
             "mins_scales": d.narrow(1, first // per, count // per),
@@ -222,6 +226,11 @@ def take_rows(w: QTensor, ids: torch.Tensor) -> QTensor:
     )
 
 
+def _per(mins: torch.Tensor | None, dmin: torch.Tensor | None) -> int:
+    """Groups per dmin of compact mins (m [.., G], dmin [.., G / per]); 0: none such."""
+    return mins.shape[-1] // dmin.shape[-1] if mins is not None and dmin is not None else 0
+
+
 def _mins_part(w: QTensor, rows: Callable[[torch.Tensor], torch.Tensor]) -> dict:
     """w's mins (either form) with `rows` applied: QTensor fields for `replace`."""
     return {
@@ -236,7 +245,7 @@ def without_mins(w: QTensor) -> QTensor:
     (cpu_gemv.operands), and a layer's whole view is asked for it at every matmul."""
     bare: QTensor | None = w.__dict__.get("_without_mins")
     if bare is None or bare.codes is not w.codes or bare.scales is not w.scales:
-        bare = w.__dict__["_without_mins"] = replace(w, mins=None, mins_scales=None, mins_per=0)
+        bare = w.__dict__["_without_mins"] = replace(w, mins=None, mins_scales=None)
     return bare
 
 

@@ -78,7 +78,6 @@ class QuantWeight(nn.Module):
         self.register_buffer("mins", group_mins)
         dmin = torch.empty(*lead, n, groups // mins_per) if mins and mins_per else None
         self.register_buffer("mins_scales", dmin)
-        self.mins_per = mins_per
         # The CPU matmul measured fastest per row count for this shape (cpu_choice.py), set
         # at start-up; None: the untuned policy.
         self.kernel: Callable[[torch.Tensor, QTensor], torch.Tensor] | None = None
@@ -135,7 +134,6 @@ class QuantWeight(nn.Module):
             self.in_features,
             pick(self.mins) if self.mins is not None else None,
             pick(self.mins_scales) if self.mins_scales is not None else None,
-            self.mins_per,
         )
 
     def __getitem__(self, key: int | slice | tuple[int, slice]) -> QTensor:
